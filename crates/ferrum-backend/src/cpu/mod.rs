@@ -1,0 +1,441 @@
+//! The CPU backend: f32 activations in plain vectors, weights kept in their file format and
+//! dequantised row by row inside the matmul, rows split across cores with rayon.
+//!
+//! Reduction order never depends on how many rows or tokens a call carries (each output is
+//! one dot product computed the same way), which keeps results batch-invariant.
+
+pub mod quant;
+pub mod simd;
+
+use std::cell::RefCell;
+
+use ferrum_core::{DType, Error, Result};
+use ferrum_loader::RawTensor;
+use rayon::prelude::*;
+
+use crate::{AttentionParams, Backend, RopeLayout, RopeParams, Rows};
+
+pub struct CpuBackend {
+    threads: usize,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        CpuBackend::new()
+    }
+}
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        CpuBackend {
+            threads: rayon::current_num_threads(),
+        }
+    }
+}
+
+/// A weight in its stored format. Vectors (norm weights, biases) and unaligned f32 matrices
+/// are converted to owned f32 at load; everything else points into the mapped file.
+pub struct CpuWeight {
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    data: WeightData,
+}
+
+enum WeightData {
+    Mapped(RawTensor),
+    F32(Vec<f32>),
+}
+
+impl CpuWeight {
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn row_bytes(&self) -> usize {
+        // Checked at load: rows are whole blocks.
+        self.dtype.bytes_for(self.cols).unwrap_or(0)
+    }
+
+    /// Row `j` as f32: borrowed when stored as f32, else dequantised into `scratch`.
+    fn row<'a>(&'a self, j: usize, scratch: &'a mut Vec<f32>) -> &'a [f32] {
+        match &self.data {
+            WeightData::F32(v) => &v[j * self.cols..(j + 1) * self.cols],
+            WeightData::Mapped(t) => {
+                let rb = self.row_bytes();
+                let bytes = &t.bytes()[j * rb..(j + 1) * rb];
+                if self.dtype == DType::F32 {
+                    if let Some(f) = quant::cast_blocks::<f32>(bytes) {
+                        return f;
+                    }
+                }
+                scratch.resize(self.cols, 0.0);
+                quant::dequantize(self.dtype, bytes, scratch);
+                scratch
+            }
+        }
+    }
+
+    /// The whole weight as f32 (vectors only; callers use it for norms and biases).
+    fn as_f32(&self) -> &[f32] {
+        match &self.data {
+            WeightData::F32(v) => v,
+            WeightData::Mapped(_) => &[],
+        }
+    }
+}
+
+/// A raw pointer that rayon tasks may share. Each task writes a disjoint set of elements.
+#[derive(Clone, Copy)]
+struct SharedMut(*mut f32);
+// SAFETY: used only to write disjoint elements from parallel tasks, while the owning buffer is
+// exclusively borrowed by the op that created the pointer.
+unsafe impl Send for SharedMut {}
+unsafe impl Sync for SharedMut {}
+
+impl SharedMut {
+    /// # Safety
+    /// `i` is in bounds of the buffer and no other task writes element `i`.
+    #[inline]
+    unsafe fn write(self, i: usize, v: f32) {
+        *self.0.add(i) = v;
+    }
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static SCRATCH2: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+fn check_view(what: &str, v: Rows, len: usize) {
+    assert!(
+        v.end() <= len,
+        "{what}: view {v:?} ends at {} past buffer of {len}",
+        v.end()
+    );
+}
+
+impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+    type Weight = CpuWeight;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads, {})", self.threads, simd::simd_name())
+    }
+
+    fn alloc(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+
+    fn buf_len(&self, buf: &Vec<f32>) -> usize {
+        buf.len()
+    }
+
+    fn write(&self, buf: &mut Vec<f32>, offset: usize, data: &[f32]) {
+        buf[offset..offset + data.len()].copy_from_slice(data);
+    }
+
+    fn read(&self, buf: &Vec<f32>, offset: usize, out: &mut [f32]) {
+        out.copy_from_slice(&buf[offset..offset + out.len()]);
+    }
+
+    fn load_weight(&self, t: &RawTensor) -> Result<CpuWeight> {
+        let cols = t.row_len();
+        let rows = t.n_rows();
+        if !quant::can_dequantize(t.dtype) {
+            return Err(Error::Unsupported(format!(
+                "tensor {}: no CPU kernel for {}",
+                t.name, t.dtype
+            )));
+        }
+        if t.dtype.bytes_for(cols).is_none() {
+            return Err(Error::Weights(format!(
+                "tensor {}: row length {cols} is not a whole number of {} blocks",
+                t.name, t.dtype
+            )));
+        }
+        let is_vector = t.shape.len() == 1;
+        let unaligned_f32 =
+            t.dtype == DType::F32 && quant::cast_blocks::<f32>(t.bytes()).is_none();
+        let data = if is_vector || unaligned_f32 {
+            let mut v = vec![0.0; t.numel()];
+            if !quant::dequantize(t.dtype, t.bytes(), &mut v) {
+                return Err(Error::Weights(format!("tensor {}: cannot convert", t.name)));
+            }
+            WeightData::F32(v)
+        } else {
+            WeightData::Mapped(t.clone())
+        };
+        Ok(CpuWeight {
+            dtype: t.dtype,
+            rows,
+            cols,
+            data,
+        })
+    }
+
+    fn weight_shape(&self, w: &CpuWeight) -> (usize, usize) {
+        (w.rows, w.cols)
+    }
+
+    fn embed(&self, table: &CpuWeight, tokens: &[u32], out: &mut Vec<f32>, ov: Rows) {
+        assert_eq!(ov.width(), table.cols);
+        assert_eq!(ov.count, tokens.len());
+        check_view("embed out", ov, out.len());
+        let mut scratch = Vec::new();
+        for (t, &tok) in tokens.iter().enumerate() {
+            let row = table.row(tok as usize, &mut scratch);
+            let o = ov.offset + t * ov.stride;
+            out[o..o + table.cols].copy_from_slice(row);
+        }
+    }
+
+    fn matmul(
+        &self,
+        x: &Vec<f32>,
+        xv: Rows,
+        w: &CpuWeight,
+        bias: Option<&CpuWeight>,
+        out: &mut Vec<f32>,
+        ov: Rows,
+    ) {
+        let (m, k) = (w.rows, w.cols);
+        assert_eq!(xv.width(), k, "matmul: input width vs weight columns");
+        assert_eq!(ov.width(), m, "matmul: output width vs weight rows");
+        assert_eq!(xv.count, ov.count);
+        check_view("matmul x", xv, x.len());
+        check_view("matmul out", ov, out.len());
+        let bias = bias.map(|b| b.as_f32());
+        if let Some(b) = bias {
+            assert_eq!(b.len(), m);
+        }
+        let n = xv.count;
+        let dst = SharedMut(out.as_mut_ptr());
+        // Enough tasks to balance the cores, few enough that each amortises its start.
+        let per_task = (m / (self.threads * 8)).clamp(4, 256);
+        let n_tasks = m.div_ceil(per_task);
+        (0..n_tasks).into_par_iter().for_each(|task| {
+            SCRATCH.with(|s| {
+                let mut scratch = s.borrow_mut();
+                for j in task * per_task..((task + 1) * per_task).min(m) {
+                    let wr = w.row(j, &mut scratch);
+                    let b = bias.map_or(0.0, |b| b[j]);
+                    for t in 0..n {
+                        let xo = xv.offset + t * xv.stride;
+                        let v = simd::dot_f32(&x[xo..xo + k], wr) + b;
+                        // SAFETY: in bounds (check_view above); column j belongs to this task only.
+                        unsafe { dst.write(ov.offset + t * ov.stride + j, v) };
+                    }
+                }
+            })
+        });
+    }
+
+    fn rms_norm(
+        &self,
+        x: &Vec<f32>,
+        xv: Rows,
+        weight: &CpuWeight,
+        eps: f32,
+        out: &mut Vec<f32>,
+        ov: Rows,
+    ) {
+        assert_eq!(xv.count, ov.count);
+        assert_eq!(xv.head_dim, ov.head_dim);
+        assert_eq!(xv.heads, ov.heads);
+        check_view("rms_norm x", xv, x.len());
+        check_view("rms_norm out", ov, out.len());
+        let w = weight.as_f32();
+        let d = xv.head_dim;
+        assert_eq!(w.len(), d, "rms_norm weight length");
+        for t in 0..xv.count {
+            for h in 0..xv.heads {
+                let xi = xv.offset + t * xv.stride + h * d;
+                let oi = ov.offset + t * ov.stride + h * d;
+                let inv = rms_inv(&x[xi..xi + d], eps);
+                for i in 0..d {
+                    out[oi + i] = w[i] * (x[xi + i] * inv);
+                }
+            }
+        }
+    }
+
+    fn rms_norm_inplace(&self, x: &mut Vec<f32>, xv: Rows, weight: &CpuWeight, eps: f32) {
+        check_view("rms_norm_inplace", xv, x.len());
+        let w = weight.as_f32();
+        let d = xv.head_dim;
+        assert_eq!(w.len(), d, "rms_norm weight length");
+        for t in 0..xv.count {
+            for h in 0..xv.heads {
+                let xi = xv.offset + t * xv.stride + h * d;
+                let row = &mut x[xi..xi + d];
+                let inv = rms_inv(row, eps);
+                for (v, wi) in row.iter_mut().zip(w) {
+                    *v = wi * (*v * inv);
+                }
+            }
+        }
+    }
+
+    fn rope(&self, x: &mut Vec<f32>, xv: Rows, positions: &[u32], p: RopeParams) {
+        check_view("rope", xv, x.len());
+        assert_eq!(positions.len(), xv.count);
+        let half = p.inv_freq.len();
+        assert!(2 * half <= xv.head_dim);
+        let mut cs = vec![(0f32, 0f32); half];
+        for (t, &pos) in positions.iter().enumerate() {
+            for (c, &f) in cs.iter_mut().zip(p.inv_freq) {
+                // Hugging Face forms the angle in f32 and takes cos/sin of that f32 value.
+                let angle = (pos as f32 * f) as f64;
+                *c = (angle.cos() as f32, angle.sin() as f32);
+            }
+            for h in 0..xv.heads {
+                let base = xv.offset + t * xv.stride + h * xv.head_dim;
+                for (i, &(cos, sin)) in cs.iter().enumerate() {
+                    let (a, b) = match p.layout {
+                        RopeLayout::Neox => (base + i, base + i + half),
+                        RopeLayout::Interleaved => (base + 2 * i, base + 2 * i + 1),
+                    };
+                    let (x0, x1) = (x[a], x[b]);
+                    x[a] = x0 * cos - x1 * sin;
+                    x[b] = x1 * cos + x0 * sin;
+                }
+            }
+        }
+    }
+
+    fn copy_rows(&self, src: &Vec<f32>, sv: Rows, dst: &mut Vec<f32>, dv: Rows) {
+        assert_eq!(sv.count, dv.count);
+        assert_eq!(sv.width(), dv.width());
+        check_view("copy src", sv, src.len());
+        check_view("copy dst", dv, dst.len());
+        let w = sv.width();
+        for t in 0..sv.count {
+            let s = sv.offset + t * sv.stride;
+            let d = dv.offset + t * dv.stride;
+            dst[d..d + w].copy_from_slice(&src[s..s + w]);
+        }
+    }
+
+    fn attention(
+        &self,
+        q: &Vec<f32>,
+        qv: Rows,
+        k_cache: &Vec<f32>,
+        v_cache: &Vec<f32>,
+        kv_stride: usize,
+        out: &mut Vec<f32>,
+        ov: Rows,
+        p: AttentionParams,
+    ) {
+        let hd = qv.head_dim;
+        assert_eq!(ov.heads, qv.heads);
+        assert_eq!(ov.head_dim, hd);
+        assert_eq!(ov.count, qv.count);
+        assert!(p.n_kv_heads > 0 && qv.heads % p.n_kv_heads == 0);
+        check_view("attention q", qv, q.len());
+        check_view("attention out", ov, out.len());
+        let kv_len = p.first_pos + qv.count;
+        assert!(kv_len * kv_stride <= k_cache.len() && kv_len * kv_stride <= v_cache.len());
+        assert!(p.n_kv_heads * hd <= kv_stride);
+        let group = qv.heads / p.n_kv_heads;
+        let dst = SharedMut(out.as_mut_ptr());
+        (0..qv.count * qv.heads).into_par_iter().for_each(|job| {
+            let (t, h) = (job / qv.heads, job % qv.heads);
+            let pos = p.first_pos + t;
+            let kvh = h / group;
+            let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let qo = qv.offset + t * qv.stride + h * hd;
+            let qh = &q[qo..qo + hd];
+            SCRATCH2.with(|s| {
+                let mut scores = s.borrow_mut();
+                scores.clear();
+                let mut max = f32::NEG_INFINITY;
+                for j in lo..=pos {
+                    let ko = j * kv_stride + kvh * hd;
+                    let mut sc = simd::dot_f32(qh, &k_cache[ko..ko + hd]) * p.scale;
+                    if let Some(cap) = p.softcap {
+                        sc = cap * (sc / cap).tanh();
+                    }
+                    max = max.max(sc);
+                    scores.push(sc);
+                }
+                let mut sum = 0f32;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                let inv = 1.0 / sum;
+                let oo = ov.offset + t * ov.stride + h * hd;
+                SCRATCH.with(|acc| {
+                    let mut acc = acc.borrow_mut();
+                    acc.clear();
+                    acc.resize(hd, 0.0);
+                    for (j, &s) in (lo..=pos).zip(scores.iter()) {
+                        let vo = j * kv_stride + kvh * hd;
+                        let w = s * inv;
+                        for (a, &vv) in acc.iter_mut().zip(&v_cache[vo..vo + hd]) {
+                            *a = w.mul_add(vv, *a);
+                        }
+                    }
+                    for (i, &a) in acc.iter().enumerate() {
+                        // SAFETY: in bounds (check_view); (t, h) is this job's own output head.
+                        unsafe { dst.write(oo + i, a) };
+                    }
+                });
+            });
+        });
+    }
+
+    fn silu_mul(&self, x: &Vec<f32>, xv: Rows, out: &mut Vec<f32>, ov: Rows) {
+        let f = ov.width();
+        assert_eq!(xv.width(), 2 * f);
+        assert_eq!(xv.count, ov.count);
+        check_view("silu_mul x", xv, x.len());
+        check_view("silu_mul out", ov, out.len());
+        for t in 0..xv.count {
+            let xi = xv.offset + t * xv.stride;
+            let oi = ov.offset + t * ov.stride;
+            for i in 0..f {
+                let g = x[xi + i];
+                out[oi + i] = g / (1.0 + (-g).exp()) * x[xi + f + i];
+            }
+        }
+    }
+
+    fn add_inplace(&self, x: &mut Vec<f32>, xv: Rows, y: &Vec<f32>, yv: Rows) {
+        assert_eq!(xv.count, yv.count);
+        assert_eq!(xv.width(), yv.width());
+        check_view("add x", xv, x.len());
+        check_view("add y", yv, y.len());
+        let w = xv.width();
+        for t in 0..xv.count {
+            let xi = xv.offset + t * xv.stride;
+            let yi = yv.offset + t * yv.stride;
+            for i in 0..w {
+                x[xi + i] += y[yi + i];
+            }
+        }
+    }
+
+    fn scale_inplace(&self, x: &mut Vec<f32>, xv: Rows, s: f32) {
+        check_view("scale", xv, x.len());
+        let w = xv.width();
+        for t in 0..xv.count {
+            let xi = xv.offset + t * xv.stride;
+            for v in &mut x[xi..xi + w] {
+                *v *= s;
+            }
+        }
+    }
+}
+
+/// `1 / sqrt(mean(x²) + eps)`, accumulated in f64 so long rows lose nothing to rounding.
+fn rms_inv(x: &[f32], eps: f32) -> f32 {
+    let ss: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
+    let mean = (ss / x.len() as f64) as f32;
+    1.0 / (mean + eps).sqrt()
+}
+
+#[cfg(test)]
+mod tests;

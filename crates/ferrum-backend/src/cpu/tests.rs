@@ -1,0 +1,192 @@
+use super::*;
+use rand::{Rng, SeedableRng};
+
+fn rng() -> rand::rngs::StdRng {
+    rand::rngs::StdRng::seed_from_u64(42)
+}
+
+fn rand_vec(r: &mut impl Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| r.gen_range(-1.0..1.0)).collect()
+}
+
+fn f32_tensor(name: &str, shape: Vec<usize>, data: &[f32]) -> RawTensor {
+    let bytes = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+    RawTensor::from_bytes(name, DType::F32, shape, bytes).unwrap()
+}
+
+/// Q8_0 quantisation, as GGML's reference does it (round-to-nearest, scale = amax / 127).
+fn q8_0_bytes(data: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for blk in data.chunks(32) {
+        let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        out.extend_from_slice(&half::f16::from_f32(d).to_le_bytes());
+        for v in blk {
+            out.push((v * id).round() as i8 as u8);
+        }
+    }
+    out
+}
+
+#[test]
+fn matmul_matches_naive_for_f32_and_q8_0() {
+    let be = CpuBackend::new();
+    let mut r = rng();
+    let (n, k, m) = (5, 64, 37);
+    let x = rand_vec(&mut r, n * k);
+    let w = rand_vec(&mut r, m * k);
+    let bias = rand_vec(&mut r, m);
+    let wt = be.load_weight(&f32_tensor("w", vec![m, k], &w)).unwrap();
+    let bt = be.load_weight(&f32_tensor("b", vec![m], &bias)).unwrap();
+    let mut out = vec![0.0; n * m];
+    be.matmul(&x, Rows::dense(n, k), &wt, Some(&bt), &mut out, Rows::dense(n, m));
+    for t in 0..n {
+        for j in 0..m {
+            let e: f32 = (0..k).map(|i| x[t * k + i] * w[j * k + i]).sum::<f32>() + bias[j];
+            assert!((out[t * m + j] - e).abs() < 1e-4, "{t},{j}");
+        }
+    }
+    // Quantised weights: the result equals the f32 matmul of the dequantised weights.
+    let q = RawTensor::from_bytes("wq", DType::Q8_0, vec![m, k], q8_0_bytes(&w)).unwrap();
+    let mut deq = vec![0.0; m * k];
+    assert!(quant::dequantize(DType::Q8_0, q.bytes(), &mut deq));
+    for (a, b) in deq.iter().zip(&w) {
+        assert!((a - b).abs() <= 1.0 / 127.0 * 0.51 + 1e-3);
+    }
+    let wq = be.load_weight(&q).unwrap();
+    // Write into a column window of a wider output, as the fused QKV projection does.
+    let mut wide = vec![0.0; n * (m + 3)];
+    be.matmul(&x, Rows::dense(n, k), &wq, None, &mut wide, Rows::columns(n, m + 3, 3, m));
+    for t in 0..n {
+        for j in 0..m {
+            let e: f32 = (0..k).map(|i| x[t * k + i] * deq[j * k + i]).sum();
+            assert!((wide[t * (m + 3) + 3 + j] - e).abs() < 1e-4);
+        }
+        assert_eq!(&wide[t * (m + 3)..t * (m + 3) + 3], &[0.0, 0.0, 0.0]);
+    }
+}
+
+#[test]
+fn attention_matches_naive_causal_gqa_with_window() {
+    let be = CpuBackend::new();
+    let mut r = rng();
+    let (heads, kvh, hd, n) = (4, 2, 8, 6);
+    let kv_stride = kvh * hd;
+    let q = rand_vec(&mut r, n * heads * hd);
+    let kc = rand_vec(&mut r, n * kv_stride);
+    let vc = rand_vec(&mut r, n * kv_stride);
+    for window in [None, Some(3)] {
+        let mut out = vec![0.0; n * heads * hd];
+        let qv = Rows::dense(n, heads * hd).split_heads(hd);
+        let p = AttentionParams {
+            first_pos: 0,
+            n_kv_heads: kvh,
+            scale: 0.3,
+            window,
+            softcap: None,
+        };
+        be.attention(&q, qv, &kc, &vc, kv_stride, &mut out, qv, p);
+        for t in 0..n {
+            for h in 0..heads {
+                let g = h / (heads / kvh);
+                let lo = window.map_or(0, |w| (t + 1).saturating_sub(w));
+                let s: Vec<f64> = (lo..=t)
+                    .map(|j| {
+                        (0..hd)
+                            .map(|d| q[t * heads * hd + h * hd + d] as f64 * kc[j * kv_stride + g * hd + d] as f64)
+                            .sum::<f64>()
+                            * 0.3
+                    })
+                    .collect();
+                let mx = s.iter().cloned().fold(f64::MIN, f64::max);
+                let e: Vec<f64> = s.iter().map(|v| (v - mx).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for d in 0..hd {
+                    let want: f64 = (lo..=t).zip(&e).map(|(j, w)| w / z * vc[j * kv_stride + g * hd + d] as f64).sum();
+                    let got = out[t * heads * hd + h * hd + d] as f64;
+                    assert!((got - want).abs() < 1e-5, "t{t} h{h} d{d} {window:?}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn interleaved_rope_is_neox_rope_on_permuted_dims() {
+    let be = CpuBackend::new();
+    let mut r = rng();
+    let hd = 16;
+    let x = rand_vec(&mut r, 2 * hd);
+    let inv: Vec<f32> = (0..hd / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / hd as f32)).collect();
+    let pos = [3u32, 17];
+    let v = Rows::dense(2, hd);
+    let mut neox = x.clone();
+    be.rope(&mut neox, v, &pos, RopeParams { layout: RopeLayout::Neox, inv_freq: &inv });
+    // Interleave the halves: dims (i, i + hd/2) become (2i, 2i + 1).
+    let perm = |src: &[f32]| -> Vec<f32> {
+        let mut o = vec![0.0; src.len()];
+        for t in 0..2 {
+            for i in 0..hd / 2 {
+                o[t * hd + 2 * i] = src[t * hd + i];
+                o[t * hd + 2 * i + 1] = src[t * hd + i + hd / 2];
+            }
+        }
+        o
+    };
+    let mut inter = perm(&x);
+    be.rope(&mut inter, v, &pos, RopeParams { layout: RopeLayout::Interleaved, inv_freq: &inv });
+    assert_eq!(inter, perm(&neox));
+    // Position 0 is the identity.
+    let mut same = x.clone();
+    be.rope(&mut same, v, &[0, 0], RopeParams { layout: RopeLayout::Neox, inv_freq: &inv });
+    assert_eq!(same, x);
+}
+
+#[test]
+fn fused_add_rms_norm_default_matches_primitives_and_formula() {
+    let be = CpuBackend::new();
+    let mut r = rng();
+    let (n, d) = (3, 40);
+    let mut x = rand_vec(&mut r, n * d);
+    let y = rand_vec(&mut r, n * d);
+    let w = rand_vec(&mut r, d);
+    let wt = be.load_weight(&f32_tensor("n", vec![d], &w)).unwrap();
+    let v = Rows::dense(n, d);
+    let mut out = vec![0.0; n * d];
+    let x0 = x.clone();
+    be.add_rms_norm(&mut x, v, &y, v, &wt, 1e-6, &mut out, v);
+    for t in 0..n {
+        let s: Vec<f32> = (0..d).map(|i| x0[t * d + i] + y[t * d + i]).collect();
+        let ms = s.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        for i in 0..d {
+            assert!((x[t * d + i] - s[i]).abs() < 1e-6);
+            let want = w[i] * s[i] / (ms + 1e-6).sqrt();
+            assert!((out[t * d + i] - want).abs() < 1e-5);
+        }
+    }
+}
+
+#[test]
+fn silu_mul_and_embed() {
+    let be = CpuBackend::new();
+    let x = vec![1.0f32, -2.0, 3.0, 0.5];
+    let mut out = vec![0.0; 2];
+    be.silu_mul(&x, Rows::dense(1, 4), &mut out, Rows::dense(1, 2));
+    let silu = |g: f32| g / (1.0 + (-g).exp());
+    assert!((out[0] - silu(1.0) * 3.0).abs() < 1e-6);
+    assert!((out[1] - silu(-2.0) * 0.5).abs() < 1e-6);
+
+    let table: Vec<f32> = (0..12).map(|v| v as f32).collect();
+    let t = be.load_weight(&f32_tensor("e", vec![4, 3], &table)).unwrap();
+    let mut e = vec![0.0; 6];
+    be.embed(&t, &[2, 0], &mut e, Rows::dense(2, 3));
+    assert_eq!(e, vec![6.0, 7.0, 8.0, 0.0, 1.0, 2.0]);
+}
+
+#[test]
+fn unsupported_weight_type_is_an_error() {
+    let be = CpuBackend::new();
+    let t = RawTensor::from_bytes("x", DType::Q8K, vec![256], vec![0; 292]).unwrap();
+    assert!(be.load_weight(&t).is_err());
+}

@@ -1,0 +1,211 @@
+//! The backend boundary. Model code is written once against [`Backend`]; a backend supplies
+//! buffers, weights in their stored format, and a small set of primitive ops (the list a
+//! decoder-only transformer needs: embedding, matmul, RMSNorm, RoPE, attention, SiLU·mul,
+//! add, strided copy). Fused ops are provided methods whose default body composes the
+//! primitives; a backend overrides one only to make it faster, and a test holds the
+//! override equal to the default.
+//!
+//! Activations are f32. Tensors inside a buffer are addressed with [`Rows`]: `count` rows of
+//! `heads × head_dim` values, `stride` apart, starting at `offset` — enough to view the Q, K
+//! and V parts of a fused QKV output, or one row of a KV cache, without copying.
+
+pub mod cpu;
+
+use ferrum_core::Result;
+use ferrum_loader::RawTensor;
+
+pub use cpu::CpuBackend;
+
+/// A strided view of `count` rows inside a buffer. Row `t`, head `h`, element `d` sits at
+/// `offset + t * stride + h * head_dim + d`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rows {
+    pub offset: usize,
+    pub stride: usize,
+    pub count: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+}
+
+impl Rows {
+    /// `count` dense rows of `width` values.
+    pub fn dense(count: usize, width: usize) -> Rows {
+        Rows {
+            offset: 0,
+            stride: width,
+            count,
+            heads: 1,
+            head_dim: width,
+        }
+    }
+
+    /// Columns `[start, start + width)` of dense rows `stride` wide.
+    pub fn columns(count: usize, stride: usize, start: usize, width: usize) -> Rows {
+        Rows {
+            offset: start,
+            stride,
+            count,
+            heads: 1,
+            head_dim: width,
+        }
+    }
+
+    /// The same memory seen as `heads` heads of `head_dim` each.
+    pub fn split_heads(self, head_dim: usize) -> Rows {
+        let width = self.width();
+        debug_assert_eq!(width % head_dim, 0);
+        Rows {
+            heads: width / head_dim,
+            head_dim,
+            ..self
+        }
+    }
+
+    /// Rows `[first, first + count)` of this view.
+    pub fn slice(self, first: usize, count: usize) -> Rows {
+        Rows {
+            offset: self.offset + first * self.stride,
+            count,
+            ..self
+        }
+    }
+
+    pub fn width(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// One past the last element touched; a backend checks it against the buffer length.
+    pub fn end(&self) -> usize {
+        if self.count == 0 {
+            self.offset
+        } else {
+            self.offset + (self.count - 1) * self.stride + self.width()
+        }
+    }
+}
+
+/// How rotary embeddings pair up the dimensions of a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// GPT-NeoX / Hugging Face order: dimension `i` pairs with `i + rot_dim / 2`.
+    Neox,
+    /// GPT-J / original Llama order: dimension `2i` pairs with `2i + 1`. Llama-architecture
+    /// GGUF files store Q and K rows permuted for this layout.
+    Interleaved,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct RopeParams<'a> {
+    pub layout: RopeLayout,
+    /// One inverse frequency per rotated pair; `2 * inv_freq.len()` leading dimensions of each
+    /// head rotate, the rest pass through.
+    pub inv_freq: &'a [f32],
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionParams {
+    /// Position of the first query row; query row `t` attends to keys `0..=first_pos + t`.
+    pub first_pos: usize,
+    pub n_kv_heads: usize,
+    pub scale: f32,
+    /// Sliding window: a query at position `p` sees keys at positions `> p - window`.
+    pub window: Option<usize>,
+    /// Gemma-2-style logit soft-capping: `cap * tanh(score / cap)`.
+    pub softcap: Option<f32>,
+}
+
+/// The primitive ops of a decoder. `Buf` holds f32 activations; `Weight` holds a tensor in
+/// its stored format (quantised weights stay quantised).
+pub trait Backend: Send + Sync {
+    type Buf: Send;
+    type Weight: Send + Sync;
+
+    fn name(&self) -> String;
+
+    fn alloc(&self, len: usize) -> Self::Buf;
+    fn buf_len(&self, buf: &Self::Buf) -> usize;
+    fn write(&self, buf: &mut Self::Buf, offset: usize, data: &[f32]);
+    fn read(&self, buf: &Self::Buf, offset: usize, out: &mut [f32]);
+
+    /// Takes a tensor from a model file; matrices keep their format.
+    fn load_weight(&self, t: &RawTensor) -> Result<Self::Weight>;
+    /// `(rows, cols)` of a loaded weight (a vector is one row).
+    fn weight_shape(&self, w: &Self::Weight) -> (usize, usize);
+
+    /// `out[t] = table[tokens[t]]`; token ids must be below the table's row count.
+    fn embed(&self, table: &Self::Weight, tokens: &[u32], out: &mut Self::Buf, ov: Rows);
+
+    /// `out[t, j] = Σ_k x[t, k] · w[j, k] (+ bias[j])` for every row `t` of `xv`.
+    fn matmul(
+        &self,
+        x: &Self::Buf,
+        xv: Rows,
+        w: &Self::Weight,
+        bias: Option<&Self::Weight>,
+        out: &mut Self::Buf,
+        ov: Rows,
+    );
+
+    /// RMSNorm of each head of `xv` (the whole row when `heads == 1`) into `ov`,
+    /// multiplied by `weight` (length `head_dim`).
+    fn rms_norm(
+        &self,
+        x: &Self::Buf,
+        xv: Rows,
+        weight: &Self::Weight,
+        eps: f32,
+        out: &mut Self::Buf,
+        ov: Rows,
+    );
+
+    /// RMSNorm in place, per head (QK-norm).
+    fn rms_norm_inplace(&self, x: &mut Self::Buf, xv: Rows, weight: &Self::Weight, eps: f32);
+
+    /// Rotates every head of `xv` in place; row `t` is at position `positions[t]`.
+    fn rope(&self, x: &mut Self::Buf, xv: Rows, positions: &[u32], p: RopeParams);
+
+    /// Copies rows between views of equal width.
+    fn copy_rows(&self, src: &Self::Buf, sv: Rows, dst: &mut Self::Buf, dv: Rows);
+
+    /// Causal grouped-query attention: queries `qv` (`heads` query heads) against the first
+    /// `first_pos + qv.count` rows of the key and value caches (`n_kv_heads` heads each).
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: &Self::Buf,
+        qv: Rows,
+        k_cache: &Self::Buf,
+        v_cache: &Self::Buf,
+        kv_stride: usize,
+        out: &mut Self::Buf,
+        ov: Rows,
+        p: AttentionParams,
+    );
+
+    /// `out[t, i] = silu(x[t, i]) · x[t, i + width]` where `xv` is `2 · width` wide.
+    fn silu_mul(&self, x: &Self::Buf, xv: Rows, out: &mut Self::Buf, ov: Rows);
+
+    /// `x[v] += y[yv]`.
+    fn add_inplace(&self, x: &mut Self::Buf, xv: Rows, y: &Self::Buf, yv: Rows);
+
+    /// Multiplies every element of the view by `s` (embedding scaling).
+    fn scale_inplace(&self, x: &mut Self::Buf, xv: Rows, s: f32);
+
+    /// Residual add followed by the next norm: `x += y; out = rms_norm(x)`. The default
+    /// composes the primitives.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Buf,
+        xv: Rows,
+        y: &Self::Buf,
+        yv: Rows,
+        weight: &Self::Weight,
+        eps: f32,
+        out: &mut Self::Buf,
+        ov: Rows,
+    ) {
+        self.add_inplace(x, xv, y, yv);
+        self.rms_norm(x, xv, weight, eps, out, ov);
+    }
+}

@@ -1,0 +1,277 @@
+//! The `ferrum` command. Each subcommand is a thin caller of the library crates:
+//! model file → model + tokenizer → session → streamed text.
+
+mod default_model;
+
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use ferrum_backend::{Backend, CpuBackend};
+use ferrum_generate::{SamplingParams, Session};
+use ferrum_loader::ModelFile;
+use ferrum_models::{LoadOptions, Logits, Model};
+use ferrum_tokenizer::{Message, Tokenizer};
+
+#[derive(Parser)]
+#[command(name = "ferrum", version, about = "A fast, exact LLM inference engine for the CPU")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Chat with a model in the terminal, or answer one prompt with --prompt.
+    Run(RunArgs),
+    /// Print the logits of every position for a list of token ids, as JSON.
+    Logits {
+        #[arg(long)]
+        model: PathBuf,
+        /// Comma-separated token ids.
+        #[arg(long, value_delimiter = ',')]
+        tokens: Vec<u32>,
+    },
+    /// Perplexity of a text file under a model.
+    Perplexity {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long)]
+        file: PathBuf,
+        /// Tokens per evaluation window.
+        #[arg(long, default_value_t = 512)]
+        ctx: usize,
+    },
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// A .gguf file or a Hugging Face model folder (default: SmolLM2-135M-Instruct Q4_1,
+    /// fetched on first use).
+    model: Option<PathBuf>,
+    /// Answer this prompt and exit instead of starting a chat.
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Send the prompt as raw text, without the chat template.
+    #[arg(long)]
+    raw: bool,
+    /// A system message for the conversation.
+    #[arg(long)]
+    system: Option<String>,
+    #[arg(long, default_value_t = 512)]
+    max_tokens: usize,
+    #[arg(long, default_value_t = 0.7)]
+    temperature: f32,
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// KV cache capacity in tokens.
+    #[arg(long)]
+    ctx: Option<usize>,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Run(a) => run(a),
+        Cmd::Logits { model, tokens } => logits(&model, &tokens),
+        Cmd::Perplexity { model, file, ctx } => perplexity(&model, &file, ctx),
+    };
+    if let Err(e) = result {
+        eprintln!("ferrum: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn load(path: &Path, ctx: Option<usize>) -> Result<(Model<CpuBackend>, Tokenizer)> {
+    let file = ModelFile::open(path)?;
+    let tokenizer = match &file {
+        ModelFile::Gguf(g) => Tokenizer::from_gguf(g)?,
+        ModelFile::Hf(h) => Tokenizer::from_hf_dir(&h.dir)?,
+    };
+    let backend = CpuBackend::new();
+    let backend_name = backend.name();
+    let model = Model::load(&file, backend, &LoadOptions { context: ctx })
+        .with_context(|| format!("loading {}", path.display()))?;
+    let i = &model.info;
+    eprintln!(
+        "ferrum: {}: {}, {:.1}M params, {}, {:.0} MB, loaded in {:.2}s, context {}, {}",
+        path.file_name().unwrap_or(path.as_os_str()).to_string_lossy(),
+        i.arch.name(),
+        i.params as f64 / 1e6,
+        i.main_dtype,
+        i.file_bytes as f64 / 1e6,
+        i.load_secs,
+        model.decoder.context,
+        backend_name,
+    );
+    Ok((model, tokenizer))
+}
+
+fn run(a: RunArgs) -> Result<()> {
+    let path = match a.model {
+        Some(p) => p,
+        None => default_model::ensure()?,
+    };
+    let (model, tokenizer) = load(&path, a.ctx)?;
+    let mut session = Session::new(model, tokenizer);
+    let params = SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+    };
+    let mut messages: Vec<Message> = a
+        .system
+        .iter()
+        .map(|s| Message {
+            role: "system".into(),
+            content: s.clone(),
+        })
+        .collect();
+
+    if let Some(prompt) = a.prompt {
+        let ids = if a.raw {
+            session.tokenizer.encode(&prompt, true)?
+        } else {
+            messages.push(Message {
+                role: "user".into(),
+                content: prompt,
+            });
+            render(&session.tokenizer, &messages)?
+        };
+        answer(&mut session, &ids, a.max_tokens, &params)?;
+        return Ok(());
+    }
+
+    eprintln!("Type a message. /clear starts over, /exit leaves.");
+    let stdin = std::io::stdin();
+    let mut line = String::new();
+    loop {
+        eprint!("> ");
+        line.clear();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            break;
+        }
+        let input = line.trim();
+        match input {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/clear" => {
+                messages.retain(|m| m.role == "system");
+                session.reset();
+                eprintln!("(conversation cleared)");
+                continue;
+            }
+            _ => {}
+        }
+        messages.push(Message {
+            role: "user".into(),
+            content: input.to_string(),
+        });
+        let ids = render(&session.tokenizer, &messages)?;
+        match answer(&mut session, &ids, a.max_tokens, &params) {
+            Ok(text) => messages.push(Message {
+                role: "assistant".into(),
+                content: text,
+            }),
+            Err(e) => {
+                // A turn that cannot run (e.g. the conversation outgrew the context) is reported
+                // and dropped; the chat goes on.
+                eprintln!("ferrum: {e:#}");
+                messages.pop();
+            }
+        }
+    }
+    Ok(())
+}
+
+fn render(tok: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
+    let text = match tok.chat_template() {
+        Some(t) => t.render(messages, true)?,
+        None => messages
+            .iter()
+            .map(|m| m.content.as_str())
+            .collect::<Vec<_>>()
+            .join("\n"),
+    };
+    // Templates write the BOS token themselves where the model wants one.
+    let has_template = tok.chat_template().is_some();
+    Ok(tok.encode(&text, !has_template)?)
+}
+
+fn answer(
+    session: &mut Session<CpuBackend>,
+    ids: &[u32],
+    max_tokens: usize,
+    params: &SamplingParams,
+) -> Result<String> {
+    let mut text = String::new();
+    let stdout = std::io::stdout();
+    let stats = session.generate(ids, max_tokens, params, |delta| {
+        text.push_str(delta);
+        let mut out = stdout.lock();
+        let _ = out.write_all(delta.as_bytes());
+        let _ = out.flush();
+        true
+    })?;
+    println!();
+    eprintln!(
+        "[{} prompt tokens ({} computed) in {:.2}s, {} tokens at {:.1} tok/s]",
+        stats.prompt_tokens,
+        stats.prefilled_tokens,
+        stats.prefill_secs,
+        stats.generated_tokens,
+        stats.generated_tokens as f64 / stats.decode_secs.max(1e-9)
+    );
+    Ok(text)
+}
+
+fn logits(model: &Path, tokens: &[u32]) -> Result<()> {
+    if tokens.is_empty() {
+        bail!("--tokens needs at least one token id");
+    }
+    let (mut model, _) = load(model, Some(tokens.len()))?;
+    let vocab = model.decoder.config.vocab_size;
+    let all = model.decoder.forward(tokens, 0, Logits::All)?;
+    let rows: Vec<&[f32]> = all.chunks(vocab).collect();
+    println!("{}", serde_json::json!({ "logits": rows }));
+    Ok(())
+}
+
+fn perplexity(model: &Path, file: &Path, window: usize) -> Result<()> {
+    if window < 2 {
+        bail!("--ctx must be at least 2");
+    }
+    let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let (mut model, tok) = load(model, Some(window))?;
+    let ids = tok.encode(&text, true)?;
+    if ids.len() < 2 {
+        bail!("{} has fewer than two tokens", file.display());
+    }
+    let vocab = model.decoder.config.vocab_size;
+    let (mut nll, mut count) = (0f64, 0usize);
+    for chunk in ids.chunks(window) {
+        if chunk.len() < 2 {
+            continue;
+        }
+        let logits = model.decoder.forward(chunk, 0, Logits::All)?;
+        for (row, &next) in logits.chunks(vocab).zip(&chunk[1..]) {
+            nll -= log_softmax_at(row, next as usize);
+            count += 1;
+        }
+    }
+    let ppl = (nll / count as f64).exp();
+    println!("{}", serde_json::json!({ "perplexity": ppl, "tokens": count }));
+    Ok(())
+}
+
+fn log_softmax_at(row: &[f32], i: usize) -> f64 {
+    let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let z: f64 = row.iter().map(|&l| (l as f64 - max).exp()).sum();
+    row[i] as f64 - max - z.ln()
+}

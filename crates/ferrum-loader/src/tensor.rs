@@ -1,0 +1,128 @@
+//! A tensor as it sits in a model file: format, shape and a window onto mapped bytes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ferrum_core::DType;
+use memmap2::Mmap;
+
+/// Where a tensor's bytes live. Loaders map files; a few callers (tests, converters) own
+/// their bytes instead.
+#[derive(Clone)]
+pub enum Storage {
+    Mapped(Arc<Mmap>),
+    Owned(Arc<Vec<u8>>),
+}
+
+impl Storage {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Storage::Mapped(m) => m,
+            Storage::Owned(v) => v,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct RawTensor {
+    pub name: String,
+    pub dtype: DType,
+    /// Outermost dimension first (the PyTorch order): a weight matrix is `[rows, cols]`,
+    /// and `cols` is the contiguous one.
+    pub shape: Vec<usize>,
+    storage: Storage,
+    offset: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for RawTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {} {:?}", self.name, self.dtype, self.shape)
+    }
+}
+
+impl RawTensor {
+    /// The caller guarantees `offset + len` lies inside `storage`; loaders check it against
+    /// the file before building one.
+    pub(crate) fn new(
+        name: String,
+        dtype: DType,
+        shape: Vec<usize>,
+        storage: Storage,
+        offset: usize,
+        len: usize,
+    ) -> Self {
+        debug_assert!(offset + len <= storage.bytes().len());
+        RawTensor {
+            name,
+            dtype,
+            shape,
+            storage,
+            offset,
+            len,
+        }
+    }
+
+    /// A tensor over bytes the caller owns; `None` if the byte count does not match.
+    pub fn from_bytes(name: &str, dtype: DType, shape: Vec<usize>, bytes: Vec<u8>) -> Option<Self> {
+        let n: usize = shape.iter().product();
+        if dtype.bytes_for(n)? != bytes.len() {
+            return None;
+        }
+        let len = bytes.len();
+        Some(RawTensor::new(
+            name.to_string(),
+            dtype,
+            shape,
+            Storage::Owned(Arc::new(bytes)),
+            0,
+            len,
+        ))
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.storage.bytes()[self.offset..self.offset + self.len]
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Contiguous row length (the last dimension).
+    pub fn row_len(&self) -> usize {
+        self.shape.last().copied().unwrap_or(1)
+    }
+
+    pub fn n_rows(&self) -> usize {
+        self.numel() / self.row_len().max(1)
+    }
+}
+
+/// Every tensor of a model, by the name its file gives it.
+#[derive(Default)]
+pub struct TensorStore {
+    pub tensors: HashMap<String, RawTensor>,
+}
+
+impl TensorStore {
+    pub fn get(&self, name: &str) -> Option<&RawTensor> {
+        self.tensors.get(name)
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    pub fn insert(&mut self, t: RawTensor) {
+        self.tensors.insert(t.name.clone(), t);
+    }
+
+    /// Sum of stored bytes, for the load summary.
+    pub fn total_bytes(&self) -> usize {
+        self.tensors.values().map(|t| t.len).sum()
+    }
+
+    pub fn total_params(&self) -> usize {
+        self.tensors.values().map(|t| t.numel()).sum()
+    }
+}

@@ -1,0 +1,350 @@
+//! The shared decoder: weights of a Llama-style transformer, the activation buffers it runs
+//! in (allocated once, sized for one chunk of tokens), its KV cache, and the forward pass
+//! written once against the [`Backend`] trait. Variants (QKV bias, QK-norm, RoPE layout,
+//! tied output head, the FFN kind) are fixed at load time; the forward pass does not probe
+//! for features.
+//!
+//! Per layer: RMSNorm → Q, K, V projections into one buffer → QK-norm (Qwen3) → RoPE → K and
+//! V written into the cache → causal GQA attention → O projection → residual add fused with
+//! the FFN's RMSNorm → SwiGLU FFN → residual add.
+
+use ferrum_backend::{AttentionParams, Backend, RopeParams, Rows};
+use ferrum_core::{Error, Result};
+use ferrum_loader::TensorStore;
+
+use crate::config::{ModelConfig, RopeScaling};
+use crate::names;
+
+/// How many tokens one pass through the layers carries; longer inputs go in chunks.
+pub const CHUNK: usize = 64;
+
+/// Which positions of a forward pass need logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last token (generation).
+    Last,
+    /// Every token (scoring, perplexity, comparison against a reference).
+    All,
+}
+
+/// Looks tensors up by Hugging Face name in either kind of file.
+pub struct WeightSource<'a> {
+    pub store: &'a TensorStore,
+    pub gguf: bool,
+}
+
+impl WeightSource<'_> {
+    fn name(&self, hf: &str, layer: usize) -> String {
+        if self.gguf {
+            names::gguf_name(hf, layer).unwrap_or_else(|| hf.to_string())
+        } else {
+            hf.replace("{i}", &layer.to_string())
+        }
+    }
+
+    pub fn get<B: Backend>(&self, be: &B, hf: &str, layer: usize) -> Result<Option<B::Weight>> {
+        let name = self.name(hf, layer);
+        match self.store.get(&name) {
+            Some(t) => Ok(Some(be.load_weight(t)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// A tensor that must exist, with its expected `(rows, cols)` checked.
+    pub fn require<B: Backend>(
+        &self,
+        be: &B,
+        hf: &str,
+        layer: usize,
+        shape: (usize, usize),
+    ) -> Result<B::Weight> {
+        let name = self.name(hf, layer);
+        let w = self
+            .get(be, hf, layer)?
+            .ok_or_else(|| Error::Weights(format!("missing tensor {name:?}")))?;
+        let got = be.weight_shape(&w);
+        if got != shape {
+            return Err(Error::Weights(format!(
+                "tensor {name:?} has shape {got:?}, expected {shape:?}"
+            )));
+        }
+        Ok(w)
+    }
+}
+
+pub enum Ffn<B: Backend> {
+    /// SwiGLU: `down(silu(gate(x)) * up(x))`.
+    Dense {
+        gate: B::Weight,
+        up: B::Weight,
+        down: B::Weight,
+    },
+}
+
+pub struct Layer<B: Backend> {
+    attn_norm: B::Weight,
+    q: B::Weight,
+    k: B::Weight,
+    v: B::Weight,
+    qkv_bias: Option<[B::Weight; 3]>,
+    qk_norm: Option<[B::Weight; 2]>,
+    o: B::Weight,
+    ffn_norm: B::Weight,
+    ffn: Ffn<B>,
+}
+
+/// Activation buffers for one chunk, and the KV cache. Allocated once at load.
+struct State<B: Backend> {
+    x: B::Buf,
+    xn: B::Buf,
+    qkv: B::Buf,
+    attn: B::Buf,
+    tmp: B::Buf,
+    gu: B::Buf,
+    act: B::Buf,
+    logits: B::Buf,
+    k_cache: Vec<B::Buf>,
+    v_cache: Vec<B::Buf>,
+}
+
+pub struct Decoder<B: Backend> {
+    pub config: ModelConfig,
+    backend: B,
+    embed: B::Weight,
+    /// `None` when the output head is tied to the embedding.
+    lm_head: Option<B::Weight>,
+    final_norm: B::Weight,
+    layers: Vec<Layer<B>>,
+    inv_freq: Vec<f32>,
+    /// KV capacity in tokens.
+    pub context: usize,
+    state: State<B>,
+}
+
+impl<B: Backend> Decoder<B> {
+    /// Loads the weights named in [`names::DECODER`]. `context` is the KV cache capacity.
+    pub fn load(
+        backend: B,
+        mut config: ModelConfig,
+        src: &WeightSource,
+        context: usize,
+    ) -> Result<Self> {
+        let c = &config;
+        let (h, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let be = &backend;
+        let embed = src.require(be, "model.embed_tokens.weight", 0, (c.vocab_size, h))?;
+        let lm_head = if c.tie_embeddings {
+            None
+        } else {
+            match src.get(be, "lm_head.weight", 0)? {
+                Some(w) => {
+                    if be.weight_shape(&w) != (c.vocab_size, h) {
+                        return Err(Error::Weights("output head has the wrong shape".into()));
+                    }
+                    Some(w)
+                }
+                // Some exporters drop the head of a tied model without saying so.
+                None => None,
+            }
+        };
+        let final_norm = src.require(be, "model.norm.weight", 0, (1, h))?;
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for i in 0..c.n_layers {
+            let l = |name: &str, shape| src.require(be, name, i, shape);
+            let qkv_bias = if c.qkv_bias {
+                Some([
+                    l("model.layers.{i}.self_attn.q_proj.bias", (1, qd))?,
+                    l("model.layers.{i}.self_attn.k_proj.bias", (1, kvd))?,
+                    l("model.layers.{i}.self_attn.v_proj.bias", (1, kvd))?,
+                ])
+            } else {
+                None
+            };
+            let qk_norm = if c.qk_norm {
+                Some([
+                    l("model.layers.{i}.self_attn.q_norm.weight", (1, c.head_dim))?,
+                    l("model.layers.{i}.self_attn.k_norm.weight", (1, c.head_dim))?,
+                ])
+            } else {
+                None
+            };
+            layers.push(Layer {
+                attn_norm: l("model.layers.{i}.input_layernorm.weight", (1, h))?,
+                q: l("model.layers.{i}.self_attn.q_proj.weight", (qd, h))?,
+                k: l("model.layers.{i}.self_attn.k_proj.weight", (kvd, h))?,
+                v: l("model.layers.{i}.self_attn.v_proj.weight", (kvd, h))?,
+                qkv_bias,
+                qk_norm,
+                o: l("model.layers.{i}.self_attn.o_proj.weight", (h, qd))?,
+                ffn_norm: l("model.layers.{i}.post_attention_layernorm.weight", (1, h))?,
+                ffn: Ffn::Dense {
+                    gate: l("model.layers.{i}.mlp.gate_proj.weight", (f, h))?,
+                    up: l("model.layers.{i}.mlp.up_proj.weight", (f, h))?,
+                    down: l("model.layers.{i}.mlp.down_proj.weight", (h, f))?,
+                },
+            });
+        }
+        if let Some(t) = src.store.get(&src.name("rope_freqs.weight", 0)) {
+            let mut v = vec![0f32; t.numel()];
+            if t.dtype != ferrum_core::DType::F32
+                || t.bytes().len() != 4 * v.len()
+                || v.len() != c.head_dim / 2
+            {
+                return Err(Error::Weights("rope_freqs.weight must be F32 [head_dim/2]".into()));
+            }
+            for (o, b) in v.iter_mut().zip(t.bytes().chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+            config.rope_scaling = Some(RopeScaling::Factors(v));
+        }
+        let c = &config;
+        let context = context.max(1);
+        let state = State {
+            x: be.alloc(CHUNK * h),
+            xn: be.alloc(CHUNK * h),
+            qkv: be.alloc(CHUNK * (qd + 2 * kvd)),
+            attn: be.alloc(CHUNK * qd),
+            tmp: be.alloc(CHUNK * h),
+            gu: be.alloc(CHUNK * 2 * f),
+            act: be.alloc(CHUNK * f),
+            logits: be.alloc(CHUNK * c.vocab_size),
+            k_cache: (0..c.n_layers).map(|_| be.alloc(context * kvd)).collect(),
+            v_cache: (0..c.n_layers).map(|_| be.alloc(context * kvd)).collect(),
+        };
+        Ok(Decoder {
+            inv_freq: config.rope_inv_freq(),
+            config,
+            backend,
+            embed,
+            lm_head,
+            final_norm,
+            layers,
+            context,
+            state,
+        })
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Runs `tokens`, which sit at positions `start..start + tokens.len()` of the sequence
+    /// whose first `start` positions are already in the KV cache. Returns row-major logits
+    /// for the positions `want` asks for.
+    pub fn forward(&mut self, tokens: &[u32], start: usize, want: Logits) -> Result<Vec<f32>> {
+        let vocab = self.config.vocab_size;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary ({vocab} tokens)"
+            )));
+        }
+        let end = start + tokens.len();
+        if end > self.context {
+            return Err(Error::InvalidRequest(format!(
+                "sequence of {end} tokens exceeds the context of {} tokens",
+                self.context
+            )));
+        }
+        let mut out = Vec::new();
+        let mut pos = start;
+        for chunk in tokens.chunks(CHUNK) {
+            let is_last_chunk = pos + chunk.len() == end;
+            self.run_layers(chunk, pos)?;
+            match want {
+                Logits::All => self.logits_rows(0, chunk.len(), &mut out),
+                Logits::Last if is_last_chunk => self.logits_rows(chunk.len() - 1, 1, &mut out),
+                Logits::Last => {}
+            }
+            pos += chunk.len();
+        }
+        Ok(out)
+    }
+
+    fn run_layers(&mut self, tokens: &[u32], start: usize) -> Result<()> {
+        let c = &self.config;
+        let be = &self.backend;
+        let s = &mut self.state;
+        let n = tokens.len();
+        let (h, qd, kvd, f, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size, c.head_dim);
+        let qkv_w = qd + 2 * kvd;
+        let positions: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
+        let rope = RopeParams {
+            layout: c.rope_layout,
+            inv_freq: &self.inv_freq,
+        };
+        let hidden = Rows::dense(n, h);
+        let q_view = Rows::columns(n, qkv_w, 0, qd).split_heads(hd);
+        let k_view = Rows::columns(n, qkv_w, qd, kvd).split_heads(hd);
+        let v_view = Rows::columns(n, qkv_w, qd + kvd, kvd);
+        let cache_rows = Rows::dense(start + n, kvd).slice(start, n);
+
+        be.embed(&self.embed, tokens, &mut s.x, hidden);
+        for (li, layer) in self.layers.iter().enumerate() {
+            if li == 0 {
+                be.rms_norm(&s.x, hidden, &layer.attn_norm, c.rms_eps, &mut s.xn, hidden);
+            }
+            let bias = layer.qkv_bias.as_ref();
+            be.matmul(&s.xn, hidden, &layer.q, bias.map(|b| &b[0]), &mut s.qkv, Rows::columns(n, qkv_w, 0, qd));
+            be.matmul(&s.xn, hidden, &layer.k, bias.map(|b| &b[1]), &mut s.qkv, Rows::columns(n, qkv_w, qd, kvd));
+            be.matmul(&s.xn, hidden, &layer.v, bias.map(|b| &b[2]), &mut s.qkv, v_view);
+            if let Some([qn, kn]) = &layer.qk_norm {
+                be.rms_norm_inplace(&mut s.qkv, q_view, qn, c.rms_eps);
+                be.rms_norm_inplace(&mut s.qkv, k_view, kn, c.rms_eps);
+            }
+            be.rope(&mut s.qkv, q_view, &positions, rope);
+            be.rope(&mut s.qkv, k_view, &positions, rope);
+            be.copy_rows(&s.qkv, k_view, &mut s.k_cache[li], cache_rows);
+            be.copy_rows(&s.qkv, v_view, &mut s.v_cache[li], cache_rows);
+            let attn_view = Rows::dense(n, qd).split_heads(hd);
+            be.attention(
+                &s.qkv,
+                q_view,
+                &s.k_cache[li],
+                &s.v_cache[li],
+                kvd,
+                &mut s.attn,
+                attn_view,
+                AttentionParams {
+                    first_pos: start,
+                    n_kv_heads: c.n_kv_heads,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                    window: c.sliding_window,
+                    softcap: None,
+                },
+            );
+            be.matmul(&s.attn, Rows::dense(n, qd), &layer.o, None, &mut s.tmp, hidden);
+            be.add_rms_norm(&mut s.x, hidden, &s.tmp, hidden, &layer.ffn_norm, c.rms_eps, &mut s.xn, hidden);
+            match &layer.ffn {
+                Ffn::Dense { gate, up, down } => {
+                    be.matmul(&s.xn, hidden, gate, None, &mut s.gu, Rows::columns(n, 2 * f, 0, f));
+                    be.matmul(&s.xn, hidden, up, None, &mut s.gu, Rows::columns(n, 2 * f, f, f));
+                    be.silu_mul(&s.gu, Rows::dense(n, 2 * f), &mut s.act, Rows::dense(n, f));
+                    be.matmul(&s.act, Rows::dense(n, f), down, None, &mut s.tmp, hidden);
+                }
+            }
+            // The next layer's input norm rides on this residual add; after the last layer
+            // the residual stream is left unnormalised for the output head.
+            match self.layers.get(li + 1) {
+                Some(next) => be.add_rms_norm(&mut s.x, hidden, &s.tmp, hidden, &next.attn_norm, c.rms_eps, &mut s.xn, hidden),
+                None => be.add_inplace(&mut s.x, hidden, &s.tmp, hidden),
+            }
+        }
+        Ok(())
+    }
+
+    /// Final norm and output head for `count` rows starting at `first`; appends to `out`.
+    fn logits_rows(&mut self, first: usize, count: usize, out: &mut Vec<f32>) {
+        let c = &self.config;
+        let be = &self.backend;
+        let s = &mut self.state;
+        let (h, vocab) = (c.hidden_size, c.vocab_size);
+        let src = Rows::dense(first + count, h).slice(first, count);
+        let dst = Rows::dense(count, h);
+        be.rms_norm(&s.x, src, &self.final_norm, c.rms_eps, &mut s.xn, dst);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        be.matmul(&s.xn, dst, head, None, &mut s.logits, Rows::dense(count, vocab));
+        let at = out.len();
+        out.resize(at + count * vocab, 0.0);
+        be.read(&s.logits, 0, &mut out[at..]);
+    }
+}

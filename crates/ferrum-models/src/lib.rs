@@ -1,0 +1,134 @@
+//! Model architectures over the backend trait.
+//!
+//! Llama (SmolLM2, TinyLlama, Llama 3, Mistral), Qwen2 and Qwen3 dense are one decoder
+//! ([`decoder`]) with variant flags set from the configuration ([`config`]): QKV bias for
+//! Qwen2, QK-norm for Qwen3, the interleaved RoPE layout for Llama GGUFs. An architecture
+//! that changes the layer itself (Qwen3-MoE's FFN, Gemma's norms) adds a variant to the
+//! decoder's enums rather than a copy of the forward pass.
+
+pub mod config;
+pub mod decoder;
+pub mod names;
+
+use std::path::Path;
+use std::time::Instant;
+
+use ferrum_backend::Backend;
+use ferrum_core::{DType, Error, Result};
+use ferrum_loader::ModelFile;
+
+pub use config::{Arch, ModelConfig};
+pub use decoder::{Decoder, Logits, WeightSource};
+
+/// Which architecture a file holds: GGUF `general.architecture`, or a Hugging Face
+/// `architectures` class / `model_type`.
+pub fn detect_arch(file: &ModelFile) -> Result<Arch> {
+    match file {
+        ModelFile::Gguf(g) => match g.architecture()? {
+            "llama" | "mistral" => Ok(Arch::Llama),
+            "qwen2" => Ok(Arch::Qwen2),
+            "qwen3" => Ok(Arch::Qwen3),
+            other => Err(Error::Unsupported(format!(
+                "{}: architecture {other:?} (supported: llama, qwen2, qwen3)",
+                g.path.display()
+            ))),
+        },
+        ModelFile::Hf(h) => {
+            let class = h
+                .config
+                .get("architectures")
+                .and_then(|a| a.get(0))
+                .and_then(|a| a.as_str());
+            let model_type = h.config.get("model_type").and_then(|a| a.as_str());
+            match (class, model_type) {
+                (Some("LlamaForCausalLM" | "MistralForCausalLM"), _) => Ok(Arch::Llama),
+                (Some("Qwen2ForCausalLM"), _) => Ok(Arch::Qwen2),
+                (Some("Qwen3ForCausalLM"), _) => Ok(Arch::Qwen3),
+                (None, Some("llama" | "mistral")) => Ok(Arch::Llama),
+                (None, Some("qwen2")) => Ok(Arch::Qwen2),
+                (None, Some("qwen3")) => Ok(Arch::Qwen3),
+                _ => Err(Error::Unsupported(format!(
+                    "{}: architecture {:?} / model_type {:?} (supported: Llama, Mistral, Qwen2, Qwen3)",
+                    h.dir.display(),
+                    class,
+                    model_type
+                ))),
+            }
+        }
+    }
+}
+
+/// What the load summary line reports.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub arch: Arch,
+    pub params: usize,
+    /// The format most of the weight bytes are stored in.
+    pub main_dtype: DType,
+    pub file_bytes: usize,
+    pub load_secs: f64,
+}
+
+pub struct Model<B: Backend> {
+    pub decoder: Decoder<B>,
+    pub info: ModelInfo,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    /// KV capacity in tokens; defaults to the model's context, at most [`DEFAULT_MAX_CONTEXT`].
+    pub context: Option<usize>,
+}
+
+/// Context used when the caller does not ask for one: long enough for chat, small enough that
+/// the f32 KV cache of a small model stays in the hundreds of megabytes.
+pub const DEFAULT_MAX_CONTEXT: usize = 4096;
+
+impl<B: Backend> Model<B> {
+    pub fn load(file: &ModelFile, backend: B, opts: &LoadOptions) -> Result<Model<B>> {
+        let t0 = Instant::now();
+        let arch = detect_arch(file)?;
+        let store = file.tensors();
+        let (config, gguf) = match file {
+            ModelFile::Hf(h) => (ModelConfig::from_hf(arch, &h.config)?, false),
+            ModelFile::Gguf(g) => {
+                let embd = store.get("token_embd.weight").ok_or_else(|| {
+                    Error::Weights(format!("{}: no token_embd.weight", g.path.display()))
+                })?;
+                let vocab = embd.n_rows();
+                let tied = !store.contains("output.weight");
+                (ModelConfig::from_gguf(arch, g, vocab, tied)?, true)
+            }
+        };
+        let context = opts
+            .context
+            .unwrap_or_else(|| config.max_position.min(DEFAULT_MAX_CONTEXT));
+        let src = WeightSource {
+            store: &store,
+            gguf,
+        };
+        let decoder = Decoder::load(backend, config, &src, context)?;
+        let mut by_type: std::collections::HashMap<DType, usize> = Default::default();
+        for t in store.tensors.values() {
+            *by_type.entry(t.dtype).or_default() += t.bytes().len();
+        }
+        let main_dtype = by_type
+            .into_iter()
+            .max_by_key(|(_, b)| *b)
+            .map_or(DType::F32, |(d, _)| d);
+        Ok(Model {
+            decoder,
+            info: ModelInfo {
+                arch,
+                params: store.total_params(),
+                main_dtype,
+                file_bytes: file.file_bytes(),
+                load_secs: t0.elapsed().as_secs_f64(),
+            },
+        })
+    }
+
+    pub fn open(path: impl AsRef<Path>, backend: B, opts: &LoadOptions) -> Result<Model<B>> {
+        Self::load(&ModelFile::open(path)?, backend, opts)
+    }
+}

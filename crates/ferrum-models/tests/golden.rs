@@ -1,0 +1,136 @@
+//! Golden logits: tiny random-weight Llama, Qwen2 and Qwen3 models built by
+//! `scripts/fixtures/make_tiny_models.py` with Hugging Face transformers, saved as
+//! safetensors and converted to GGUF by llama.cpp's `convert_hf_to_gguf.py`. Our logits must
+//! match the transformers logits recorded beside each model.
+
+use std::path::PathBuf;
+
+use ferrum_backend::CpuBackend;
+use ferrum_models::{LoadOptions, Logits, Model};
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+struct Reference {
+    tokens: Vec<u32>,
+    logits: Vec<Vec<f32>>,
+    argmax: Vec<u32>,
+}
+
+const MODELS: &[&str] = &["llama", "llama-tied", "qwen2", "qwen2-tied", "qwen3", "qwen3-tied"];
+
+fn dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tiny")
+        .join(name)
+}
+
+fn reference(name: &str) -> Reference {
+    reference_file(name, "reference.json")
+}
+
+fn reference_file(name: &str, file: &str) -> Reference {
+    let p = dir(name).join(file);
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+fn run(path: PathBuf, tokens: &[u32]) -> (Vec<Vec<f32>>, usize) {
+    let mut m = Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(64) })
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let v = m.decoder.config.vocab_size;
+    let all = m.decoder.forward(tokens, 0, Logits::All).unwrap();
+    (all.chunks(v).map(|r| r.to_vec()).collect(), v)
+}
+
+fn argmax(r: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in r.iter().enumerate() {
+        if x > r[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Every position within `1e-4 × max|logit|` of the reference.
+fn assert_close(name: &str, file: &str, got: &[Vec<f32>], want: &Reference) {
+    assert_eq!(got.len(), want.logits.len(), "{name}/{file}: positions");
+    let mut worst = 0f32;
+    for (pos, (g, w)) in got.iter().zip(&want.logits).enumerate() {
+        assert_eq!(g.len(), w.len(), "{name}/{file}: vocabulary size");
+        let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        worst = worst.max(diff / scale);
+        assert!(
+            diff <= 1e-4 * scale,
+            "{name}/{file}: position {pos}: max |Δlogit| {diff} > 1e-4 × {scale}"
+        );
+    }
+    eprintln!("{name}/{file}: worst relative |Δlogit| {worst:.2e}");
+}
+
+#[test]
+fn safetensors_match_transformers() {
+    for name in MODELS {
+        let r = reference(name);
+        let (got, _) = run(dir(name), &r.tokens);
+        assert_close(name, "safetensors", &got, &r);
+    }
+}
+
+#[test]
+fn f32_gguf_matches_transformers() {
+    for name in MODELS {
+        let r = reference(name);
+        let (got, _) = run(dir(name).join("model-f32.gguf"), &r.tokens);
+        assert_close(name, "model-f32.gguf", &got, &r);
+    }
+}
+
+#[test]
+fn q8_0_gguf_argmax_matches_transformers() {
+    for name in MODELS {
+        let r = reference(name);
+        let (got, _) = run(dir(name).join("model-q8_0.gguf"), &r.tokens);
+        let ours: Vec<u32> = got.iter().map(|row| argmax(row)).collect();
+        assert_eq!(ours, r.argmax, "{name}/model-q8_0.gguf: argmax per position");
+        // Against transformers running the same dequantised weights, the logits themselves
+        // must match: our quantised path is exact up to f32 rounding.
+        let exact = reference_file(name, "reference-q8_0.json");
+        assert_eq!(exact.tokens, r.tokens);
+        assert_close(name, "model-q8_0.gguf", &got, &exact);
+    }
+}
+
+#[test]
+fn prefill_in_one_pass_equals_token_by_token_decode() {
+    for name in ["llama", "qwen3"] {
+        let r = reference(name);
+        let path = dir(name).join("model-f32.gguf");
+        let (full, v) = run(path.clone(), &r.tokens);
+        let mut m = Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(64) }).unwrap();
+        let mut last = Vec::new();
+        for (i, &t) in r.tokens.iter().enumerate() {
+            last = m.decoder.forward(&[t], i, Logits::Last).unwrap();
+        }
+        assert_eq!(last.len(), v);
+        let want = full.last().unwrap();
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        for (a, b) in last.iter().zip(want) {
+            assert!((a - b).abs() <= 1e-5 * scale, "{name}: decode {a} vs prefill {b}");
+        }
+    }
+}
+
+#[test]
+fn context_overflow_and_bad_token_are_errors() {
+    let path = dir("qwen3").join("model-f32.gguf");
+    let mut m = Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(8) }).unwrap();
+    let e = m.decoder.forward(&[1; 9], 0, Logits::Last).unwrap_err().to_string();
+    assert!(e.contains("exceeds the context"), "{e}");
+    let v = m.decoder.config.vocab_size as u32;
+    let e = m.decoder.forward(&[v], 0, Logits::Last).unwrap_err().to_string();
+    assert!(e.contains("outside the vocabulary"), "{e}");
+    // The model is still usable afterwards.
+    assert!(m.decoder.forward(&[1, 2], 0, Logits::Last).is_ok());
+}

