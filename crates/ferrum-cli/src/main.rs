@@ -15,7 +15,11 @@ use ferrum_models::{LoadOptions, Logits, Model};
 use ferrum_tokenizer::{Message, Tokenizer};
 
 #[derive(Parser)]
-#[command(name = "ferrum", version, about = "A fast, exact LLM inference engine for the CPU")]
+#[command(
+    name = "ferrum",
+    version,
+    about = "A fast, exact LLM inference engine for the CPU"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -32,6 +36,9 @@ enum Cmd {
         /// Comma-separated token ids.
         #[arg(long, value_delimiter = ',')]
         tokens: Vec<u32>,
+        /// Keep activations in f32 (the reference's math).
+        #[arg(long)]
+        exact: bool,
     },
     /// Perplexity of a text file under a model.
     Perplexity {
@@ -42,6 +49,9 @@ enum Cmd {
         /// Tokens per evaluation window.
         #[arg(long, default_value_t = 512)]
         ctx: usize,
+        /// Keep activations in f32 (the reference's math).
+        #[arg(long)]
+        exact: bool,
     },
 }
 
@@ -72,14 +82,26 @@ struct RunArgs {
     /// KV cache capacity in tokens.
     #[arg(long)]
     ctx: Option<usize>,
+    /// Keep activations in f32 (the reference's math; slower on quantised models).
+    #[arg(long)]
+    exact: bool,
 }
 
 fn main() {
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Run(a) => run(a),
-        Cmd::Logits { model, tokens } => logits(&model, &tokens),
-        Cmd::Perplexity { model, file, ctx } => perplexity(&model, &file, ctx),
+        Cmd::Logits {
+            model,
+            tokens,
+            exact,
+        } => logits(&model, &tokens, exact),
+        Cmd::Perplexity {
+            model,
+            file,
+            ctx,
+            exact,
+        } => perplexity(&model, &file, ctx, exact),
     };
     if let Err(e) = result {
         eprintln!("ferrum: error: {e:#}");
@@ -87,20 +109,26 @@ fn main() {
     }
 }
 
-fn load(path: &Path, ctx: Option<usize>) -> Result<(Model<CpuBackend>, Tokenizer)> {
+fn load(path: &Path, ctx: Option<usize>, exact: bool) -> Result<(Model<CpuBackend>, Tokenizer)> {
     let file = ModelFile::open(path)?;
     let tokenizer = match &file {
         ModelFile::Gguf(g) => Tokenizer::from_gguf(g)?,
         ModelFile::Hf(h) => Tokenizer::from_hf_dir(&h.dir)?,
     };
-    let backend = CpuBackend::new();
+    let backend = if exact {
+        CpuBackend::exact()
+    } else {
+        CpuBackend::new()
+    };
     let backend_name = backend.name();
     let model = Model::load(&file, backend, &LoadOptions { context: ctx })
         .with_context(|| format!("loading {}", path.display()))?;
     let i = &model.info;
     eprintln!(
         "ferrum: {}: {}, {:.1}M params, {}, {:.0} MB, loaded in {:.2}s, context {}, {}",
-        path.file_name().unwrap_or(path.as_os_str()).to_string_lossy(),
+        path.file_name()
+            .unwrap_or(path.as_os_str())
+            .to_string_lossy(),
         i.arch.name(),
         i.params as f64 / 1e6,
         i.main_dtype,
@@ -117,7 +145,7 @@ fn run(a: RunArgs) -> Result<()> {
         Some(p) => p,
         None => default_model::ensure()?,
     };
-    let (model, tokenizer) = load(&path, a.ctx)?;
+    let (model, tokenizer) = load(&path, a.ctx, a.exact)?;
     let mut session = Session::new(model, tokenizer);
     let params = SamplingParams {
         temperature: a.temperature,
@@ -231,11 +259,11 @@ fn answer(
     Ok(text)
 }
 
-fn logits(model: &Path, tokens: &[u32]) -> Result<()> {
+fn logits(model: &Path, tokens: &[u32], exact: bool) -> Result<()> {
     if tokens.is_empty() {
         bail!("--tokens needs at least one token id");
     }
-    let (mut model, _) = load(model, Some(tokens.len()))?;
+    let (mut model, _) = load(model, Some(tokens.len()), exact)?;
     let vocab = model.decoder.config.vocab_size;
     let all = model.decoder.forward(tokens, 0, Logits::All)?;
     let rows: Vec<&[f32]> = all.chunks(vocab).collect();
@@ -243,12 +271,13 @@ fn logits(model: &Path, tokens: &[u32]) -> Result<()> {
     Ok(())
 }
 
-fn perplexity(model: &Path, file: &Path, window: usize) -> Result<()> {
+fn perplexity(model: &Path, file: &Path, window: usize, exact: bool) -> Result<()> {
     if window < 2 {
         bail!("--ctx must be at least 2");
     }
-    let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-    let (mut model, tok) = load(model, Some(window))?;
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let (mut model, tok) = load(model, Some(window), exact)?;
     let ids = tok.encode(&text, true)?;
     if ids.len() < 2 {
         bail!("{} has fewer than two tokens", file.display());
@@ -266,7 +295,10 @@ fn perplexity(model: &Path, file: &Path, window: usize) -> Result<()> {
         }
     }
     let ppl = (nll / count as f64).exp();
-    println!("{}", serde_json::json!({ "perplexity": ppl, "tokens": count }));
+    println!(
+        "{}",
+        serde_json::json!({ "perplexity": ppl, "tokens": count })
+    );
     Ok(())
 }
 

@@ -101,7 +101,7 @@ impl DType {
     /// Bytes taken by `n` elements, or `None` when `n` is not a whole number of blocks
     /// (or the size overflows).
     pub fn bytes_for(self, n: usize) -> Option<usize> {
-        if n % self.block_len() != 0 {
+        if !n.is_multiple_of(self.block_len()) {
             return None;
         }
         (n / self.block_len()).checked_mul(self.block_bytes())

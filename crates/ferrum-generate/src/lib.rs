@@ -95,7 +95,10 @@ impl<B: Backend> Session<B> {
         self.cached.truncate(keep);
 
         let t0 = Instant::now();
-        let mut logits = self.model.decoder.forward(&prompt[keep..], keep, Logits::Last)?;
+        let mut logits = self
+            .model
+            .decoder
+            .forward(&prompt[keep..], keep, Logits::Last)?;
         self.cached.extend_from_slice(&prompt[keep..]);
         let prefill_secs = t0.elapsed().as_secs_f64();
 

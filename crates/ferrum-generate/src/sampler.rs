@@ -171,6 +171,9 @@ mod tests {
         let mut s = Sampler::new(p);
         let b: Vec<u32> = (0..50).map(|_| s.sample(&logits)).collect();
         assert_eq!(a, b);
-        assert!(a.iter().any(|&t| t != a[0]), "sampling at temperature 1 should vary");
+        assert!(
+            a.iter().any(|&t| t != a[0]),
+            "sampling at temperature 1 should vary"
+        );
     }
 }

@@ -142,7 +142,10 @@ impl GgufFile {
         }
         let version = r.u32("version")?;
         if version.swap_bytes() == 2 || version.swap_bytes() == 3 {
-            return Err(Error::format(&path, "big-endian GGUF files are not supported"));
+            return Err(Error::format(
+                &path,
+                "big-endian GGUF files are not supported",
+            ));
         }
         if version != 2 && version != 3 {
             return Err(Error::format(
@@ -163,7 +166,10 @@ impl GgufFile {
             let ty = r.u32("metadata value type")?;
             let value = r.value(ty, &key, 0)?;
             if metadata.insert(key.clone(), value).is_some() {
-                return Err(Error::format(&path, format!("duplicate metadata key {key:?}")));
+                return Err(Error::format(
+                    &path,
+                    format!("duplicate metadata key {key:?}"),
+                ));
             }
             keys.push(key);
         }
@@ -247,7 +253,10 @@ impl GgufFile {
         let mut seen = std::collections::HashSet::with_capacity(tensor_infos.len());
         for t in &tensor_infos {
             if !seen.insert(t.name.as_str()) {
-                return Err(Error::format(&path, format!("duplicate tensor {:?}", t.name)));
+                return Err(Error::format(
+                    &path,
+                    format!("duplicate tensor {:?}", t.name),
+                ));
             }
             let end = data_offset
                 .checked_add(t.offset)
@@ -304,17 +313,24 @@ impl GgufFile {
     pub fn require_usize(&self, key: &str) -> Result<usize> {
         self.get_u64(key)
             .and_then(|v| usize::try_from(v).ok())
-            .ok_or_else(|| Error::format(&self.path, format!("missing or invalid metadata {key:?}")))
+            .ok_or_else(|| {
+                Error::format(&self.path, format!("missing or invalid metadata {key:?}"))
+            })
     }
 
     pub fn require_str(&self, key: &str) -> Result<&str> {
-        self.get_str(key)
-            .ok_or_else(|| Error::format(&self.path, format!("missing or invalid metadata {key:?}")))
+        self.get_str(key).ok_or_else(|| {
+            Error::format(&self.path, format!("missing or invalid metadata {key:?}"))
+        })
     }
 
     /// A string array (e.g. `tokenizer.ggml.tokens`); `None` if absent or of another type.
     pub fn get_str_array(&self, key: &str) -> Option<Vec<&str>> {
-        self.get(key)?.as_array()?.iter().map(Value::as_str).collect()
+        self.get(key)?
+            .as_array()?
+            .iter()
+            .map(Value::as_str)
+            .collect()
     }
 
     pub fn get_f32_array(&self, key: &str) -> Option<Vec<f32>> {
@@ -326,7 +342,11 @@ impl GgufFile {
     }
 
     pub fn get_i64_array(&self, key: &str) -> Option<Vec<i64>> {
-        self.get(key)?.as_array()?.iter().map(Value::as_i64).collect()
+        self.get(key)?
+            .as_array()?
+            .iter()
+            .map(Value::as_i64)
+            .collect()
     }
 
     pub fn architecture(&self) -> Result<&str> {

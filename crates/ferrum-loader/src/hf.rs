@@ -71,7 +71,10 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
         // A shard name is a plain file in this folder; anything else is refused rather than
         // followed outside the model directory.
         if f.contains('/') || f.contains('\\') || f == ".." {
-            return Err(Error::format(&index, format!("shard name {f:?} is not a plain file name")));
+            return Err(Error::format(
+                &index,
+                format!("shard name {f:?} is not a plain file name"),
+            ));
         }
         names.insert(f.to_string());
     }
@@ -103,10 +106,16 @@ pub fn load_safetensors(path: &Path, store: &mut TensorStore) -> Result<usize> {
         let shape = view.shape().to_vec();
         let expect = dtype.bytes_for(shape.iter().product());
         if expect != Some(data.len()) {
-            return Err(Error::format(path, format!("tensor {name:?}: size does not match shape")));
+            return Err(Error::format(
+                path,
+                format!("tensor {name:?}: size does not match shape"),
+            ));
         }
         if store.contains(&name) {
-            return Err(Error::format(path, format!("tensor {name:?} appears in two shards")));
+            return Err(Error::format(
+                path,
+                format!("tensor {name:?} appears in two shards"),
+            ));
         }
         store.insert(RawTensor::new(
             name,

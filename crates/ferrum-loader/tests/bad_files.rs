@@ -57,7 +57,10 @@ fn valid_file_round_trips() {
     assert_eq!(g.version, 3);
     assert_eq!(g.architecture().unwrap(), "llama");
     assert_eq!(g.get_u64("llama.block_count"), Some(1));
-    assert_eq!(g.get_str_array("tokenizer.ggml.tokens").unwrap(), vec!["a", "b"]);
+    assert_eq!(
+        g.get_str_array("tokenizer.ggml.tokens").unwrap(),
+        vec!["a", "b"]
+    );
     let t = g.tensors();
     let w = t.get("w").unwrap();
     assert_eq!(w.shape, vec![4, 16]);
@@ -70,7 +73,10 @@ fn wrong_magic() {
     let mut b = valid_gguf();
     b[0] = b'X';
     let e = open_err("magic.gguf", &b);
-    assert!(e.contains("not a GGUF file") && e.contains("magic.gguf"), "{e}");
+    assert!(
+        e.contains("not a GGUF file") && e.contains("magic.gguf"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -166,8 +172,14 @@ fn safetensors_with_lying_header() {
     b.extend_from_slice(header);
     b.extend_from_slice(&[0u8; 16]);
     std::fs::write(dir.join("model.safetensors"), &b).unwrap();
-    let e = HfFolder::open(&dir).err().expect("lying header accepted").to_string();
-    assert!(e.contains("model.safetensors") && e.contains("invalid safetensors"), "{e}");
+    let e = HfFolder::open(&dir)
+        .err()
+        .expect("lying header accepted")
+        .to_string();
+    assert!(
+        e.contains("model.safetensors") && e.contains("invalid safetensors"),
+        "{e}"
+    );
 
     // A header length larger than the file.
     let mut b = (1u64 << 40).to_le_bytes().to_vec();

@@ -80,7 +80,9 @@ impl ModelConfig {
             .collect();
         let scaled: Vec<f64> = match &self.rope_scaling {
             None => base,
-            Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / *factor as f64).collect(),
+            Some(RopeScaling::Linear { factor }) => {
+                base.iter().map(|f| f / *factor as f64).collect()
+            }
             Some(RopeScaling::Factors(div)) => base
                 .iter()
                 .zip(div.iter().chain(std::iter::repeat(&1.0)))
@@ -120,13 +122,16 @@ impl ModelConfig {
 
     fn validate(self, source: &str) -> Result<Self> {
         let bad = |m: String| Err(Error::Weights(format!("{source}: {m}")));
-        if self.n_heads == 0 || self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_heads == 0
+            || self.n_kv_heads == 0
+            || !self.n_heads.is_multiple_of(self.n_kv_heads)
+        {
             return bad(format!(
                 "{} attention heads cannot be grouped over {} KV heads",
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!("head dimension {} must be even", self.head_dim));
         }
         if self.hidden_size == 0 || self.n_layers == 0 || self.vocab_size == 0 {
@@ -158,7 +163,11 @@ impl ModelConfig {
         // `rope_theta` and `rope_scaling`.
         let rope_params = j.get("rope_parameters");
         let rope_theta = opt_f("rope_theta")
-            .or_else(|| rope_params.and_then(|p| p.get("rope_theta")).and_then(Json::as_f64))
+            .or_else(|| {
+                rope_params
+                    .and_then(|p| p.get("rope_theta"))
+                    .and_then(Json::as_f64)
+            })
             .unwrap_or(10000.0) as f32;
         let scaling_obj = j
             .get("rope_scaling")
@@ -169,21 +178,29 @@ impl ModelConfig {
             None => None,
         };
         let sliding_window = if j.get("use_sliding_window").and_then(Json::as_bool) == Some(true) {
-            j.get("sliding_window").and_then(Json::as_u64).map(|v| v as usize)
+            j.get("sliding_window")
+                .and_then(Json::as_u64)
+                .map(|v| v as usize)
         } else if arch == Arch::Llama {
             // Mistral checkpoints load as Llama and carry the window without the flag.
-            j.get("sliding_window").and_then(Json::as_u64).map(|v| v as usize)
+            j.get("sliding_window")
+                .and_then(Json::as_u64)
+                .map(|v| v as usize)
         } else {
             None
         };
         let (qkv_bias, qk_norm) = match arch {
             Arch::Llama => (
-                j.get("attention_bias").and_then(Json::as_bool).unwrap_or(false),
+                j.get("attention_bias")
+                    .and_then(Json::as_bool)
+                    .unwrap_or(false),
                 false,
             ),
             Arch::Qwen2 => (true, false),
             Arch::Qwen3 => (
-                j.get("attention_bias").and_then(Json::as_bool).unwrap_or(false),
+                j.get("attention_bias")
+                    .and_then(Json::as_bool)
+                    .unwrap_or(false),
                 true,
             ),
         };
@@ -289,7 +306,9 @@ fn parse_hf_scaling(s: &Json) -> Result<Option<RopeScaling>> {
     let f = |k: &str, d: f64| s.get(k).and_then(Json::as_f64).unwrap_or(d) as f32;
     Ok(match ty {
         "default" => None,
-        "linear" => Some(RopeScaling::Linear { factor: f("factor", 1.0) }),
+        "linear" => Some(RopeScaling::Linear {
+            factor: f("factor", 1.0),
+        }),
         "llama3" => Some(RopeScaling::Llama3 {
             factor: f("factor", 8.0),
             low_freq_factor: f("low_freq_factor", 1.0),

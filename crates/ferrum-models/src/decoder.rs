@@ -190,7 +190,9 @@ impl<B: Backend> Decoder<B> {
                 || t.bytes().len() != 4 * v.len()
                 || v.len() != c.head_dim / 2
             {
-                return Err(Error::Weights("rope_freqs.weight must be F32 [head_dim/2]".into()));
+                return Err(Error::Weights(
+                    "rope_freqs.weight must be F32 [head_dim/2]".into(),
+                ));
             }
             for (o, b) in v.iter_mut().zip(t.bytes().chunks_exact(4)) {
                 *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
@@ -265,7 +267,13 @@ impl<B: Backend> Decoder<B> {
         let be = &self.backend;
         let s = &mut self.state;
         let n = tokens.len();
-        let (h, qd, kvd, f, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size, c.head_dim);
+        let (h, qd, kvd, f, hd) = (
+            c.hidden_size,
+            c.q_dim(),
+            c.kv_dim(),
+            c.intermediate_size,
+            c.head_dim,
+        );
         let qkv_w = qd + 2 * kvd;
         let positions: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
         let rope = RopeParams {
@@ -284,9 +292,30 @@ impl<B: Backend> Decoder<B> {
                 be.rms_norm(&s.x, hidden, &layer.attn_norm, c.rms_eps, &mut s.xn, hidden);
             }
             let bias = layer.qkv_bias.as_ref();
-            be.matmul(&s.xn, hidden, &layer.q, bias.map(|b| &b[0]), &mut s.qkv, Rows::columns(n, qkv_w, 0, qd));
-            be.matmul(&s.xn, hidden, &layer.k, bias.map(|b| &b[1]), &mut s.qkv, Rows::columns(n, qkv_w, qd, kvd));
-            be.matmul(&s.xn, hidden, &layer.v, bias.map(|b| &b[2]), &mut s.qkv, v_view);
+            be.matmul(
+                &s.xn,
+                hidden,
+                &layer.q,
+                bias.map(|b| &b[0]),
+                &mut s.qkv,
+                Rows::columns(n, qkv_w, 0, qd),
+            );
+            be.matmul(
+                &s.xn,
+                hidden,
+                &layer.k,
+                bias.map(|b| &b[1]),
+                &mut s.qkv,
+                Rows::columns(n, qkv_w, qd, kvd),
+            );
+            be.matmul(
+                &s.xn,
+                hidden,
+                &layer.v,
+                bias.map(|b| &b[2]),
+                &mut s.qkv,
+                v_view,
+            );
             if let Some([qn, kn]) = &layer.qk_norm {
                 be.rms_norm_inplace(&mut s.qkv, q_view, qn, c.rms_eps);
                 be.rms_norm_inplace(&mut s.qkv, k_view, kn, c.rms_eps);
@@ -312,12 +341,42 @@ impl<B: Backend> Decoder<B> {
                     softcap: None,
                 },
             );
-            be.matmul(&s.attn, Rows::dense(n, qd), &layer.o, None, &mut s.tmp, hidden);
-            be.add_rms_norm(&mut s.x, hidden, &s.tmp, hidden, &layer.ffn_norm, c.rms_eps, &mut s.xn, hidden);
+            be.matmul(
+                &s.attn,
+                Rows::dense(n, qd),
+                &layer.o,
+                None,
+                &mut s.tmp,
+                hidden,
+            );
+            be.add_rms_norm(
+                &mut s.x,
+                hidden,
+                &s.tmp,
+                hidden,
+                &layer.ffn_norm,
+                c.rms_eps,
+                &mut s.xn,
+                hidden,
+            );
             match &layer.ffn {
                 Ffn::Dense { gate, up, down } => {
-                    be.matmul(&s.xn, hidden, gate, None, &mut s.gu, Rows::columns(n, 2 * f, 0, f));
-                    be.matmul(&s.xn, hidden, up, None, &mut s.gu, Rows::columns(n, 2 * f, f, f));
+                    be.matmul(
+                        &s.xn,
+                        hidden,
+                        gate,
+                        None,
+                        &mut s.gu,
+                        Rows::columns(n, 2 * f, 0, f),
+                    );
+                    be.matmul(
+                        &s.xn,
+                        hidden,
+                        up,
+                        None,
+                        &mut s.gu,
+                        Rows::columns(n, 2 * f, f, f),
+                    );
                     be.silu_mul(&s.gu, Rows::dense(n, 2 * f), &mut s.act, Rows::dense(n, f));
                     be.matmul(&s.act, Rows::dense(n, f), down, None, &mut s.tmp, hidden);
                 }
@@ -325,7 +384,16 @@ impl<B: Backend> Decoder<B> {
             // The next layer's input norm rides on this residual add; after the last layer
             // the residual stream is left unnormalised for the output head.
             match self.layers.get(li + 1) {
-                Some(next) => be.add_rms_norm(&mut s.x, hidden, &s.tmp, hidden, &next.attn_norm, c.rms_eps, &mut s.xn, hidden),
+                Some(next) => be.add_rms_norm(
+                    &mut s.x,
+                    hidden,
+                    &s.tmp,
+                    hidden,
+                    &next.attn_norm,
+                    c.rms_eps,
+                    &mut s.xn,
+                    hidden,
+                ),
                 None => be.add_inplace(&mut s.x, hidden, &s.tmp, hidden),
             }
         }
@@ -342,7 +410,14 @@ impl<B: Backend> Decoder<B> {
         let dst = Rows::dense(count, h);
         be.rms_norm(&s.x, src, &self.final_norm, c.rms_eps, &mut s.xn, dst);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        be.matmul(&s.xn, dst, head, None, &mut s.logits, Rows::dense(count, vocab));
+        be.matmul(
+            &s.xn,
+            dst,
+            head,
+            None,
+            &mut s.logits,
+            Rows::dense(count, vocab),
+        );
         let at = out.len();
         out.resize(at + count * vocab, 0.0);
         be.read(&s.logits, 0, &mut out[at..]);

@@ -6,20 +6,62 @@ pub const DECODER: &[(&str, &str)] = &[
     ("model.embed_tokens.weight", "token_embd.weight"),
     ("model.norm.weight", "output_norm.weight"),
     ("lm_head.weight", "output.weight"),
-    ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight"),
-    ("model.layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight"),
-    ("model.layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight"),
-    ("model.layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight"),
-    ("model.layers.{i}.self_attn.q_proj.bias", "blk.{i}.attn_q.bias"),
-    ("model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias"),
-    ("model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias"),
-    ("model.layers.{i}.self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight"),
-    ("model.layers.{i}.self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight"),
-    ("model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight"),
-    ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight"),
-    ("model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight"),
-    ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight"),
-    ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight"),
+    (
+        "model.layers.{i}.input_layernorm.weight",
+        "blk.{i}.attn_norm.weight",
+    ),
+    (
+        "model.layers.{i}.self_attn.q_proj.weight",
+        "blk.{i}.attn_q.weight",
+    ),
+    (
+        "model.layers.{i}.self_attn.k_proj.weight",
+        "blk.{i}.attn_k.weight",
+    ),
+    (
+        "model.layers.{i}.self_attn.v_proj.weight",
+        "blk.{i}.attn_v.weight",
+    ),
+    (
+        "model.layers.{i}.self_attn.q_proj.bias",
+        "blk.{i}.attn_q.bias",
+    ),
+    (
+        "model.layers.{i}.self_attn.k_proj.bias",
+        "blk.{i}.attn_k.bias",
+    ),
+    (
+        "model.layers.{i}.self_attn.v_proj.bias",
+        "blk.{i}.attn_v.bias",
+    ),
+    (
+        "model.layers.{i}.self_attn.q_norm.weight",
+        "blk.{i}.attn_q_norm.weight",
+    ),
+    (
+        "model.layers.{i}.self_attn.k_norm.weight",
+        "blk.{i}.attn_k_norm.weight",
+    ),
+    (
+        "model.layers.{i}.self_attn.o_proj.weight",
+        "blk.{i}.attn_output.weight",
+    ),
+    (
+        "model.layers.{i}.post_attention_layernorm.weight",
+        "blk.{i}.ffn_norm.weight",
+    ),
+    (
+        "model.layers.{i}.mlp.gate_proj.weight",
+        "blk.{i}.ffn_gate.weight",
+    ),
+    (
+        "model.layers.{i}.mlp.up_proj.weight",
+        "blk.{i}.ffn_up.weight",
+    ),
+    (
+        "model.layers.{i}.mlp.down_proj.weight",
+        "blk.{i}.ffn_down.weight",
+    ),
     ("rope_freqs.weight", "rope_freqs.weight"),
 ];
 

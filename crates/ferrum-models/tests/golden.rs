@@ -16,7 +16,14 @@ struct Reference {
     argmax: Vec<u32>,
 }
 
-const MODELS: &[&str] = &["llama", "llama-tied", "qwen2", "qwen2-tied", "qwen3", "qwen3-tied"];
+const MODELS: &[&str] = &[
+    "llama",
+    "llama-tied",
+    "qwen2",
+    "qwen2-tied",
+    "qwen3",
+    "qwen3-tied",
+];
 
 fn dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -35,7 +42,11 @@ fn reference_file(name: &str, file: &str) -> Reference {
 }
 
 fn run(path: PathBuf, tokens: &[u32]) -> (Vec<Vec<f32>>, usize) {
-    let mut m = Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(64) })
+    run_on(CpuBackend::new(), path, tokens)
+}
+
+fn run_on(be: CpuBackend, path: PathBuf, tokens: &[u32]) -> (Vec<Vec<f32>>, usize) {
+    let mut m = Model::open(&path, be, &LoadOptions { context: Some(64) })
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let v = m.decoder.config.vocab_size;
     let all = m.decoder.forward(tokens, 0, Logits::All).unwrap();
@@ -87,18 +98,58 @@ fn f32_gguf_matches_transformers() {
     }
 }
 
+/// q8_0 files: with f32 activations (the exact backend) the argmax matches transformers at
+/// every position, and the logits match transformers run on the same dequantised weights.
 #[test]
-fn q8_0_gguf_argmax_matches_transformers() {
+fn q8_0_gguf_exact_backend_matches_transformers() {
     for name in MODELS {
         let r = reference(name);
-        let (got, _) = run(dir(name).join("model-q8_0.gguf"), &r.tokens);
+        let (got, _) = run_on(
+            CpuBackend::exact(),
+            dir(name).join("model-q8_0.gguf"),
+            &r.tokens,
+        );
         let ours: Vec<u32> = got.iter().map(|row| argmax(row)).collect();
-        assert_eq!(ours, r.argmax, "{name}/model-q8_0.gguf: argmax per position");
-        // Against transformers running the same dequantised weights, the logits themselves
-        // must match: our quantised path is exact up to f32 rounding.
+        assert_eq!(
+            ours, r.argmax,
+            "{name}/model-q8_0.gguf: argmax per position"
+        );
         let exact = reference_file(name, "reference-q8_0.json");
         assert_eq!(exact.tokens, r.tokens);
-        assert_close(name, "model-q8_0.gguf", &got, &exact);
+        assert_close(name, "model-q8_0.gguf (exact)", &got, &exact);
+    }
+}
+
+/// The fast backend also quantises activations to 8 bits (as llama.cpp does). On these tiny
+/// random models, whose logits swing widely, that moves logits by up to ~5% of the largest;
+/// the argmax must still match wherever the reference's top-1 leads top-2 by a clear margin.
+#[test]
+fn q8_0_gguf_fast_backend_argmax_where_decisive() {
+    for name in MODELS {
+        let r = reference_file(name, "reference-q8_0.json");
+        let (got, _) = run(dir(name).join("model-q8_0.gguf"), &r.tokens);
+        let mut checked = 0;
+        for (pos, (row, want)) in got.iter().zip(&r.logits).enumerate() {
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let diff = row
+                .iter()
+                .zip(want)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                diff <= 0.08 * scale,
+                "{name}: position {pos}: |Δlogit| {diff} vs max {scale}"
+            );
+            let mut sorted = want.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            if sorted[0] - sorted[1] >= 1.0 {
+                assert_eq!(argmax(row), r.argmax[pos], "{name}: position {pos}");
+                checked += 1;
+            }
+        }
+        assert!(
+            checked >= r.tokens.len() / 3,
+            "{name}: only {checked} decisive positions"
+        );
     }
 }
 
@@ -108,7 +159,8 @@ fn prefill_in_one_pass_equals_token_by_token_decode() {
         let r = reference(name);
         let path = dir(name).join("model-f32.gguf");
         let (full, v) = run(path.clone(), &r.tokens);
-        let mut m = Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(64) }).unwrap();
+        let mut m =
+            Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(64) }).unwrap();
         let mut last = Vec::new();
         for (i, &t) in r.tokens.iter().enumerate() {
             last = m.decoder.forward(&[t], i, Logits::Last).unwrap();
@@ -117,7 +169,10 @@ fn prefill_in_one_pass_equals_token_by_token_decode() {
         let want = full.last().unwrap();
         let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
         for (a, b) in last.iter().zip(want) {
-            assert!((a - b).abs() <= 1e-5 * scale, "{name}: decode {a} vs prefill {b}");
+            assert!(
+                (a - b).abs() <= 1e-5 * scale,
+                "{name}: decode {a} vs prefill {b}"
+            );
         }
     }
 }
@@ -126,10 +181,18 @@ fn prefill_in_one_pass_equals_token_by_token_decode() {
 fn context_overflow_and_bad_token_are_errors() {
     let path = dir("qwen3").join("model-f32.gguf");
     let mut m = Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(8) }).unwrap();
-    let e = m.decoder.forward(&[1; 9], 0, Logits::Last).unwrap_err().to_string();
+    let e = m
+        .decoder
+        .forward(&[1; 9], 0, Logits::Last)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("exceeds the context"), "{e}");
     let v = m.decoder.config.vocab_size as u32;
-    let e = m.decoder.forward(&[v], 0, Logits::Last).unwrap_err().to_string();
+    let e = m
+        .decoder
+        .forward(&[v], 0, Logits::Last)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("outside the vocabulary"), "{e}");
     // The model is still usable afterwards.
     assert!(m.decoder.forward(&[1, 2], 0, Logits::Last).is_ok());

@@ -17,6 +17,9 @@ use crate::{AttentionParams, Backend, RopeLayout, RopeParams, Rows};
 
 pub struct CpuBackend {
     threads: usize,
+    /// Keep activations in f32 for quantised weights (dequantise the weight row instead of
+    /// quantising the activations): slower, and exactly the math of the reference.
+    exact: bool,
 }
 
 impl Default for CpuBackend {
@@ -26,9 +29,21 @@ impl Default for CpuBackend {
 }
 
 impl CpuBackend {
+    /// The fast backend: quantised weights meet 8-bit quantised activations in integer
+    /// dot products, as in llama.cpp.
     pub fn new() -> Self {
         CpuBackend {
             threads: rayon::current_num_threads(),
+            exact: false,
+        }
+    }
+
+    /// f32 activations everywhere: each quantised weight row is dequantised and multiplied in
+    /// f32. Used to check the model against an exact reference.
+    pub fn exact() -> Self {
+        CpuBackend {
+            exact: true,
+            ..CpuBackend::new()
         }
     }
 }
@@ -40,6 +55,8 @@ pub struct CpuWeight {
     rows: usize,
     cols: usize,
     data: WeightData,
+    /// The integer kernel for quantised matrices (absent in exact mode and for floats).
+    kernel: Option<quant::Kernel>,
 }
 
 enum WeightData {
@@ -73,6 +90,16 @@ impl CpuWeight {
                 quant::dequantize(self.dtype, bytes, scratch);
                 scratch
             }
+        }
+    }
+
+    fn row_bytes_of(&self, j: usize) -> &[u8] {
+        match &self.data {
+            WeightData::Mapped(t) => {
+                let rb = self.row_bytes();
+                &t.bytes()[j * rb..(j + 1) * rb]
+            }
+            WeightData::F32(_) => &[],
         }
     }
 
@@ -155,8 +182,7 @@ impl Backend for CpuBackend {
             )));
         }
         let is_vector = t.shape.len() == 1;
-        let unaligned_f32 =
-            t.dtype == DType::F32 && quant::cast_blocks::<f32>(t.bytes()).is_none();
+        let unaligned_f32 = t.dtype == DType::F32 && quant::cast_blocks::<f32>(t.bytes()).is_none();
         let data = if is_vector || unaligned_f32 {
             let mut v = vec![0.0; t.numel()];
             if !quant::dequantize(t.dtype, t.bytes(), &mut v) {
@@ -166,11 +192,22 @@ impl Backend for CpuBackend {
         } else {
             WeightData::Mapped(t.clone())
         };
+        let kernel = match &data {
+            WeightData::Mapped(_) if !self.exact => quant::best_kernel(t.dtype),
+            _ => None,
+        };
+        if kernel.is_some() && !(t.bytes().as_ptr() as usize).is_multiple_of(4) {
+            return Err(Error::Weights(format!(
+                "tensor {}: data is not aligned",
+                t.name
+            )));
+        }
         Ok(CpuWeight {
             dtype: t.dtype,
             rows,
             cols,
             data,
+            kernel,
         })
     }
 
@@ -214,6 +251,9 @@ impl Backend for CpuBackend {
         // Enough tasks to balance the cores, few enough that each amortises its start.
         let per_task = (m / (self.threads * 8)).clamp(4, 256);
         let n_tasks = m.div_ceil(per_task);
+        if let Some(kernel) = w.kernel {
+            return quantized_matmul(kernel, x, xv, w, bias, dst, ov, per_task, n_tasks);
+        }
         (0..n_tasks).into_par_iter().for_each(|task| {
             SCRATCH.with(|s| {
                 let mut scratch = s.borrow_mut();
@@ -332,7 +372,7 @@ impl Backend for CpuBackend {
         assert_eq!(ov.heads, qv.heads);
         assert_eq!(ov.head_dim, hd);
         assert_eq!(ov.count, qv.count);
-        assert!(p.n_kv_heads > 0 && qv.heads % p.n_kv_heads == 0);
+        assert!(p.n_kv_heads > 0 && qv.heads.is_multiple_of(p.n_kv_heads));
         check_view("attention q", qv, q.len());
         check_view("attention out", ov, out.len());
         let kv_len = p.first_pos + qv.count;
@@ -427,6 +467,71 @@ impl Backend for CpuBackend {
                 *v *= s;
             }
         }
+    }
+}
+
+thread_local! {
+    static ACT_Q8: RefCell<Vec<quant::q8::BlockQ8>> = const { RefCell::new(Vec::new()) };
+    static ACT_Q8K: RefCell<Vec<quant::q8::BlockQ8K>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Quantises each activation row once, then runs the weight format's integer kernel for
+/// every (row, token) pair. Rows are split across tasks; each task reads its weight rows
+/// once for all tokens.
+#[allow(clippy::too_many_arguments)]
+fn quantized_matmul(
+    kernel: quant::Kernel,
+    x: &[f32],
+    xv: Rows,
+    w: &CpuWeight,
+    bias: Option<&[f32]>,
+    dst: SharedMut,
+    ov: Rows,
+    per_task: usize,
+    n_tasks: usize,
+) {
+    let (m, k, n) = (w.rows, w.cols, xv.count);
+    let row = |t: usize| &x[xv.offset + t * xv.stride..xv.offset + t * xv.stride + k];
+    macro_rules! run {
+        ($buf:ident, $block:ty, $block_len:expr, $qfn:path, $dot:expr) => {
+            $buf.with(|buf| {
+                let mut buf = buf.borrow_mut();
+                let per_row = k / $block_len;
+                buf.clear();
+                buf.resize(n * per_row, <$block>::default());
+                for t in 0..n {
+                    $qfn(row(t), &mut buf[t * per_row..(t + 1) * per_row]);
+                }
+                let acts = &buf[..];
+                (0..n_tasks).into_par_iter().for_each(|task| {
+                    for j in task * per_task..((task + 1) * per_task).min(m) {
+                        let wr = w.row_bytes_of(j);
+                        let b = bias.map_or(0.0, |b| b[j]);
+                        for t in 0..n {
+                            let v = $dot(wr, &acts[t * per_row..(t + 1) * per_row]) + b;
+                            // SAFETY: in bounds (checked by the caller); column j is this task's.
+                            unsafe { dst.write(ov.offset + t * ov.stride + j, v) };
+                        }
+                    }
+                });
+            })
+        };
+    }
+    match kernel {
+        quant::Kernel::Q8(dot) => run!(
+            ACT_Q8,
+            quant::q8::BlockQ8,
+            quant::q8::QK8,
+            quant::q8::quantize_q8,
+            dot
+        ),
+        quant::Kernel::Q8K(dot) => run!(
+            ACT_Q8K,
+            quant::q8::BlockQ8K,
+            quant::k_quants::QK_K,
+            quant::q8::quantize_q8k,
+            dot
+        ),
     }
 }
 

@@ -132,8 +132,15 @@ mod tests {
             let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
             let scalar = dot_f32_scalar(&a, &b);
             let fast = dot_f32(&a, &b);
-            assert_eq!(scalar.to_bits(), fast.to_bits(), "n={n}: {scalar} vs {fast}");
-            assert!((scalar as f64 - exact).abs() <= 1e-5 * (n as f64).sqrt().max(1.0), "n={n}");
+            assert_eq!(
+                scalar.to_bits(),
+                fast.to_bits(),
+                "n={n}: {scalar} vs {fast}"
+            );
+            assert!(
+                (scalar as f64 - exact).abs() <= 1e-5 * (n as f64).sqrt().max(1.0),
+                "n={n}"
+            );
         }
     }
 }

@@ -40,7 +40,14 @@ fn matmul_matches_naive_for_f32_and_q8_0() {
     let wt = be.load_weight(&f32_tensor("w", vec![m, k], &w)).unwrap();
     let bt = be.load_weight(&f32_tensor("b", vec![m], &bias)).unwrap();
     let mut out = vec![0.0; n * m];
-    be.matmul(&x, Rows::dense(n, k), &wt, Some(&bt), &mut out, Rows::dense(n, m));
+    be.matmul(
+        &x,
+        Rows::dense(n, k),
+        &wt,
+        Some(&bt),
+        &mut out,
+        Rows::dense(n, m),
+    );
     for t in 0..n {
         for j in 0..m {
             let e: f32 = (0..k).map(|i| x[t * k + i] * w[j * k + i]).sum::<f32>() + bias[j];
@@ -54,16 +61,30 @@ fn matmul_matches_naive_for_f32_and_q8_0() {
     for (a, b) in deq.iter().zip(&w) {
         assert!((a - b).abs() <= 1.0 / 127.0 * 0.51 + 1e-3);
     }
-    let wq = be.load_weight(&q).unwrap();
-    // Write into a column window of a wider output, as the fused QKV projection does.
-    let mut wide = vec![0.0; n * (m + 3)];
-    be.matmul(&x, Rows::dense(n, k), &wq, None, &mut wide, Rows::columns(n, m + 3, 3, m));
-    for t in 0..n {
-        for j in 0..m {
-            let e: f32 = (0..k).map(|i| x[t * k + i] * deq[j * k + i]).sum();
-            assert!((wide[t * (m + 3) + 3 + j] - e).abs() < 1e-4);
+    // Exact mode: the dequantised weights times f32 activations. Fast mode: 8-bit
+    // activations, off by at most half a quantisation step per activation.
+    for (be, tol) in [
+        (CpuBackend::exact(), 1e-4f32),
+        (CpuBackend::new(), 1.0 / 127.0 * 0.5 * k as f32),
+    ] {
+        let wq = be.load_weight(&q).unwrap();
+        // Write into a column window of a wider output, as the fused QKV projection does.
+        let mut wide = vec![0.0; n * (m + 3)];
+        be.matmul(
+            &x,
+            Rows::dense(n, k),
+            &wq,
+            None,
+            &mut wide,
+            Rows::columns(n, m + 3, 3, m),
+        );
+        for t in 0..n {
+            for j in 0..m {
+                let e: f32 = (0..k).map(|i| x[t * k + i] * deq[j * k + i]).sum();
+                assert!((wide[t * (m + 3) + 3 + j] - e).abs() < tol);
+            }
+            assert_eq!(&wide[t * (m + 3)..t * (m + 3) + 3], &[0.0, 0.0, 0.0]);
         }
-        assert_eq!(&wide[t * (m + 3)..t * (m + 3) + 3], &[0.0, 0.0, 0.0]);
     }
 }
 
@@ -94,7 +115,10 @@ fn attention_matches_naive_causal_gqa_with_window() {
                 let s: Vec<f64> = (lo..=t)
                     .map(|j| {
                         (0..hd)
-                            .map(|d| q[t * heads * hd + h * hd + d] as f64 * kc[j * kv_stride + g * hd + d] as f64)
+                            .map(|d| {
+                                q[t * heads * hd + h * hd + d] as f64
+                                    * kc[j * kv_stride + g * hd + d] as f64
+                            })
                             .sum::<f64>()
                             * 0.3
                     })
@@ -103,7 +127,10 @@ fn attention_matches_naive_causal_gqa_with_window() {
                 let e: Vec<f64> = s.iter().map(|v| (v - mx).exp()).collect();
                 let z: f64 = e.iter().sum();
                 for d in 0..hd {
-                    let want: f64 = (lo..=t).zip(&e).map(|(j, w)| w / z * vc[j * kv_stride + g * hd + d] as f64).sum();
+                    let want: f64 = (lo..=t)
+                        .zip(&e)
+                        .map(|(j, w)| w / z * vc[j * kv_stride + g * hd + d] as f64)
+                        .sum();
                     let got = out[t * heads * hd + h * hd + d] as f64;
                     assert!((got - want).abs() < 1e-5, "t{t} h{h} d{d} {window:?}");
                 }
@@ -118,11 +145,21 @@ fn interleaved_rope_is_neox_rope_on_permuted_dims() {
     let mut r = rng();
     let hd = 16;
     let x = rand_vec(&mut r, 2 * hd);
-    let inv: Vec<f32> = (0..hd / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / hd as f32)).collect();
+    let inv: Vec<f32> = (0..hd / 2)
+        .map(|i| 10000f32.powf(-2.0 * i as f32 / hd as f32))
+        .collect();
     let pos = [3u32, 17];
     let v = Rows::dense(2, hd);
     let mut neox = x.clone();
-    be.rope(&mut neox, v, &pos, RopeParams { layout: RopeLayout::Neox, inv_freq: &inv });
+    be.rope(
+        &mut neox,
+        v,
+        &pos,
+        RopeParams {
+            layout: RopeLayout::Neox,
+            inv_freq: &inv,
+        },
+    );
     // Interleave the halves: dims (i, i + hd/2) become (2i, 2i + 1).
     let perm = |src: &[f32]| -> Vec<f32> {
         let mut o = vec![0.0; src.len()];
@@ -135,11 +172,27 @@ fn interleaved_rope_is_neox_rope_on_permuted_dims() {
         o
     };
     let mut inter = perm(&x);
-    be.rope(&mut inter, v, &pos, RopeParams { layout: RopeLayout::Interleaved, inv_freq: &inv });
+    be.rope(
+        &mut inter,
+        v,
+        &pos,
+        RopeParams {
+            layout: RopeLayout::Interleaved,
+            inv_freq: &inv,
+        },
+    );
     assert_eq!(inter, perm(&neox));
     // Position 0 is the identity.
     let mut same = x.clone();
-    be.rope(&mut same, v, &[0, 0], RopeParams { layout: RopeLayout::Neox, inv_freq: &inv });
+    be.rope(
+        &mut same,
+        v,
+        &[0, 0],
+        RopeParams {
+            layout: RopeLayout::Neox,
+            inv_freq: &inv,
+        },
+    );
     assert_eq!(same, x);
 }
 
@@ -178,7 +231,9 @@ fn silu_mul_and_embed() {
     assert!((out[1] - silu(-2.0) * 0.5).abs() < 1e-6);
 
     let table: Vec<f32> = (0..12).map(|v| v as f32).collect();
-    let t = be.load_weight(&f32_tensor("e", vec![4, 3], &table)).unwrap();
+    let t = be
+        .load_weight(&f32_tensor("e", vec![4, 3], &table))
+        .unwrap();
     let mut e = vec![0.0; 6];
     be.embed(&t, &[2, 0], &mut e, Rows::dense(2, 3));
     assert_eq!(e, vec![6.0, 7.0, 8.0, 0.0, 1.0, 2.0]);

@@ -123,9 +123,10 @@ pub fn dequantize_q3k(blocks: &[BlockQ3K], out: &mut [f32]) {
                 for part in 0..2 {
                     let dl = d_all * scales[is] as f32;
                     is += 1;
-                    for l in part * 16..part * 16 + 16 {
-                        let low = ((q[l] >> shift) & 3) as i32;
-                        let high = if b.hmask[l] & m != 0 { 0 } else { 4 };
+                    let range = part * 16..part * 16 + 16;
+                    for (&ql, &hm) in q[range.clone()].iter().zip(&b.hmask[range]) {
+                        let low = ((ql >> shift) & 3) as i32;
+                        let high = if hm & m != 0 { 0 } else { 4 };
                         y[i] = dl * (low - high) as f32;
                         i += 1;
                     }
@@ -210,5 +211,297 @@ pub fn dequantize_q6k(blocks: &[BlockQ6K], out: &mut [f32]) {
                 y[l + 96] = d * sc[is + 6] as f32 * q4 as f32;
             }
         }
+    }
+}
+
+use super::q8::BlockQ8K;
+
+/// All eight (scale, min) pairs of a Q4_K / Q5_K block.
+fn scales_mins(q: &[u8; K_SCALE_SIZE]) -> ([u8; 8], [u8; 8]) {
+    let mut sc = [0u8; 8];
+    let mut mn = [0u8; 8];
+    for j in 0..8 {
+        (sc[j], mn[j]) = scale_min_k4(j, q);
+    }
+    (sc, mn)
+}
+
+/// `Σ_j mins[j] · (sum of the 32 activations of sub-block j)`.
+fn mins_dot(mins: &[u8; 8], bsums: &[i16; 16]) -> i32 {
+    (0..8)
+        .map(|j| mins[j] as i32 * (bsums[2 * j] as i32 + bsums[2 * j + 1] as i32))
+        .sum()
+}
+
+pub fn vec_dot_q2k(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
+    let mut sum = 0f32;
+    for (b, q) in w.iter().zip(a) {
+        let summs: i32 = (0..16)
+            .map(|g| (b.scales[g] >> 4) as i32 * q.bsums[g] as i32)
+            .sum();
+        let mut isum = 0i32;
+        let mut i = 0;
+        let mut is = 0;
+        for half in 0..2 {
+            let qs = &b.qs[half * 32..half * 32 + 32];
+            for shift in [0u32, 2, 4, 6] {
+                for part in 0..2 {
+                    let sc = (b.scales[is] & 0x0f) as i32;
+                    is += 1;
+                    let mut s = 0i32;
+                    for &ql in &qs[part * 16..part * 16 + 16] {
+                        s += ((ql >> shift) & 3) as i32 * q.qs[i] as i32;
+                        i += 1;
+                    }
+                    isum += sc * s;
+                }
+            }
+        }
+        sum += q.d * b.d.to_f32() * isum as f32 - q.d * b.dmin.to_f32() * summs as f32;
+    }
+    sum
+}
+
+pub fn vec_dot_q3k(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
+    let mut sum = 0f32;
+    for (b, q) in w.iter().zip(a) {
+        let scales = q3k_scales(&b.scales);
+        let mut isum = 0i32;
+        let mut i = 0;
+        let mut is = 0;
+        let mut m: u8 = 1;
+        for half in 0..2 {
+            let qs = &b.qs[half * 32..half * 32 + 32];
+            for shift in [0u32, 2, 4, 6] {
+                for part in 0..2 {
+                    let mut s = 0i32;
+                    let range = part * 16..part * 16 + 16;
+                    for (&ql, &hm) in qs[range.clone()].iter().zip(&b.hmask[range]) {
+                        let low = ((ql >> shift) & 3) as i32;
+                        let high = if hm & m != 0 { 0 } else { 4 };
+                        s += (low - high) * q.qs[i] as i32;
+                        i += 1;
+                    }
+                    isum += scales[is] as i32 * s;
+                    is += 1;
+                }
+                m = m.wrapping_shl(1);
+            }
+        }
+        sum += q.d * b.d.to_f32() * isum as f32;
+    }
+    sum
+}
+
+pub fn vec_dot_q4k(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
+    let mut sum = 0f32;
+    for (b, q) in w.iter().zip(a) {
+        let (sc, mn) = scales_mins(&b.scales);
+        let mut isum = 0i32;
+        for c in 0..4 {
+            let qs = &b.qs[c * 32..c * 32 + 32];
+            let y = &q.qs[c * 64..c * 64 + 64];
+            let (mut lo, mut hi) = (0i32, 0i32);
+            for l in 0..32 {
+                lo += (qs[l] & 0x0f) as i32 * y[l] as i32;
+                hi += (qs[l] >> 4) as i32 * y[l + 32] as i32;
+            }
+            isum += sc[2 * c] as i32 * lo + sc[2 * c + 1] as i32 * hi;
+        }
+        sum += q.d * b.d.to_f32() * isum as f32
+            - q.d * b.dmin.to_f32() * mins_dot(&mn, &q.bsums) as f32;
+    }
+    sum
+}
+
+pub fn vec_dot_q5k(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
+    let mut sum = 0f32;
+    for (b, q) in w.iter().zip(a) {
+        let (sc, mn) = scales_mins(&b.scales);
+        let mut isum = 0i32;
+        for c in 0..4 {
+            let qs = &b.qs[c * 32..c * 32 + 32];
+            let y = &q.qs[c * 64..c * 64 + 64];
+            let (u1, u2) = (1u8 << (2 * c), 2u8 << (2 * c));
+            let (mut lo, mut hi) = (0i32, 0i32);
+            for l in 0..32 {
+                let h1 = if b.qh[l] & u1 != 0 { 16 } else { 0 };
+                let h2 = if b.qh[l] & u2 != 0 { 16 } else { 0 };
+                lo += ((qs[l] & 0x0f) + h1) as i32 * y[l] as i32;
+                hi += ((qs[l] >> 4) + h2) as i32 * y[l + 32] as i32;
+            }
+            isum += sc[2 * c] as i32 * lo + sc[2 * c + 1] as i32 * hi;
+        }
+        sum += q.d * b.d.to_f32() * isum as f32
+            - q.d * b.dmin.to_f32() * mins_dot(&mn, &q.bsums) as f32;
+    }
+    sum
+}
+
+pub fn vec_dot_q6k(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
+    let mut sum = 0f32;
+    for (b, q) in w.iter().zip(a) {
+        let mut isum = 0i32;
+        for half in 0..2 {
+            let ql = &b.ql[half * 64..half * 64 + 64];
+            let qh = &b.qh[half * 32..half * 32 + 32];
+            let sc = &b.scales[half * 8..half * 8 + 8];
+            let y = &q.qs[half * 128..half * 128 + 128];
+            for l in 0..32 {
+                let is = l / 16;
+                let q1 = ((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) as i32 - 32;
+                let q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                isum += sc[is] as i32 * q1 * y[l] as i32
+                    + sc[is + 2] as i32 * q2 * y[l + 32] as i32
+                    + sc[is + 4] as i32 * q3 * y[l + 64] as i32
+                    + sc[is + 6] as i32 * q4 * y[l + 96] as i32;
+            }
+        }
+        sum += q.d * b.d.to_f32() * isum as f32;
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2 {
+    use super::*;
+    use crate::cpu::quant::q8::hsum_ps;
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU supports AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn vec_dot_q4k(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
+        let m4 = _mm256_set1_epi8(0x0f);
+        let mut acc = _mm256_setzero_ps();
+        let mut mins = 0f32;
+        for (b, q) in w.iter().zip(a) {
+            let (sc, mn) = scales_mins(&b.scales);
+            let mut isum = _mm256_setzero_si256();
+            for c in 0..4 {
+                let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * c) as *const __m256i);
+                let lo = _mm256_and_si256(raw, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                let ylo = _mm256_loadu_si256(q.qs.as_ptr().add(64 * c) as *const __m256i);
+                let yhi = _mm256_loadu_si256(q.qs.as_ptr().add(64 * c + 32) as *const __m256i);
+                let plo = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(lo, ylo),
+                    _mm256_set1_epi16(sc[2 * c] as i16),
+                );
+                let phi = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(hi, yhi),
+                    _mm256_set1_epi16(sc[2 * c + 1] as i16),
+                );
+                isum = _mm256_add_epi32(isum, _mm256_add_epi32(plo, phi));
+            }
+            acc = _mm256_fmadd_ps(
+                _mm256_set1_ps(q.d * b.d.to_f32()),
+                _mm256_cvtepi32_ps(isum),
+                acc,
+            );
+            mins += q.d * b.dmin.to_f32() * mins_dot(&mn, &q.bsums) as f32;
+        }
+        hsum_ps(acc) - mins
+    }
+
+    /// # Safety
+    /// The CPU supports AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn vec_dot_q5k(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
+        let m4 = _mm256_set1_epi8(0x0f);
+        let one = _mm256_set1_epi8(1);
+        let mut acc = _mm256_setzero_ps();
+        let mut mins = 0f32;
+        for (b, q) in w.iter().zip(a) {
+            let (sc, mn) = scales_mins(&b.scales);
+            let qh = _mm256_loadu_si256(b.qh.as_ptr() as *const __m256i);
+            let mut isum = _mm256_setzero_si256();
+            for c in 0..4 {
+                let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * c) as *const __m256i);
+                // Fifth bits: bit 2c of each qh byte for the low nibbles, 2c+1 for the high.
+                let hlo =
+                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c as i32)), one);
+                let hhi = _mm256_and_si256(
+                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c as i32 + 1)),
+                    one,
+                );
+                let lo = _mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_slli_epi16(hlo, 4));
+                let hi = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
+                    _mm256_slli_epi16(hhi, 4),
+                );
+                let ylo = _mm256_loadu_si256(q.qs.as_ptr().add(64 * c) as *const __m256i);
+                let yhi = _mm256_loadu_si256(q.qs.as_ptr().add(64 * c + 32) as *const __m256i);
+                let plo = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(lo, ylo),
+                    _mm256_set1_epi16(sc[2 * c] as i16),
+                );
+                let phi = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(hi, yhi),
+                    _mm256_set1_epi16(sc[2 * c + 1] as i16),
+                );
+                isum = _mm256_add_epi32(isum, _mm256_add_epi32(plo, phi));
+            }
+            acc = _mm256_fmadd_ps(
+                _mm256_set1_ps(q.d * b.d.to_f32()),
+                _mm256_cvtepi32_ps(isum),
+                acc,
+            );
+            mins += q.d * b.dmin.to_f32() * mins_dot(&mn, &q.bsums) as f32;
+        }
+        hsum_ps(acc) - mins
+    }
+
+    /// Q6_K: the 6-bit values are used unsigned (0..63) in `maddubs`, and the offset of 32
+    /// is taken back out through the activation group sums.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn vec_dot_q6k(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
+        let m4 = _mm256_set1_epi8(0x0f);
+        let m2 = _mm256_set1_epi8(0x03);
+        let mut acc = _mm256_setzero_ps();
+        let mut corr = 0f32;
+        for (b, q) in w.iter().zip(a) {
+            let mut isum = _mm256_setzero_si256();
+            for half in 0..2 {
+                let ql0 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * half) as *const __m256i);
+                let ql1 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * half + 32) as *const __m256i);
+                let qh = _mm256_loadu_si256(b.qh.as_ptr().add(32 * half) as *const __m256i);
+                let h = |shift: i32| -> __m256i {
+                    // Two high bits at `shift`, moved up to bits 4-5 of each byte.
+                    let bits = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), m2);
+                    _mm256_slli_epi16(bits, 4)
+                };
+                let v = [
+                    _mm256_or_si256(_mm256_and_si256(ql0, m4), h(0)),
+                    _mm256_or_si256(_mm256_and_si256(ql1, m4), h(2)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), h(4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), h(6)),
+                ];
+                for (k, vk) in v.iter().enumerate() {
+                    let y = _mm256_loadu_si256(
+                        q.qs.as_ptr().add(128 * half + 32 * k) as *const __m256i
+                    );
+                    let g = 8 * half + 2 * k;
+                    let scales = _mm256_set_m128i(
+                        _mm_set1_epi16(b.scales[g + 1] as i16),
+                        _mm_set1_epi16(b.scales[g] as i16),
+                    );
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(*vk, y), scales);
+                    isum = _mm256_add_epi32(isum, p);
+                }
+            }
+            let d = q.d * b.d.to_f32();
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(isum), acc);
+            let off: i32 = (0..16)
+                .map(|g| b.scales[g] as i32 * q.bsums[g] as i32)
+                .sum();
+            corr += d * (32 * off) as f32;
+        }
+        hsum_ps(acc) - corr
     }
 }

@@ -7,6 +7,7 @@ pub mod q4_0;
 pub mod q4_1;
 pub mod q5_0;
 pub mod q5_1;
+pub mod q8;
 pub mod q8_0;
 
 use ferrum_core::DType;
@@ -17,7 +18,9 @@ use half::{bf16, f16};
 /// tensors always are).
 pub fn cast_blocks<B: Copy>(bytes: &[u8]) -> Option<&[B]> {
     let size = std::mem::size_of::<B>();
-    if bytes.len() % size != 0 || (bytes.as_ptr() as usize) % std::mem::align_of::<B>() != 0 {
+    if !bytes.len().is_multiple_of(size)
+        || !(bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<B>())
+    {
         return None;
     }
     // SAFETY: length and alignment checked above; every block type is plain old data made of
@@ -77,4 +80,81 @@ fn run<B: Copy>(bytes: &[u8], out: &mut [f32], f: fn(&[B], &mut [f32])) -> bool 
 /// Whether [`dequantize`] handles a format.
 pub fn can_dequantize(dtype: DType) -> bool {
     !matches!(dtype, DType::Q8_1 | DType::Q8K)
+}
+
+use q8::{BlockQ8, BlockQ8K};
+
+/// A weight row's dot product against one quantised activation row. Which activation
+/// format a weight format pairs with is part of the kernel.
+#[derive(Clone, Copy)]
+pub enum Kernel {
+    Q8(fn(&[u8], &[BlockQ8]) -> f32),
+    Q8K(fn(&[u8], &[BlockQ8K]) -> f32),
+}
+
+/// Casts bytes to a block slice for a kernel. Weight rows were checked at load to be whole,
+/// aligned blocks, so the empty fallback is unreachable in practice.
+#[inline]
+fn blocks<B: Copy>(w: &[u8]) -> &[B] {
+    let b = cast_blocks::<B>(w);
+    debug_assert!(b.is_some(), "weight row not aligned to its block type");
+    b.unwrap_or(&[])
+}
+
+macro_rules! kernel {
+    ($variant:ident, $block:ty, $f:path) => {
+        Kernel::$variant(|w, a| $f(blocks::<$block>(w), a))
+    };
+    (unsafe $variant:ident, $block:ty, $f:path) => {
+        // SAFETY: only chosen after runtime detection of AVX2 and FMA.
+        Kernel::$variant(|w, a| unsafe { $f(blocks::<$block>(w), a) })
+    };
+}
+
+/// The portable integer kernel of a weight format (also the reference the SIMD kernels are
+/// tested against). `None` for float formats, which take the f32 path.
+pub fn scalar_kernel(dtype: DType) -> Option<Kernel> {
+    Some(match dtype {
+        DType::Q4_0 => kernel!(Q8, q4_0::BlockQ4_0, q4_0::vec_dot),
+        DType::Q4_1 => kernel!(Q8, q4_1::BlockQ4_1, q4_1::vec_dot),
+        DType::Q5_0 => kernel!(Q8, q5_0::BlockQ5_0, q5_0::vec_dot),
+        DType::Q5_1 => kernel!(Q8, q5_1::BlockQ5_1, q5_1::vec_dot),
+        DType::Q8_0 => kernel!(Q8, q8_0::BlockQ8_0, q8_0::vec_dot),
+        DType::Q2K => kernel!(Q8K, k_quants::BlockQ2K, k_quants::vec_dot_q2k),
+        DType::Q3K => kernel!(Q8K, k_quants::BlockQ3K, k_quants::vec_dot_q3k),
+        DType::Q4K => kernel!(Q8K, k_quants::BlockQ4K, k_quants::vec_dot_q4k),
+        DType::Q5K => kernel!(Q8K, k_quants::BlockQ5K, k_quants::vec_dot_q5k),
+        DType::Q6K => kernel!(Q8K, k_quants::BlockQ6K, k_quants::vec_dot_q6k),
+        _ => return None,
+    })
+}
+
+/// The fastest kernel this CPU runs for a weight format.
+pub fn best_kernel(dtype: DType) -> Option<Kernel> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            let k = match dtype {
+                DType::Q4_0 => Some(kernel!(unsafe Q8, q4_0::BlockQ4_0, q4_0::avx2::vec_dot)),
+                DType::Q4_1 => Some(kernel!(unsafe Q8, q4_1::BlockQ4_1, q4_1::avx2::vec_dot)),
+                DType::Q5_0 => Some(kernel!(unsafe Q8, q5_0::BlockQ5_0, q5_0::avx2::vec_dot)),
+                DType::Q5_1 => Some(kernel!(unsafe Q8, q5_1::BlockQ5_1, q5_1::avx2::vec_dot)),
+                DType::Q8_0 => Some(kernel!(unsafe Q8, q8_0::BlockQ8_0, q8_0::avx2::vec_dot)),
+                DType::Q4K => {
+                    Some(kernel!(unsafe Q8K, k_quants::BlockQ4K, k_quants::avx2::vec_dot_q4k))
+                }
+                DType::Q5K => {
+                    Some(kernel!(unsafe Q8K, k_quants::BlockQ5K, k_quants::avx2::vec_dot_q5k))
+                }
+                DType::Q6K => {
+                    Some(kernel!(unsafe Q8K, k_quants::BlockQ6K, k_quants::avx2::vec_dot_q6k))
+                }
+                _ => None,
+            };
+            if k.is_some() {
+                return k;
+            }
+        }
+    }
+    scalar_kernel(dtype)
 }

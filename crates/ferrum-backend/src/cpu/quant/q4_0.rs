@@ -22,3 +22,41 @@ pub fn dequantize(blocks: &[BlockQ4_0], out: &mut [f32]) {
         }
     }
 }
+
+use super::q8::BlockQ8;
+
+/// `Σ w·a` over matching blocks, integer dot per block.
+pub fn vec_dot(w: &[BlockQ4_0], a: &[BlockQ8]) -> f32 {
+    let mut sum = 0f32;
+    for (b, q) in w.iter().zip(a) {
+        let mut isum = 0i32;
+        for j in 0..QK / 2 {
+            isum += ((b.qs[j] & 0x0f) as i32 - 8) * q.qs[j] as i32;
+            isum += ((b.qs[j] >> 4) as i32 - 8) * q.qs[j + QK / 2] as i32;
+        }
+        sum += isum as f32 * (b.d.to_f32() * q.d);
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2 {
+    use super::*;
+    use crate::cpu::quant::q8::{hsum_ps, mul_sum_i8, nibbles};
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU supports AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn vec_dot(w: &[BlockQ4_0], a: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let off = _mm256_set1_epi8(8);
+        for (b, q) in w.iter().zip(a) {
+            let d = _mm256_set1_ps(b.d.to_f32() * q.d);
+            let x = _mm256_sub_epi8(nibbles(b.qs.as_ptr()), off);
+            let y = _mm256_loadu_si256(q.qs.as_ptr() as *const __m256i);
+            acc = _mm256_fmadd_ps(d, mul_sum_i8(x, y), acc);
+        }
+        hsum_ps(acc)
+    }
+}

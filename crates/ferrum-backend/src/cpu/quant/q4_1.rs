@@ -23,3 +23,42 @@ pub fn dequantize(blocks: &[BlockQ4_1], out: &mut [f32]) {
         }
     }
 }
+
+use super::q8::BlockQ8;
+
+/// `Σ w·a`: `d_w·d_a·Σ q_w·q_a + m_w·s_a` per block.
+pub fn vec_dot(w: &[BlockQ4_1], a: &[BlockQ8]) -> f32 {
+    let mut sum = 0f32;
+    for (b, q) in w.iter().zip(a) {
+        let mut isum = 0i32;
+        for j in 0..QK / 2 {
+            isum += (b.qs[j] & 0x0f) as i32 * q.qs[j] as i32;
+            isum += (b.qs[j] >> 4) as i32 * q.qs[j + QK / 2] as i32;
+        }
+        sum += isum as f32 * (b.d.to_f32() * q.d) + b.m.to_f32() * q.s;
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2 {
+    use super::*;
+    use crate::cpu::quant::q8::{hsum_ps, mul_sum_u8_i8, nibbles};
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU supports AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn vec_dot(w: &[BlockQ4_1], a: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut mins = 0f32;
+        for (b, q) in w.iter().zip(a) {
+            let d = _mm256_set1_ps(b.d.to_f32() * q.d);
+            let x = nibbles(b.qs.as_ptr());
+            let y = _mm256_loadu_si256(q.qs.as_ptr() as *const __m256i);
+            acc = _mm256_fmadd_ps(d, mul_sum_u8_i8(x, y), acc);
+            mins += b.m.to_f32() * q.s;
+        }
+        hsum_ps(acc) + mins
+    }
+}

@@ -28,3 +28,46 @@ pub fn dequantize(blocks: &[BlockQ5_0], out: &mut [f32]) {
         }
     }
 }
+
+use super::q8::BlockQ8;
+
+pub fn vec_dot(w: &[BlockQ5_0], a: &[BlockQ8]) -> f32 {
+    let mut sum = 0f32;
+    for (b, q) in w.iter().zip(a) {
+        let qh = u32::from_le_bytes(b.qh);
+        let mut isum = 0i32;
+        for j in 0..QK / 2 {
+            let h0 = ((qh >> j) << 4) & 0x10;
+            let h1 = (qh >> (j + 12)) & 0x10;
+            isum += (((b.qs[j] as u32 & 0x0f) | h0) as i32 - 16) * q.qs[j] as i32;
+            isum += (((b.qs[j] as u32 >> 4) | h1) as i32 - 16) * q.qs[j + QK / 2] as i32;
+        }
+        sum += isum as f32 * (b.d.to_f32() * q.d);
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2 {
+    use super::*;
+    use crate::cpu::quant::q8::{bytes_from_bits, hsum_ps, mul_sum_i8, nibbles};
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU supports AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn vec_dot(w: &[BlockQ5_0], a: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let high = _mm256_set1_epi8(0xf0u8 as i8);
+        for (b, q) in w.iter().zip(a) {
+            let d = _mm256_set1_ps(b.d.to_f32() * q.d);
+            // (q | bit << 4) - 16 as a signed byte: q - 16 (= q | 0xf0) where the bit is clear,
+            // q where it is set.
+            let hbits = bytes_from_bits(u32::from_le_bytes(b.qh));
+            let x = _mm256_or_si256(nibbles(b.qs.as_ptr()), _mm256_andnot_si256(hbits, high));
+            let y = _mm256_loadu_si256(q.qs.as_ptr() as *const __m256i);
+            acc = _mm256_fmadd_ps(d, mul_sum_i8(x, y), acc);
+        }
+        hsum_ps(acc)
+    }
+}

@@ -20,3 +20,39 @@ pub fn dequantize(blocks: &[BlockQ8_0], out: &mut [f32]) {
         }
     }
 }
+
+use super::q8::BlockQ8;
+
+pub fn vec_dot(w: &[BlockQ8_0], a: &[BlockQ8]) -> f32 {
+    let mut sum = 0f32;
+    for (b, q) in w.iter().zip(a) {
+        let isum: i32 =
+            b.qs.iter()
+                .zip(&q.qs)
+                .map(|(&x, &y)| x as i32 * y as i32)
+                .sum();
+        sum += isum as f32 * (b.d.to_f32() * q.d);
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2 {
+    use super::*;
+    use crate::cpu::quant::q8::{hsum_ps, mul_sum_i8};
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU supports AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn vec_dot(w: &[BlockQ8_0], a: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (b, q) in w.iter().zip(a) {
+            let d = _mm256_set1_ps(b.d.to_f32() * q.d);
+            let x = _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i);
+            let y = _mm256_loadu_si256(q.qs.as_ptr() as *const __m256i);
+            acc = _mm256_fmadd_ps(d, mul_sum_i8(x, y), acc);
+        }
+        hsum_ps(acc)
+    }
+}

@@ -1,0 +1,147 @@
+//! 8-bit activation formats. Before a quantised matmul, each activation row is quantised
+//! once, so the dot products run on integers (AVX2 `maddubs`/`madd`):
+//! - [`BlockQ8`]: 32 values, f32 scale and the scaled sum `s = d·Σq` (the sum lets Q4_1 and
+//!   Q5_1 fold in their minimums without touching the values). Paired with Q4_0/Q4_1/Q5_0/
+//!   Q5_1/Q8_0 weights. Our own layout (GGML's Q8_1 keeps d and s in f16); f32 loses less.
+//! - [`BlockQ8K`]: GGML's Q8_K, 256 values with sums of each 16 (for the K-quants).
+
+use super::k_quants::QK_K;
+
+pub const QK8: usize = 32;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BlockQ8 {
+    pub d: f32,
+    pub s: f32,
+    pub qs: [i8; QK8],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ8>() == 40);
+
+impl Default for BlockQ8 {
+    fn default() -> Self {
+        BlockQ8 {
+            d: 0.0,
+            s: 0.0,
+            qs: [0; QK8],
+        }
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BlockQ8K {
+    pub d: f32,
+    pub qs: [i8; QK_K],
+    /// Sum of each group of 16 quants.
+    pub bsums: [i16; QK_K / 16],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ8K>() == 292);
+
+impl Default for BlockQ8K {
+    fn default() -> Self {
+        BlockQ8K {
+            d: 0.0,
+            qs: [0; QK_K],
+            bsums: [0; QK_K / 16],
+        }
+    }
+}
+
+/// Round-to-nearest with scale `max|x| / 127`, as GGML's reference quantiser does.
+pub fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
+    for (blk, o) in x.chunks_exact(QK8).zip(out.iter_mut()) {
+        let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in o.qs.iter_mut().zip(blk) {
+            *q = (v * id).round() as i8;
+            sum += *q as i32;
+        }
+        o.d = d;
+        o.s = d * sum as f32;
+    }
+}
+
+pub fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
+    for (blk, o) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
+        let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+        if amax == 0.0 {
+            *o = BlockQ8K::default();
+            continue;
+        }
+        let d = amax / 127.0;
+        let id = 1.0 / d;
+        for (q, &v) in o.qs.iter_mut().zip(blk) {
+            *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+        }
+        for (g, s) in o.bsums.iter_mut().enumerate() {
+            *s = o.qs[g * 16..g * 16 + 16].iter().map(|&q| q as i16).sum();
+        }
+        o.d = d;
+    }
+}
+
+/// Sums eight f32 lanes in a fixed order (shared by the AVX2 kernels).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn hsum_ps(v: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let h = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)))
+}
+
+/// `Σ x·y` of 32 signed bytes as eight f32 lanes: `maddubs` wants an unsigned left operand,
+/// so the signs move onto `y` first.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn mul_sum_i8(
+    x: std::arch::x86_64::__m256i,
+    y: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let ax = _mm256_sign_epi8(x, x);
+    let sy = _mm256_sign_epi8(y, x);
+    mul_sum_u8_i8(ax, sy)
+}
+
+/// `Σ x·y` of 32 unsigned × signed bytes as eight f32 lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn mul_sum_u8_i8(
+    x: std::arch::x86_64::__m256i,
+    y: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let pairs = _mm256_maddubs_epi16(x, y);
+    _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+}
+
+/// 32 bytes, byte `i` all ones where bit `i` of `bits` is set.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn bytes_from_bits(bits: u32) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // Byte i takes source byte i / 8 (the 4 bytes are replicated in both 128-bit lanes).
+    let shuf = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3,
+    );
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), shuf);
+    let sel = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    _mm256_cmpeq_epi8(_mm256_and_si256(bytes, sel), sel)
+}
+
+/// 16 packed bytes → 32 nibbles: low nibbles first, then high nibbles.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn nibbles(p: *const u8) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let raw = _mm_loadu_si128(p as *const __m128i);
+    let m = _mm_set1_epi8(0x0f);
+    let lo = _mm_and_si128(raw, m);
+    let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m);
+    _mm256_set_m128i(hi, lo)
+}

