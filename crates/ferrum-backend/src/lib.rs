@@ -114,6 +114,29 @@ pub struct AttentionParams {
     pub softcap: Option<f32>,
 }
 
+/// One expert's SwiGLU weights: `down(silu(gate(x)) · up(x))`.
+pub struct ExpertWeights<W> {
+    pub gate: W,
+    pub up: W,
+    pub down: W,
+}
+
+/// The tokens routed to one expert, with their routing weights. Token indices are rows of the
+/// MoE input view.
+pub struct ExpertBatch<'a> {
+    pub expert: usize,
+    pub tokens: &'a [u32],
+    pub weights: &'a [f32],
+}
+
+/// Working buffers of the MoE layer, each sized for every token of a chunk.
+pub struct MoeScratch<B> {
+    pub x: B,
+    pub gu: B,
+    pub act: B,
+    pub y: B,
+}
+
 /// The primitive ops of a decoder. `Buf` holds f32 activations; `Weight` holds a tensor in
 /// its stored format (quantised weights stay quantised).
 pub trait Backend: Send + Sync {
@@ -190,6 +213,84 @@ pub trait Backend: Send + Sync {
 
     /// Multiplies every element of the view by `s` (embedding scaling).
     fn scale_inplace(&self, x: &mut Self::Buf, xv: Rows, s: f32);
+
+    /// Sets every element of the view to `value`.
+    fn fill(&self, x: &mut Self::Buf, xv: Rows, value: f32);
+
+    /// `dst[t] = src[rows[t]]`: collects the tokens routed to one expert.
+    fn gather_rows(&self, src: &Self::Buf, sv: Rows, rows: &[u32], dst: &mut Self::Buf, dv: Rows);
+
+    /// `dst[rows[t]] += scales[t] · src[t]`, in order of `t`: adds an expert's weighted output
+    /// back into its tokens.
+    fn scatter_add_rows(
+        &self,
+        src: &Self::Buf,
+        sv: Rows,
+        rows: &[u32],
+        scales: &[f32],
+        dst: &mut Self::Buf,
+        dv: Rows,
+    );
+
+    /// Rows `[first, first + count)` of a loaded weight, as a weight of its own (one expert of
+    /// a stacked expert tensor), sharing the storage.
+    fn weight_rows(&self, w: &Self::Weight, first: usize, count: usize) -> Result<Self::Weight>;
+
+    /// Mixture-of-experts SwiGLU: `out[t] = Σ_e w_{t,e} · expert_e(x[t])` over the batches,
+    /// each expert run once over all of its tokens (a matrix-matrix product), contributions
+    /// added in batch order. The default composes the primitives; a backend may override it
+    /// (e.g. a single-token decode path that visits all selected experts in one pass).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_ffn(
+        &self,
+        x: &Self::Buf,
+        xv: Rows,
+        experts: &[ExpertWeights<Self::Weight>],
+        batches: &[ExpertBatch],
+        scratch: &mut MoeScratch<Self::Buf>,
+        out: &mut Self::Buf,
+        ov: Rows,
+    ) {
+        self.fill(out, ov, 0.0);
+        for b in batches {
+            let e = &experts[b.expert];
+            let (f, h) = self.weight_shape(&e.gate);
+            let m = b.tokens.len();
+            let xe = Rows::dense(m, h);
+            self.gather_rows(x, xv, b.tokens, &mut scratch.x, xe);
+            self.matmul(
+                &scratch.x,
+                xe,
+                &e.gate,
+                None,
+                &mut scratch.gu,
+                Rows::columns(m, 2 * f, 0, f),
+            );
+            self.matmul(
+                &scratch.x,
+                xe,
+                &e.up,
+                None,
+                &mut scratch.gu,
+                Rows::columns(m, 2 * f, f, f),
+            );
+            self.silu_mul(
+                &scratch.gu,
+                Rows::dense(m, 2 * f),
+                &mut scratch.act,
+                Rows::dense(m, f),
+            );
+            self.matmul(
+                &scratch.act,
+                Rows::dense(m, f),
+                &e.down,
+                None,
+                &mut scratch.y,
+                xe,
+            );
+            self.scatter_add_rows(&scratch.y, xe, b.tokens, b.weights, out, ov);
+        }
+    }
 
     /// Residual add followed by the next norm: `x += y; out = rms_norm(x)`. The default
     /// composes the primitives.

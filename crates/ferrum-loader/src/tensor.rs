@@ -80,6 +80,24 @@ impl RawTensor {
         ))
     }
 
+    /// Rows `[first, first + count)` of the tensor seen as a matrix of `row_len()` columns:
+    /// one expert's slab of a stacked expert tensor, without copying. `None` if out of range.
+    pub fn rows(&self, first: usize, count: usize) -> Option<RawTensor> {
+        let cols = self.row_len();
+        let row_bytes = self.dtype.bytes_for(cols)?;
+        if first.checked_add(count)? > self.n_rows() {
+            return None;
+        }
+        Some(RawTensor {
+            name: format!("{}[rows {first}..{}]", self.name, first + count),
+            dtype: self.dtype,
+            shape: vec![count, cols],
+            storage: self.storage.clone(),
+            offset: self.offset + first * row_bytes,
+            len: count * row_bytes,
+        })
+    }
+
     pub fn bytes(&self) -> &[u8] {
         &self.storage.bytes()[self.offset..self.offset + self.len]
     }

@@ -13,6 +13,8 @@ pub enum Arch {
     Llama,
     Qwen2,
     Qwen3,
+    /// Qwen3 attention with a mixture-of-experts FFN.
+    Qwen3Moe,
 }
 
 impl Arch {
@@ -21,6 +23,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3moe",
         }
     }
 }
@@ -39,6 +42,31 @@ pub enum RopeScaling {
     },
     /// Per-frequency divisors stored in the file (GGUF `rope_freqs.weight`).
     Factors(Vec<f32>),
+}
+
+/// The mixture-of-experts settings of a Qwen3-MoE-style model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub n_experts: usize,
+    /// Experts per token (top-k).
+    pub n_active: usize,
+    /// Hidden width of each expert's SwiGLU.
+    pub expert_ffn: usize,
+    /// Divide the top-k routing weights by their sum.
+    pub norm_topk_prob: bool,
+    /// Layers that use the dense MLP instead.
+    pub mlp_only_layers: Vec<usize>,
+    /// Every `sparse_step`-th layer is sparse (`(i + 1) % sparse_step == 0`).
+    pub sparse_step: usize,
+}
+
+impl MoeConfig {
+    /// Whether layer `i` routes to experts (the rule of transformers' `Qwen3MoeDecoderLayer`).
+    pub fn is_moe_layer(&self, i: usize) -> bool {
+        !self.mlp_only_layers.contains(&i)
+            && self.sparse_step > 0
+            && (i + 1) % self.sparse_step == 0
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -60,6 +88,7 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     pub qk_norm: bool,
     pub sliding_window: Option<usize>,
+    pub moe: Option<MoeConfig>,
 }
 
 impl ModelConfig {
@@ -137,6 +166,15 @@ impl ModelConfig {
         if self.hidden_size == 0 || self.n_layers == 0 || self.vocab_size == 0 {
             return bad("hidden size, layer count and vocabulary must be non-zero".into());
         }
+        if let Some(m) = &self.moe {
+            if m.n_experts == 0 || m.n_active == 0 || m.n_active > m.n_experts || m.expert_ffn == 0
+            {
+                return bad(format!(
+                    "{} experts with {} active per token and width {} is not a valid MoE",
+                    m.n_experts, m.n_active, m.expert_ffn
+                ));
+            }
+        }
         Ok(self)
     }
 
@@ -197,12 +235,45 @@ impl ModelConfig {
                 false,
             ),
             Arch::Qwen2 => (true, false),
-            Arch::Qwen3 => (
+            Arch::Qwen3 | Arch::Qwen3Moe => (
                 j.get("attention_bias")
                     .and_then(Json::as_bool)
                     .unwrap_or(false),
                 true,
             ),
+        };
+        let moe = if arch == Arch::Qwen3Moe {
+            // Published checkpoints say `num_experts`; transformers 5 writes `num_local_experts`.
+            let n_experts = j
+                .get("num_experts")
+                .or_else(|| j.get("num_local_experts"))
+                .and_then(Json::as_u64)
+                .ok_or_else(|| Error::Weights("config.json: no num_experts".into()))?;
+            Some(MoeConfig {
+                n_experts: n_experts as usize,
+                n_active: req("num_experts_per_tok")?,
+                expert_ffn: req("moe_intermediate_size")?,
+                norm_topk_prob: j
+                    .get("norm_topk_prob")
+                    .and_then(Json::as_bool)
+                    .unwrap_or(false),
+                mlp_only_layers: j
+                    .get("mlp_only_layers")
+                    .and_then(Json::as_array)
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(Json::as_u64)
+                            .map(|v| v as usize)
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+                sparse_step: j
+                    .get("decoder_sparse_step")
+                    .and_then(Json::as_u64)
+                    .map_or(1, |v| v as usize),
+            })
+        } else {
+            None
         };
         ModelConfig {
             arch,
@@ -212,7 +283,14 @@ impl ModelConfig {
             n_heads,
             n_kv_heads: n_kv,
             head_dim,
-            intermediate_size: req("intermediate_size")?,
+            intermediate_size: j
+                .get("intermediate_size")
+                .and_then(Json::as_u64)
+                .map(|v| v as usize)
+                .or(moe.as_ref().map(|m| m.expert_ffn))
+                .ok_or_else(|| {
+                    Error::Weights("config.json: missing \"intermediate_size\"".into())
+                })?,
             rms_eps: opt_f("rms_norm_eps").unwrap_or(1e-6) as f32,
             rope_theta,
             rope_scaling,
@@ -228,6 +306,7 @@ impl ModelConfig {
             qkv_bias,
             qk_norm,
             sliding_window,
+            moe,
         }
         .validate("config.json")
     }
@@ -266,7 +345,21 @@ impl ModelConfig {
             // Llama GGUFs store Q/K rows permuted for the interleaved rotation.
             Arch::Llama => (false, false, RopeLayout::Interleaved),
             Arch::Qwen2 => (true, false, RopeLayout::Neox),
-            Arch::Qwen3 => (false, true, RopeLayout::Neox),
+            Arch::Qwen3 | Arch::Qwen3Moe => (false, true, RopeLayout::Neox),
+        };
+        // llama.cpp's qwen3moe graph routes every layer and always renormalises the top-k
+        // weights, and its GGUFs carry no key saying otherwise.
+        let moe = if arch == Arch::Qwen3Moe {
+            Some(MoeConfig {
+                n_experts: g.require_usize(&key("expert_count"))?,
+                n_active: g.require_usize(&key("expert_used_count"))?,
+                expert_ffn: g.require_usize(&key("expert_feed_forward_length"))?,
+                norm_topk_prob: true,
+                mlp_only_layers: Vec::new(),
+                sparse_step: 1,
+            })
+        } else {
+            None
         };
         ModelConfig {
             arch,
@@ -276,7 +369,12 @@ impl ModelConfig {
             n_heads,
             n_kv_heads: n_kv,
             head_dim,
-            intermediate_size: g.require_usize(&key("feed_forward_length"))?,
+            intermediate_size: match &moe {
+                Some(m) => g
+                    .get_u64(&key("feed_forward_length"))
+                    .map_or(m.expert_ffn, |v| v as usize),
+                None => g.require_usize(&key("feed_forward_length"))?,
+            },
             rms_eps: g
                 .get_f64(&key("attention.layer_norm_rms_epsilon"))
                 .unwrap_or(1e-6) as f32,
@@ -292,6 +390,7 @@ impl ModelConfig {
             sliding_window: g
                 .get_u64(&key("attention.sliding_window"))
                 .map(|v| v as usize),
+            moe,
         }
         .validate(&g.path.display().to_string())
     }

@@ -8,11 +8,12 @@
 //! V written into the cache → causal GQA attention → O projection → residual add fused with
 //! the FFN's RMSNorm → SwiGLU FFN → residual add.
 
-use ferrum_backend::{AttentionParams, Backend, RopeParams, Rows};
+use ferrum_backend::{AttentionParams, Backend, MoeScratch, RopeParams, Rows};
 use ferrum_core::{Error, Result};
 use ferrum_loader::TensorStore;
 
 use crate::config::{ModelConfig, RopeScaling};
+use crate::moe::{MoeLayer, Router};
 use crate::names;
 
 /// How many tokens one pass through the layers carries; longer inputs go in chunks.
@@ -34,7 +35,7 @@ pub struct WeightSource<'a> {
 }
 
 impl WeightSource<'_> {
-    fn name(&self, hf: &str, layer: usize) -> String {
+    pub fn name(&self, hf: &str, layer: usize) -> String {
         if self.gguf {
             names::gguf_name(hf, layer).unwrap_or_else(|| hf.to_string())
         } else {
@@ -79,6 +80,8 @@ pub enum Ffn<B: Backend> {
         up: B::Weight,
         down: B::Weight,
     },
+    /// Mixture of experts (Qwen3-MoE).
+    Moe(MoeLayer<B>),
 }
 
 pub struct Layer<B: Backend> {
@@ -105,6 +108,17 @@ struct State<B: Backend> {
     logits: B::Buf,
     k_cache: Vec<B::Buf>,
     v_cache: Vec<B::Buf>,
+    moe: Option<MoeState<B>>,
+}
+
+/// Buffers and host-side routing state of the MoE layers.
+struct MoeState<B: Backend> {
+    router_logits: B::Buf,
+    host_logits: Vec<f32>,
+    scratch: MoeScratch<B::Buf>,
+    router: Router,
+    /// Tokens each expert received, per layer (zero for dense layers).
+    counts: Vec<Vec<u64>>,
 }
 
 pub struct Decoder<B: Backend> {
@@ -177,10 +191,13 @@ impl<B: Backend> Decoder<B> {
                 qk_norm,
                 o: l("model.layers.{i}.self_attn.o_proj.weight", (h, qd))?,
                 ffn_norm: l("model.layers.{i}.post_attention_layernorm.weight", (1, h))?,
-                ffn: Ffn::Dense {
-                    gate: l("model.layers.{i}.mlp.gate_proj.weight", (f, h))?,
-                    up: l("model.layers.{i}.mlp.up_proj.weight", (f, h))?,
-                    down: l("model.layers.{i}.mlp.down_proj.weight", (h, f))?,
+                ffn: match &c.moe {
+                    Some(m) if m.is_moe_layer(i) => Ffn::Moe(MoeLayer::load(be, src, i, c, m)?),
+                    _ => Ffn::Dense {
+                        gate: l("model.layers.{i}.mlp.gate_proj.weight", (f, h))?,
+                        up: l("model.layers.{i}.mlp.up_proj.weight", (f, h))?,
+                        down: l("model.layers.{i}.mlp.down_proj.weight", (h, f))?,
+                    },
                 },
             });
         }
@@ -212,6 +229,18 @@ impl<B: Backend> Decoder<B> {
             logits: be.alloc(CHUNK * c.vocab_size),
             k_cache: (0..c.n_layers).map(|_| be.alloc(context * kvd)).collect(),
             v_cache: (0..c.n_layers).map(|_| be.alloc(context * kvd)).collect(),
+            moe: c.moe.as_ref().map(|m| MoeState {
+                router_logits: be.alloc(CHUNK * m.n_experts),
+                host_logits: vec![0.0; CHUNK * m.n_experts],
+                scratch: MoeScratch {
+                    x: be.alloc(CHUNK * h),
+                    gu: be.alloc(CHUNK * 2 * m.expert_ffn),
+                    act: be.alloc(CHUNK * m.expert_ffn),
+                    y: be.alloc(CHUNK * h),
+                },
+                router: Router::new(m),
+                counts: vec![vec![0; m.n_experts]; c.n_layers],
+            }),
         };
         Ok(Decoder {
             inv_freq: config.rope_inv_freq(),
@@ -228,6 +257,18 @@ impl<B: Backend> Decoder<B> {
 
     pub fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// For MoE models: how many tokens each expert has received, per layer, since load or
+    /// the last [`Decoder::reset_expert_stats`].
+    pub fn expert_stats(&self) -> Option<&[Vec<u64>]> {
+        self.state.moe.as_ref().map(|m| m.counts.as_slice())
+    }
+
+    pub fn reset_expert_stats(&mut self) {
+        if let Some(m) = self.state.moe.as_mut() {
+            m.counts.iter_mut().for_each(|c| c.fill(0));
+        }
     }
 
     /// Runs `tokens`, which sit at positions `start..start + tokens.len()` of the sequence
@@ -379,6 +420,34 @@ impl<B: Backend> Decoder<B> {
                     );
                     be.silu_mul(&s.gu, Rows::dense(n, 2 * f), &mut s.act, Rows::dense(n, f));
                     be.matmul(&s.act, Rows::dense(n, f), down, None, &mut s.tmp, hidden);
+                }
+                Ffn::Moe(moe) => {
+                    let ms = s
+                        .moe
+                        .as_mut()
+                        .ok_or_else(|| Error::Weights("MoE layer without MoE state".into()))?;
+                    let ne = moe.experts.len();
+                    be.matmul(
+                        &s.xn,
+                        hidden,
+                        &moe.router,
+                        None,
+                        &mut ms.router_logits,
+                        Rows::dense(n, ne),
+                    );
+                    be.read(&ms.router_logits, 0, &mut ms.host_logits[..n * ne]);
+                    ms.router
+                        .route(&ms.host_logits[..n * ne], n, &mut ms.counts[li]);
+                    let batches = ms.router.batches();
+                    be.moe_ffn(
+                        &s.xn,
+                        hidden,
+                        &moe.experts,
+                        &batches,
+                        &mut ms.scratch,
+                        &mut s.tmp,
+                        hidden,
+                    );
                 }
             }
             // The next layer's input norm rides on this residual add; after the last layer

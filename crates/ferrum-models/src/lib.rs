@@ -8,6 +8,7 @@
 
 pub mod config;
 pub mod decoder;
+pub mod moe;
 pub mod names;
 
 use std::path::Path;
@@ -17,7 +18,7 @@ use ferrum_backend::Backend;
 use ferrum_core::{DType, Error, Result};
 use ferrum_loader::ModelFile;
 
-pub use config::{Arch, ModelConfig};
+pub use config::{Arch, ModelConfig, MoeConfig};
 pub use decoder::{Decoder, Logits, WeightSource};
 
 /// Which architecture a file holds: GGUF `general.architecture`, or a Hugging Face
@@ -28,8 +29,9 @@ pub fn detect_arch(file: &ModelFile) -> Result<Arch> {
             "llama" | "mistral" => Ok(Arch::Llama),
             "qwen2" => Ok(Arch::Qwen2),
             "qwen3" => Ok(Arch::Qwen3),
+            "qwen3moe" => Ok(Arch::Qwen3Moe),
             other => Err(Error::Unsupported(format!(
-                "{}: architecture {other:?} (supported: llama, qwen2, qwen3)",
+                "{}: architecture {other:?} (supported: llama, qwen2, qwen3, qwen3moe)",
                 g.path.display()
             ))),
         },
@@ -44,11 +46,13 @@ pub fn detect_arch(file: &ModelFile) -> Result<Arch> {
                 (Some("LlamaForCausalLM" | "MistralForCausalLM"), _) => Ok(Arch::Llama),
                 (Some("Qwen2ForCausalLM"), _) => Ok(Arch::Qwen2),
                 (Some("Qwen3ForCausalLM"), _) => Ok(Arch::Qwen3),
+                (Some("Qwen3MoeForCausalLM"), _) => Ok(Arch::Qwen3Moe),
                 (None, Some("llama" | "mistral")) => Ok(Arch::Llama),
                 (None, Some("qwen2")) => Ok(Arch::Qwen2),
                 (None, Some("qwen3")) => Ok(Arch::Qwen3),
+                (None, Some("qwen3_moe")) => Ok(Arch::Qwen3Moe),
                 _ => Err(Error::Unsupported(format!(
-                    "{}: architecture {:?} / model_type {:?} (supported: Llama, Mistral, Qwen2, Qwen3)",
+                    "{}: architecture {:?} / model_type {:?} (supported: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE)",
                     h.dir.display(),
                     class,
                     model_type

@@ -63,7 +63,21 @@ pub const DECODER: &[(&str, &str)] = &[
         "blk.{i}.ffn_down.weight",
     ),
     ("rope_freqs.weight", "rope_freqs.weight"),
+    // Mixture of experts: the router. Expert weights are per expert in Hugging Face files
+    // (`mlp.experts.{e}.gate_proj.weight`) and stacked in GGUF (`ffn_gate_exps`, [E, F, H]);
+    // `moe.rs` handles both.
+    (
+        "model.layers.{i}.mlp.gate.weight",
+        "blk.{i}.ffn_gate_inp.weight",
+    ),
 ];
+
+/// GGUF names of the stacked expert tensors: `(gate, up, down)`.
+pub const GGUF_EXPERTS: (&str, &str, &str) = (
+    "blk.{i}.ffn_gate_exps.weight",
+    "blk.{i}.ffn_up_exps.weight",
+    "blk.{i}.ffn_down_exps.weight",
+);
 
 /// The GGUF name of a Hugging Face tensor name with the layer index filled in.
 pub fn gguf_name(hf_template: &str, layer: usize) -> Option<String> {

@@ -458,6 +458,68 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn fill(&self, x: &mut Vec<f32>, xv: Rows, value: f32) {
+        check_view("fill", xv, x.len());
+        let w = xv.width();
+        for t in 0..xv.count {
+            let xi = xv.offset + t * xv.stride;
+            x[xi..xi + w].fill(value);
+        }
+    }
+
+    fn gather_rows(&self, src: &Vec<f32>, sv: Rows, rows: &[u32], dst: &mut Vec<f32>, dv: Rows) {
+        assert_eq!(sv.width(), dv.width());
+        assert_eq!(rows.len(), dv.count);
+        check_view("gather src", sv, src.len());
+        check_view("gather dst", dv, dst.len());
+        let w = sv.width();
+        for (t, &r) in rows.iter().enumerate() {
+            assert!((r as usize) < sv.count, "gather: row {r} of {}", sv.count);
+            let s = sv.offset + r as usize * sv.stride;
+            let d = dv.offset + t * dv.stride;
+            dst[d..d + w].copy_from_slice(&src[s..s + w]);
+        }
+    }
+
+    fn scatter_add_rows(
+        &self,
+        src: &Vec<f32>,
+        sv: Rows,
+        rows: &[u32],
+        scales: &[f32],
+        dst: &mut Vec<f32>,
+        dv: Rows,
+    ) {
+        assert_eq!(sv.width(), dv.width());
+        assert_eq!(rows.len(), sv.count);
+        assert_eq!(scales.len(), rows.len());
+        check_view("scatter src", sv, src.len());
+        check_view("scatter dst", dv, dst.len());
+        let w = sv.width();
+        for (t, (&r, &c)) in rows.iter().zip(scales).enumerate() {
+            assert!((r as usize) < dv.count, "scatter: row {r} of {}", dv.count);
+            let s = sv.offset + t * sv.stride;
+            let d = dv.offset + r as usize * dv.stride;
+            for i in 0..w {
+                dst[d + i] += c * src[s + i];
+            }
+        }
+    }
+
+    fn weight_rows(&self, w: &CpuWeight, first: usize, count: usize) -> Result<CpuWeight> {
+        let WeightData::Mapped(t) = &w.data else {
+            return Err(Error::Weights("row views need a matrix weight".into()));
+        };
+        let view = t.rows(first, count).ok_or_else(|| {
+            Error::Weights(format!(
+                "{}: rows {first}..{} out of range",
+                t.name,
+                first + count
+            ))
+        })?;
+        self.load_weight(&view)
+    }
+
     fn scale_inplace(&self, x: &mut Vec<f32>, xv: Rows, s: f32) {
         check_view("scale", xv, x.len());
         let w = xv.width();
