@@ -65,7 +65,7 @@ impl MoeConfig {
     pub fn is_moe_layer(&self, i: usize) -> bool {
         !self.mlp_only_layers.contains(&i)
             && self.sparse_step > 0
-            && (i + 1) % self.sparse_step == 0
+            && (i + 1).is_multiple_of(self.sparse_step)
     }
 }
 
