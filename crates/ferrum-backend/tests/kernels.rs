@@ -66,9 +66,27 @@ fn simd_equals_scalar_and_both_approximate_f32() {
             let exact: f64 = wf.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
             let (scalar, fast, bound) = match (scalar_kernel(dt).unwrap(), best_kernel(dt).unwrap())
             {
-                (Kernel::Q8(s), Kernel::Q8(f)) => {
+                (
+                    Kernel::Q8 { dot: s, .. },
+                    Kernel::Q8 {
+                        dot: f,
+                        dot4: f4,
+                        rows4: r4,
+                    },
+                ) => {
                     let mut a = vec![BlockQ8::default(); n / 32];
                     quantize_q8(&x, &mut a);
+                    // The four-token kernel gives each token exactly the one-token result.
+                    let x4 = f4(w, [&a, &a, &a, &a]);
+                    assert!(
+                        x4.iter().all(|v| v.to_bits() == f(w, &a).to_bits()),
+                        "{dt}: dot4"
+                    );
+                    let r4v = r4([w, w, w, w], &a);
+                    assert!(
+                        r4v.iter().all(|v| v.to_bits() == f(w, &a).to_bits()),
+                        "{dt}: rows4"
+                    );
                     // |Σ w (x - x̂)| ≤ Σ_blocks Σ|w| · d/2.
                     let bound: f64 = wf
                         .chunks(32)
@@ -79,9 +97,26 @@ fn simd_equals_scalar_and_both_approximate_f32() {
                         .sum();
                     (s(w, &a), f(w, &a), bound)
                 }
-                (Kernel::Q8K(s), Kernel::Q8K(f)) => {
+                (
+                    Kernel::Q8K { dot: s, .. },
+                    Kernel::Q8K {
+                        dot: f,
+                        dot4: f4,
+                        rows4: r4,
+                    },
+                ) => {
                     let mut a = vec![BlockQ8K::default(); n / 256];
                     quantize_q8k(&x, &mut a);
+                    let x4 = f4(w, [&a, &a, &a, &a]);
+                    assert!(
+                        x4.iter().all(|v| v.to_bits() == f(w, &a).to_bits()),
+                        "{dt}: dot4"
+                    );
+                    let r4v = r4([w, w, w, w], &a);
+                    assert!(
+                        r4v.iter().all(|v| v.to_bits() == f(w, &a).to_bits()),
+                        "{dt}: rows4"
+                    );
                     let bound: f64 = wf
                         .chunks(256)
                         .zip(&a)
@@ -134,6 +169,29 @@ fn activation_quantisation_round_trips_within_half_a_step() {
         for g in 0..16 {
             let s: i16 = q.qs[16 * g..16 * g + 16].iter().map(|&v| v as i16).sum();
             assert_eq!(q.bsums[g], s);
+        }
+    }
+}
+
+#[test]
+fn simd_activation_quantisation_equals_scalar_twin() {
+    use ferrum_backend::cpu::quant::q8::{quantize_q8_scalar, quantize_q8k_scalar};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(77);
+    for scale in [0.01f32, 1.0, 300.0] {
+        let mut x: Vec<f32> = (0..1024).map(|_| rng.gen_range(-scale..scale)).collect();
+        x[..32].fill(0.0); // an all-zero block
+        x[40] = 0.5 * scale; // exact halves exercise ties
+        let (mut a, mut b) = (vec![BlockQ8::default(); 32], vec![BlockQ8::default(); 32]);
+        quantize_q8(&x, &mut a);
+        quantize_q8_scalar(&x, &mut b);
+        for (p, q) in a.iter().zip(&b) {
+            assert_eq!((p.d, p.s, p.qs), (q.d, q.s, q.qs));
+        }
+        let (mut a, mut b) = (vec![BlockQ8K::default(); 4], vec![BlockQ8K::default(); 4]);
+        quantize_q8k(&x, &mut a);
+        quantize_q8k_scalar(&x, &mut b);
+        for (p, q) in a.iter().zip(&b) {
+            assert_eq!((p.d, p.qs, p.bsums), (q.d, q.qs, q.bsums));
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The `ferrum` command. Each subcommand is a thin caller of the library crates:
 //! model file → model + tokenizer → session → streamed text.
 
+mod bench;
 mod default_model;
 
 use std::io::{BufRead, Write};
@@ -39,6 +40,19 @@ enum Cmd {
         /// Keep activations in f32 (the reference's math).
         #[arg(long)]
         exact: bool,
+    },
+    /// Prompt-processing and generation speed (llama-bench's pp and tg), with RSS.
+    Bench(bench::BenchArgs),
+    /// Quantise a GGUF file or a Hugging Face folder to GGUF (llama-quantize's recipes).
+    Quantize {
+        /// A .gguf file or a Hugging Face model folder.
+        input: PathBuf,
+        /// The .gguf file to write.
+        output: PathBuf,
+        /// Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K_S/M/L, Q4_K_S,
+        /// Q5_K_S, F16, BF16 or F32.
+        #[arg(long = "type", default_value = "Q4_K_M")]
+        ftype: String,
     },
     /// Perplexity of a text file under a model.
     Perplexity {
@@ -91,6 +105,12 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Run(a) => run(a),
+        Cmd::Bench(a) => bench::run(a),
+        Cmd::Quantize {
+            input,
+            output,
+            ftype,
+        } => quantize(&input, &output, &ftype),
         Cmd::Logits {
             model,
             tokens,
@@ -109,7 +129,11 @@ fn main() {
     }
 }
 
-fn load(path: &Path, ctx: Option<usize>, exact: bool) -> Result<(Model<CpuBackend>, Tokenizer)> {
+pub(crate) fn load(
+    path: &Path,
+    ctx: Option<usize>,
+    exact: bool,
+) -> Result<(Model<CpuBackend>, Tokenizer)> {
     let file = ModelFile::open(path)?;
     let tokenizer = match &file {
         ModelFile::Gguf(g) => Tokenizer::from_gguf(g)?,
@@ -257,6 +281,24 @@ fn answer(
         stats.generated_tokens as f64 / stats.decode_secs.max(1e-9)
     );
     Ok(text)
+}
+
+fn quantize(input: &Path, output: &Path, ftype: &str) -> Result<()> {
+    let ftype: ferrum_quantize::FileType = ftype.parse()?;
+    let t = std::time::Instant::now();
+    let r = ferrum_quantize::quantize_file(input, output, ftype)
+        .with_context(|| format!("quantising {}", input.display()))?;
+    let types: Vec<String> = r.by_type.iter().map(|(d, n)| format!("{n}×{d}")).collect();
+    eprintln!(
+        "ferrum: wrote {} ({ftype}): {} tensors [{}], {:.1} MB → {:.1} MB in {:.1}s",
+        output.display(),
+        r.tensors,
+        types.join(", "),
+        r.in_bytes as f64 / 1e6,
+        r.out_bytes as f64 / 1e6,
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 fn logits(model: &Path, tokens: &[u32], exact: bool) -> Result<()> {

@@ -4,6 +4,7 @@
 //! Reduction order never depends on how many rows or tokens a call carries (each output is
 //! one dot product computed the same way), which keeps results batch-invariant.
 
+pub mod pool;
 pub mod quant;
 pub mod simd;
 
@@ -11,12 +12,15 @@ use std::cell::RefCell;
 
 use ferrum_core::{DType, Error, Result};
 use ferrum_loader::RawTensor;
-use rayon::prelude::*;
+use std::sync::Arc;
+
+use pool::ThreadPool;
 
 use crate::{AttentionParams, Backend, RopeLayout, RopeParams, Rows};
 
 pub struct CpuBackend {
     threads: usize,
+    pool: Arc<ThreadPool>,
     /// Keep activations in f32 for quantised weights (dequantise the weight row instead of
     /// quantising the activations): slower, and exactly the math of the reference.
     exact: bool,
@@ -32,8 +36,15 @@ impl CpuBackend {
     /// The fast backend: quantised weights meet 8-bit quantised activations in integer
     /// dot products, as in llama.cpp.
     pub fn new() -> Self {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self::with_threads(threads)
+    }
+
+    pub fn with_threads(threads: usize) -> Self {
+        let threads = threads.max(1);
         CpuBackend {
-            threads: rayon::current_num_threads(),
+            threads,
+            pool: Arc::new(ThreadPool::new(threads)),
             exact: false,
         }
     }
@@ -252,9 +263,11 @@ impl Backend for CpuBackend {
         let per_task = (m / (self.threads * 8)).clamp(4, 256);
         let n_tasks = m.div_ceil(per_task);
         if let Some(kernel) = w.kernel {
-            return quantized_matmul(kernel, x, xv, w, bias, dst, ov, per_task, n_tasks);
+            return quantized_matmul(
+                &self.pool, kernel, x, xv, w, bias, dst, ov, per_task, n_tasks,
+            );
         }
-        (0..n_tasks).into_par_iter().for_each(|task| {
+        self.pool.run(n_tasks, &|task| {
             SCRATCH.with(|s| {
                 let mut scratch = s.borrow_mut();
                 for j in task * per_task..((task + 1) * per_task).min(m) {
@@ -380,7 +393,7 @@ impl Backend for CpuBackend {
         assert!(p.n_kv_heads * hd <= kv_stride);
         let group = qv.heads / p.n_kv_heads;
         let dst = SharedMut(out.as_mut_ptr());
-        (0..qv.count * qv.heads).into_par_iter().for_each(|job| {
+        self.pool.run(qv.count * qv.heads, &|job| {
             let (t, h) = (job / qv.heads, job % qv.heads);
             let pos = p.first_pos + t;
             let kvh = h / group;
@@ -413,10 +426,7 @@ impl Backend for CpuBackend {
                     acc.resize(hd, 0.0);
                     for (j, &s) in (lo..=pos).zip(scores.iter()) {
                         let vo = j * kv_stride + kvh * hd;
-                        let w = s * inv;
-                        for (a, &vv) in acc.iter_mut().zip(&v_cache[vo..vo + hd]) {
-                            *a = w.mul_add(vv, *a);
-                        }
+                        simd::axpy(s * inv, &v_cache[vo..vo + hd], &mut acc);
                     }
                     for (i, &a) in acc.iter().enumerate() {
                         // SAFETY: in bounds (check_view); (t, h) is this job's own output head.
@@ -542,6 +552,7 @@ thread_local! {
 /// once for all tokens.
 #[allow(clippy::too_many_arguments)]
 fn quantized_matmul(
+    pool: &ThreadPool,
     kernel: quant::Kernel,
     x: &[f32],
     xv: Rows,
@@ -555,7 +566,7 @@ fn quantized_matmul(
     let (m, k, n) = (w.rows, w.cols, xv.count);
     let row = |t: usize| &x[xv.offset + t * xv.stride..xv.offset + t * xv.stride + k];
     macro_rules! run {
-        ($buf:ident, $block:ty, $block_len:expr, $qfn:path, $dot:expr) => {
+        ($buf:ident, $block:ty, $block_len:expr, $qfn:path, $dot:expr, $dot4:expr, $rows4:expr) => {
             $buf.with(|buf| {
                 let mut buf = buf.borrow_mut();
                 let per_row = k / $block_len;
@@ -565,14 +576,48 @@ fn quantized_matmul(
                     $qfn(row(t), &mut buf[t * per_row..(t + 1) * per_row]);
                 }
                 let acts = &buf[..];
-                (0..n_tasks).into_par_iter().for_each(|task| {
-                    for j in task * per_task..((task + 1) * per_task).min(m) {
+                let act = |t: usize| &acts[t * per_row..(t + 1) * per_row];
+                pool.run(n_tasks, &|task| {
+                    let rows = task * per_task..((task + 1) * per_task).min(m);
+                    let mut first = rows.start;
+                    if n < 4 {
+                        // Decode: four weight rows per pass keep four memory streams in flight.
+                        while first + 4 <= rows.end {
+                            let wr = [0, 1, 2, 3].map(|r| w.row_bytes_of(first + r));
+                            for t in 0..n {
+                                let v = $rows4(wr, act(t));
+                                for (r, vr) in v.iter().enumerate() {
+                                    let b = bias.map_or(0.0, |b| b[first + r]);
+                                    // SAFETY: in bounds (checked by the caller); these columns
+                                    // are this task's alone.
+                                    unsafe {
+                                        dst.write(ov.offset + t * ov.stride + first + r, vr + b)
+                                    };
+                                }
+                            }
+                            first += 4;
+                        }
+                    }
+                    for j in first..rows.end {
                         let wr = w.row_bytes_of(j);
                         let b = bias.map_or(0.0, |b| b[j]);
-                        for t in 0..n {
-                            let v = $dot(wr, &acts[t * per_row..(t + 1) * per_row]) + b;
-                            // SAFETY: in bounds (checked by the caller); column j is this task's.
+                        // SAFETY (writes): in bounds (checked by the caller); column j is this
+                        // task's alone.
+                        let mut t = 0;
+                        // Four tokens per pass decode each weight block once for all four; the
+                        // per-token arithmetic is the same as the single-token kernel's, so
+                        // results do not depend on how tokens are grouped.
+                        while t + 4 <= n {
+                            let v = $dot4(wr, [act(t), act(t + 1), act(t + 2), act(t + 3)]);
+                            for (i, vi) in v.iter().enumerate() {
+                                unsafe { dst.write(ov.offset + (t + i) * ov.stride + j, vi + b) };
+                            }
+                            t += 4;
+                        }
+                        while t < n {
+                            let v = $dot(wr, act(t)) + b;
                             unsafe { dst.write(ov.offset + t * ov.stride + j, v) };
+                            t += 1;
                         }
                     }
                 });
@@ -580,19 +625,23 @@ fn quantized_matmul(
         };
     }
     match kernel {
-        quant::Kernel::Q8(dot) => run!(
+        quant::Kernel::Q8 { dot, dot4, rows4 } => run!(
             ACT_Q8,
             quant::q8::BlockQ8,
             quant::q8::QK8,
             quant::q8::quantize_q8,
-            dot
+            dot,
+            dot4,
+            rows4
         ),
-        quant::Kernel::Q8K(dot) => run!(
+        quant::Kernel::Q8K { dot, dot4, rows4 } => run!(
             ACT_Q8K,
             quant::q8::BlockQ8K,
             quant::k_quants::QK_K,
             quant::q8::quantize_q8k,
-            dot
+            dot,
+            dot4,
+            rows4
         ),
     }
 }

@@ -28,6 +28,34 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     (DOT.get_or_init(pick_dot))(a, b)
 }
 
+type AxpyFn = fn(f32, &[f32], &mut [f32]);
+
+fn pick_axpy() -> AxpyFn {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            return |a, x, y| {
+                // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+                unsafe { avx2::axpy(a, x, y) }
+            };
+        }
+    }
+    axpy_scalar
+}
+
+/// `y += a · x` (attention's weighted sum of values).
+#[inline]
+pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    static AXPY: OnceLock<AxpyFn> = OnceLock::new();
+    (AXPY.get_or_init(pick_axpy))(a, x, y)
+}
+
+pub fn axpy_scalar(a: f32, x: &[f32], y: &mut [f32]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi += a * xi;
+    }
+}
+
 /// Whether the SIMD path is in use (for the load summary).
 pub fn simd_name() -> &'static str {
     #[cfg(target_arch = "x86_64")]
@@ -116,12 +144,44 @@ mod avx2 {
         }
         sum
     }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+        let n = x.len().min(y.len());
+        let main = n - n % 8;
+        let av = _mm256_set1_ps(a);
+        let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+        let mut i = 0;
+        while i < main {
+            let r = _mm256_fmadd_ps(av, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i)));
+            _mm256_storeu_ps(py.add(i), r);
+            i += 8;
+        }
+        for k in main..n {
+            *py.add(k) += a * *px.add(k);
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn simd_axpy_equals_scalar_twin() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+        for n in [0, 3, 8, 64, 77] {
+            let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let y0: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let (mut a, mut b) = (y0.clone(), y0.clone());
+            axpy(0.37, &x, &mut a);
+            axpy_scalar(0.37, &x, &mut b);
+            for (p, q) in a.iter().zip(&b) {
+                assert!((p - q).abs() <= 1e-6, "n={n}");
+            }
+        }
+    }
 
     #[test]
     fn simd_dot_equals_scalar_twin_and_f64_reference() {

@@ -367,17 +367,18 @@ pub fn vec_dot_q6k(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub mod avx2 {
     use super::*;
-    use crate::cpu::quant::q8::hsum_ps;
+    use crate::cpu::quant::q8::{fp16, hsum_ps, prefetch};
     use std::arch::x86_64::*;
 
     /// # Safety
-    /// The CPU supports AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot_q4k(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
         let m4 = _mm256_set1_epi8(0x0f);
         let mut acc = _mm256_setzero_ps();
         let mut mins = 0f32;
         for (b, q) in w.iter().zip(a) {
+            prefetch(b);
             let (sc, mn) = scales_mins(&b.scales);
             let mut isum = _mm256_setzero_si256();
             for c in 0..4 {
@@ -397,24 +398,25 @@ pub mod avx2 {
                 isum = _mm256_add_epi32(isum, _mm256_add_epi32(plo, phi));
             }
             acc = _mm256_fmadd_ps(
-                _mm256_set1_ps(q.d * b.d.to_f32()),
+                _mm256_set1_ps(q.d * fp16(b.d)),
                 _mm256_cvtepi32_ps(isum),
                 acc,
             );
-            mins += q.d * b.dmin.to_f32() * mins_dot(&mn, &q.bsums) as f32;
+            mins += q.d * fp16(b.dmin) * mins_dot(&mn, &q.bsums) as f32;
         }
         hsum_ps(acc) - mins
     }
 
     /// # Safety
-    /// The CPU supports AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot_q5k(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
         let m4 = _mm256_set1_epi8(0x0f);
         let one = _mm256_set1_epi8(1);
         let mut acc = _mm256_setzero_ps();
         let mut mins = 0f32;
         for (b, q) in w.iter().zip(a) {
+            prefetch(b);
             let (sc, mn) = scales_mins(&b.scales);
             let qh = _mm256_loadu_si256(b.qh.as_ptr() as *const __m256i);
             let mut isum = _mm256_setzero_si256();
@@ -445,11 +447,11 @@ pub mod avx2 {
                 isum = _mm256_add_epi32(isum, _mm256_add_epi32(plo, phi));
             }
             acc = _mm256_fmadd_ps(
-                _mm256_set1_ps(q.d * b.d.to_f32()),
+                _mm256_set1_ps(q.d * fp16(b.d)),
                 _mm256_cvtepi32_ps(isum),
                 acc,
             );
-            mins += q.d * b.dmin.to_f32() * mins_dot(&mn, &q.bsums) as f32;
+            mins += q.d * fp16(b.dmin) * mins_dot(&mn, &q.bsums) as f32;
         }
         hsum_ps(acc) - mins
     }
@@ -458,14 +460,15 @@ pub mod avx2 {
     /// is taken back out through the activation group sums.
     ///
     /// # Safety
-    /// The CPU supports AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot_q6k(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
         let m4 = _mm256_set1_epi8(0x0f);
         let m2 = _mm256_set1_epi8(0x03);
         let mut acc = _mm256_setzero_ps();
         let mut corr = 0f32;
         for (b, q) in w.iter().zip(a) {
+            prefetch(b);
             let mut isum = _mm256_setzero_si256();
             for half in 0..2 {
                 let ql0 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * half) as *const __m256i);
@@ -495,7 +498,7 @@ pub mod avx2 {
                     isum = _mm256_add_epi32(isum, p);
                 }
             }
-            let d = q.d * b.d.to_f32();
+            let d = q.d * fp16(b.d);
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(isum), acc);
             let off: i32 = (0..16)
                 .map(|g| b.scales[g] as i32 * q.bsums[g] as i32)

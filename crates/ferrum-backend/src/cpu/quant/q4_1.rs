@@ -43,22 +43,77 @@ pub fn vec_dot(w: &[BlockQ4_1], a: &[BlockQ8]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub mod avx2 {
     use super::*;
-    use crate::cpu::quant::q8::{hsum_ps, mul_sum_u8_i8, nibbles};
+    use crate::cpu::quant::q8::{fp16, hsum_ps, mul_sum_u8_i8, nibbles, prefetch};
     use std::arch::x86_64::*;
 
     /// # Safety
-    /// The CPU supports AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot(w: &[BlockQ4_1], a: &[BlockQ8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         let mut mins = 0f32;
         for (b, q) in w.iter().zip(a) {
-            let d = _mm256_set1_ps(b.d.to_f32() * q.d);
+            prefetch(b);
+            let d = _mm256_set1_ps(fp16(b.d) * q.d);
             let x = nibbles(b.qs.as_ptr());
             let y = _mm256_loadu_si256(q.qs.as_ptr() as *const __m256i);
             acc = _mm256_fmadd_ps(d, mul_sum_u8_i8(x, y), acc);
-            mins += b.m.to_f32() * q.s;
+            mins += fp16(b.m) * q.s;
         }
         hsum_ps(acc) + mins
+    }
+
+    /// One weight row against four activation rows: nibbles and scales decoded once.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot_x4(w: &[BlockQ4_1], a: [&[BlockQ8]; 4]) -> [f32; 4] {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut mins = [0f32; 4];
+        for (i, b) in w.iter().enumerate() {
+            prefetch(b);
+            let x = nibbles(b.qs.as_ptr());
+            let (dw, mw) = (fp16(b.d), fp16(b.m));
+            for r in 0..4 {
+                let q = a[r].get_unchecked(i);
+                let y = _mm256_loadu_si256(q.qs.as_ptr() as *const __m256i);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * q.d), mul_sum_u8_i8(x, y), acc[r]);
+                mins[r] += mw * q.s;
+            }
+        }
+        [
+            hsum_ps(acc[0]) + mins[0],
+            hsum_ps(acc[1]) + mins[1],
+            hsum_ps(acc[2]) + mins[2],
+            hsum_ps(acc[3]) + mins[3],
+        ]
+    }
+
+    /// Four weight rows against one activation row.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C; the rows have `a.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot_rows4(w: [&[BlockQ4_1]; 4], a: &[BlockQ8]) -> [f32; 4] {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut mins = [0f32; 4];
+        for (i, q) in a.iter().enumerate() {
+            let y = _mm256_loadu_si256(q.qs.as_ptr() as *const __m256i);
+            for r in 0..4 {
+                let b = w[r].get_unchecked(i);
+                prefetch(b);
+                let x = nibbles(b.qs.as_ptr());
+                acc[r] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(fp16(b.d) * q.d), mul_sum_u8_i8(x, y), acc[r]);
+                mins[r] += fp16(b.m) * q.s;
+            }
+        }
+        [
+            hsum_ps(acc[0]) + mins[0],
+            hsum_ps(acc[1]) + mins[1],
+            hsum_ps(acc[2]) + mins[2],
+            hsum_ps(acc[3]) + mins[3],
+        ]
     }
 }

@@ -50,17 +50,18 @@ pub fn vec_dot(w: &[BlockQ5_0], a: &[BlockQ8]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub mod avx2 {
     use super::*;
-    use crate::cpu::quant::q8::{bytes_from_bits, hsum_ps, mul_sum_i8, nibbles};
+    use crate::cpu::quant::q8::{bytes_from_bits, fp16, hsum_ps, mul_sum_i8, nibbles, prefetch};
     use std::arch::x86_64::*;
 
     /// # Safety
-    /// The CPU supports AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot(w: &[BlockQ5_0], a: &[BlockQ8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         let high = _mm256_set1_epi8(0xf0u8 as i8);
         for (b, q) in w.iter().zip(a) {
-            let d = _mm256_set1_ps(b.d.to_f32() * q.d);
+            prefetch(b);
+            let d = _mm256_set1_ps(fp16(b.d) * q.d);
             // (q | bit << 4) - 16 as a signed byte: q - 16 (= q | 0xf0) where the bit is clear,
             // q where it is set.
             let hbits = bytes_from_bits(u32::from_le_bytes(b.qh));

@@ -49,23 +49,24 @@ pub fn vec_dot(w: &[BlockQ5_1], a: &[BlockQ8]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub mod avx2 {
     use super::*;
-    use crate::cpu::quant::q8::{bytes_from_bits, hsum_ps, mul_sum_u8_i8, nibbles};
+    use crate::cpu::quant::q8::{bytes_from_bits, fp16, hsum_ps, mul_sum_u8_i8, nibbles, prefetch};
     use std::arch::x86_64::*;
 
     /// # Safety
-    /// The CPU supports AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot(w: &[BlockQ5_1], a: &[BlockQ8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         let mut mins = 0f32;
         let bit4 = _mm256_set1_epi8(0x10);
         for (b, q) in w.iter().zip(a) {
-            let d = _mm256_set1_ps(b.d.to_f32() * q.d);
+            prefetch(b);
+            let d = _mm256_set1_ps(fp16(b.d) * q.d);
             let hbits = bytes_from_bits(u32::from_le_bytes(b.qh));
             let x = _mm256_or_si256(nibbles(b.qs.as_ptr()), _mm256_and_si256(hbits, bit4));
             let y = _mm256_loadu_si256(q.qs.as_ptr() as *const __m256i);
             acc = _mm256_fmadd_ps(d, mul_sum_u8_i8(x, y), acc);
-            mins += b.m.to_f32() * q.s;
+            mins += fp16(b.m) * q.s;
         }
         hsum_ps(acc) + mins
     }

@@ -1,0 +1,139 @@
+//! `ferrum bench`: the figures llama-bench reports, measured the same way — `pp N`: one
+//! prompt of N tokens processed from an empty cache; `tg N`: N tokens decoded one at a time
+//! from an empty cache — as the median of several runs, plus the process's peak RSS.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use ferrum_backend::Backend;
+use ferrum_models::Logits;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// A .gguf file or a Hugging Face model folder.
+    model: PathBuf,
+    /// Prompt length for the prefill test (0 skips it).
+    #[arg(long, default_value_t = 512)]
+    pp: usize,
+    /// Tokens for the generation test (0 skips it).
+    #[arg(long, default_value_t = 128)]
+    tg: usize,
+    /// Runs of each test; the median is reported.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Keep activations in f32.
+    #[arg(long)]
+    exact: bool,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Peak resident set size in bytes (Linux), from `/proc/self/status`.
+fn peak_rss() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    if a.reps == 0 {
+        bail!("--reps must be at least 1");
+    }
+    let ctx = a.pp.max(a.tg).max(1);
+    let (mut model, _) = crate::load(&a.model, Some(ctx), a.exact)?;
+    let vocab = model.decoder.config.vocab_size as u32;
+    // Deterministic, varied token ids (a constant prompt would route every MoE token alike).
+    let tokens: Vec<u32> = (0..ctx as u64)
+        .map(|i| ((i * 2_654_435_761 + 12_345) % vocab as u64) as u32)
+        .collect();
+    let backend_name = model.decoder.backend().name();
+
+    // One untimed warm-up of each test: first touches of the mapped weights are page faults.
+    let mut pp = Vec::new();
+    if a.pp > 0 {
+        model.decoder.forward(&tokens[..a.pp], 0, Logits::Last)?;
+        for _ in 0..a.reps {
+            let t = Instant::now();
+            model.decoder.forward(&tokens[..a.pp], 0, Logits::Last)?;
+            pp.push(a.pp as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    model.decoder.reset_expert_stats();
+    let mut tg = Vec::new();
+    if a.tg > 0 {
+        for rep in 0..=a.reps {
+            let t = Instant::now();
+            for (i, &tok) in tokens[..a.tg].iter().enumerate() {
+                model.decoder.forward(&[tok], i, Logits::Last)?;
+            }
+            if rep > 0 {
+                tg.push(a.tg as f64 / t.elapsed().as_secs_f64());
+            }
+        }
+    }
+    let pp_med = (!pp.is_empty()).then(|| median(pp.clone()));
+    let tg_med = (!tg.is_empty()).then(|| median(tg.clone()));
+    let rss = peak_rss();
+    let info = &model.info;
+    let experts = model.decoder.expert_stats().map(|s| s.to_vec());
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": a.model.display().to_string(),
+                "arch": info.arch.name(),
+                "dtype": info.main_dtype.name(),
+                "file_bytes": info.file_bytes,
+                "backend": backend_name,
+                "pp": a.pp, "pp_tok_s": pp_med, "pp_runs": pp,
+                "tg": a.tg, "tg_tok_s": tg_med, "tg_runs": tg,
+                "peak_rss_bytes": rss,
+                "expert_tokens_per_layer": experts,
+            })
+        );
+        return Ok(());
+    }
+    println!(
+        "model: {} ({}, {}, {:.0} MB)",
+        a.model.display(),
+        info.arch.name(),
+        info.main_dtype,
+        info.file_bytes as f64 / 1e6
+    );
+    println!("backend: {backend_name}");
+    if let Some(v) = pp_med {
+        println!("pp{:<5} {:>9.1} tok/s  (median of {})", a.pp, v, a.reps);
+    }
+    if let Some(v) = tg_med {
+        println!("tg{:<5} {:>9.1} tok/s  (median of {})", a.tg, v, a.reps);
+    }
+    if let Some(r) = rss {
+        println!("peak RSS: {:.0} MB", r as f64 / 1e6);
+    }
+    if let Some(stats) = experts {
+        println!("expert load during tg (tokens per expert, per MoE layer):");
+        for (l, c) in stats.iter().enumerate() {
+            let total: u64 = c.iter().sum();
+            if total == 0 {
+                continue;
+            }
+            let max = c.iter().max().copied().unwrap_or(0);
+            let active = c.iter().filter(|&&x| x > 0).count();
+            println!(
+                "  layer {l:>3}: {active}/{} experts used, busiest {max} of {total} ({:.1}× the even share)",
+                c.len(),
+                max as f64 * c.len() as f64 / total as f64
+            );
+        }
+    }
+    Ok(())
+}
