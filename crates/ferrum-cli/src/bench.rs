@@ -36,6 +36,30 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Read bandwidth of main memory in GB/s, measured here and now: the best of five passes
+/// summing a buffer far larger than the caches, split over `threads` threads.
+fn memory_bandwidth(threads: usize) -> f64 {
+    const BYTES: usize = 512 << 20;
+    let buf: Vec<u64> = (0..BYTES / 8).map(|i| i as u64).collect();
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let chunk = buf.len().div_ceil(threads.max(1));
+        let sum: u64 = std::thread::scope(|s| {
+            let hs: Vec<_> = buf
+                .chunks(chunk)
+                .map(|c| s.spawn(move || c.iter().fold(0u64, |a, &b| a.wrapping_add(b))))
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or(0))
+                .fold(0, u64::wrapping_add)
+        });
+        std::hint::black_box(sum);
+        best = best.max(BYTES as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
 /// Peak resident set size in bytes (Linux), from `/proc/self/status`.
 fn peak_rss() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -49,7 +73,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         bail!("--reps must be at least 1");
     }
     let ctx = a.pp.max(a.tg).max(1);
-    let (mut model, _) = crate::load(&a.model, Some(ctx), a.exact)?;
+    let file = ferrum_loader::ModelFile::open(&a.model)?;
+    let mut model = crate::load_model(&a.model, &file, Some(ctx), a.exact)?;
     let vocab = model.decoder.config.vocab_size as u32;
     // Deterministic, varied token ids (a constant prompt would route every MoE token alike).
     let tokens: Vec<u32> = (0..ctx as u64)
@@ -80,10 +105,20 @@ pub fn run(a: BenchArgs) -> Result<()> {
             }
         }
     }
+    // Peak RSS before the bandwidth probe allocates its buffer.
+    let rss = peak_rss();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let bandwidth = if a.tg > 0 {
+        Some(memory_bandwidth(threads))
+    } else {
+        None
+    };
     let pp_med = (!pp.is_empty()).then(|| median(pp.clone()));
     let tg_med = (!tg.is_empty()).then(|| median(tg.clone()));
-    let rss = peak_rss();
     let info = &model.info;
+    let bytes_per_token = info.decode_bytes_per_token as f64;
+    // Decode cannot beat reading every weight once per token at the measured bandwidth.
+    let bound = bandwidth.map(|bw| bw * 1e9 / bytes_per_token);
     let experts = model.decoder.expert_stats().map(|s| s.to_vec());
     if a.json {
         println!(
@@ -97,6 +132,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 "pp": a.pp, "pp_tok_s": pp_med, "pp_runs": pp,
                 "tg": a.tg, "tg_tok_s": tg_med, "tg_runs": tg,
                 "peak_rss_bytes": rss,
+                "bandwidth_gb_s": bandwidth,
+                "weight_bytes_per_token": info.decode_bytes_per_token,
+                "tg_bound_tok_s": bound,
                 "expert_tokens_per_layer": experts,
             })
         );
@@ -115,6 +153,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if let Some(v) = tg_med {
         println!("tg{:<5} {:>9.1} tok/s  (median of {})", a.tg, v, a.reps);
+    }
+    if let (Some(bw), Some(b)) = (bandwidth, bound) {
+        println!(
+            "bandwidth bound: {:.1} MB per token at {bw:.1} GB/s measured = {b:.1} tok/s; tg is {:.0}% of it",
+            bytes_per_token / 1e6,
+            100.0 * tg_med.unwrap_or(0.0) / b
+        );
     }
     if let Some(r) = rss {
         println!("peak RSS: {:.0} MB", r as f64 / 1e6);

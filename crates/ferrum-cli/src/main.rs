@@ -129,23 +129,29 @@ fn main() {
     }
 }
 
-pub(crate) fn load(
-    path: &Path,
-    ctx: Option<usize>,
-    exact: bool,
-) -> Result<(Model<CpuBackend>, Tokenizer)> {
+fn load(path: &Path, ctx: Option<usize>, exact: bool) -> Result<(Model<CpuBackend>, Tokenizer)> {
     let file = ModelFile::open(path)?;
     let tokenizer = match &file {
         ModelFile::Gguf(g) => Tokenizer::from_gguf(g)?,
         ModelFile::Hf(h) => Tokenizer::from_hf_dir(&h.dir)?,
     };
+    Ok((load_model(path, &file, ctx, exact)?, tokenizer))
+}
+
+/// Loads only the model (the benchmark needs no tokenizer), printing the summary line.
+pub(crate) fn load_model(
+    path: &Path,
+    file: &ModelFile,
+    ctx: Option<usize>,
+    exact: bool,
+) -> Result<Model<CpuBackend>> {
     let backend = if exact {
         CpuBackend::exact()
     } else {
         CpuBackend::new()
     };
     let backend_name = backend.name();
-    let model = Model::load(&file, backend, &LoadOptions { context: ctx })
+    let model = Model::load(file, backend, &LoadOptions { context: ctx })
         .with_context(|| format!("loading {}", path.display()))?;
     let i = &model.info;
     eprintln!(
@@ -161,7 +167,7 @@ pub(crate) fn load(
         model.decoder.context,
         backend_name,
     );
-    Ok((model, tokenizer))
+    Ok(model)
 }
 
 fn run(a: RunArgs) -> Result<()> {

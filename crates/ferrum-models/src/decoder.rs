@@ -226,7 +226,8 @@ impl<B: Backend> Decoder<B> {
             tmp: be.alloc(CHUNK * h),
             gu: be.alloc(CHUNK * 2 * f),
             act: be.alloc(CHUNK * f),
-            logits: be.alloc(CHUNK * c.vocab_size),
+            // Grown on demand: generation needs one row, scoring a whole chunk.
+            logits: be.alloc(c.vocab_size),
             k_cache: (0..c.n_layers).map(|_| be.alloc(context * kvd)).collect(),
             v_cache: (0..c.n_layers).map(|_| be.alloc(context * kvd)).collect(),
             moe: c.moe.as_ref().map(|m| MoeState {
@@ -479,6 +480,9 @@ impl<B: Backend> Decoder<B> {
         let dst = Rows::dense(count, h);
         be.rms_norm(&s.x, src, &self.final_norm, c.rms_eps, &mut s.xn, dst);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        if be.buf_len(&s.logits) < count * vocab {
+            s.logits = be.alloc(count * vocab);
+        }
         be.matmul(
             &s.xn,
             dst,

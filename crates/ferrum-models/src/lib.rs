@@ -71,6 +71,9 @@ pub struct ModelInfo {
     pub main_dtype: DType,
     pub file_bytes: usize,
     pub load_secs: f64,
+    /// Weight bytes one decode step reads: every matrix once (the output head included),
+    /// one embedding row, and for MoE layers only the active share of the experts.
+    pub decode_bytes_per_token: usize,
 }
 
 pub struct Model<B: Backend> {
@@ -116,6 +119,7 @@ impl<B: Backend> Model<B> {
         for t in store.tensors.values() {
             *by_type.entry(t.dtype).or_default() += t.bytes().len();
         }
+        let decode_bytes_per_token = decode_bytes(&store, &decoder.config);
         let main_dtype = by_type
             .into_iter()
             .max_by_key(|(_, b)| *b)
@@ -128,6 +132,7 @@ impl<B: Backend> Model<B> {
                 main_dtype,
                 file_bytes: file.file_bytes(),
                 load_secs: t0.elapsed().as_secs_f64(),
+                decode_bytes_per_token,
             },
         })
     }
@@ -135,4 +140,28 @@ impl<B: Backend> Model<B> {
     pub fn open(path: impl AsRef<Path>, backend: B, opts: &LoadOptions) -> Result<Model<B>> {
         Self::load(&ModelFile::open(path)?, backend, opts)
     }
+}
+
+fn decode_bytes(store: &ferrum_loader::TensorStore, c: &ModelConfig) -> usize {
+    let active = c
+        .moe
+        .as_ref()
+        .map_or(1.0, |m| m.n_active as f64 / m.n_experts as f64);
+    let mut total = 0f64;
+    for (name, t) in &store.tensors {
+        let bytes = t.bytes().len() as f64;
+        let is_embed = name == "token_embd.weight" || name == "model.embed_tokens.weight";
+        total += if is_embed {
+            if c.tie_embeddings {
+                bytes // read whole as the output head
+            } else {
+                bytes / t.n_rows().max(1) as f64
+            }
+        } else if name.contains("_exps.") || name.contains(".experts.") {
+            bytes * active
+        } else {
+            bytes
+        };
+    }
+    total as usize
 }

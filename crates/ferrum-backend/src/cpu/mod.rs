@@ -393,44 +393,50 @@ impl Backend for CpuBackend {
         assert!(p.n_kv_heads * hd <= kv_stride);
         let group = qv.heads / p.n_kv_heads;
         let dst = SharedMut(out.as_mut_ptr());
-        self.pool.run(qv.count * qv.heads, &|job| {
-            let (t, h) = (job / qv.heads, job % qv.heads);
-            let pos = p.first_pos + t;
+        let (dot, axpy) = (simd::dot_fn(), simd::axpy_fn());
+        // A job is one head over a block of query rows: enough work to amortise the hand-off
+        // in prefill, while decode (one row) still spreads its heads over the threads.
+        const ROWS: usize = 8;
+        let blocks = qv.count.div_ceil(ROWS);
+        self.pool.run(blocks * qv.heads, &|job| {
+            let (blk, h) = (job / qv.heads, job % qv.heads);
             let kvh = h / group;
-            let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let qo = qv.offset + t * qv.stride + h * hd;
-            let qh = &q[qo..qo + hd];
             SCRATCH2.with(|s| {
-                let mut scores = s.borrow_mut();
-                scores.clear();
-                let mut max = f32::NEG_INFINITY;
-                for j in lo..=pos {
-                    let ko = j * kv_stride + kvh * hd;
-                    let mut sc = simd::dot_f32(qh, &k_cache[ko..ko + hd]) * p.scale;
-                    if let Some(cap) = p.softcap {
-                        sc = cap * (sc / cap).tanh();
-                    }
-                    max = max.max(sc);
-                    scores.push(sc);
-                }
-                let mut sum = 0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                let inv = 1.0 / sum;
-                let oo = ov.offset + t * ov.stride + h * hd;
                 SCRATCH.with(|acc| {
-                    let mut acc = acc.borrow_mut();
-                    acc.clear();
-                    acc.resize(hd, 0.0);
-                    for (j, &s) in (lo..=pos).zip(scores.iter()) {
-                        let vo = j * kv_stride + kvh * hd;
-                        simd::axpy(s * inv, &v_cache[vo..vo + hd], &mut acc);
-                    }
-                    for (i, &a) in acc.iter().enumerate() {
-                        // SAFETY: in bounds (check_view); (t, h) is this job's own output head.
-                        unsafe { dst.write(oo + i, a) };
+                    let (mut scores, mut acc) = (s.borrow_mut(), acc.borrow_mut());
+                    for t in blk * ROWS..((blk + 1) * ROWS).min(qv.count) {
+                        let pos = p.first_pos + t;
+                        let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                        let qo = qv.offset + t * qv.stride + h * hd;
+                        let qh = &q[qo..qo + hd];
+                        scores.clear();
+                        let mut max = f32::NEG_INFINITY;
+                        for j in lo..=pos {
+                            let ko = j * kv_stride + kvh * hd;
+                            let mut sc = dot(qh, &k_cache[ko..ko + hd]) * p.scale;
+                            if let Some(cap) = p.softcap {
+                                sc = cap * (sc / cap).tanh();
+                            }
+                            max = max.max(sc);
+                            scores.push(sc);
+                        }
+                        let mut sum = 0f32;
+                        for s in scores.iter_mut() {
+                            *s = (*s - max).exp();
+                            sum += *s;
+                        }
+                        let inv = 1.0 / sum;
+                        acc.clear();
+                        acc.resize(hd, 0.0);
+                        for (j, &s) in (lo..=pos).zip(scores.iter()) {
+                            let vo = j * kv_stride + kvh * hd;
+                            axpy(s * inv, &v_cache[vo..vo + hd], &mut acc);
+                        }
+                        let oo = ov.offset + t * ov.stride + h * hd;
+                        for (i, &a) in acc.iter().enumerate() {
+                            // SAFETY: in bounds (check_view); (t, h) belongs to this job alone.
+                            unsafe { dst.write(oo + i, a) };
+                        }
                     }
                 });
             });

@@ -5,7 +5,7 @@
 
 use std::sync::OnceLock;
 
-type DotFn = fn(&[f32], &[f32]) -> f32;
+pub type DotFn = fn(&[f32], &[f32]) -> f32;
 
 fn pick_dot() -> DotFn {
     #[cfg(target_arch = "x86_64")]
@@ -20,15 +20,26 @@ fn pick_dot() -> DotFn {
     dot_f32_scalar
 }
 
+/// The dot kernel this CPU uses, resolved once (hot loops call it without the lookup).
+pub fn dot_fn() -> DotFn {
+    static DOT: OnceLock<DotFn> = OnceLock::new();
+    *DOT.get_or_init(pick_dot)
+}
+
+/// The axpy kernel this CPU uses.
+pub fn axpy_fn() -> AxpyFn {
+    static AXPY: OnceLock<AxpyFn> = OnceLock::new();
+    *AXPY.get_or_init(pick_axpy)
+}
+
 /// `Σ a[i]·b[i]` over the shorter of the two slices' common length (callers pass equal
 /// lengths).
 #[inline]
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    static DOT: OnceLock<DotFn> = OnceLock::new();
-    (DOT.get_or_init(pick_dot))(a, b)
+    dot_fn()(a, b)
 }
 
-type AxpyFn = fn(f32, &[f32], &mut [f32]);
+pub type AxpyFn = fn(f32, &[f32], &mut [f32]);
 
 fn pick_axpy() -> AxpyFn {
     #[cfg(target_arch = "x86_64")]
@@ -46,8 +57,7 @@ fn pick_axpy() -> AxpyFn {
 /// `y += a · x` (attention's weighted sum of values).
 #[inline]
 pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    static AXPY: OnceLock<AxpyFn> = OnceLock::new();
-    (AXPY.get_or_init(pick_axpy))(a, x, y)
+    axpy_fn()(a, x, y)
 }
 
 pub fn axpy_scalar(a: f32, x: &[f32], y: &mut [f32]) {
