@@ -106,8 +106,8 @@ struct State<B: Backend> {
     gu: B::Buf,
     act: B::Buf,
     logits: B::Buf,
-    k_cache: Vec<B::Buf>,
-    v_cache: Vec<B::Buf>,
+    k_cache: Vec<B::KvBuf>,
+    v_cache: Vec<B::KvBuf>,
     moe: Option<MoeState<B>>,
 }
 
@@ -228,8 +228,12 @@ impl<B: Backend> Decoder<B> {
             act: be.alloc(CHUNK * f),
             // Grown on demand: generation needs one row, scoring a whole chunk.
             logits: be.alloc(c.vocab_size),
-            k_cache: (0..c.n_layers).map(|_| be.alloc(context * kvd)).collect(),
-            v_cache: (0..c.n_layers).map(|_| be.alloc(context * kvd)).collect(),
+            k_cache: (0..c.n_layers)
+                .map(|_| be.alloc_kv(context * kvd))
+                .collect(),
+            v_cache: (0..c.n_layers)
+                .map(|_| be.alloc_kv(context * kvd))
+                .collect(),
             moe: c.moe.as_ref().map(|m| MoeState {
                 router_logits: be.alloc(CHUNK * m.n_experts),
                 host_logits: vec![0.0; CHUNK * m.n_experts],
@@ -364,8 +368,8 @@ impl<B: Backend> Decoder<B> {
             }
             be.rope(&mut s.qkv, q_view, &positions, rope);
             be.rope(&mut s.qkv, k_view, &positions, rope);
-            be.copy_rows(&s.qkv, k_view, &mut s.k_cache[li], cache_rows);
-            be.copy_rows(&s.qkv, v_view, &mut s.v_cache[li], cache_rows);
+            be.write_kv(&s.qkv, k_view, &mut s.k_cache[li], cache_rows);
+            be.write_kv(&s.qkv, v_view, &mut s.v_cache[li], cache_rows);
             let attn_view = Rows::dense(n, qd).split_heads(hd);
             be.attention(
                 &s.qkv,

@@ -41,8 +41,9 @@ fn reference_file(name: &str, file: &str) -> Reference {
     serde_json::from_str(&text).unwrap()
 }
 
+/// The reference comparisons run the exact backend: f32 activations and an f32 KV cache.
 fn run(path: PathBuf, tokens: &[u32]) -> (Vec<Vec<f32>>, usize) {
-    run_on(CpuBackend::new(), path, tokens)
+    run_on(CpuBackend::exact(), path, tokens)
 }
 
 fn run_on(be: CpuBackend, path: PathBuf, tokens: &[u32]) -> (Vec<Vec<f32>>, usize) {
@@ -127,7 +128,11 @@ fn q8_0_gguf_exact_backend_matches_transformers() {
 fn q8_0_gguf_fast_backend_argmax_where_decisive() {
     for name in MODELS {
         let r = reference_file(name, "reference-q8_0.json");
-        let (got, _) = run(dir(name).join("model-q8_0.gguf"), &r.tokens);
+        let (got, _) = run_on(
+            CpuBackend::new(),
+            dir(name).join("model-q8_0.gguf"),
+            &r.tokens,
+        );
         let mut checked = 0;
         for (pos, (row, want)) in got.iter().zip(&r.logits).enumerate() {
             let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -153,12 +158,35 @@ fn q8_0_gguf_fast_backend_argmax_where_decisive() {
     }
 }
 
+/// The default backend keeps the KV cache in f16: f32 weights then stay within f16
+/// rounding of the reference, with the same argmax everywhere.
+#[test]
+fn default_backend_with_f16_kv_cache_stays_close() {
+    for name in MODELS {
+        let r = reference(name);
+        let (got, _) = run_on(
+            CpuBackend::new(),
+            dir(name).join("model-f32.gguf"),
+            &r.tokens,
+        );
+        for (pos, (g, w)) in got.iter().zip(&r.logits).enumerate() {
+            let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                diff <= 5e-3 * scale,
+                "{name}: position {pos}: |Δlogit| {diff} vs {scale}"
+            );
+            assert_eq!(argmax(g), r.argmax[pos], "{name}: position {pos}");
+        }
+    }
+}
+
 #[test]
 fn prefill_in_one_pass_equals_token_by_token_decode() {
     for name in ["llama", "qwen3"] {
         let r = reference(name);
         let path = dir(name).join("model-f32.gguf");
-        let (full, v) = run(path.clone(), &r.tokens);
+        let (full, v) = run_on(CpuBackend::new(), path.clone(), &r.tokens);
         let mut m =
             Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(64) }).unwrap();
         let mut last = Vec::new();

@@ -79,7 +79,7 @@ fn assert_close(label: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
 fn safetensors_match_transformers() {
     for name in SAFETENSORS {
         let r = reference(name, "reference.json");
-        let mut m = load(CpuBackend::new(), dir(name));
+        let mut m = load(CpuBackend::exact(), dir(name));
         assert!(m.decoder.config.moe.is_some(), "{name}: loaded without MoE");
         assert_close(
             &format!("{name}/safetensors"),
@@ -93,7 +93,7 @@ fn safetensors_match_transformers() {
 fn gguf_f32_matches_and_quantised_files_agree() {
     let name = "qwen3moe-gguf";
     let r = reference(name, "reference.json");
-    let mut m = load(CpuBackend::new(), dir(name).join("model-f32.gguf"));
+    let mut m = load(CpuBackend::exact(), dir(name).join("model-f32.gguf"));
     assert_close("qwen3moe-gguf/f32", &logits(&mut m, &r.tokens), &r.logits);
     for (file, refname) in [
         ("model-f16.gguf", "reference-f16.json"),

@@ -18,9 +18,34 @@ use pool::ThreadPool;
 
 use crate::{AttentionParams, Backend, RopeLayout, RopeParams, Rows};
 
+/// Element format of the CPU backend's KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvDtype {
+    F32,
+    /// Half the memory and bandwidth; keys and values round to 11 significant bits.
+    F16,
+}
+
+/// A KV cache in its element format.
+pub enum CpuKv {
+    F32(Vec<f32>),
+    F16(Vec<half::f16>),
+}
+
+impl CpuKv {
+    fn len(&self) -> usize {
+        match self {
+            CpuKv::F32(v) => v.len(),
+            CpuKv::F16(v) => v.len(),
+        }
+    }
+}
+
 pub struct CpuBackend {
     threads: usize,
     pool: Arc<ThreadPool>,
+    /// Element format of the KV cache.
+    kv: KvDtype,
     /// Keep activations in f32 for quantised weights (dequantise the weight row instead of
     /// quantising the activations): slower, and exactly the math of the reference.
     exact: bool,
@@ -45,8 +70,14 @@ impl CpuBackend {
         CpuBackend {
             threads,
             pool: Arc::new(ThreadPool::new(threads)),
+            kv: KvDtype::F16,
             exact: false,
         }
+    }
+
+    /// The same backend with another KV-cache format.
+    pub fn with_kv(self, kv: KvDtype) -> Self {
+        CpuBackend { kv, ..self }
     }
 
     /// f32 activations everywhere: each quantised weight row is dequantised and multiplied in
@@ -54,6 +85,7 @@ impl CpuBackend {
     pub fn exact() -> Self {
         CpuBackend {
             exact: true,
+            kv: KvDtype::F32,
             ..CpuBackend::new()
         }
     }
@@ -156,9 +188,46 @@ fn check_view(what: &str, v: Rows, len: usize) {
 impl Backend for CpuBackend {
     type Buf = Vec<f32>;
     type Weight = CpuWeight;
+    type KvBuf = CpuKv;
 
     fn name(&self) -> String {
-        format!("cpu ({} threads, {})", self.threads, simd::simd_name())
+        format!(
+            "cpu ({} threads, {}, {} KV{})",
+            self.threads,
+            simd::simd_name(),
+            match self.kv {
+                KvDtype::F32 => "f32",
+                KvDtype::F16 => "f16",
+            },
+            if self.exact { ", exact" } else { "" }
+        )
+    }
+
+    fn alloc_kv(&self, len: usize) -> CpuKv {
+        match self.kv {
+            KvDtype::F32 => CpuKv::F32(vec![0.0; len]),
+            KvDtype::F16 => CpuKv::F16(vec![half::f16::ZERO; len]),
+        }
+    }
+
+    fn write_kv(&self, src: &Vec<f32>, sv: Rows, dst: &mut CpuKv, dv: Rows) {
+        assert_eq!(sv.count, dv.count);
+        assert_eq!(sv.width(), dv.width());
+        check_view("kv src", sv, src.len());
+        check_view("kv dst", dv, dst.len());
+        let w = sv.width();
+        for t in 0..sv.count {
+            let s = &src[sv.offset + t * sv.stride..][..w];
+            let d = dv.offset + t * dv.stride;
+            match dst {
+                CpuKv::F32(v) => v[d..d + w].copy_from_slice(s),
+                CpuKv::F16(v) => {
+                    for (o, &x) in v[d..d + w].iter_mut().zip(s) {
+                        *o = half::f16::from_f32(x);
+                    }
+                }
+            }
+        }
     }
 
     fn alloc(&self, len: usize) -> Vec<f32> {
@@ -374,8 +443,8 @@ impl Backend for CpuBackend {
         &self,
         q: &Vec<f32>,
         qv: Rows,
-        k_cache: &Vec<f32>,
-        v_cache: &Vec<f32>,
+        k_cache: &CpuKv,
+        v_cache: &CpuKv,
         kv_stride: usize,
         out: &mut Vec<f32>,
         ov: Rows,
@@ -391,56 +460,35 @@ impl Backend for CpuBackend {
         let kv_len = p.first_pos + qv.count;
         assert!(kv_len * kv_stride <= k_cache.len() && kv_len * kv_stride <= v_cache.len());
         assert!(p.n_kv_heads * hd <= kv_stride);
-        let group = qv.heads / p.n_kv_heads;
-        let dst = SharedMut(out.as_mut_ptr());
-        let (dot, axpy) = (simd::dot_fn(), simd::axpy_fn());
-        // A job is one head over a block of query rows: enough work to amortise the hand-off
-        // in prefill, while decode (one row) still spreads its heads over the threads.
-        const ROWS: usize = 8;
-        let blocks = qv.count.div_ceil(ROWS);
-        self.pool.run(blocks * qv.heads, &|job| {
-            let (blk, h) = (job / qv.heads, job % qv.heads);
-            let kvh = h / group;
-            SCRATCH2.with(|s| {
-                SCRATCH.with(|acc| {
-                    let (mut scores, mut acc) = (s.borrow_mut(), acc.borrow_mut());
-                    for t in blk * ROWS..((blk + 1) * ROWS).min(qv.count) {
-                        let pos = p.first_pos + t;
-                        let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                        let qo = qv.offset + t * qv.stride + h * hd;
-                        let qh = &q[qo..qo + hd];
-                        scores.clear();
-                        let mut max = f32::NEG_INFINITY;
-                        for j in lo..=pos {
-                            let ko = j * kv_stride + kvh * hd;
-                            let mut sc = dot(qh, &k_cache[ko..ko + hd]) * p.scale;
-                            if let Some(cap) = p.softcap {
-                                sc = cap * (sc / cap).tanh();
-                            }
-                            max = max.max(sc);
-                            scores.push(sc);
-                        }
-                        let mut sum = 0f32;
-                        for s in scores.iter_mut() {
-                            *s = (*s - max).exp();
-                            sum += *s;
-                        }
-                        let inv = 1.0 / sum;
-                        acc.clear();
-                        acc.resize(hd, 0.0);
-                        for (j, &s) in (lo..=pos).zip(scores.iter()) {
-                            let vo = j * kv_stride + kvh * hd;
-                            axpy(s * inv, &v_cache[vo..vo + hd], &mut acc);
-                        }
-                        let oo = ov.offset + t * ov.stride + h * hd;
-                        for (i, &a) in acc.iter().enumerate() {
-                            // SAFETY: in bounds (check_view); (t, h) belongs to this job alone.
-                            unsafe { dst.write(oo + i, a) };
-                        }
-                    }
-                });
-            });
-        });
+        match (k_cache, v_cache) {
+            (CpuKv::F32(k), CpuKv::F32(v)) => attend(
+                &self.pool,
+                q,
+                qv,
+                k,
+                v,
+                kv_stride,
+                out,
+                ov,
+                p,
+                simd::dot_fn(),
+                simd::axpy_fn(),
+            ),
+            (CpuKv::F16(k), CpuKv::F16(v)) => attend(
+                &self.pool,
+                q,
+                qv,
+                k,
+                v,
+                kv_stride,
+                out,
+                ov,
+                p,
+                simd::dot_f16_fn(),
+                simd::axpy_f16_fn(),
+            ),
+            _ => panic!("attention: keys and values in different formats"),
+        }
     }
 
     fn silu_mul(&self, x: &Vec<f32>, xv: Rows, out: &mut Vec<f32>, ov: Rows) {
@@ -546,6 +594,74 @@ impl Backend for CpuBackend {
             }
         }
     }
+}
+
+/// Causal GQA attention over a cache whose rows are of element type `T`, with the matching
+/// dot and axpy kernels.
+#[allow(clippy::too_many_arguments)]
+fn attend<T: Sync>(
+    pool: &ThreadPool,
+    q: &[f32],
+    qv: Rows,
+    k_cache: &[T],
+    v_cache: &[T],
+    kv_stride: usize,
+    out: &mut [f32],
+    ov: Rows,
+    p: AttentionParams,
+    dot: fn(&[f32], &[T]) -> f32,
+    axpy: fn(f32, &[T], &mut [f32]),
+) {
+    let hd = qv.head_dim;
+    let group = qv.heads / p.n_kv_heads;
+    let dst = SharedMut(out.as_mut_ptr());
+    // A job is one head over a block of query rows: enough work to amortise the hand-off
+    // in prefill, while decode (one row) still spreads its heads over the threads.
+    const ROWS: usize = 8;
+    let blocks = qv.count.div_ceil(ROWS);
+    pool.run(blocks * qv.heads, &|job| {
+        let (blk, h) = (job / qv.heads, job % qv.heads);
+        let kvh = h / group;
+        SCRATCH2.with(|s| {
+            SCRATCH.with(|acc| {
+                let (mut scores, mut acc) = (s.borrow_mut(), acc.borrow_mut());
+                for t in blk * ROWS..((blk + 1) * ROWS).min(qv.count) {
+                    let pos = p.first_pos + t;
+                    let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    let qo = qv.offset + t * qv.stride + h * hd;
+                    let qh = &q[qo..qo + hd];
+                    scores.clear();
+                    let mut max = f32::NEG_INFINITY;
+                    for j in lo..=pos {
+                        let ko = j * kv_stride + kvh * hd;
+                        let mut sc = dot(qh, &k_cache[ko..ko + hd]) * p.scale;
+                        if let Some(cap) = p.softcap {
+                            sc = cap * (sc / cap).tanh();
+                        }
+                        max = max.max(sc);
+                        scores.push(sc);
+                    }
+                    let mut sum = 0f32;
+                    for s in scores.iter_mut() {
+                        *s = (*s - max).exp();
+                        sum += *s;
+                    }
+                    let inv = 1.0 / sum;
+                    acc.clear();
+                    acc.resize(hd, 0.0);
+                    for (j, &s) in (lo..=pos).zip(scores.iter()) {
+                        let vo = j * kv_stride + kvh * hd;
+                        axpy(s * inv, &v_cache[vo..vo + hd], &mut acc);
+                    }
+                    let oo = ov.offset + t * ov.stride + h * hd;
+                    for (i, &a) in acc.iter().enumerate() {
+                        // SAFETY: in bounds (check_view); (t, h) belongs to this job alone.
+                        unsafe { dst.write(oo + i, a) };
+                    }
+                }
+            });
+        });
+    });
 }
 
 thread_local! {

@@ -66,6 +66,49 @@ pub fn axpy_scalar(a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+pub type DotF16Fn = fn(&[f32], &[half::f16]) -> f32;
+pub type AxpyF16Fn = fn(f32, &[half::f16], &mut [f32]);
+
+/// `Σ a[i]·b[i]` with `b` in f16 (keys in an f16 KV cache).
+pub fn dot_f16_fn() -> DotF16Fn {
+    static F: OnceLock<DotF16Fn> = OnceLock::new();
+    *F.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::quant::has_avx2() {
+                // SAFETY: AVX2, FMA and F16C detected.
+                return |a, b| unsafe { avx2::dot_f16(a, b) };
+            }
+        }
+        dot_f16_scalar
+    })
+}
+
+/// `y += a · x` with `x` in f16 (values in an f16 KV cache).
+pub fn axpy_f16_fn() -> AxpyF16Fn {
+    static F: OnceLock<AxpyF16Fn> = OnceLock::new();
+    *F.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::quant::has_avx2() {
+                // SAFETY: AVX2, FMA and F16C detected.
+                return |a, x, y| unsafe { avx2::axpy_f16(a, x, y) };
+            }
+        }
+        axpy_f16_scalar
+    })
+}
+
+pub fn dot_f16_scalar(a: &[f32], b: &[half::f16]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y.to_f32()).sum()
+}
+
+pub fn axpy_f16_scalar(a: f32, x: &[half::f16], y: &mut [f32]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi += a * xi.to_f32();
+    }
+}
+
 /// Whether the SIMD path is in use (for the load summary).
 pub fn simd_name() -> &'static str {
     #[cfg(target_arch = "x86_64")]
@@ -155,6 +198,47 @@ mod avx2 {
         sum
     }
 
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_f16(a: &[f32], b: &[half::f16]) -> f32 {
+        let n = a.len().min(b.len());
+        let main = n - n % 8;
+        let (pa, pb) = (a.as_ptr(), b.as_ptr() as *const u16);
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < main {
+            let kb = _mm256_cvtph_ps(_mm_loadu_si128(pb.add(i) as *const __m128i));
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), kb, acc);
+            i += 8;
+        }
+        let q = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        let h = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        let mut sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+        for k in main..n {
+            sum += *pa.add(k) * b[k].to_f32();
+        }
+        sum
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy_f16(a: f32, x: &[half::f16], y: &mut [f32]) {
+        let n = x.len().min(y.len());
+        let main = n - n % 8;
+        let av = _mm256_set1_ps(a);
+        let (px, py) = (x.as_ptr() as *const u16, y.as_mut_ptr());
+        let mut i = 0;
+        while i < main {
+            let xv = _mm256_cvtph_ps(_mm_loadu_si128(px.add(i) as *const __m128i));
+            _mm256_storeu_ps(
+                py.add(i),
+                _mm256_fmadd_ps(av, xv, _mm256_loadu_ps(py.add(i))),
+            );
+            i += 8;
+        }
+        for k in main..n {
+            *py.add(k) += a * x[k].to_f32();
+        }
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
         let n = x.len().min(y.len());
@@ -177,6 +261,25 @@ mod avx2 {
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn f16_kernels_equal_scalar_twins() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        for n in [0, 5, 8, 64, 131] {
+            let a: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let b: Vec<half::f16> = (0..n)
+                .map(|_| half::f16::from_f32(rng.gen_range(-1.0..1.0)))
+                .collect();
+            let (fast, slow) = (dot_f16_fn()(&a, &b), dot_f16_scalar(&a, &b));
+            assert!((fast - slow).abs() <= 1e-5 * (n as f32).max(1.0), "n={n}");
+            let (mut y1, mut y2) = (a.clone(), a.clone());
+            axpy_f16_fn()(0.3, &b, &mut y1);
+            axpy_f16_scalar(0.3, &b, &mut y2);
+            for (p, q) in y1.iter().zip(&y2) {
+                assert!((p - q).abs() <= 1e-6);
+            }
+        }
+    }
 
     #[test]
     fn simd_axpy_equals_scalar_twin() {

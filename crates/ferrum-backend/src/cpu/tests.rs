@@ -97,6 +97,7 @@ fn attention_matches_naive_causal_gqa_with_window() {
     let q = rand_vec(&mut r, n * heads * hd);
     let kc = rand_vec(&mut r, n * kv_stride);
     let vc = rand_vec(&mut r, n * kv_stride);
+    let (kb, vb) = (CpuKv::F32(kc.clone()), CpuKv::F32(vc.clone()));
     for window in [None, Some(3)] {
         let mut out = vec![0.0; n * heads * hd];
         let qv = Rows::dense(n, heads * hd).split_heads(hd);
@@ -107,7 +108,22 @@ fn attention_matches_naive_causal_gqa_with_window() {
             window,
             softcap: None,
         };
-        be.attention(&q, qv, &kc, &vc, kv_stride, &mut out, qv, p);
+        be.attention(&q, qv, &kb, &vb, kv_stride, &mut out, qv, p);
+        // The f16 cache: same result within f16 rounding of keys and values.
+        let (kh, vh) = (be.alloc_kv(kc.len()), be.alloc_kv(vc.len()));
+        let (mut kh, mut vh) = (kh, vh);
+        let rows = Rows::dense(n, kv_stride);
+        CpuBackend::new().write_kv(&kc, rows, &mut kh, rows);
+        CpuBackend::new().write_kv(&vc, rows, &mut vh, rows);
+        assert!(
+            matches!(kh, CpuKv::F16(_)),
+            "the fast backend keeps an f16 cache"
+        );
+        let mut out16 = vec![0.0; n * heads * hd];
+        be.attention(&q, qv, &kh, &vh, kv_stride, &mut out16, qv, p);
+        for (a, b) in out.iter().zip(&out16) {
+            assert!((a - b).abs() < 2e-3, "f16 cache {b} vs f32 {a}");
+        }
         for t in 0..n {
             for h in 0..heads {
                 let g = h / (heads / kvh);
