@@ -213,8 +213,8 @@ mod avx2 {
         let q = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
         let h = _mm_add_ps(q, _mm_movehl_ps(q, q));
         let mut sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
-        for k in main..n {
-            sum += *pa.add(k) * b[k].to_f32();
+        for (x, y) in a[main..n].iter().zip(&b[main..n]) {
+            sum += x * y.to_f32();
         }
         sum
     }
@@ -234,8 +234,8 @@ mod avx2 {
             );
             i += 8;
         }
-        for k in main..n {
-            *py.add(k) += a * x[k].to_f32();
+        for (yi, xi) in y[main..n].iter_mut().zip(&x[main..n]) {
+            *yi += a * xi.to_f32();
         }
     }
 
