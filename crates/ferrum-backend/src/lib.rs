@@ -260,45 +260,7 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Buf,
         ov: Rows,
     ) {
-        self.fill(out, ov, 0.0);
-        for b in batches {
-            let e = &experts[b.expert];
-            let (f, h) = self.weight_shape(&e.gate);
-            let m = b.tokens.len();
-            let xe = Rows::dense(m, h);
-            self.gather_rows(x, xv, b.tokens, &mut scratch.x, xe);
-            self.matmul(
-                &scratch.x,
-                xe,
-                &e.gate,
-                None,
-                &mut scratch.gu,
-                Rows::columns(m, 2 * f, 0, f),
-            );
-            self.matmul(
-                &scratch.x,
-                xe,
-                &e.up,
-                None,
-                &mut scratch.gu,
-                Rows::columns(m, 2 * f, f, f),
-            );
-            self.silu_mul(
-                &scratch.gu,
-                Rows::dense(m, 2 * f),
-                &mut scratch.act,
-                Rows::dense(m, f),
-            );
-            self.matmul(
-                &scratch.act,
-                Rows::dense(m, f),
-                &e.down,
-                None,
-                &mut scratch.y,
-                xe,
-            );
-            self.scatter_add_rows(&scratch.y, xe, b.tokens, b.weights, out, ov);
-        }
+        moe_ffn_default(self, x, xv, experts, batches, scratch, out, ov)
     }
 
     /// Residual add followed by the next norm: `x += y; out = rms_norm(x)`. The default
@@ -317,5 +279,60 @@ pub trait Backend: Send + Sync {
     ) {
         self.add_inplace(x, xv, y, yv);
         self.rms_norm(x, xv, weight, eps, out, ov);
+    }
+}
+
+/// The default [`Backend::moe_ffn`]: for each active expert, gather its tokens, SwiGLU as
+/// matrix-matrix products, and scatter-add the weighted result. A backend's override can fall
+/// back to it.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_ffn_default<B: Backend + ?Sized>(
+    be: &B,
+    x: &B::Buf,
+    xv: Rows,
+    experts: &[ExpertWeights<B::Weight>],
+    batches: &[ExpertBatch],
+    scratch: &mut MoeScratch<B::Buf>,
+    out: &mut B::Buf,
+    ov: Rows,
+) {
+    be.fill(out, ov, 0.0);
+    for b in batches {
+        let e = &experts[b.expert];
+        let (f, h) = be.weight_shape(&e.gate);
+        let m = b.tokens.len();
+        let xe = Rows::dense(m, h);
+        be.gather_rows(x, xv, b.tokens, &mut scratch.x, xe);
+        be.matmul(
+            &scratch.x,
+            xe,
+            &e.gate,
+            None,
+            &mut scratch.gu,
+            Rows::columns(m, 2 * f, 0, f),
+        );
+        be.matmul(
+            &scratch.x,
+            xe,
+            &e.up,
+            None,
+            &mut scratch.gu,
+            Rows::columns(m, 2 * f, f, f),
+        );
+        be.silu_mul(
+            &scratch.gu,
+            Rows::dense(m, 2 * f),
+            &mut scratch.act,
+            Rows::dense(m, f),
+        );
+        be.matmul(
+            &scratch.act,
+            Rows::dense(m, f),
+            &e.down,
+            None,
+            &mut scratch.y,
+            xe,
+        );
+        be.scatter_add_rows(&scratch.y, xe, b.tokens, b.weights, out, ov);
     }
 }

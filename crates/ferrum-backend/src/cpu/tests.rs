@@ -261,3 +261,56 @@ fn unsupported_weight_type_is_an_error() {
     let t = RawTensor::from_bytes("x", DType::Q8K, vec![256], vec![0; 292]).unwrap();
     assert!(be.load_weight(&t).is_err());
 }
+
+#[test]
+fn moe_decode_override_equals_default_composition() {
+    use crate::{moe_ffn_default, ExpertBatch, ExpertWeights, MoeScratch};
+    let be = CpuBackend::new();
+    let mut r = rng();
+    let (h, f, ne) = (64, 32, 4);
+    let mk = |r: &mut rand::rngs::StdRng, rows: usize, cols: usize, q: bool| {
+        let w = rand_vec(r, rows * cols);
+        let t = if q {
+            RawTensor::from_bytes("w", DType::Q8_0, vec![rows, cols], q8_0_bytes(&w)).unwrap()
+        } else {
+            f32_tensor("w", vec![rows, cols], &w)
+        };
+        be.load_weight(&t).unwrap()
+    };
+    for quantized in [false, true] {
+        let experts: Vec<ExpertWeights<CpuWeight>> = (0..ne)
+            .map(|_| ExpertWeights {
+                gate: mk(&mut r, f, h, quantized),
+                up: mk(&mut r, f, h, quantized),
+                down: mk(&mut r, h, f, quantized),
+            })
+            .collect();
+        let x = rand_vec(&mut r, h);
+        let tok = [0u32];
+        let (w1, w3) = ([0.7f32], [0.3f32]);
+        let batches = [
+            ExpertBatch {
+                expert: 1,
+                tokens: &tok,
+                weights: &w1,
+            },
+            ExpertBatch {
+                expert: 3,
+                tokens: &tok,
+                weights: &w3,
+            },
+        ];
+        let mut scratch = MoeScratch {
+            x: vec![0.0; h],
+            gu: vec![0.0; 2 * f * 2],
+            act: vec![0.0; f * 2],
+            y: vec![0.0; h],
+        };
+        let v = Rows::dense(1, h);
+        let mut a = vec![0.0; h];
+        let mut b = vec![1.0; h];
+        be.moe_ffn(&x, v, &experts, &batches, &mut scratch, &mut a, v);
+        moe_ffn_default(&be, &x, v, &experts, &batches, &mut scratch, &mut b, v);
+        assert_eq!(a, b, "quantized={quantized}");
+    }
+}
