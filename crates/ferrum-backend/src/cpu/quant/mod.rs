@@ -191,7 +191,12 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
                     q4_1::avx2::vec_dot_x4,
                     q4_1::avx2::vec_dot_rows4
                 )),
-                DType::Q5_0 => Some(kernel!(unsafe Q8, q5_0::BlockQ5_0, q5_0::avx2::vec_dot)),
+                DType::Q5_0 => Some(kernel!(
+                    unsafe Q8,
+                    q5_0::BlockQ5_0,
+                    q5_0::avx2::vec_dot,
+                    q5_0::avx2::vec_dot_x4
+                )),
                 DType::Q5_1 => Some(kernel!(unsafe Q8, q5_1::BlockQ5_1, q5_1::avx2::vec_dot)),
                 DType::Q8_0 => Some(kernel!(
                     unsafe Q8,
@@ -200,9 +205,12 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
                     // Interleaving four Q8_0 rows measured slower than one row at a time.
                     q8_0::avx2::vec_dot_x4
                 )),
-                DType::Q4K => {
-                    Some(kernel!(unsafe Q8K, k_quants::BlockQ4K, k_quants::avx2::vec_dot_q4k))
-                }
+                DType::Q4K => Some(kernel!(
+                    unsafe Q8K,
+                    k_quants::BlockQ4K,
+                    k_quants::avx2::vec_dot_q4k,
+                    k_quants::avx2::vec_dot_q4k_x4
+                )),
                 DType::Q5K => {
                     Some(kernel!(unsafe Q8K, k_quants::BlockQ5K, k_quants::avx2::vec_dot_q5k))
                 }

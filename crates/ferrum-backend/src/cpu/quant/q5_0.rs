@@ -50,7 +50,9 @@ pub fn vec_dot(w: &[BlockQ5_0], a: &[BlockQ8]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub mod avx2 {
     use super::*;
-    use crate::cpu::quant::q8::{bytes_from_bits, fp16, hsum_ps, mul_sum_i8, nibbles, prefetch};
+    use crate::cpu::quant::q8::{
+        bytes_from_bits, fp16, hsum_ps, mul_sum_i8, mul_sum_u8_i8, nibbles, prefetch,
+    };
     use std::arch::x86_64::*;
 
     /// # Safety
@@ -70,5 +72,34 @@ pub mod avx2 {
             acc = _mm256_fmadd_ps(d, mul_sum_i8(x, y), acc);
         }
         hsum_ps(acc)
+    }
+
+    /// One weight row against four activation rows.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot_x4(w: &[BlockQ5_0], a: [&[BlockQ8]; 4]) -> [f32; 4] {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let high = _mm256_set1_epi8(0xf0u8 as i8);
+        for (i, b) in w.iter().enumerate() {
+            prefetch(b);
+            let hbits = bytes_from_bits(u32::from_le_bytes(b.qh));
+            let x = _mm256_or_si256(nibbles(b.qs.as_ptr()), _mm256_andnot_si256(hbits, high));
+            let ax = _mm256_sign_epi8(x, x);
+            let dw = fp16(b.d);
+            for r in 0..4 {
+                let q = a[r].get_unchecked(i);
+                let y = _mm256_loadu_si256(q.qs.as_ptr() as *const __m256i);
+                let p = mul_sum_u8_i8(ax, _mm256_sign_epi8(y, x));
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * q.d), p, acc[r]);
+            }
+        }
+        [
+            hsum_ps(acc[0]),
+            hsum_ps(acc[1]),
+            hsum_ps(acc[2]),
+            hsum_ps(acc[3]),
+        ]
     }
 }

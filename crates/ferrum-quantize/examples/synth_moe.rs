@@ -1,0 +1,376 @@
+//! A synthetic Qwen3-MoE GGUF for speed comparisons with llama.cpp: the shapes of a real
+//! checkpoint (by default those of Qwen3-30B-A3B's layers: 2048 wide, 128 experts, 8 active,
+//! expert width 768, 32 query heads, 4 KV heads of 128), a few layers, random weights.
+//!
+//! ```text
+//! cargo run --release -p ferrum-quantize --example synth_moe -- OUT.gguf --type Q4_K_M \
+//!     [--layers 4] [--hidden 2048] [--experts 128] [--active 8] [--expert-ffn 768] \
+//!     [--heads 32] [--kv-heads 4] [--head-dim 128] [--vocab-from ggml-vocab-qwen2.gguf] \
+//!     [--seed 1]
+//! ```
+//!
+//! - Weights are normal with standard deviation 0.02, norms 1 ± 0.02, the router is f32.
+//!   Every tensor's values depend only on the seed, its name and its row, so the Q8_0 and
+//!   Q4_K_M files hold the same underlying model.
+//! - Each tensor's format is what `ferrum quantize` (llama-quantize's recipe) would give it
+//!   for the chosen type: for Q4_K_M, Q4_K everywhere except `output` (Q6_K) and `attn_v` /
+//!   `ffn_down_exps` on the `use_more_bits` layers (Q6_K); norms and `ffn_gate_inp` stay f32.
+//! - llama.cpp needs a vocabulary: every `tokenizer.*` key is copied from a vocab GGUF
+//!   (llama.cpp's `ggml-vocab-qwen2.gguf` by default) and the embedding has one row per token.
+//! - The file is streamed a slab of rows at a time, quantised on all cores; nothing close to
+//!   the whole file is ever in memory. It is written to `OUT.partial` and renamed when
+//!   complete.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use ferrum_core::DType;
+use ferrum_loader::{GgufFile, Value};
+use ferrum_quantize::recipe::{self, ModelInfo, PlanInput};
+use ferrum_quantize::writer::{GgufWriter, TensorDecl};
+use ferrum_quantize::{quantize_row, FileType};
+use rand::{Rng, SeedableRng};
+
+type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+struct Opts {
+    out: PathBuf,
+    ftype: FileType,
+    layers: usize,
+    hidden: usize,
+    experts: usize,
+    active: usize,
+    expert_ffn: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    vocab_from: PathBuf,
+    seed: u64,
+}
+
+const USAGE: &str =
+    "usage: synth_moe OUT.gguf --type Q8_0|Q4_K_M|... [--layers 4] [--hidden 2048] \
+[--experts 128] [--active 8] [--expert-ffn 768] [--heads 32] [--kv-heads 4] [--head-dim 128] \
+[--vocab-from PATH] [--seed 1]";
+
+fn parse_args() -> AnyResult<Opts> {
+    let cache = std::env::var_os("FERRUM_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/ferrum")))
+        .unwrap_or_else(|| PathBuf::from(".cache/ferrum"));
+    let mut o = Opts {
+        out: PathBuf::new(),
+        ftype: FileType::Q8_0,
+        layers: 4,
+        hidden: 2048,
+        experts: 128,
+        active: 8,
+        expert_ffn: 768,
+        heads: 32,
+        kv_heads: 4,
+        head_dim: 128,
+        vocab_from: cache.join("llama-vocab/ggml-vocab-qwen2.gguf"),
+        seed: 1,
+    };
+    let mut out = None;
+    let mut ftype = None;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        if a == "-h" || a == "--help" {
+            println!("{USAGE}");
+            std::process::exit(0);
+        }
+        if !a.starts_with("--") {
+            if out.replace(PathBuf::from(&a)).is_some() {
+                return Err(format!("more than one output path\n{USAGE}").into());
+            }
+            continue;
+        }
+        let v = args
+            .next()
+            .ok_or_else(|| format!("{a} needs a value\n{USAGE}"))?;
+        let num = || -> AnyResult<usize> {
+            v.parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("{a}: {v:?} is not a positive integer").into())
+        };
+        match a.as_str() {
+            "--type" => ftype = Some(v.parse::<FileType>()?),
+            "--layers" => o.layers = num()?,
+            "--hidden" => o.hidden = num()?,
+            "--experts" => o.experts = num()?,
+            "--active" => o.active = num()?,
+            "--expert-ffn" => o.expert_ffn = num()?,
+            "--heads" => o.heads = num()?,
+            "--kv-heads" => o.kv_heads = num()?,
+            "--head-dim" => o.head_dim = num()?,
+            "--vocab-from" => o.vocab_from = PathBuf::from(&v),
+            "--seed" => o.seed = num()? as u64,
+            _ => return Err(format!("unknown option {a}\n{USAGE}").into()),
+        }
+    }
+    o.out = out.ok_or(USAGE)?;
+    o.ftype = ftype.ok_or(USAGE)?;
+    if o.active > o.experts || !o.heads.is_multiple_of(o.kv_heads) {
+        return Err("need --active ≤ --experts and --heads a multiple of --kv-heads".into());
+    }
+    Ok(o)
+}
+
+/// How a tensor's values are drawn.
+#[derive(Clone, Copy)]
+enum Init {
+    /// Normal, mean 0, standard deviation 0.02.
+    Weight,
+    /// Normal, mean 1, standard deviation 0.02.
+    Norm,
+}
+
+struct Spec {
+    name: String,
+    /// GGML order: `dims[0]` is the row length.
+    dims: Vec<usize>,
+    init: Init,
+}
+
+fn specs(o: &Opts, vocab: usize) -> Vec<Spec> {
+    let (h, q, kv) = (o.hidden, o.heads * o.head_dim, o.kv_heads * o.head_dim);
+    let t = |name: String, dims: Vec<usize>, init| Spec { name, dims, init };
+    let mut v = vec![
+        t("token_embd.weight".into(), vec![h, vocab], Init::Weight),
+        t("output_norm.weight".into(), vec![h], Init::Norm),
+        t("output.weight".into(), vec![h, vocab], Init::Weight),
+    ];
+    for i in 0..o.layers {
+        let n = |s: &str| format!("blk.{i}.{s}.weight");
+        let (f, e) = (o.expert_ffn, o.experts);
+        v.extend([
+            t(n("attn_norm"), vec![h], Init::Norm),
+            t(n("attn_q"), vec![h, q], Init::Weight),
+            t(n("attn_k"), vec![h, kv], Init::Weight),
+            t(n("attn_v"), vec![h, kv], Init::Weight),
+            t(n("attn_output"), vec![q, h], Init::Weight),
+            t(n("attn_q_norm"), vec![o.head_dim], Init::Norm),
+            t(n("attn_k_norm"), vec![o.head_dim], Init::Norm),
+            t(n("ffn_norm"), vec![h], Init::Norm),
+            t(n("ffn_gate_inp"), vec![h, e], Init::Weight),
+            t(n("ffn_gate_exps"), vec![h, f, e], Init::Weight),
+            t(n("ffn_up_exps"), vec![h, f, e], Init::Weight),
+            t(n("ffn_down_exps"), vec![f, h, e], Init::Weight),
+        ]);
+    }
+    v
+}
+
+fn metadata(o: &Opts, vocab_file: &GgufFile) -> AnyResult<(Vec<(String, Value)>, usize)> {
+    let arch = "qwen3moe";
+    let u = |n: usize| Value::U32(n as u32);
+    let mut md: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        (
+            "general.name".into(),
+            Value::String(format!("synthetic-qwen3moe-{}L", o.layers)),
+        ),
+        (
+            "general.file_type".into(),
+            u(o.ftype.llama_ftype() as usize),
+        ),
+        ("general.quantization_version".into(), u(2)),
+    ];
+    let hp = [
+        ("block_count", u(o.layers)),
+        ("context_length", u(4096)),
+        ("embedding_length", u(o.hidden)),
+        ("feed_forward_length", u(6144)),
+        ("attention.head_count", u(o.heads)),
+        ("attention.head_count_kv", u(o.kv_heads)),
+        ("attention.key_length", u(o.head_dim)),
+        ("attention.value_length", u(o.head_dim)),
+        ("rope.freq_base", Value::F32(1e6)),
+        ("attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+        ("expert_count", u(o.experts)),
+        ("expert_used_count", u(o.active)),
+        ("expert_feed_forward_length", u(o.expert_ffn)),
+    ];
+    md.extend(hp.into_iter().map(|(k, v)| (format!("{arch}.{k}"), v)));
+    for k in vocab_file
+        .keys
+        .iter()
+        .filter(|k| k.starts_with("tokenizer."))
+    {
+        if let Some(v) = vocab_file.get(k) {
+            md.push((k.clone(), v.clone()));
+        }
+    }
+    let vocab = vocab_file
+        .get("tokenizer.ggml.tokens")
+        .and_then(Value::as_array)
+        .map(<[Value]>::len)
+        .ok_or_else(|| {
+            format!(
+                "{}: no tokenizer.ggml.tokens array",
+                vocab_file.path.display()
+            )
+        })?;
+    Ok((md, vocab))
+}
+
+/// The generator of one group of rows: seeded from the seed, the tensor name and the group.
+fn group_rng(seed: u64, name: &str, group: usize) -> rand::rngs::StdRng {
+    // FNV-1a of the name and group index, started from the seed.
+    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    for b in name.bytes().chain((group as u64).to_le_bytes()) {
+        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    rand::rngs::StdRng::seed_from_u64(h)
+}
+
+/// Fills `x` with normal values (Box–Muller) of the given mean and standard deviation.
+fn fill_normal(rng: &mut impl Rng, x: &mut [f32], mean: f32, std: f32) {
+    for pair in x.chunks_mut(2) {
+        let u1: f32 = rng.gen_range(f32::MIN_POSITIVE..1.0);
+        let u2: f32 = rng.gen();
+        let r = (-2.0 * u1.ln()).sqrt() * std;
+        let (s, c) = (std::f32::consts::TAU * u2).sin_cos();
+        pair[0] = mean + r * c;
+        if let Some(p) = pair.get_mut(1) {
+            *p = mean + r * s;
+        }
+    }
+}
+
+/// Rows per slab: about 8 Mi values (32 MiB of f32) per slab.
+const SLAB_VALUES: usize = 8 << 20;
+/// Rows drawn from one generator.
+const GROUP: usize = 64;
+
+fn write_tensor(
+    w: &mut GgufWriter,
+    spec: &Spec,
+    dtype: DType,
+    seed: u64,
+    threads: usize,
+) -> AnyResult<()> {
+    let row_len = spec.dims[0];
+    let n_rows: usize = spec.dims[1..].iter().product();
+    let row_bytes = dtype.bytes_for(row_len).ok_or_else(|| {
+        format!(
+            "{}: rows of {row_len} are not whole {dtype} blocks",
+            spec.name
+        )
+    })?;
+    // Values are drawn in groups of 64 rows (one generator per group), and slabs and worker
+    // parts start on group boundaries, so neither the slab size nor the thread count changes
+    // the weights.
+    let rows_per_slab = (SLAB_VALUES / row_len / GROUP * GROUP)
+        .max(GROUP)
+        .min(n_rows);
+    let (mean, std) = match spec.init {
+        Init::Weight => (0.0, 0.02),
+        Init::Norm => (1.0, 0.02),
+    };
+    let mut f = vec![0f32; rows_per_slab * row_len];
+    let mut q = vec![0u8; rows_per_slab * row_bytes];
+    for r0 in (0..n_rows).step_by(rows_per_slab) {
+        let rows = rows_per_slab.min(n_rows - r0);
+        let f = &mut f[..rows * row_len];
+        let q = &mut q[..rows * row_bytes];
+        let per = rows.div_ceil(threads.max(1)).next_multiple_of(GROUP);
+        let results: Vec<ferrum_core::Result<()>> = std::thread::scope(|s| {
+            let handles: Vec<_> = f
+                .chunks_mut(per * row_len)
+                .zip(q.chunks_mut(per * row_bytes))
+                .enumerate()
+                .map(|(part, (fp, qp))| {
+                    s.spawn(move || {
+                        for (g, fg) in fp.chunks_mut(GROUP * row_len).enumerate() {
+                            let group = (r0 + part * per) / GROUP + g;
+                            let mut rng = group_rng(seed, &spec.name, group);
+                            fill_normal(&mut rng, fg, mean, std);
+                        }
+                        for (x, o) in fp.chunks_exact(row_len).zip(qp.chunks_exact_mut(row_bytes)) {
+                            quantize_row(dtype, x, o)?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for r in results {
+            r?;
+        }
+        w.write(q)?;
+    }
+    Ok(())
+}
+
+fn main() -> AnyResult<()> {
+    let o = parse_args()?;
+    let started = Instant::now();
+    let vocab_file = GgufFile::open(&o.vocab_from)
+        .map_err(|e| format!("vocabulary {}: {e}", o.vocab_from.display()))?;
+    let (md, vocab) = metadata(&o, &vocab_file)?;
+    let specs = specs(&o, vocab);
+
+    let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+    let mut order: Vec<usize> = (0..specs.len()).collect();
+    order.sort_by(|&a, &b| recipe::llama_order(names[a], names[b]));
+    let inputs: Vec<PlanInput> = order
+        .iter()
+        .map(|&i| PlanInput {
+            name: &specs[i].name,
+            dims: &specs[i].dims,
+        })
+        .collect();
+    let model = ModelInfo {
+        arch: "qwen3moe",
+        n_layer: o.layers,
+        n_gqa: o.heads / o.kv_heads,
+    };
+    let planned = recipe::plan(o.ftype, &model, &inputs);
+    let mut dtypes = vec![DType::F32; specs.len()];
+    for (&i, p) in order.iter().zip(planned) {
+        dtypes[i] = p.unwrap_or(DType::F32);
+    }
+
+    let decls: Vec<TensorDecl> = specs
+        .iter()
+        .zip(&dtypes)
+        .map(|(s, &dtype)| TensorDecl {
+            name: s.name.clone(),
+            dims: s.dims.clone(),
+            dtype,
+        })
+        .collect();
+    let partial = o.out.with_extension("gguf.partial");
+    let mut w = GgufWriter::create(&partial, &md, decls)?;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    for (s, &dtype) in specs.iter().zip(&dtypes) {
+        let t = Instant::now();
+        write_tensor(&mut w, s, dtype, o.seed, threads)?;
+        if s.dims.len() > 1 {
+            eprintln!(
+                "{:<28} {:>16} {:<6} {:6.1} s",
+                s.name,
+                format!("{:?}", s.dims),
+                dtype.to_string(),
+                t.elapsed().as_secs_f64()
+            );
+        }
+    }
+    let size = w.finish()?;
+    std::fs::rename(&partial, &o.out)?;
+    let params: usize = specs.iter().map(|s| s.dims.iter().product::<usize>()).sum();
+    eprintln!(
+        "wrote {}: {} ({} tensors, {:.2} G parameters, {:.2} GB, vocab {vocab}) in {:.0} s",
+        o.out.display(),
+        o.ftype,
+        specs.len(),
+        params as f64 / 1e9,
+        size as f64 / 1e9,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}

@@ -1,0 +1,265 @@
+#!/usr/bin/env bash
+# Speed of ferrum against llama.cpp on the same files, same machine, same run (a developer
+# tool, not run by CI). See docs/performance.md for what the figures mean.
+#
+#   scripts/bench-vs-llamacpp.sh                 # SmolLM2-135M Q4_1, Q8_0, Q4_K_M
+#   scripts/bench-vs-llamacpp.sh --moe           # ... plus synthetic Qwen3-MoE Q8_0, Q4_K_M
+#   scripts/bench-vs-llamacpp.sh [--moe] A.gguf B.gguf   # just these files (plus MoE)
+#
+# For each file, ROUNDS rounds of `llama-bench -p PP -n TG -r 1` and `ferrum bench --reps 1`,
+# alternating (which one goes first alternates too), then a markdown table of medians and
+# ratios. Raw JSON and the table are kept in OUT_DIR.
+#
+# Environment:
+#   ROUNDS=5 PP=512 TG=128 THREADS=2   rounds, llama-bench -p/-n, llama-bench -t
+#                                      (ferrum uses every core the OS reports)
+#   LLAMA_BENCH=/path/llama-bench      use this llama-bench, build nothing
+#   LLAMACPP_BIN=/dir                  use llama-bench from this folder (e.g. an existing build)
+#   LLAMACPP_CMAKE_FLAGS="..."         override the CPU flags of the llama.cpp build
+#   LLAMA_BENCH_ARGS="--repack 0"      extra llama-bench options (default: none, its defaults)
+#   MOE_DIR=$FERRUM_CACHE/synth-moe    where the synthetic MoE files live (made if missing)
+#   MOE_LAYERS=4                       layers of the synthetic MoE files
+#   OUT_DIR=target/bench-vs-llamacpp/DATE
+#   FERRUM_CACHE=~/.cache/ferrum       cache of models and the llama.cpp build
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${FERRUM_CACHE:-$HOME/.cache/ferrum}"
+ROUNDS="${ROUNDS:-5}"
+PP="${PP:-512}"
+TG="${TG:-128}"
+THREADS="${THREADS:-2}"
+PYTHON="${PYTHON:-python3}"
+LLAMACPP_VERSION="0.3.36"
+MOE_DIR="${MOE_DIR:-$CACHE/synth-moe}"
+MOE_LAYERS="${MOE_LAYERS:-4}"
+OUT_DIR="${OUT_DIR:-$ROOT/target/bench-vs-llamacpp/$(date +%Y%m%d-%H%M%S)}"
+
+log() { echo "[bench-vs-llamacpp] $*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+MOE=0
+FILES=()
+for a in "$@"; do
+    case "$a" in
+        --moe) MOE=1 ;;
+        -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -*) die "unknown option $a (see --help)" ;;
+        *) [[ -f "$a" ]] || die "$a: no such file"; FILES+=("$(cd "$(dirname "$a")" && pwd)/$(basename "$a")") ;;
+    esac
+done
+
+# --- llama.cpp ----------------------------------------------------------------------------
+# Built once from the llama-cpp-python sdist (which vendors llama.cpp) into the cache.
+build_llamacpp() {
+    local dir="$CACHE/llamacpp-build"
+    local bin="$dir/build/bin"
+    if [[ -x "$bin/llama-bench" && -x "$bin/llama-quantize" ]]; then
+        echo "$bin"
+        return
+    fi
+    mkdir -p "$dir"
+    local src="$dir/llama_cpp_python-$LLAMACPP_VERSION/vendor/llama.cpp"
+    if [[ ! -f "$src/CMakeLists.txt" ]]; then
+        log "downloading the llama-cpp-python==$LLAMACPP_VERSION sdist"
+        "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps \
+            --no-binary llama-cpp-python "llama-cpp-python==$LLAMACPP_VERSION" -d "$dir" >&2
+        tar -xzf "$dir/llama_cpp_python-$LLAMACPP_VERSION.tar.gz" -C "$dir"
+    fi
+    if ! command -v cmake >/dev/null || ! command -v ninja >/dev/null; then
+        log "installing cmake and ninja with pip"
+        "$PYTHON" -m pip install --quiet --disable-pip-version-check cmake ninja >&2
+    fi
+    # Explicit x86 features instead of GGML_NATIVE: some virtual machines advertise AVX-512
+    # in /proc/cpuinfo but fault (SIGILL) on it, and ferrum's kernels are AVX2 anyway.
+    local cpu_flags
+    if [[ -n "${LLAMACPP_CMAKE_FLAGS:-}" ]]; then
+        cpu_flags="$LLAMACPP_CMAKE_FLAGS"
+    elif [[ "$(uname -m)" == x86_64 ]]; then
+        cpu_flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+    else
+        cpu_flags="-DGGML_NATIVE=ON"
+    fi
+    log "building llama-bench and llama-quantize (about 10 minutes on 2 cores)"
+    # shellcheck disable=SC2086 # cpu_flags is a list of flags
+    cmake -S "$src" -B "$dir/build" -G Ninja -DCMAKE_BUILD_TYPE=Release $cpu_flags \
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >"$dir/cmake.log" 2>&1 \
+        || die "cmake configure failed, see $dir/cmake.log"
+    cmake --build "$dir/build" --target llama-bench llama-quantize -j "$(nproc)" \
+        >>"$dir/cmake.log" 2>&1 || die "llama.cpp build failed, see $dir/cmake.log"
+    echo "$bin"
+}
+
+if [[ -n "${LLAMA_BENCH:-}" ]]; then
+    [[ -x "$LLAMA_BENCH" ]] || die "LLAMA_BENCH=$LLAMA_BENCH is not executable"
+elif [[ -n "${LLAMACPP_BIN:-}" ]]; then
+    LLAMA_BENCH="$LLAMACPP_BIN/llama-bench"
+    [[ -x "$LLAMA_BENCH" ]] || die "no llama-bench in LLAMACPP_BIN=$LLAMACPP_BIN"
+else
+    LLAMA_BENCH="$(build_llamacpp)/llama-bench"
+fi
+# The shared libraries sit beside the binaries.
+LD_LIBRARY_PATH="$(dirname "$LLAMA_BENCH")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH
+
+# --- ferrum -------------------------------------------------------------------------------
+log "building ferrum (release)"
+(cd "$ROOT" && cargo build --release --quiet) || die "cargo build --release failed"
+FERRUM="$ROOT/target/release/ferrum"
+
+# --- model files --------------------------------------------------------------------------
+if [[ ${#FILES[@]} -eq 0 ]]; then
+    SMOL="$("$ROOT/scripts/fetch-default-model.sh" | tail -n 1)"
+    [[ -f "$SMOL" ]] || die "fetch-default-model.sh gave no model"
+    FILES+=("$SMOL")
+    QDIR="$CACHE/bench-models"
+    mkdir -p "$QDIR"
+    for t in Q8_0 Q4_K_M; do
+        q="$QDIR/SmolLM2-135M-Instruct.$t.gguf"
+        if [[ ! -f "$q" ]]; then
+            log "quantising SmolLM2 to $t with ferrum quantize (from the shipped Q4_1)"
+            "$FERRUM" quantize "$SMOL" "$q.partial" --type "$t" >&2
+            mv "$q.partial" "$q"
+        fi
+        FILES+=("$q")
+    done
+fi
+if [[ $MOE -eq 1 ]]; then
+    mkdir -p "$MOE_DIR"
+    for t in Q8_0 Q4_K_M; do
+        m="$MOE_DIR/qwen3moe-synth-${MOE_LAYERS}L-$t.gguf"
+        if [[ ! -f "$m" ]]; then
+            vocab="$CACHE/llama-vocab/ggml-vocab-qwen2.gguf"
+            [[ -f "$vocab" ]] || "$ROOT/scripts/fetch-test-assets.sh" >/dev/null
+            log "generating $m (a few minutes)"
+            (cd "$ROOT" && cargo run --release --quiet -p ferrum-quantize --example synth_moe -- \
+                "$m" --type "$t" --layers "$MOE_LAYERS" --vocab-from "$vocab") \
+                || die "synth_moe failed"
+        fi
+        FILES+=("$m")
+    done
+fi
+
+# --- runs ---------------------------------------------------------------------------------
+mkdir -p "$OUT_DIR"
+log "results in $OUT_DIR"
+run_llama() { # file round
+    local out
+    out="$OUT_DIR/$(basename "$1").llama.$2.json"
+    # shellcheck disable=SC2086 # a list of options
+    "$LLAMA_BENCH" -m "$1" -t "$THREADS" -p "$PP" -n "$TG" -r 1 -o json ${LLAMA_BENCH_ARGS:-} >"$out" \
+        2>"$out.log" || die "llama-bench failed on $1, see $out.log"
+}
+run_ferrum() { # file round
+    local out
+    out="$OUT_DIR/$(basename "$1").ferrum.$2.json"
+    "$FERRUM" bench "$1" --pp "$PP" --tg "$TG" --reps 1 --json >"$out" 2>"$out.log" \
+        || die "ferrum bench failed on $1, see $out.log"
+}
+for f in "${FILES[@]}"; do
+    for ((r = 1; r <= ROUNDS; r++)); do
+        log "$(basename "$f"): round $r/$ROUNDS"
+        if ((r % 2)); then
+            run_llama "$f" "$r"; run_ferrum "$f" "$r"
+        else
+            run_ferrum "$f" "$r"; run_llama "$f" "$r"
+        fi
+    done
+done
+
+# --- table --------------------------------------------------------------------------------
+CPU="$(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ *//' || true)"
+"$PYTHON" - "$OUT_DIR" "$ROUNDS" "$PP" "$TG" "$THREADS" "${CPU:-unknown CPU}" \
+    "$(cd "$ROOT" && git rev-parse --short HEAD 2>/dev/null || echo '?')" "${FILES[@]}" \
+    <<'EOF' | tee "$OUT_DIR/results.md"
+import json, os, statistics, sys, datetime, platform
+
+out_dir, rounds, pp, tg, threads, cpu, rev = sys.argv[1:8]
+files = sys.argv[8:]
+rounds = int(rounds)
+
+def load(path):
+    with open(path) as fh:
+        return json.load(fh)
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+def fmt(x, spec=".2f"):
+    return "n/a" if x is None else format(x, spec)
+
+def gb(n):
+    return "n/a" if n is None else f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+speed, memory = [], []
+backend = llama_build = None
+for f in files:
+    name = os.path.basename(f)
+    llama = {"pp": [], "tg": []}
+    ferrum = {"pp": [], "tg": []}
+    ratios = {"pp": [], "tg": []}
+    rss, bw, wbpt, bound = [], [], [], []
+    fr = None
+    for r in range(1, rounds + 1):
+        lj = load(f"{out_dir}/{name}.llama.{r}.json")
+        fr = load(f"{out_dir}/{name}.ferrum.{r}.json")
+        backend = fr.get("backend", backend)
+        for t in lj:
+            llama_build = t.get("build_commit", llama_build)
+        got = {}
+        for t in lj:
+            if t.get("n_prompt", 0) > 0 and t.get("n_gen", 0) == 0:
+                got["pp"] = t["avg_ts"]
+            elif t.get("n_gen", 0) > 0 and t.get("n_prompt", 0) == 0:
+                got["tg"] = t["avg_ts"]
+        for k in ("pp", "tg"):
+            l, x = got.get(k), fr.get(f"{k}_tok_s")
+            llama[k].append(l)
+            ferrum[k].append(x)
+            if l and x:
+                ratios[k].append(x / l)
+        rss.append(fr.get("peak_rss_bytes"))
+        bw.append(fr.get("bandwidth_gb_s"))
+        wbpt.append(fr.get("weight_bytes_per_token"))
+        b = fr.get("tg_bound_tok_s")
+        if b is None and bw[-1] and wbpt[-1]:
+            b = bw[-1] * 1e9 / wbpt[-1]
+        bound.append(b)
+    for k, n in (("pp", pp), ("tg", tg)):
+        if int(n) == 0:
+            continue
+        lm, fm = med(llama[k]), med(ferrum[k])
+        speed.append(f"| {name} | {k}{n} | {fmt(lm)} | {fmt(fm)} | {fmt(med(ratios[k]), '.3f')} |")
+    b = med(bound)
+    pct = lambda x: None if (b is None or x is None) else 100 * x / b
+    size = fr.get("file_bytes") if fr else None
+    if size is None:
+        size = os.path.getsize(f)
+    r = med(rss)
+    memory.append(
+        f"| {name} | {gb(size)} | {gb(r)} | {fmt(None if r is None else r / size, '.2f')} "
+        f"| {gb(med(wbpt))} | {fmt(med(bw), '.1f')} | {fmt(b, '.1f')} "
+        f"| {fmt(pct(med(ferrum['tg'])), '.0f')}% | {fmt(pct(med(llama['tg'])), '.0f')}% |"
+    )
+
+print(f"## bench-vs-llamacpp, {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}")
+print()
+print(f"- machine: {platform.machine()}, {cpu}, {os.cpu_count()} logical CPUs")
+extra = os.environ.get("LLAMA_BENCH_ARGS", "")
+print(f"- llama.cpp: llama-bench -t {threads} -p {pp} -n {tg} -r 1{' ' + extra if extra else ''} "
+      f"(build {llama_build or '?'})")
+print(f"- ferrum: ferrum bench --pp {pp} --tg {tg} --reps 1, {backend or '?'} (git {rev})")
+print(f"- {rounds} alternating rounds per file; medians over rounds; the ratio is the median "
+      "of the per-round ratios (ferrum / llama.cpp, > 1 means ferrum is faster)")
+print()
+print("| file | test | llama.cpp t/s | ferrum t/s | ferrum / llama.cpp |")
+print("|---|---|--:|--:|--:|")
+print("\n".join(speed))
+print()
+print("| file | size | ferrum peak RSS | RSS / size | weight bytes / token | measured GB/s "
+      "| tg bound t/s | ferrum tg % of bound | llama.cpp tg % of bound |")
+print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+print("\n".join(memory))
+EOF
