@@ -120,6 +120,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
     // Decode cannot beat reading every weight once per token at the measured bandwidth.
     let bound = bandwidth.map(|bw| bw * 1e9 / bytes_per_token);
     let experts = model.decoder.expert_stats().map(|s| s.to_vec());
+    // The MoE block during tg: its time per token against reading the active experts' bytes.
+    let tg_tokens = (a.tg * a.reps) as f64;
+    let moe_ms = model
+        .decoder
+        .expert_secs()
+        .filter(|_| a.tg > 0)
+        .map(|s| 1e3 * s / tg_tokens);
+    let moe_bound_ms = bandwidth
+        .filter(|_| info.expert_bytes_per_token > 0)
+        .map(|bw| 1e3 * info.expert_bytes_per_token as f64 / (bw * 1e9));
     if a.json {
         println!(
             "{}",
@@ -135,6 +145,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 "bandwidth_gb_s": bandwidth,
                 "weight_bytes_per_token": info.decode_bytes_per_token,
                 "tg_bound_tok_s": bound,
+                "moe_block_ms_per_token": moe_ms,
+                "moe_block_bound_ms_per_token": moe_bound_ms,
+                "expert_bytes_per_token": info.expert_bytes_per_token,
                 "expert_tokens_per_layer": experts,
             })
         );
@@ -163,6 +176,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if let Some(r) = rss {
         println!("peak RSS: {:.0} MB", r as f64 / 1e6);
+    }
+    if let (Some(t), Some(b)) = (moe_ms, moe_bound_ms) {
+        println!(
+            "MoE block (decode): {t:.3} ms per token; reading the active experts' {:.1} MB takes {b:.3} ms ({:.2}×)",
+            info.expert_bytes_per_token as f64 / 1e6,
+            t / b
+        );
     }
     if let Some(stats) = experts {
         println!("expert load during tg (tokens per expert, per MoE layer):");

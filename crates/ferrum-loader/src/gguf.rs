@@ -123,7 +123,7 @@ impl GgufFile {
         let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
         // SAFETY: the mapping is read-only; like every mmap-based loader we assume the file
         // is not truncated or rewritten by another process while it is mapped.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
+        let mmap = crate::tensor::map_file(&file).map_err(|e| Error::io(&path, e))?;
         Self::parse(path, Arc::new(mmap))
     }
 

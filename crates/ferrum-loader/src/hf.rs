@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ferrum_core::{DType, Error, Result};
-use memmap2::Mmap;
+
 use safetensors::{Dtype as StDtype, SafeTensors};
 
 use crate::tensor::{RawTensor, Storage, TensorStore};
@@ -85,7 +85,7 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
 pub fn load_safetensors(path: &Path, store: &mut TensorStore) -> Result<usize> {
     let file = File::open(path).map_err(|e| Error::io(path, e))?;
     // SAFETY: read-only mapping of a file we assume is not modified while mapped.
-    let mmap = Arc::new(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?);
+    let mmap = Arc::new(crate::tensor::map_file(&file).map_err(|e| Error::io(path, e))?);
     let st = SafeTensors::deserialize(&mmap[..])
         .map_err(|e| Error::format(path, format!("invalid safetensors: {e}")))?;
     let base = mmap.as_ptr() as usize;

@@ -119,6 +119,8 @@ struct MoeState<B: Backend> {
     router: Router,
     /// Tokens each expert received, per layer (zero for dense layers).
     counts: Vec<Vec<u64>>,
+    /// Wall time spent in the expert FFNs (routing excluded).
+    expert_secs: f64,
 }
 
 pub struct Decoder<B: Backend> {
@@ -245,6 +247,7 @@ impl<B: Backend> Decoder<B> {
                 },
                 router: Router::new(m),
                 counts: vec![vec![0; m.n_experts]; c.n_layers],
+                expert_secs: 0.0,
             }),
         };
         Ok(Decoder {
@@ -270,9 +273,15 @@ impl<B: Backend> Decoder<B> {
         self.state.moe.as_ref().map(|m| m.counts.as_slice())
     }
 
+    /// Seconds spent in the expert FFNs since load or the last reset.
+    pub fn expert_secs(&self) -> Option<f64> {
+        self.state.moe.as_ref().map(|m| m.expert_secs)
+    }
+
     pub fn reset_expert_stats(&mut self) {
         if let Some(m) = self.state.moe.as_mut() {
             m.counts.iter_mut().for_each(|c| c.fill(0));
+            m.expert_secs = 0.0;
         }
     }
 
@@ -444,6 +453,7 @@ impl<B: Backend> Decoder<B> {
                     ms.router
                         .route(&ms.host_logits[..n * ne], n, &mut ms.counts[li]);
                     let batches = ms.router.batches();
+                    let t0 = std::time::Instant::now();
                     be.moe_ffn(
                         &s.xn,
                         hidden,
@@ -453,6 +463,8 @@ impl<B: Backend> Decoder<B> {
                         &mut s.tmp,
                         hidden,
                     );
+                    // Backends that run asynchronously will need a sync here to time this.
+                    ms.expert_secs += t0.elapsed().as_secs_f64();
                 }
             }
             // The next layer's input norm rides on this residual add; after the last layer

@@ -74,6 +74,8 @@ pub struct ModelInfo {
     /// Weight bytes one decode step reads: every matrix once (the output head included),
     /// one embedding row, and for MoE layers only the active share of the experts.
     pub decode_bytes_per_token: usize,
+    /// Of which the routed experts' share (the MoE block's weight traffic per token).
+    pub expert_bytes_per_token: usize,
 }
 
 pub struct Model<B: Backend> {
@@ -119,7 +121,8 @@ impl<B: Backend> Model<B> {
         for t in store.tensors.values() {
             *by_type.entry(t.dtype).or_default() += t.bytes().len();
         }
-        let decode_bytes_per_token = decode_bytes(&store, &decoder.config);
+        let (decode_bytes_per_token, expert_bytes_per_token) =
+            decode_bytes(&store, &decoder.config);
         let main_dtype = by_type
             .into_iter()
             .max_by_key(|(_, b)| *b)
@@ -133,6 +136,7 @@ impl<B: Backend> Model<B> {
                 file_bytes: file.file_bytes(),
                 load_secs: t0.elapsed().as_secs_f64(),
                 decode_bytes_per_token,
+                expert_bytes_per_token,
             },
         })
     }
@@ -142,12 +146,14 @@ impl<B: Backend> Model<B> {
     }
 }
 
-fn decode_bytes(store: &ferrum_loader::TensorStore, c: &ModelConfig) -> usize {
+/// `(all weight bytes a decode step reads, of which routed experts)`.
+fn decode_bytes(store: &ferrum_loader::TensorStore, c: &ModelConfig) -> (usize, usize) {
     let active = c
         .moe
         .as_ref()
         .map_or(1.0, |m| m.n_active as f64 / m.n_experts as f64);
     let mut total = 0f64;
+    let mut experts = 0f64;
     for (name, t) in &store.tensors {
         let bytes = t.bytes().len() as f64;
         let is_embed = name == "token_embd.weight" || name == "model.embed_tokens.weight";
@@ -158,10 +164,11 @@ fn decode_bytes(store: &ferrum_loader::TensorStore, c: &ModelConfig) -> usize {
                 bytes / t.n_rows().max(1) as f64
             }
         } else if name.contains("_exps.") || name.contains(".experts.") {
+            experts += bytes * active;
             bytes * active
         } else {
             bytes
         };
     }
-    total as usize
+    (total as usize, experts as usize)
 }

@@ -138,6 +138,7 @@ pub fn dequantize_q3k(blocks: &[BlockQ3K], out: &mut [f32]) {
 }
 
 /// Scale and minimum `j` (0..8) of the packed 6-bit pairs used by Q4_K and Q5_K.
+#[inline(always)]
 fn scale_min_k4(j: usize, q: &[u8; K_SCALE_SIZE]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
@@ -217,6 +218,7 @@ pub fn dequantize_q6k(blocks: &[BlockQ6K], out: &mut [f32]) {
 use super::q8::BlockQ8K;
 
 /// All eight (scale, min) pairs of a Q4_K / Q5_K block.
+#[inline(always)]
 fn scales_mins(q: &[u8; K_SCALE_SIZE]) -> ([u8; 8], [u8; 8]) {
     let mut sc = [0u8; 8];
     let mut mn = [0u8; 8];
@@ -227,6 +229,7 @@ fn scales_mins(q: &[u8; K_SCALE_SIZE]) -> ([u8; 8], [u8; 8]) {
 }
 
 /// `Σ_j mins[j] · (sum of the 32 activations of sub-block j)`.
+#[inline(always)]
 fn mins_dot(mins: &[u8; 8], bsums: &[i16; 16]) -> i32 {
     (0..8)
         .map(|j| mins[j] as i32 * (bsums[2 * j] as i32 + bsums[2 * j + 1] as i32))
@@ -466,7 +469,6 @@ pub mod avx2 {
         let m4 = _mm256_set1_epi8(0x0f);
         let m2 = _mm256_set1_epi8(0x03);
         let mut acc = _mm256_setzero_ps();
-        let mut corr = 0f32;
         for (b, q) in w.iter().zip(a) {
             prefetch(b);
             let mut isum = _mm256_setzero_si256();
@@ -498,14 +500,16 @@ pub mod avx2 {
                     isum = _mm256_add_epi32(isum, p);
                 }
             }
+            // Take the offset of 32 back out in integers: isum -= 32 · Σ_g scale[g]·bsum[g],
+            // sixteen groups at once.
+            let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(b.scales.as_ptr() as *const __m128i));
+            let bs16 = _mm256_loadu_si256(q.bsums.as_ptr() as *const __m256i);
+            let off = _mm256_madd_epi16(sc16, bs16);
+            isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 5));
             let d = q.d * fp16(b.d);
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(isum), acc);
-            let off: i32 = (0..16)
-                .map(|g| b.scales[g] as i32 * q.bsums[g] as i32)
-                .sum();
-            corr += d * (32 * off) as f32;
         }
-        hsum_ps(acc) - corr
+        hsum_ps(acc)
     }
 
     /// One Q4_K row against four activation rows: nibbles and scales decoded once per block.
