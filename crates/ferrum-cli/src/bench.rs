@@ -92,10 +92,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
             pp.push(a.pp as f64 / t.elapsed().as_secs_f64());
         }
     }
-    model.decoder.reset_expert_stats();
     let mut tg = Vec::new();
     if a.tg > 0 {
         for rep in 0..=a.reps {
+            if rep == 1 {
+                // Expert counts and timings cover the timed runs only, not the warm-up.
+                model.decoder.reset_expert_stats();
+            }
             let t = Instant::now();
             for (i, &tok) in tokens[..a.tg].iter().enumerate() {
                 model.decoder.forward(&[tok], i, Logits::Last)?;
