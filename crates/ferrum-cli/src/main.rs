@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use ferrum_backend::{Backend, CpuBackend};
-use ferrum_generate::{SamplingParams, Session};
+use ferrum_generate::{GenerateOptions, SamplingExtras, SamplingParams, Session};
 use ferrum_loader::ModelFile;
 use ferrum_models::{LoadOptions, Logits, Model};
 use ferrum_tokenizer::{Message, Tokenizer};
@@ -99,6 +99,21 @@ struct RunArgs {
     /// Keep activations in f32 (the reference's math; slower on quantised models).
     #[arg(long)]
     exact: bool,
+    /// Drop tokens less likely than this fraction of the most likely one (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Penalise tokens already in the prompt or the answer (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    /// Subtract this from the logit of every token already generated.
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
+    /// Subtract this times its count from the logit of every token already generated.
+    #[arg(long, default_value_t = 0.0)]
+    frequency_penalty: f32,
+    /// Stop before this text (repeatable); it is not printed.
+    #[arg(long)]
+    stop: Vec<String>,
 }
 
 fn main() {
@@ -177,12 +192,22 @@ fn run(a: RunArgs) -> Result<()> {
     };
     let (model, tokenizer) = load(&path, a.ctx, a.exact)?;
     let mut session = Session::new(model, tokenizer);
-    let params = SamplingParams {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        seed: a.seed,
+    let opts = GenerateOptions {
+        max_tokens: a.max_tokens,
+        params: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            seed: a.seed,
+        },
+        extras: SamplingExtras::default()
+            .with_min_p(a.min_p)
+            .with_repetition_penalty(a.repeat_penalty)
+            .with_presence_penalty(a.presence_penalty)
+            .with_frequency_penalty(a.frequency_penalty),
+        stop: a.stop.clone(),
     };
+    opts.extras.validate()?;
     let mut messages: Vec<Message> = a
         .system
         .iter()
@@ -202,7 +227,7 @@ fn run(a: RunArgs) -> Result<()> {
             });
             render(&session.tokenizer, &messages)?
         };
-        answer(&mut session, &ids, a.max_tokens, &params)?;
+        answer(&mut session, &ids, &opts)?;
         return Ok(());
     }
 
@@ -232,7 +257,7 @@ fn run(a: RunArgs) -> Result<()> {
             content: input.to_string(),
         });
         let ids = render(&session.tokenizer, &messages)?;
-        match answer(&mut session, &ids, a.max_tokens, &params) {
+        match answer(&mut session, &ids, &opts) {
             Ok(text) => messages.push(Message {
                 role: "assistant".into(),
                 content: text,
@@ -265,12 +290,11 @@ fn render(tok: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
 fn answer(
     session: &mut Session<CpuBackend>,
     ids: &[u32],
-    max_tokens: usize,
-    params: &SamplingParams,
+    opts: &GenerateOptions,
 ) -> Result<String> {
     let mut text = String::new();
     let stdout = std::io::stdout();
-    let stats = session.generate(ids, max_tokens, params, |delta| {
+    let stats = session.generate_with(ids, opts, |delta| {
         text.push_str(delta);
         let mut out = stdout.lock();
         let _ = out.write_all(delta.as_bytes());

@@ -6,6 +6,7 @@
 
 pub mod detok;
 pub mod sampler;
+pub mod stop;
 
 use std::time::Instant;
 
@@ -15,7 +16,8 @@ use ferrum_models::{Logits, Model};
 use ferrum_tokenizer::Tokenizer;
 
 pub use detok::Detokenizer;
-pub use sampler::{argmax, Sampler, SamplingParams};
+pub use sampler::{argmax, Sampler, SamplingExtras, SamplingParams, TokenHistory};
+pub use stop::{StopMatcher, StopOutcome};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
@@ -37,6 +39,27 @@ pub struct GenerationStats {
     pub decode_secs: f64,
     pub finish: FinishReason,
     pub tokens: Vec<u32>,
+}
+
+/// Everything a generation request can set.
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub max_tokens: usize,
+    pub params: SamplingParams,
+    pub extras: SamplingExtras,
+    /// Stop strings: generation ends before any of them, which is not emitted.
+    pub stop: Vec<String>,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            max_tokens: 256,
+            params: SamplingParams::default(),
+            extras: SamplingExtras::default(),
+            stop: Vec::new(),
+        }
+    }
 }
 
 pub struct Session<B: Backend> {
@@ -71,8 +94,25 @@ impl<B: Backend> Session<B> {
         prompt: &[u32],
         max_tokens: usize,
         params: &SamplingParams,
+        on_text: impl FnMut(&str) -> bool,
+    ) -> Result<GenerationStats> {
+        let opts = GenerateOptions {
+            max_tokens,
+            params: params.clone(),
+            ..GenerateOptions::default()
+        };
+        self.generate_with(prompt, &opts, on_text)
+    }
+
+    /// [`Session::generate`] with every option: penalties, min-p, logit bias, stop strings.
+    pub fn generate_with(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
         mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<GenerationStats> {
+        opts.extras.validate()?;
+        let max_tokens = opts.max_tokens;
         if prompt.is_empty() {
             return Err(Error::InvalidRequest("the prompt is empty".into()));
         }
@@ -103,8 +143,10 @@ impl<B: Backend> Session<B> {
         let prefill_secs = t0.elapsed().as_secs_f64();
 
         let t1 = Instant::now();
-        let mut sampler = Sampler::new(params.clone());
+        let mut sampler = Sampler::with_extras(opts.params.clone(), opts.extras.clone());
+        sampler.observe_prompt(prompt);
         let mut detok = Detokenizer::new();
+        let mut stops = StopMatcher::new(opts.stop.clone());
         let mut out = Vec::new();
         let finish = loop {
             if out.len() >= max_tokens {
@@ -115,9 +157,15 @@ impl<B: Backend> Session<B> {
                 break FinishReason::Stop;
             }
             out.push(next);
+            sampler.observe(next);
             let text = detok.push(&self.tokenizer, next)?;
-            if !text.is_empty() && !on_text(&text) {
+            // Stop strings are matched across deltas and never emitted.
+            let outcome = stops.push(&text);
+            if !outcome.emit.is_empty() && !on_text(&outcome.emit) {
                 break FinishReason::Cancelled;
+            }
+            if outcome.stopped {
+                break FinishReason::Stop;
             }
             if self.cached.len() + 1 > ctx {
                 break FinishReason::Length;
@@ -126,6 +174,12 @@ impl<B: Backend> Session<B> {
             logits = self.model.decoder.forward(&[next], pos, Logits::Last)?;
             self.cached.push(next);
         };
+        if finish != FinishReason::Stop {
+            let held = stops.flush();
+            if !held.is_empty() {
+                on_text(&held);
+            }
+        }
         Ok(GenerationStats {
             prompt_tokens: prompt.len(),
             prefilled_tokens: prompt.len() - keep,

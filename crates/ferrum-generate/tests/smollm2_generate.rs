@@ -156,3 +156,30 @@ fn fast_backend_also_says_paris() {
     .unwrap();
     assert!(text.starts_with(" Paris"), "{text:?}");
 }
+
+/// Stop strings end generation before the match, which is never emitted, even when the
+/// stop text spans several tokens.
+#[test]
+fn stop_string_ends_generation_unemitted() {
+    use ferrum_generate::GenerateOptions;
+    let mut s = session(256);
+    let prompt = s
+        .tokenizer
+        .encode("Count from one to ten: one, two,", false)
+        .unwrap();
+    let opts = GenerateOptions {
+        max_tokens: 30,
+        params: SamplingParams::greedy(),
+        stop: vec!["five,".into()],
+        ..GenerateOptions::default()
+    };
+    let mut text = String::new();
+    let st = s
+        .generate_with(&prompt, &opts, |d| {
+            text.push_str(d);
+            true
+        })
+        .unwrap();
+    assert_eq!(st.finish, FinishReason::Stop);
+    assert!(text.contains("four") && !text.contains("five"), "{text:?}");
+}
