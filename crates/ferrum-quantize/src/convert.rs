@@ -10,69 +10,6 @@ use ferrum_core::{Error, Result};
 use ferrum_loader::{HfFolder, RawTensor, Value};
 use serde_json::Value as Json;
 
-/// `(Hugging Face name, GGUF name)`, `{i}` the layer (the table of `ferrum_models::names`).
-const NAMES: &[(&str, &str)] = &[
-    ("model.embed_tokens.weight", "token_embd.weight"),
-    ("model.norm.weight", "output_norm.weight"),
-    ("lm_head.weight", "output.weight"),
-    (
-        "model.layers.{i}.input_layernorm.weight",
-        "blk.{i}.attn_norm.weight",
-    ),
-    (
-        "model.layers.{i}.self_attn.q_proj.weight",
-        "blk.{i}.attn_q.weight",
-    ),
-    (
-        "model.layers.{i}.self_attn.k_proj.weight",
-        "blk.{i}.attn_k.weight",
-    ),
-    (
-        "model.layers.{i}.self_attn.v_proj.weight",
-        "blk.{i}.attn_v.weight",
-    ),
-    (
-        "model.layers.{i}.self_attn.q_proj.bias",
-        "blk.{i}.attn_q.bias",
-    ),
-    (
-        "model.layers.{i}.self_attn.k_proj.bias",
-        "blk.{i}.attn_k.bias",
-    ),
-    (
-        "model.layers.{i}.self_attn.v_proj.bias",
-        "blk.{i}.attn_v.bias",
-    ),
-    (
-        "model.layers.{i}.self_attn.q_norm.weight",
-        "blk.{i}.attn_q_norm.weight",
-    ),
-    (
-        "model.layers.{i}.self_attn.k_norm.weight",
-        "blk.{i}.attn_k_norm.weight",
-    ),
-    (
-        "model.layers.{i}.self_attn.o_proj.weight",
-        "blk.{i}.attn_output.weight",
-    ),
-    (
-        "model.layers.{i}.post_attention_layernorm.weight",
-        "blk.{i}.ffn_norm.weight",
-    ),
-    (
-        "model.layers.{i}.mlp.gate_proj.weight",
-        "blk.{i}.ffn_gate.weight",
-    ),
-    (
-        "model.layers.{i}.mlp.up_proj.weight",
-        "blk.{i}.ffn_up.weight",
-    ),
-    (
-        "model.layers.{i}.mlp.down_proj.weight",
-        "blk.{i}.ffn_down.weight",
-    ),
-];
-
 /// Checkpoint entries the converter drops.
 fn ignored(name: &str) -> bool {
     name.ends_with("rotary_emb.inv_freq")
@@ -93,22 +30,9 @@ pub struct Converted {
     pub tensors: Vec<ConvertedTensor>,
 }
 
-/// Maps a Hugging Face tensor name to its GGUF name.
+/// Maps a Hugging Face tensor name to its GGUF name (the table of `ferrum_models::names`).
 pub fn gguf_name(hf: &str) -> Option<String> {
-    for (h, g) in NAMES {
-        match h.split_once("{i}") {
-            None if hf == *h => return Some(g.to_string()),
-            None => {}
-            Some((pre, post)) => {
-                if let Some(mid) = hf.strip_prefix(pre).and_then(|r| r.strip_suffix(post)) {
-                    if !mid.is_empty() && mid.bytes().all(|b| b.is_ascii_digit()) {
-                        return Some(g.replace("{i}", mid));
-                    }
-                }
-            }
-        }
-    }
-    None
+    ferrum_models::names::hf_to_gguf(hf)
 }
 
 /// Row `r` of a permuted Q/K matrix comes from row `source_row(r)` of the checkpoint.
