@@ -38,7 +38,63 @@ pub enum Value {
     Array(Vec<Value>),
 }
 
+/// Writes a GGUF string: u64 length, then the bytes.
+pub fn encode_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
 impl Value {
+    /// GGUF's value type id.
+    pub fn type_id(&self) -> u32 {
+        match self {
+            Value::U8(_) => 0,
+            Value::I8(_) => 1,
+            Value::U16(_) => 2,
+            Value::I16(_) => 3,
+            Value::U32(_) => 4,
+            Value::I32(_) => 5,
+            Value::F32(_) => 6,
+            Value::Bool(_) => 7,
+            Value::String(_) => 8,
+            Value::Array(_) => 9,
+            Value::U64(_) => 10,
+            Value::I64(_) => 11,
+            Value::F64(_) => 12,
+        }
+    }
+
+    /// Appends the value's GGUF encoding (without its type id). Arrays must be homogeneous;
+    /// an empty one is written as an array of strings (readers do not care which).
+    pub fn encode(&self, out: &mut Vec<u8>) -> std::result::Result<(), String> {
+        match self {
+            Value::U8(x) => out.push(*x),
+            Value::I8(x) => out.push(*x as u8),
+            Value::U16(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Value::I16(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Value::U32(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Value::I32(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Value::F32(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Value::Bool(x) => out.push(*x as u8),
+            Value::String(s) => encode_str(out, s),
+            Value::U64(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Value::I64(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Value::F64(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Value::Array(items) => {
+                let elem = items.first().map_or(8, Value::type_id);
+                if items.iter().any(|it| it.type_id() != elem) {
+                    return Err("array elements of mixed types".into());
+                }
+                out.extend_from_slice(&elem.to_le_bytes());
+                out.extend_from_slice(&(items.len() as u64).to_le_bytes());
+                for it in items {
+                    it.encode(out)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Any integer type, when it fits in u64 (GGUF writers disagree on integer widths).
     pub fn as_u64(&self) -> Option<u64> {
         match *self {
@@ -505,55 +561,7 @@ impl<'a> Reader<'a> {
 
 /// Builds GGUF files in memory; tests use it to make valid and deliberately broken files.
 pub mod writer {
-    use super::Value;
-
-    fn put_str(out: &mut Vec<u8>, s: &str) {
-        out.extend_from_slice(&(s.len() as u64).to_le_bytes());
-        out.extend_from_slice(s.as_bytes());
-    }
-
-    fn type_id(v: &Value) -> u32 {
-        match v {
-            Value::U8(_) => 0,
-            Value::I8(_) => 1,
-            Value::U16(_) => 2,
-            Value::I16(_) => 3,
-            Value::U32(_) => 4,
-            Value::I32(_) => 5,
-            Value::F32(_) => 6,
-            Value::Bool(_) => 7,
-            Value::String(_) => 8,
-            Value::Array(_) => 9,
-            Value::U64(_) => 10,
-            Value::I64(_) => 11,
-            Value::F64(_) => 12,
-        }
-    }
-
-    fn put_value(out: &mut Vec<u8>, v: &Value) {
-        match v {
-            Value::U8(x) => out.push(*x),
-            Value::I8(x) => out.push(*x as u8),
-            Value::U16(x) => out.extend_from_slice(&x.to_le_bytes()),
-            Value::I16(x) => out.extend_from_slice(&x.to_le_bytes()),
-            Value::U32(x) => out.extend_from_slice(&x.to_le_bytes()),
-            Value::I32(x) => out.extend_from_slice(&x.to_le_bytes()),
-            Value::F32(x) => out.extend_from_slice(&x.to_le_bytes()),
-            Value::Bool(x) => out.push(*x as u8),
-            Value::String(s) => put_str(out, s),
-            Value::Array(items) => {
-                let elem = items.first().map(type_id).unwrap_or(0);
-                out.extend_from_slice(&elem.to_le_bytes());
-                out.extend_from_slice(&(items.len() as u64).to_le_bytes());
-                for it in items {
-                    put_value(out, it);
-                }
-            }
-            Value::U64(x) => out.extend_from_slice(&x.to_le_bytes()),
-            Value::I64(x) => out.extend_from_slice(&x.to_le_bytes()),
-            Value::F64(x) => out.extend_from_slice(&x.to_le_bytes()),
-        }
-    }
+    use super::{encode_str as put_str, Value};
 
     /// A tensor to write: name, GGML dims (contiguous first), GGML type id, raw bytes.
     pub struct WTensor<'a> {
@@ -572,8 +580,9 @@ pub mod writer {
         out.extend_from_slice(&(metadata.len() as u64).to_le_bytes());
         for (k, v) in metadata {
             put_str(&mut out, k);
-            out.extend_from_slice(&type_id(v).to_le_bytes());
-            put_value(&mut out, v);
+            out.extend_from_slice(&v.type_id().to_le_bytes());
+            v.encode(&mut out)
+                .expect("test metadata arrays are homogeneous");
         }
         let mut offset = 0u64;
         let mut offsets = Vec::new();

@@ -9,6 +9,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use ferrum_core::{DType, Error, Result};
+use ferrum_loader::gguf::encode_str as put_str;
 use ferrum_loader::Value;
 
 pub const DEFAULT_ALIGNMENT: usize = 32;
@@ -50,60 +51,9 @@ pub struct GgufWriter {
     total: u64,
 }
 
-fn value_type(v: &Value) -> u32 {
-    match v {
-        Value::U8(_) => 0,
-        Value::I8(_) => 1,
-        Value::U16(_) => 2,
-        Value::I16(_) => 3,
-        Value::U32(_) => 4,
-        Value::I32(_) => 5,
-        Value::F32(_) => 6,
-        Value::Bool(_) => 7,
-        Value::String(_) => 8,
-        Value::Array(_) => 9,
-        Value::U64(_) => 10,
-        Value::I64(_) => 11,
-        Value::F64(_) => 12,
-    }
-}
-
-fn put_str(buf: &mut Vec<u8>, s: &str) {
-    buf.extend_from_slice(&(s.len() as u64).to_le_bytes());
-    buf.extend_from_slice(s.as_bytes());
-}
-
 fn put_value(buf: &mut Vec<u8>, key: &str, v: &Value) -> Result<()> {
-    match v {
-        Value::U8(x) => buf.push(*x),
-        Value::I8(x) => buf.push(*x as u8),
-        Value::U16(x) => buf.extend_from_slice(&x.to_le_bytes()),
-        Value::I16(x) => buf.extend_from_slice(&x.to_le_bytes()),
-        Value::U32(x) => buf.extend_from_slice(&x.to_le_bytes()),
-        Value::I32(x) => buf.extend_from_slice(&x.to_le_bytes()),
-        Value::F32(x) => buf.extend_from_slice(&x.to_le_bytes()),
-        Value::Bool(x) => buf.push(*x as u8),
-        Value::String(s) => put_str(buf, s),
-        Value::U64(x) => buf.extend_from_slice(&x.to_le_bytes()),
-        Value::I64(x) => buf.extend_from_slice(&x.to_le_bytes()),
-        Value::F64(x) => buf.extend_from_slice(&x.to_le_bytes()),
-        Value::Array(items) => {
-            // GGUF arrays are homogeneous; an empty one needs some element type, and which
-            // one does not matter to readers.
-            let elem = items.first().map(value_type).unwrap_or(8);
-            if items.iter().any(|it| value_type(it) != elem) {
-                return Err(Error::InvalidRequest(format!(
-                    "metadata {key:?}: array elements of mixed types"
-                )));
-            }
-            buf.extend_from_slice(&elem.to_le_bytes());
-            buf.extend_from_slice(&(items.len() as u64).to_le_bytes());
-            for it in items {
-                put_value(buf, key, it)?;
-            }
-        }
-    }
-    Ok(())
+    v.encode(buf)
+        .map_err(|e| Error::InvalidRequest(format!("metadata {key:?}: {e}")))
 }
 
 impl GgufWriter {
@@ -142,7 +92,7 @@ impl GgufWriter {
         head.extend_from_slice(&(metadata.len() as u64).to_le_bytes());
         for (k, v) in metadata {
             put_str(&mut head, k);
-            head.extend_from_slice(&value_type(v).to_le_bytes());
+            head.extend_from_slice(&v.type_id().to_le_bytes());
             put_value(&mut head, k, v)?;
         }
         let mut offset = 0usize;
