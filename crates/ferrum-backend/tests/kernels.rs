@@ -72,6 +72,7 @@ fn simd_equals_scalar_and_both_approximate_f32() {
                         dot: f,
                         dot4: f4,
                         rows4: r4,
+                        dot2x4: d24,
                     },
                 ) => {
                     let mut a = vec![BlockQ8::default(); n / 32];
@@ -86,6 +87,13 @@ fn simd_equals_scalar_and_both_approximate_f32() {
                     assert!(
                         r4v.iter().all(|v| v.to_bits() == f(w, &a).to_bits()),
                         "{dt}: rows4"
+                    );
+                    let t = d24([w, w], [&a, &a, &a, &a]);
+                    assert!(
+                        t.iter()
+                            .flatten()
+                            .all(|v| v.to_bits() == f(w, &a).to_bits()),
+                        "{dt}: dot2x4"
                     );
                     // |Σ w (x - x̂)| ≤ Σ_blocks Σ|w| · d/2.
                     let bound: f64 = wf
@@ -103,6 +111,7 @@ fn simd_equals_scalar_and_both_approximate_f32() {
                         dot: f,
                         dot4: f4,
                         rows4: r4,
+                        dot2x4: d24,
                     },
                 ) => {
                     let mut a = vec![BlockQ8K::default(); n / 256];
@@ -116,6 +125,13 @@ fn simd_equals_scalar_and_both_approximate_f32() {
                     assert!(
                         r4v.iter().all(|v| v.to_bits() == f(w, &a).to_bits()),
                         "{dt}: rows4"
+                    );
+                    let t = d24([w, w], [&a, &a, &a, &a]);
+                    assert!(
+                        t.iter()
+                            .flatten()
+                            .all(|v| v.to_bits() == f(w, &a).to_bits()),
+                        "{dt}: dot2x4"
                     );
                     let bound: f64 = wf
                         .chunks(256)

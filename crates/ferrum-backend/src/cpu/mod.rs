@@ -823,7 +823,7 @@ fn quantized_matmul(
     let (m, k, n) = (w.rows, w.cols, xv.count);
     let row = |t: usize| &x[xv.offset + t * xv.stride..xv.offset + t * xv.stride + k];
     macro_rules! run {
-        ($buf:ident, $block:ty, $block_len:expr, $qfn:path, $dot:expr, $dot4:expr, $rows4:expr) => {
+        ($buf:ident, $block:ty, $block_len:expr, $qfn:path, $dot:expr, $dot4:expr, $rows4:expr, $dot2x4:expr) => {
             $buf.with(|buf| {
                 let mut buf = buf.borrow_mut();
                 let per_row = k / $block_len;
@@ -855,50 +855,78 @@ fn quantized_matmul(
                             first += 4;
                         }
                     }
-                    for j in first..rows.end {
-                        let wr = w.row_bytes_of(j);
+                    // Prefill: two weight rows × four tokens per pass where possible (each
+                    // activation block loaded once for both rows), then single rows. Every
+                    // kernel shape gives a (row, token) pair the same arithmetic, so results do
+                    // not depend on how rows or tokens are grouped.
+                    let write = |t: usize, j: usize, v: f32| {
                         let b = bias.map_or(0.0, |b| b[j]);
-                        // SAFETY (writes): in bounds (checked by the caller); column j is this
-                        // task's alone.
+                        // SAFETY: in bounds (checked by the caller); column j is this task's.
+                        unsafe { dst.write(ov.offset + t * ov.stride + j, v + b) };
+                    };
+                    let mut j = first;
+                    while j < rows.end {
+                        let pair = j + 1 < rows.end;
                         let mut t = 0;
-                        // Four tokens per pass decode each weight block once for all four; the
-                        // per-token arithmetic is the same as the single-token kernel's, so
-                        // results do not depend on how tokens are grouped.
                         while t + 4 <= n {
-                            let v = $dot4(wr, [act(t), act(t + 1), act(t + 2), act(t + 3)]);
-                            for (i, vi) in v.iter().enumerate() {
-                                unsafe { dst.write(ov.offset + (t + i) * ov.stride + j, vi + b) };
+                            let a4 = [act(t), act(t + 1), act(t + 2), act(t + 3)];
+                            if pair {
+                                let v = $dot2x4([w.row_bytes_of(j), w.row_bytes_of(j + 1)], a4);
+                                for (r, vr) in v.iter().enumerate() {
+                                    for (i, vi) in vr.iter().enumerate() {
+                                        write(t + i, j + r, *vi);
+                                    }
+                                }
+                            } else {
+                                let v = $dot4(w.row_bytes_of(j), a4);
+                                for (i, vi) in v.iter().enumerate() {
+                                    write(t + i, j, *vi);
+                                }
                             }
                             t += 4;
                         }
-                        while t < n {
-                            let v = $dot(wr, act(t)) + b;
-                            unsafe { dst.write(ov.offset + t * ov.stride + j, v) };
-                            t += 1;
+                        for t in t..n {
+                            write(t, j, $dot(w.row_bytes_of(j), act(t)));
+                            if pair {
+                                write(t, j + 1, $dot(w.row_bytes_of(j + 1), act(t)));
+                            }
                         }
+                        j += if pair { 2 } else { 1 };
                     }
                 });
             })
         };
     }
     match kernel {
-        quant::Kernel::Q8 { dot, dot4, rows4 } => run!(
+        quant::Kernel::Q8 {
+            dot,
+            dot4,
+            rows4,
+            dot2x4,
+        } => run!(
             ACT_Q8,
             quant::q8::BlockQ8,
             quant::q8::QK8,
             quant::q8::quantize_q8,
             dot,
             dot4,
-            rows4
+            rows4,
+            dot2x4
         ),
-        quant::Kernel::Q8K { dot, dot4, rows4 } => run!(
+        quant::Kernel::Q8K {
+            dot,
+            dot4,
+            rows4,
+            dot2x4,
+        } => run!(
             ACT_Q8K,
             quant::q8::BlockQ8K,
             quant::k_quants::QK_K,
             quant::q8::quantize_q8k,
             dot,
             dot4,
-            rows4
+            rows4,
+            dot2x4
         ),
     }
 }

@@ -96,11 +96,13 @@ pub enum Kernel {
         dot: fn(&[u8], &[BlockQ8]) -> f32,
         dot4: fn(&[u8], [&[BlockQ8]; 4]) -> [f32; 4],
         rows4: fn([&[u8]; 4], &[BlockQ8]) -> [f32; 4],
+        dot2x4: fn([&[u8]; 2], [&[BlockQ8]; 4]) -> [[f32; 4]; 2],
     },
     Q8K {
         dot: fn(&[u8], &[BlockQ8K]) -> f32,
         dot4: fn(&[u8], [&[BlockQ8K]; 4]) -> [f32; 4],
         rows4: fn([&[u8]; 4], &[BlockQ8K]) -> [f32; 4],
+        dot2x4: fn([&[u8]; 2], [&[BlockQ8K]; 4]) -> [[f32; 4]; 2],
     },
 }
 
@@ -122,6 +124,7 @@ macro_rules! kernel {
                 [$f(w, a[0]), $f(w, a[1]), $f(w, a[2]), $f(w, a[3])]
             },
             rows4: |w, a| w.map(|r| $f(blocks::<$block>(r), a)),
+            dot2x4: |w, a| w.map(|r| a.map(|t| $f(blocks::<$block>(r), t))),
         }
     };
     (unsafe $variant:ident, $block:ty, $f:path) => {
@@ -133,6 +136,7 @@ macro_rules! kernel {
                 unsafe { [$f(w, a[0]), $f(w, a[1]), $f(w, a[2]), $f(w, a[3])] }
             },
             rows4: |w, a| w.map(|r| unsafe { $f(blocks::<$block>(r), a) }),
+            dot2x4: |w, a| w.map(|r| a.map(|t| unsafe { $f(blocks::<$block>(r), t) })),
         }
     };
     (unsafe $variant:ident, $block:ty, $f:path, $f4:path) => {
@@ -141,6 +145,16 @@ macro_rules! kernel {
             dot: |w, a| unsafe { $f(blocks::<$block>(w), a) },
             dot4: |w, a| unsafe { $f4(blocks::<$block>(w), a) },
             rows4: |w, a| w.map(|r| unsafe { $f(blocks::<$block>(r), a) }),
+            dot2x4: |w, a| w.map(|r| unsafe { $f4(blocks::<$block>(r), a) }),
+        }
+    };
+    (unsafe $variant:ident, $block:ty, $f:path, $f4:path, none, $d24:path) => {
+        // SAFETY: only chosen after runtime detection of AVX2, FMA and F16C.
+        Kernel::$variant {
+            dot: |w, a| unsafe { $f(blocks::<$block>(w), a) },
+            dot4: |w, a| unsafe { $f4(blocks::<$block>(w), a) },
+            rows4: |w, a| w.map(|r| unsafe { $f(blocks::<$block>(r), a) }),
+            dot2x4: |w, a| unsafe { $d24(w.map(blocks::<$block>), a) },
         }
     };
     (unsafe $variant:ident, $block:ty, $f:path, $f4:path, $r4:path) => {
@@ -149,6 +163,7 @@ macro_rules! kernel {
             dot: |w, a| unsafe { $f(blocks::<$block>(w), a) },
             dot4: |w, a| unsafe { $f4(blocks::<$block>(w), a) },
             rows4: |w, a| unsafe { $r4(w.map(blocks::<$block>), a) },
+            dot2x4: |w, a| w.map(|r| unsafe { $f4(blocks::<$block>(r), a) }),
         }
     };
 }
@@ -203,7 +218,9 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
                     q8_0::BlockQ8_0,
                     q8_0::avx2::vec_dot,
                     // Interleaving four Q8_0 rows measured slower than one row at a time.
-                    q8_0::avx2::vec_dot_x4
+                    q8_0::avx2::vec_dot_x4,
+                    none,
+                    q8_0::avx2::vec_dot_2x4
                 )),
                 DType::Q4K => Some(kernel!(
                     unsafe Q8K,
