@@ -84,6 +84,12 @@ pub fn can_dequantize(dtype: DType) -> bool {
 
 use q8::{BlockQ8, BlockQ8K};
 
+/// Results of a two-row × four-token tile: `tile[row][token]`.
+pub type Tile = [[f32; 4]; 2];
+
+/// Two weight rows × four activation rows of activation format `A`.
+pub type Dot2x4<A> = fn([&[u8]; 2], [&[A]; 4]) -> Tile;
+
 /// A weight row's dot product against one quantised activation row (`dot`); one weight row
 /// against four activation rows (`dot4`: weight blocks decoded once for four tokens, which
 /// makes prefill fast); and four weight rows against one activation row (`rows4`: four
@@ -96,13 +102,13 @@ pub enum Kernel {
         dot: fn(&[u8], &[BlockQ8]) -> f32,
         dot4: fn(&[u8], [&[BlockQ8]; 4]) -> [f32; 4],
         rows4: fn([&[u8]; 4], &[BlockQ8]) -> [f32; 4],
-        dot2x4: fn([&[u8]; 2], [&[BlockQ8]; 4]) -> [[f32; 4]; 2],
+        dot2x4: Dot2x4<BlockQ8>,
     },
     Q8K {
         dot: fn(&[u8], &[BlockQ8K]) -> f32,
         dot4: fn(&[u8], [&[BlockQ8K]; 4]) -> [f32; 4],
         rows4: fn([&[u8]; 4], &[BlockQ8K]) -> [f32; 4],
-        dot2x4: fn([&[u8]; 2], [&[BlockQ8K]; 4]) -> [[f32; 4]; 2],
+        dot2x4: Dot2x4<BlockQ8K>,
     },
 }
 
@@ -157,6 +163,15 @@ macro_rules! kernel {
             dot2x4: |w, a| unsafe { $d24(w.map(blocks::<$block>), a) },
         }
     };
+    (unsafe $variant:ident, $block:ty, $f:path, $f4:path, $r4:path, $d24:path) => {
+        // SAFETY: only chosen after runtime detection of AVX2, FMA and F16C.
+        Kernel::$variant {
+            dot: |w, a| unsafe { $f(blocks::<$block>(w), a) },
+            dot4: |w, a| unsafe { $f4(blocks::<$block>(w), a) },
+            rows4: |w, a| unsafe { $r4(w.map(blocks::<$block>), a) },
+            dot2x4: |w, a| unsafe { $d24(w.map(blocks::<$block>), a) },
+        }
+    };
     (unsafe $variant:ident, $block:ty, $f:path, $f4:path, $r4:path) => {
         // SAFETY: only chosen after runtime detection of AVX2, FMA and F16C.
         Kernel::$variant {
@@ -204,13 +219,16 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
                     q4_1::BlockQ4_1,
                     q4_1::avx2::vec_dot,
                     q4_1::avx2::vec_dot_x4,
-                    q4_1::avx2::vec_dot_rows4
+                    q4_1::avx2::vec_dot_rows4,
+                    q4_1::avx2::vec_dot_2x4
                 )),
                 DType::Q5_0 => Some(kernel!(
                     unsafe Q8,
                     q5_0::BlockQ5_0,
                     q5_0::avx2::vec_dot,
-                    q5_0::avx2::vec_dot_x4
+                    q5_0::avx2::vec_dot_x4,
+                    none,
+                    q5_0::avx2::vec_dot_2x4
                 )),
                 DType::Q5_1 => Some(kernel!(unsafe Q8, q5_1::BlockQ5_1, q5_1::avx2::vec_dot)),
                 DType::Q8_0 => Some(kernel!(

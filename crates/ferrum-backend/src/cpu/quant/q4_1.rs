@@ -116,4 +116,38 @@ pub mod avx2 {
             hsum_ps(acc[3]) + mins[3],
         ]
     }
+
+    /// Two weight rows against four activation rows (a prefill tile).
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C; both rows have as many blocks as the activations.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot_2x4(w: [&[BlockQ4_1]; 2], a: [&[BlockQ8]; 4]) -> crate::cpu::quant::Tile {
+        let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+        let mut mins = [[0f32; 4]; 2];
+        for i in 0..w[0].len() {
+            let (b0, b1) = (w[0].get_unchecked(i), w[1].get_unchecked(i));
+            prefetch(b0);
+            prefetch(b1);
+            let (x0, x1) = (nibbles(b0.qs.as_ptr()), nibbles(b1.qs.as_ptr()));
+            let (d0, m0, d1, m1) = (fp16(b0.d), fp16(b0.m), fp16(b1.d), fp16(b1.m));
+            for r in 0..4 {
+                let q = a[r].get_unchecked(i);
+                let y = _mm256_loadu_si256(q.qs.as_ptr() as *const __m256i);
+                acc[0][r] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(d0 * q.d), mul_sum_u8_i8(x0, y), acc[0][r]);
+                acc[1][r] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(d1 * q.d), mul_sum_u8_i8(x1, y), acc[1][r]);
+                mins[0][r] += m0 * q.s;
+                mins[1][r] += m1 * q.s;
+            }
+        }
+        let mut out = [[0f32; 4]; 2];
+        for k in 0..2 {
+            for r in 0..4 {
+                out[k][r] = hsum_ps(acc[k][r]) + mins[k][r];
+            }
+        }
+        out
+    }
 }

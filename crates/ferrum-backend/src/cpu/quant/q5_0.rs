@@ -102,4 +102,34 @@ pub mod avx2 {
             hsum_ps(acc[3]),
         ]
     }
+
+    /// Two weight rows against four activation rows (a prefill tile).
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C; both rows have as many blocks as the activations.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot_2x4(w: [&[BlockQ5_0]; 2], a: [&[BlockQ8]; 4]) -> crate::cpu::quant::Tile {
+        let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+        let high = _mm256_set1_epi8(0xf0u8 as i8);
+        for i in 0..w[0].len() {
+            let (b0, b1) = (w[0].get_unchecked(i), w[1].get_unchecked(i));
+            prefetch(b0);
+            prefetch(b1);
+            let h0 = bytes_from_bits(u32::from_le_bytes(b0.qh));
+            let h1 = bytes_from_bits(u32::from_le_bytes(b1.qh));
+            let x0 = _mm256_or_si256(nibbles(b0.qs.as_ptr()), _mm256_andnot_si256(h0, high));
+            let x1 = _mm256_or_si256(nibbles(b1.qs.as_ptr()), _mm256_andnot_si256(h1, high));
+            let (ax0, ax1) = (_mm256_sign_epi8(x0, x0), _mm256_sign_epi8(x1, x1));
+            let (d0, d1) = (fp16(b0.d), fp16(b1.d));
+            for r in 0..4 {
+                let q = a[r].get_unchecked(i);
+                let y = _mm256_loadu_si256(q.qs.as_ptr() as *const __m256i);
+                let p0 = mul_sum_u8_i8(ax0, _mm256_sign_epi8(y, x0));
+                let p1 = mul_sum_u8_i8(ax1, _mm256_sign_epi8(y, x1));
+                acc[0][r] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * q.d), p0, acc[0][r]);
+                acc[1][r] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * q.d), p1, acc[1][r]);
+            }
+        }
+        acc.map(|row| row.map(|v| hsum_ps(v)))
+    }
 }
