@@ -20,79 +20,18 @@ use ferrum_backend::cpu::quant::q8::{quantize_q8, quantize_q8k, BlockQ8, BlockQ8
 use ferrum_backend::cpu::quant::{best_kernel, Kernel};
 use ferrum_backend::cpu::simd::dot_f32;
 use ferrum_backend::{Backend, CpuBackend, Rows};
-use ferrum_core::DType;
 use ferrum_loader::RawTensor;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-
-const FORMATS: &[DType] = &[
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Q8_0,
-    DType::Q2K,
-    DType::Q3K,
-    DType::Q4K,
-    DType::Q5K,
-    DType::Q6K,
-];
 
 /// Row length of every bench (a typical hidden size).
 const K: usize = 4096;
 /// Output rows of the matmul benches.
 const ROWS: usize = 1024;
 
-/// Byte offsets of each format's f16 scale fields inside a block: random bits there could
-/// be NaN or infinity, so they get small finite scales instead.
-fn f16_fields(dt: DType) -> &'static [usize] {
-    match dt {
-        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
-        DType::Q4_1 | DType::Q5_1 | DType::Q4K | DType::Q5K => &[0, 2],
-        DType::Q2K => &[80, 82],
-        DType::Q3K => &[108],
-        DType::Q6K => &[208],
-        _ => &[],
-    }
-}
-
-/// `n` values of `dt` as random, well-formed blocks.
-fn random_blocks(rng: &mut impl Rng, dt: DType, n: usize) -> Vec<u8> {
-    let mut b = vec![0u8; dt.bytes_for(n).expect("whole blocks")];
-    rng.fill(&mut b[..]);
-    for blk in b.chunks_mut(dt.block_bytes()) {
-        for &off in f16_fields(dt) {
-            let s = half::f16::from_f32(rng.gen_range(0.001..0.05));
-            blk[off..off + 2].copy_from_slice(&s.to_le_bytes());
-        }
-    }
-    b
-}
-
-/// A copy of `bytes` starting at an 8-byte aligned address (the kernels read blocks in
-/// place, as they do from the 32-byte aligned GGUF mapping).
-struct Aligned {
-    buf: Vec<u8>,
-    start: usize,
-    len: usize,
-}
-
-impl Aligned {
-    fn new(bytes: &[u8]) -> Aligned {
-        let mut buf = vec![0u8; bytes.len() + 8];
-        let start = buf.as_ptr().align_offset(8);
-        buf[start..start + bytes.len()].copy_from_slice(bytes);
-        Aligned {
-            buf,
-            start,
-            len: bytes.len(),
-        }
-    }
-
-    fn bytes(&self) -> &[u8] {
-        &self.buf[self.start..self.start + self.len]
-    }
-}
+#[path = "../tests/common/blocks.rs"]
+mod blocks;
+use blocks::{random_blocks, Aligned, FORMATS};
 
 fn activations(rng: &mut impl Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect()

@@ -4,52 +4,10 @@
 
 use ferrum_backend::cpu::quant::q8::{quantize_q8, quantize_q8k, BlockQ8, BlockQ8K};
 use ferrum_backend::cpu::quant::{best_kernel, dequantize, scalar_kernel, Kernel};
-use ferrum_core::DType;
 use rand::{Rng, SeedableRng};
 
-/// Byte offsets of each format's f16 scale fields (random bits there would be NaN/inf).
-fn f16_fields(dt: DType) -> &'static [usize] {
-    match dt {
-        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
-        DType::Q4_1 | DType::Q5_1 | DType::Q4K | DType::Q5K => &[0, 2],
-        DType::Q2K => &[80, 82],
-        DType::Q3K => &[108],
-        DType::Q6K => &[208],
-        _ => &[],
-    }
-}
-
-/// Random but well-formed blocks, in an 8-byte aligned buffer.
-fn random_weights(rng: &mut impl Rng, dt: DType, n: usize) -> (Vec<u64>, usize) {
-    let bytes = dt.bytes_for(n).unwrap();
-    let mut buf = vec![0u64; bytes.div_ceil(8)];
-    let b = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut u8, bytes) };
-    rng.fill(b);
-    for blk in b.chunks_mut(dt.block_bytes()) {
-        for &off in f16_fields(dt) {
-            let s = half::f16::from_f32(rng.gen_range(0.001..0.05));
-            blk[off..off + 2].copy_from_slice(&s.to_le_bytes());
-        }
-    }
-    (buf, bytes)
-}
-
-fn as_bytes(buf: &[u64], len: usize) -> &[u8] {
-    unsafe { std::slice::from_raw_parts(buf.as_ptr() as *const u8, len) }
-}
-
-const FORMATS: &[DType] = &[
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Q8_0,
-    DType::Q2K,
-    DType::Q3K,
-    DType::Q4K,
-    DType::Q5K,
-    DType::Q6K,
-];
+mod common;
+use common::blocks::{random_blocks, Aligned, FORMATS};
 
 #[test]
 fn simd_equals_scalar_and_both_approximate_f32() {
@@ -57,8 +15,8 @@ fn simd_equals_scalar_and_both_approximate_f32() {
     for &dt in FORMATS {
         for trial in 0..20 {
             let n = 512 * (1 + trial % 3);
-            let (wbuf, wlen) = random_weights(&mut rng, dt, n);
-            let w = as_bytes(&wbuf, wlen);
+            let wa = Aligned::new(&random_blocks(&mut rng, dt, n));
+            let w = wa.bytes();
             let scale = if trial % 2 == 0 { 1.0 } else { 30.0 };
             let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-scale..scale)).collect();
             let mut wf = vec![0f32; n];

@@ -1,0 +1,71 @@
+//! Random, well-formed quantised blocks for kernel tests and benches (the bench includes this
+//! file with `#[path]`).
+
+use ferrum_core::DType;
+use rand::Rng;
+
+/// Every format with an integer kernel.
+pub const FORMATS: &[DType] = &[
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q8_0,
+    DType::Q2K,
+    DType::Q3K,
+    DType::Q4K,
+    DType::Q5K,
+    DType::Q6K,
+];
+
+/// Byte offsets of each format's f16 scale fields inside a block: random bits there could
+/// be NaN or infinity, so they get small finite scales instead.
+pub fn f16_fields(dt: DType) -> &'static [usize] {
+    match dt {
+        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
+        DType::Q4_1 | DType::Q5_1 | DType::Q4K | DType::Q5K => &[0, 2],
+        DType::Q2K => &[80, 82],
+        DType::Q3K => &[108],
+        DType::Q6K => &[208],
+        _ => &[],
+    }
+}
+
+/// `n` values of `dt` as random blocks with sane scales.
+pub fn random_blocks(rng: &mut impl Rng, dt: DType, n: usize) -> Vec<u8> {
+    let mut b = vec![0u8; dt.bytes_for(n).expect("whole blocks")];
+    rng.fill(&mut b[..]);
+    for blk in b.chunks_mut(dt.block_bytes()) {
+        for &off in f16_fields(dt) {
+            let s = half::f16::from_f32(rng.gen_range(0.001..0.05));
+            blk[off..off + 2].copy_from_slice(&s.to_le_bytes());
+        }
+    }
+    b
+}
+
+/// A copy of some bytes at an 8-byte aligned address: the kernels read blocks in place, as
+/// they do from the 32-byte aligned GGUF mapping.
+pub struct Aligned {
+    buf: Vec<u64>,
+    len: usize,
+}
+
+impl Aligned {
+    pub fn new(bytes: &[u8]) -> Aligned {
+        let mut buf = vec![0u64; bytes.len().div_ceil(8)];
+        // SAFETY: `buf` holds at least `bytes.len()` bytes; u8 has no alignment needs.
+        let dst =
+            unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut u8, bytes.len()) };
+        dst.copy_from_slice(bytes);
+        Aligned {
+            buf,
+            len: bytes.len(),
+        }
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: the first `len` bytes of `buf` were initialised in `new`.
+        unsafe { std::slice::from_raw_parts(self.buf.as_ptr() as *const u8, self.len) }
+    }
+}
