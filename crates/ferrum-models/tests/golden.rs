@@ -9,6 +9,9 @@ use ferrum_backend::CpuBackend;
 use ferrum_models::{LoadOptions, Logits, Model};
 use serde::Deserialize;
 
+mod common;
+use common::{argmax, assert_close};
+
 #[derive(Deserialize)]
 struct Reference {
     tokens: Vec<u32>,
@@ -54,39 +57,12 @@ fn run_on(be: CpuBackend, path: PathBuf, tokens: &[u32]) -> (Vec<Vec<f32>>, usiz
     (all.chunks(v).map(|r| r.to_vec()).collect(), v)
 }
 
-fn argmax(r: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in r.iter().enumerate() {
-        if x > r[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-/// Every position within `1e-4 × max|logit|` of the reference.
-fn assert_close(name: &str, file: &str, got: &[Vec<f32>], want: &Reference) {
-    assert_eq!(got.len(), want.logits.len(), "{name}/{file}: positions");
-    let mut worst = 0f32;
-    for (pos, (g, w)) in got.iter().zip(&want.logits).enumerate() {
-        assert_eq!(g.len(), w.len(), "{name}/{file}: vocabulary size");
-        let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        worst = worst.max(diff / scale);
-        assert!(
-            diff <= 1e-4 * scale,
-            "{name}/{file}: position {pos}: max |Δlogit| {diff} > 1e-4 × {scale}"
-        );
-    }
-    eprintln!("{name}/{file}: worst relative |Δlogit| {worst:.2e}");
-}
-
 #[test]
 fn safetensors_match_transformers() {
     for name in MODELS {
         let r = reference(name);
         let (got, _) = run(dir(name), &r.tokens);
-        assert_close(name, "safetensors", &got, &r);
+        assert_close(&format!("{name}/safetensors"), &got, &r.logits);
     }
 }
 
@@ -95,7 +71,7 @@ fn f32_gguf_matches_transformers() {
     for name in MODELS {
         let r = reference(name);
         let (got, _) = run(dir(name).join("model-f32.gguf"), &r.tokens);
-        assert_close(name, "model-f32.gguf", &got, &r);
+        assert_close(&format!("{name}/model-f32.gguf"), &got, &r.logits);
     }
 }
 
@@ -117,7 +93,11 @@ fn q8_0_gguf_exact_backend_matches_transformers() {
         );
         let exact = reference_file(name, "reference-q8_0.json");
         assert_eq!(exact.tokens, r.tokens);
-        assert_close(name, "model-q8_0.gguf (exact)", &got, &exact);
+        assert_close(
+            &format!("{name}/{}", "model-q8_0.gguf (exact)"),
+            &got,
+            &exact.logits,
+        );
     }
 }
 

@@ -10,6 +10,9 @@ use ferrum_models::moe::Router;
 use ferrum_models::{LoadOptions, Logits, Model, ModelConfig};
 use serde::Deserialize;
 
+mod common;
+use common::{argmax, assert_close};
+
 #[derive(Deserialize)]
 struct Reference {
     tokens: Vec<u32>,
@@ -48,31 +51,6 @@ fn logits(m: &mut Model<CpuBackend>, tokens: &[u32]) -> Vec<Vec<f32>> {
     let v = m.decoder.config.vocab_size;
     let all = m.decoder.forward(tokens, 0, Logits::All).unwrap();
     all.chunks(v).map(|r| r.to_vec()).collect()
-}
-
-fn argmax(r: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in r.iter().enumerate() {
-        if x > r[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-fn assert_close(label: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
-    assert_eq!(got.len(), want.len(), "{label}: positions");
-    let mut worst = 0f32;
-    for (pos, (g, w)) in got.iter().zip(want).enumerate() {
-        let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        worst = worst.max(diff / scale);
-        assert!(
-            diff <= 1e-4 * scale,
-            "{label}: position {pos}: |Δlogit| {diff} > 1e-4 × {scale}"
-        );
-    }
-    eprintln!("{label}: worst relative |Δlogit| {worst:.2e}");
 }
 
 #[test]

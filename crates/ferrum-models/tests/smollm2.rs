@@ -9,6 +9,9 @@ use ferrum_backend::CpuBackend;
 use ferrum_models::{LoadOptions, Logits, Model};
 use serde::Deserialize;
 
+mod common;
+use common::argmax;
+
 #[derive(Deserialize)]
 struct Reference {
     tokens: Vec<u32>,
@@ -35,14 +38,9 @@ fn score(be: CpuBackend, r: &Reference) -> (f64, f64) {
     let mut nll = 0f64;
     let n = r.tokens.len() - 1;
     for (pos, row) in logits.chunks(v).take(n).enumerate() {
-        let mut best = 0;
-        for (i, &x) in row.iter().enumerate() {
-            if x > row[best] {
-                best = i;
-            }
-        }
-        agree += (best as u32 == r.argmax[pos]) as usize;
-        let max = row[best] as f64;
+        let best = argmax(row);
+        agree += (best == r.argmax[pos]) as usize;
+        let max = row[best as usize] as f64;
         let z: f64 = row.iter().map(|&l| (l as f64 - max).exp()).sum();
         nll -= row[r.tokens[pos + 1] as usize] as f64 - max - z.ln();
     }
