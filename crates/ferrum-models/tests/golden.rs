@@ -94,7 +94,7 @@ fn q8_0_gguf_exact_backend_matches_transformers() {
         let exact = reference_file(name, "reference-q8_0.json");
         assert_eq!(exact.tokens, r.tokens);
         assert_close(
-            &format!("{name}/{}", "model-q8_0.gguf (exact)"),
+            &format!("{name}/model-q8_0.gguf (exact)"),
             &got,
             &exact.logits,
         );
