@@ -102,6 +102,28 @@ pub struct RopeParams<'a> {
     pub inv_freq: &'a [f32],
 }
 
+/// Where one sequence's keys and values sit in a paged KV cache: position `p` is cache row
+/// `blocks[p / block_size] * block_size + p % block_size`. The engine's block pool owns the
+/// cache and hands each forward pass the tables of the sequences it carries.
+#[derive(Debug, Clone, Copy)]
+pub struct KvTable<'a> {
+    pub blocks: &'a [u32],
+    pub block_size: usize,
+}
+
+impl KvTable<'_> {
+    /// The cache row of position `pos`; `None` past the end of the table.
+    pub fn slot(&self, pos: usize) -> Option<usize> {
+        let b = *self.blocks.get(pos / self.block_size)? as usize;
+        Some(b * self.block_size + pos % self.block_size)
+    }
+
+    /// Positions the table covers.
+    pub fn capacity(&self) -> usize {
+        self.blocks.len() * self.block_size
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionParams {
     /// Position of the first query row; query row `t` attends to keys `0..=first_pos + t`.
@@ -193,14 +215,26 @@ pub trait Backend: Send + Sync {
     /// Copies rows between views of equal width.
     fn copy_rows(&self, src: &Self::Buf, sv: Rows, dst: &mut Self::Buf, dv: Rows);
 
-    /// A KV cache of `len` elements.
-    fn alloc_kv(&self, len: usize) -> Self::KvBuf;
+    /// A KV cache of `rows` rows of `width` elements.
+    fn alloc_kv(&self, rows: usize, width: usize) -> Self::KvBuf;
 
-    /// Stores rows of keys or values into the cache (converting to its element format).
-    fn write_kv(&self, src: &Self::Buf, sv: Rows, dst: &mut Self::KvBuf, dv: Rows);
+    /// Bytes one cache row of `width` elements takes (for sizing the cache to a budget).
+    fn kv_row_bytes(&self, width: usize) -> usize;
 
-    /// Causal grouped-query attention: queries `qv` (`heads` query heads) against the first
-    /// `first_pos + qv.count` rows of the key and value caches (`n_kv_heads` heads each).
+    /// Stores rows of keys or values into the cache (converting to its element format): row
+    /// `t` of `sv` is position `first_pos + t` of the sequence `table` describes.
+    fn write_kv(
+        &self,
+        src: &Self::Buf,
+        sv: Rows,
+        dst: &mut Self::KvBuf,
+        table: KvTable,
+        first_pos: usize,
+    );
+
+    /// Causal grouped-query attention of one sequence: queries `qv` (`heads` query heads, at
+    /// positions `p.first_pos..`) against positions `0..p.first_pos + qv.count` of the key and
+    /// value caches (`n_kv_heads` heads per row), found through `table`.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -208,7 +242,7 @@ pub trait Backend: Send + Sync {
         qv: Rows,
         k_cache: &Self::KvBuf,
         v_cache: &Self::KvBuf,
-        kv_stride: usize,
+        table: KvTable,
         out: &mut Self::Buf,
         ov: Rows,
         p: AttentionParams,

@@ -29,6 +29,13 @@ pub struct BenchArgs {
     /// Keep activations in f32.
     #[arg(long)]
     exact: bool,
+    /// KV cache element format: f16 (default), f32 or q8_0.
+    #[arg(long, value_parser = crate::parse_kv_dtype)]
+    kv_dtype: Option<ferrum_backend::cpu::KvDtype>,
+    /// Instead of pp/tg: serve this many concurrent streams through the engine, for each
+    /// value in the list (e.g. 1,2,4,8), each stream a `--pp`-token prompt and `--tg` tokens.
+    #[arg(long, value_delimiter = ',')]
+    concurrency: Vec<usize>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -74,21 +81,29 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let ctx = a.pp.max(a.tg).max(1);
     let file = ferrum_loader::ModelFile::open(&a.model)?;
-    let mut model = crate::load_model(&a.model, &file, Some(ctx), a.exact)?;
+    let be = crate::BackendOpts {
+        exact: a.exact,
+        kv: a.kv_dtype,
+    };
+    if !a.concurrency.is_empty() {
+        return crate::bench_engine::run(&a.model, &file, be, &a.concurrency, a.pp, a.tg, a.json);
+    }
+    let mut model = crate::load_model(&a.model, &file, Some(ctx), be)?;
     let vocab = model.decoder.config.vocab_size as u32;
     // Deterministic, varied token ids (a constant prompt would route every MoE token alike).
     let tokens: Vec<u32> = (0..ctx as u64)
         .map(|i| ((i * 2_654_435_761 + 12_345) % vocab as u64) as u32)
         .collect();
     let backend_name = model.decoder.backend().name();
+    let mut kv = model.decoder.alloc_kv_tokens(ctx);
 
     // One untimed warm-up of each test: first touches of the mapped weights are page faults.
     let mut pp = Vec::new();
     if a.pp > 0 {
-        model.decoder.forward(&tokens[..a.pp], 0, Logits::Last)?;
+        model.decoder.forward(&mut kv, &tokens[..a.pp], 0, Logits::Last)?;
         for _ in 0..a.reps {
             let t = Instant::now();
-            model.decoder.forward(&tokens[..a.pp], 0, Logits::Last)?;
+            model.decoder.forward(&mut kv, &tokens[..a.pp], 0, Logits::Last)?;
             pp.push(a.pp as f64 / t.elapsed().as_secs_f64());
         }
     }
@@ -101,7 +116,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             }
             let t = Instant::now();
             for (i, &tok) in tokens[..a.tg].iter().enumerate() {
-                model.decoder.forward(&[tok], i, Logits::Last)?;
+                model.decoder.forward(&mut kv, &[tok], i, Logits::Last)?;
             }
             if rep > 0 {
                 tg.push(a.tg as f64 / t.elapsed().as_secs_f64());

@@ -2,6 +2,7 @@
 //! model file → model + tokenizer → session → streamed text.
 
 mod bench;
+mod bench_engine;
 mod default_model;
 
 use std::io::{BufRead, Write};
@@ -9,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use ferrum_backend::{Backend, CpuBackend};
+use ferrum_backend::{cpu::KvDtype, Backend, CpuBackend};
 use ferrum_generate::{GenerateOptions, SamplingExtras, SamplingParams, Session};
 use ferrum_loader::ModelFile;
 use ferrum_models::{LoadOptions, Logits, Model};
@@ -93,12 +94,15 @@ struct RunArgs {
     top_p: f32,
     #[arg(long)]
     seed: Option<u64>,
-    /// KV cache capacity in tokens.
+    /// Longest conversation in tokens (the KV cache holds this many).
     #[arg(long)]
     ctx: Option<usize>,
     /// Keep activations in f32 (the reference's math; slower on quantised models).
     #[arg(long)]
     exact: bool,
+    /// KV cache element format: f16 (default), f32 (default with --exact) or q8_0.
+    #[arg(long, value_parser = parse_kv_dtype)]
+    kv_dtype: Option<KvDtype>,
     /// Drop tokens less likely than this fraction of the most likely one (0 = off).
     #[arg(long, default_value_t = 0.0)]
     min_p: f32,
@@ -144,13 +148,28 @@ fn main() {
     }
 }
 
-fn load(path: &Path, ctx: Option<usize>, exact: bool) -> Result<(Model<CpuBackend>, Tokenizer)> {
+pub(crate) fn parse_kv_dtype(s: &str) -> std::result::Result<KvDtype, String> {
+    KvDtype::parse(s).ok_or_else(|| format!("unknown KV format {s:?} (f16, f32 or q8_0)"))
+}
+
+/// How to set up the CPU backend.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct BackendOpts {
+    pub exact: bool,
+    pub kv: Option<KvDtype>,
+}
+
+fn load(
+    path: &Path,
+    ctx: Option<usize>,
+    be: BackendOpts,
+) -> Result<(Model<CpuBackend>, Tokenizer)> {
     let file = ModelFile::open(path)?;
     let tokenizer = match &file {
         ModelFile::Gguf(g) => Tokenizer::from_gguf(g)?,
         ModelFile::Hf(h) => Tokenizer::from_hf_dir(&h.dir)?,
     };
-    Ok((load_model(path, &file, ctx, exact)?, tokenizer))
+    Ok((load_model(path, &file, ctx, be)?, tokenizer))
 }
 
 /// Loads only the model (the benchmark needs no tokenizer), printing the summary line.
@@ -158,13 +177,16 @@ pub(crate) fn load_model(
     path: &Path,
     file: &ModelFile,
     ctx: Option<usize>,
-    exact: bool,
+    be: BackendOpts,
 ) -> Result<Model<CpuBackend>> {
-    let backend = if exact {
+    let mut backend = if be.exact {
         CpuBackend::exact()
     } else {
         CpuBackend::new()
     };
+    if let Some(kv) = be.kv {
+        backend = backend.with_kv(kv);
+    }
     let backend_name = backend.name();
     let model = Model::load(file, backend, &LoadOptions { context: ctx })
         .with_context(|| format!("loading {}", path.display()))?;
@@ -190,8 +212,15 @@ fn run(a: RunArgs) -> Result<()> {
         Some(p) => p,
         None => default_model::ensure()?,
     };
-    let (model, tokenizer) = load(&path, a.ctx, a.exact)?;
-    let mut session = Session::new(model, tokenizer);
+    let be = BackendOpts {
+        exact: a.exact,
+        kv: a.kv_dtype,
+    };
+    let (model, tokenizer) = load(&path, a.ctx, be)?;
+    if be.kv == Some(KvDtype::Q8_0) && !model.decoder.config.head_dim.is_multiple_of(32) {
+        bail!("--kv-dtype q8_0 needs a head size divisible by 32");
+    }
+    let mut session = Session::new(model, tokenizer)?;
     let opts = GenerateOptions {
         max_tokens: a.max_tokens,
         params: SamplingParams {
@@ -219,13 +248,13 @@ fn run(a: RunArgs) -> Result<()> {
 
     if let Some(prompt) = a.prompt {
         let ids = if a.raw {
-            session.tokenizer.encode(&prompt, true)?
+            session.tokenizer().encode(&prompt, true)?
         } else {
             messages.push(Message {
                 role: "user".into(),
                 content: prompt,
             });
-            render(&session.tokenizer, &messages)?
+            render(session.tokenizer(), &messages)?
         };
         answer(&mut session, &ids, &opts)?;
         return Ok(());
@@ -246,7 +275,7 @@ fn run(a: RunArgs) -> Result<()> {
             "/exit" | "/quit" => break,
             "/clear" => {
                 messages.retain(|m| m.role == "system");
-                session.reset();
+                // Nothing to reset: the next prompt simply shares no prefix with the cache.
                 eprintln!("(conversation cleared)");
                 continue;
             }
@@ -256,7 +285,7 @@ fn run(a: RunArgs) -> Result<()> {
             role: "user".into(),
             content: input.to_string(),
         });
-        let ids = render(&session.tokenizer, &messages)?;
+        let ids = render(session.tokenizer(), &messages)?;
         match answer(&mut session, &ids, &opts) {
             Ok(text) => messages.push(Message {
                 role: "assistant".into(),
@@ -335,9 +364,11 @@ fn logits(model: &Path, tokens: &[u32], exact: bool) -> Result<()> {
     if tokens.is_empty() {
         bail!("--tokens needs at least one token id");
     }
-    let (mut model, _) = load(model, Some(tokens.len()), exact)?;
+    let be = BackendOpts { exact, kv: None };
+    let (mut model, _) = load(model, Some(tokens.len()), be)?;
     let vocab = model.decoder.config.vocab_size;
-    let all = model.decoder.forward(tokens, 0, Logits::All)?;
+    let mut kv = model.decoder.alloc_kv_tokens(tokens.len());
+    let all = model.decoder.forward(&mut kv, tokens, 0, Logits::All)?;
     let rows: Vec<&[f32]> = all.chunks(vocab).collect();
     println!("{}", serde_json::json!({ "logits": rows }));
     Ok(())
@@ -349,18 +380,20 @@ fn perplexity(model: &Path, file: &Path, window: usize, exact: bool) -> Result<(
     }
     let text =
         std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-    let (mut model, tok) = load(model, Some(window), exact)?;
+    let be = BackendOpts { exact, kv: None };
+    let (mut model, tok) = load(model, Some(window), be)?;
     let ids = tok.encode(&text, true)?;
     if ids.len() < 2 {
         bail!("{} has fewer than two tokens", file.display());
     }
     let vocab = model.decoder.config.vocab_size;
     let (mut nll, mut count) = (0f64, 0usize);
+    let mut kv = model.decoder.alloc_kv_tokens(window);
     for chunk in ids.chunks(window) {
         if chunk.len() < 2 {
             continue;
         }
-        let logits = model.decoder.forward(chunk, 0, Logits::All)?;
+        let logits = model.decoder.forward(&mut kv, chunk, 0, Logits::All)?;
         for (row, &next) in logits.chunks(vocab).zip(&chunk[1..]) {
             nll -= log_softmax_at(row, next as usize);
             count += 1;

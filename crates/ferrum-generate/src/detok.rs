@@ -3,15 +3,25 @@
 //! (leading-space handling), so each step decodes a short window — from a prefix offset that
 //! trails the already-emitted text — and emits only what is new and complete. Work per token
 //! is bounded by the window, not the length of the output.
+//!
+//! A delta never ends inside a UTF-8 character, and never inside a grapheme cluster that a
+//! later token could extend: a trailing non-ASCII grapheme (an emoji that a zero-width joiner
+//! or skin-tone modifier may continue, a base letter awaiting a combining mark, a regional
+//! indicator awaiting its pair) is held until the next delta or [`Detokenizer::flush`].
+//! Plain ASCII is not held, so English streams without delay; an ASCII letter followed by a
+//! combining mark in a later token is the one split left.
 
 use ferrum_core::Result;
 use ferrum_tokenizer::Tokenizer;
+use unicode_segmentation::UnicodeSegmentation;
 
 #[derive(Default)]
 pub struct Detokenizer {
     tokens: Vec<u32>,
     prefix: usize,
     read: usize,
+    /// Complete text held back at a grapheme that may continue.
+    held: String,
 }
 
 impl Detokenizer {
@@ -27,14 +37,43 @@ impl Detokenizer {
         // An incomplete UTF-8 sequence decodes to U+FFFD: wait for the rest of it.
         if after.len() > before.len() && !after.ends_with('\u{FFFD}') {
             let delta = match after.get(before.len()..) {
-                Some(d) if after.starts_with(&before) => d.to_string(),
+                Some(d) if after.starts_with(&before) => d,
                 _ => return Ok(String::new()),
             };
+            self.held.push_str(delta);
             self.prefix = self.read;
             self.read = self.tokens.len();
-            Ok(delta)
+            // The window restarts here: keep it short even when text is held a long time.
+            Ok(self.release())
         } else {
             Ok(String::new())
         }
+    }
+
+    /// Everything not yet returned, complete or not (the sequence has ended).
+    pub fn flush(&mut self, tok: &Tokenizer) -> Result<String> {
+        let before = tok.decode(&self.tokens[self.prefix..self.read], true)?;
+        let after = tok.decode(&self.tokens[self.prefix..], true)?;
+        let mut out = std::mem::take(&mut self.held);
+        if let Some(tail) = after.get(before.len()..) {
+            if after.starts_with(&before) {
+                out.push_str(tail);
+            }
+        }
+        self.prefix = self.tokens.len();
+        self.read = self.tokens.len();
+        Ok(out)
+    }
+
+    /// Returns the held text up to its last grapheme if that one may still grow.
+    fn release(&mut self) -> String {
+        let Some((at, last)) = self.held.grapheme_indices(true).next_back() else {
+            return String::new();
+        };
+        if last.is_ascii() {
+            return std::mem::take(&mut self.held);
+        }
+        let keep = self.held.split_off(at);
+        std::mem::replace(&mut self.held, keep)
     }
 }

@@ -1,21 +1,28 @@
 //! Generation: a model, its tokenizer and a sampler, producing streamed text.
 //!
-//! A [`Session`] is one conversation on one model. It remembers which tokens sit in the KV
-//! cache, so the next turn of a chat (whose rendered prompt repeats the whole history)
-//! prefills only the tokens that are new.
+//! The [`Engine`] runs many requests on one model: a paged KV block pool with a prefix
+//! cache ([`block_pool`]), a scheduler with chunked prefill and preemption, and per-request
+//! sampling, stop matching and incremental detokenisation. A [`Session`] is the single-user
+//! caller the REPL uses.
 
+pub mod block_pool;
 pub mod detok;
+pub mod engine;
 pub mod sampler;
 pub mod stop;
 
 use std::time::Instant;
 
 use ferrum_backend::Backend;
-use ferrum_core::{Error, Result};
-use ferrum_models::{Logits, Model};
+use ferrum_core::Result;
+use ferrum_models::Model;
 use ferrum_tokenizer::Tokenizer;
 
+pub use block_pool::{BlockPool, PrefixStats};
 pub use detok::Detokenizer;
+pub use engine::{
+    Engine, EngineConfig, EngineStats, Output, OutputKind, Request, RequestId, TokenLogprob, Usage,
+};
 pub use sampler::{argmax, Sampler, SamplingExtras, SamplingParams, TokenHistory};
 pub use stop::{StopMatcher, StopOutcome};
 
@@ -62,29 +69,32 @@ impl Default for GenerateOptions {
     }
 }
 
+/// One conversation on one model: a caller of the [`Engine`] that runs one request at a
+/// time. Earlier turns stay in the engine's prefix cache, so the next turn of a chat (whose
+/// rendered prompt repeats the whole history) prefills only what is new.
 pub struct Session<B: Backend> {
-    pub model: Model<B>,
-    pub tokenizer: Tokenizer,
-    /// Tokens whose keys and values are in the cache, in order.
-    cached: Vec<u32>,
+    pub engine: Engine<B>,
 }
 
 impl<B: Backend> Session<B> {
-    pub fn new(model: Model<B>, tokenizer: Tokenizer) -> Self {
-        Session {
-            model,
-            tokenizer,
-            cached: Vec::new(),
-        }
+    /// A session whose KV pool holds one sequence of the model's context.
+    pub fn new(model: Model<B>, tokenizer: Tokenizer) -> Result<Self> {
+        let config = EngineConfig::with_kv_tokens(model.decoder.context);
+        Ok(Session {
+            engine: Engine::new(model, tokenizer, config)?,
+        })
     }
 
-    /// Forgets the cached conversation.
-    pub fn reset(&mut self) {
-        self.cached.clear();
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.engine.tokenizer
+    }
+
+    pub fn model(&self) -> &Model<B> {
+        &self.engine.model
     }
 
     pub fn context(&self) -> usize {
-        self.model.decoder.context
+        self.engine.max_sequence()
     }
 
     /// Generates a continuation of `prompt`. `on_text` receives each text delta and returns
@@ -111,83 +121,54 @@ impl<B: Backend> Session<B> {
         opts: &GenerateOptions,
         mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<GenerationStats> {
-        opts.extras.validate()?;
-        let max_tokens = opts.max_tokens;
-        if prompt.is_empty() {
-            return Err(Error::InvalidRequest("the prompt is empty".into()));
-        }
-        let ctx = self.context();
-        if prompt.len() >= ctx {
-            return Err(Error::InvalidRequest(format!(
-                "the prompt is {} tokens; the context holds {ctx}",
-                prompt.len()
-            )));
-        }
-        // Reuse the cached prefix, but always recompute at least the last prompt token: its
-        // logits are what the first sampled token comes from.
-        let mut keep = self
-            .cached
-            .iter()
-            .zip(prompt)
-            .take_while(|(a, b)| a == b)
-            .count();
-        keep = keep.min(prompt.len() - 1);
-        self.cached.truncate(keep);
-
+        let mut req = Request::new(prompt.to_vec(), opts.max_tokens);
+        req.params = opts.params.clone();
+        req.extras = opts.extras.clone();
+        req.stop = opts.stop.clone();
+        let id = self.engine.add(req)?;
         let t0 = Instant::now();
-        let mut logits = self
-            .model
-            .decoder
-            .forward(&prompt[keep..], keep, Logits::Last)?;
-        self.cached.extend_from_slice(&prompt[keep..]);
-        let prefill_secs = t0.elapsed().as_secs_f64();
-
-        let t1 = Instant::now();
-        let mut sampler = Sampler::with_extras(opts.params.clone(), opts.extras.clone());
-        sampler.observe_prompt(prompt);
-        let mut detok = Detokenizer::new();
-        let mut stops = StopMatcher::new(opts.stop.clone());
-        let mut out = Vec::new();
-        let finish = loop {
-            if out.len() >= max_tokens {
-                break FinishReason::Length;
-            }
-            let next = sampler.sample(&logits);
-            if self.tokenizer.eos_ids().contains(&next) {
-                break FinishReason::Stop;
-            }
-            out.push(next);
-            sampler.observe(next);
-            let text = detok.push(&self.tokenizer, next)?;
-            // Stop strings are matched across deltas and never emitted.
-            let outcome = stops.push(&text);
-            if !outcome.emit.is_empty() && !on_text(&outcome.emit) {
-                break FinishReason::Cancelled;
-            }
-            if outcome.stopped {
-                break FinishReason::Stop;
-            }
-            if self.cached.len() + 1 > ctx {
-                break FinishReason::Length;
-            }
-            let pos = self.cached.len();
-            logits = self.model.decoder.forward(&[next], pos, Logits::Last)?;
-            self.cached.push(next);
-        };
-        if finish != FinishReason::Stop {
-            let held = stops.flush();
-            if !held.is_empty() {
-                on_text(&held);
+        let mut first: Option<Instant> = None;
+        let mut tokens = Vec::new();
+        loop {
+            let outs = match self.engine.step() {
+                Ok(o) => o,
+                Err(e) => {
+                    // Leave the engine clean for the next turn.
+                    self.engine.cancel(id);
+                    let _ = self.engine.step();
+                    return Err(e);
+                }
+            };
+            for o in outs {
+                match o.kind {
+                    OutputKind::Token { token, text, .. } => {
+                        first.get_or_insert_with(Instant::now);
+                        tokens.push(token);
+                        if !text.is_empty() && !on_text(&text) {
+                            self.engine.cancel(id);
+                        }
+                    }
+                    OutputKind::Finished {
+                        reason,
+                        text,
+                        usage,
+                    } => {
+                        if !text.is_empty() && reason != FinishReason::Cancelled {
+                            on_text(&text);
+                        }
+                        let t1 = first.unwrap_or_else(Instant::now);
+                        return Ok(GenerationStats {
+                            prompt_tokens: usage.prompt_tokens,
+                            prefilled_tokens: usage.prompt_tokens - usage.cached_tokens,
+                            generated_tokens: usage.completion_tokens,
+                            prefill_secs: (t1 - t0).as_secs_f64(),
+                            decode_secs: t1.elapsed().as_secs_f64(),
+                            finish: reason,
+                            tokens,
+                        });
+                    }
+                }
             }
         }
-        Ok(GenerationStats {
-            prompt_tokens: prompt.len(),
-            prefilled_tokens: prompt.len() - keep,
-            generated_tokens: out.len(),
-            prefill_secs,
-            decode_secs: t1.elapsed().as_secs_f64(),
-            finish,
-            tokens: out,
-        })
     }
 }

@@ -32,7 +32,7 @@ fn session_on(be: CpuBackend, context: usize) -> Session<CpuBackend> {
         },
     )
     .unwrap();
-    Session::new(model, tok)
+    Session::new(model, tok).unwrap()
 }
 
 fn fixture() -> serde_json::Value {
@@ -56,7 +56,7 @@ fn capital_of_france_is_paris_token_for_token() {
     let f = fixture();
     let mut s = session(256);
     let prompt = s
-        .tokenizer
+        .tokenizer()
         .encode("The capital of France is", false)
         .unwrap();
     assert_eq!(prompt, ids(&f["prompt_tokens"]));
@@ -82,12 +82,12 @@ fn chat_turns_reuse_the_cached_prefix_and_stop_at_end_of_turn() {
     }];
     let render = |s: &Session<CpuBackend>, m: &[Message]| {
         let text = s
-            .tokenizer
+            .tokenizer()
             .chat_template()
             .unwrap()
             .render(m, true)
             .unwrap();
-        s.tokenizer.encode(&text, false).unwrap()
+        s.tokenizer().encode(&text, false).unwrap()
     };
     let p1 = render(&s, &messages);
     let mut answer = String::new();
@@ -115,9 +115,10 @@ fn chat_turns_reuse_the_cached_prefix_and_stop_at_end_of_turn() {
     let st2 = s
         .generate(&p2, 16, &SamplingParams::greedy(), |_| true)
         .unwrap();
-    // Only the new turn is computed; the first turn's tokens come from the cache.
+    // Only the new turn is computed (give or take a partial 16-token block); the first
+    // turn's tokens come from the prefix cache.
     assert!(
-        st2.prefilled_tokens < p2.len() - p1.len() + 8,
+        st2.prefilled_tokens < p2.len() - p1.len() + 16,
         "{} of {}",
         st2.prefilled_tokens,
         p2.len()
@@ -138,7 +139,7 @@ fn chat_turns_reuse_the_cached_prefix_and_stop_at_end_of_turn() {
 fn fast_backend_also_says_paris() {
     let mut s = session_on(CpuBackend::new(), 256);
     let prompt = s
-        .tokenizer
+        .tokenizer()
         .encode("The capital of France is", false)
         .unwrap();
     let mut text = String::new();
@@ -157,7 +158,7 @@ fn stop_string_ends_generation_unemitted() {
     use ferrum_generate::GenerateOptions;
     let mut s = session(256);
     let prompt = s
-        .tokenizer
+        .tokenizer()
         .encode("Count from one to ten: one, two,", false)
         .unwrap();
     let opts = GenerateOptions {

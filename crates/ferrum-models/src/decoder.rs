@@ -8,7 +8,7 @@
 //! V written into the cache → causal GQA attention → O projection → residual add fused with
 //! the FFN's RMSNorm → SwiGLU FFN → residual add.
 
-use ferrum_backend::{AttentionParams, Backend, MoeScratch, RopeParams, Rows};
+use ferrum_backend::{AttentionParams, Backend, KvTable, MoeScratch, RopeParams, Rows};
 use ferrum_core::{Error, Result};
 use ferrum_loader::TensorStore;
 
@@ -22,6 +22,8 @@ pub const CHUNK: usize = 64;
 /// Which positions of a forward pass need logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
+    /// None (a prefill chunk that does not end the prompt).
+    None,
     /// Only the last token (generation).
     Last,
     /// Every token (scoring, perplexity, comparison against a reference).
@@ -96,7 +98,35 @@ pub struct Layer<B: Backend> {
     ffn: Ffn<B>,
 }
 
-/// Activation buffers for one chunk, and the KV cache. Allocated once at load.
+/// Keys and values of every layer, `block_size` rows to a block. Sequences find their rows
+/// through block tables; the engine's block pool decides who owns which block.
+pub struct KvCache<B: Backend> {
+    k: Vec<B::KvBuf>,
+    v: Vec<B::KvBuf>,
+    pub block_size: usize,
+    pub n_blocks: usize,
+    /// `0, 1, 2, …`: the table of a single sequence that owns the whole cache.
+    identity: Vec<u32>,
+}
+
+impl<B: Backend> KvCache<B> {
+    /// Positions the cache holds.
+    pub fn capacity(&self) -> usize {
+        self.block_size * self.n_blocks
+    }
+}
+
+/// One sequence's share of a forward pass: `tokens` at positions `start..`, its cache rows
+/// found through `blocks`, and which of its positions need logits.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqChunk<'a> {
+    pub tokens: &'a [u32],
+    pub start: usize,
+    pub blocks: &'a [u32],
+    pub logits: Logits,
+}
+
+/// Activation buffers for one pass of at most [`CHUNK`] tokens. Allocated once at load.
 struct State<B: Backend> {
     x: B::Buf,
     xn: B::Buf,
@@ -106,8 +136,6 @@ struct State<B: Backend> {
     gu: B::Buf,
     act: B::Buf,
     logits: B::Buf,
-    k_cache: Vec<B::KvBuf>,
-    v_cache: Vec<B::KvBuf>,
     moe: Option<MoeState<B>>,
 }
 
@@ -132,13 +160,14 @@ pub struct Decoder<B: Backend> {
     final_norm: B::Weight,
     layers: Vec<Layer<B>>,
     inv_freq: Vec<f32>,
-    /// KV capacity in tokens.
+    /// The longest sequence this decoder will run (positions), whatever the cache holds.
     pub context: usize,
     state: State<B>,
 }
 
 impl<B: Backend> Decoder<B> {
-    /// Loads the weights named in [`names::DECODER`]. `context` is the KV cache capacity.
+    /// Loads the weights named in [`names::DECODER`]. `context` is the longest sequence the
+    /// caller may run.
     pub fn load(
         backend: B,
         mut config: ModelConfig,
@@ -230,12 +259,6 @@ impl<B: Backend> Decoder<B> {
             act: be.alloc(CHUNK * f),
             // Grown on demand: generation needs one row, scoring a whole chunk.
             logits: be.alloc(c.vocab_size),
-            k_cache: (0..c.n_layers)
-                .map(|_| be.alloc_kv(context * kvd))
-                .collect(),
-            v_cache: (0..c.n_layers)
-                .map(|_| be.alloc_kv(context * kvd))
-                .collect(),
             moe: c.moe.as_ref().map(|m| MoeState {
                 router_logits: be.alloc(CHUNK * m.n_experts),
                 host_logits: vec![0.0; CHUNK * m.n_experts],
@@ -285,39 +308,139 @@ impl<B: Backend> Decoder<B> {
         }
     }
 
-    /// Runs `tokens`, which sit at positions `start..start + tokens.len()` of the sequence
-    /// whose first `start` positions are already in the KV cache. Returns row-major logits
-    /// for the positions `want` asks for.
-    pub fn forward(&mut self, tokens: &[u32], start: usize, want: Logits) -> Result<Vec<f32>> {
-        let vocab = self.config.vocab_size;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::InvalidRequest(format!(
-                "token id {bad} is outside the vocabulary ({vocab} tokens)"
-            )));
+    /// A KV cache of `n_blocks` blocks of `block_size` positions for every layer.
+    pub fn alloc_kv(&self, n_blocks: usize, block_size: usize) -> KvCache<B> {
+        let block_size = block_size.max(1);
+        let (rows, kvd) = (n_blocks * block_size, self.config.kv_dim());
+        let be = &self.backend;
+        let layers = self.config.n_layers;
+        KvCache {
+            k: (0..layers).map(|_| be.alloc_kv(rows, kvd)).collect(),
+            v: (0..layers).map(|_| be.alloc_kv(rows, kvd)).collect(),
+            block_size,
+            n_blocks,
+            identity: (0..n_blocks as u32).collect(),
         }
+    }
+
+    /// A cache for one sequence of up to `tokens` positions (see [`Decoder::forward`]).
+    pub fn alloc_kv_tokens(&self, tokens: usize) -> KvCache<B> {
+        const BS: usize = 16;
+        self.alloc_kv(tokens.max(1).div_ceil(BS), BS)
+    }
+
+    /// Bytes of cache one position takes across all layers (keys and values).
+    pub fn kv_bytes_per_token(&self) -> usize {
+        2 * self.config.n_layers * self.backend.kv_row_bytes(self.config.kv_dim())
+    }
+
+    /// Runs one sequence that owns the whole of `kv` (scoring, benchmarks, tests): `tokens`
+    /// sit at positions `start..start + tokens.len()`, the first `start` positions already
+    /// cached. Returns row-major logits for the positions `want` asks for.
+    pub fn forward(
+        &mut self,
+        kv: &mut KvCache<B>,
+        tokens: &[u32],
+        start: usize,
+        want: Logits,
+    ) -> Result<Vec<f32>> {
+        let blocks = std::mem::take(&mut kv.identity);
         let end = start + tokens.len();
-        if end > self.context {
-            return Err(Error::InvalidRequest(format!(
-                "sequence of {end} tokens exceeds the context of {} tokens",
-                self.context
-            )));
-        }
         let mut out = Vec::new();
         let mut pos = start;
+        let mut result = Ok(());
         for chunk in tokens.chunks(CHUNK) {
-            let is_last_chunk = pos + chunk.len() == end;
-            self.run_layers(chunk, pos)?;
-            match want {
-                Logits::All => self.logits_rows(0, chunk.len(), &mut out),
-                Logits::Last if is_last_chunk => self.logits_rows(chunk.len() - 1, 1, &mut out),
-                Logits::Last => {}
+            let logits = match want {
+                Logits::Last if pos + chunk.len() < end => Logits::None,
+                w => w,
+            };
+            let seq = SeqChunk {
+                tokens: chunk,
+                start: pos,
+                blocks: &blocks,
+                logits,
+            };
+            match self.forward_batch(kv, &[seq]) {
+                Ok(l) => out.extend_from_slice(&l),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
             }
             pos += chunk.len();
+        }
+        kv.identity = blocks;
+        result.map(|_| out)
+    }
+
+    /// Runs one pass over a batch of sequences (prefill chunks and decode tokens alike), at
+    /// most [`CHUNK`] tokens in all. Returns, row-major and in batch order, the logits each
+    /// sequence asked for. A sequence's numbers do not depend on what else is in the batch:
+    /// every op works row by row, and attention sequence by sequence.
+    pub fn forward_batch(&mut self, kv: &mut KvCache<B>, seqs: &[SeqChunk]) -> Result<Vec<f32>> {
+        let vocab = self.config.vocab_size;
+        let n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        if n > CHUNK {
+            return Err(Error::InvalidRequest(format!(
+                "a pass carries at most {CHUNK} tokens, got {n}"
+            )));
+        }
+        if kv.k.len() != self.config.n_layers {
+            return Err(Error::InvalidRequest("KV cache of another model".into()));
+        }
+        let mut tokens = Vec::with_capacity(n);
+        let mut positions = Vec::with_capacity(n);
+        let mut want_rows = Vec::new();
+        for s in seqs {
+            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(Error::InvalidRequest(format!(
+                    "token id {bad} is outside the vocabulary ({vocab} tokens)"
+                )));
+            }
+            let end = s.start + s.tokens.len();
+            if end > self.context {
+                return Err(Error::InvalidRequest(format!(
+                    "sequence of {end} tokens exceeds the context of {} tokens",
+                    self.context
+                )));
+            }
+            if end > s.blocks.len() * kv.block_size
+                || s.blocks.iter().any(|&b| b as usize >= kv.n_blocks)
+            {
+                return Err(Error::InvalidRequest(format!(
+                    "sequence of {end} tokens does not fit its {} KV blocks",
+                    s.blocks.len()
+                )));
+            }
+            let row = tokens.len();
+            let m = s.tokens.len();
+            match s.logits {
+                Logits::None => {}
+                Logits::Last if m > 0 => want_rows.push((row + m - 1) as u32),
+                Logits::Last => {}
+                Logits::All => want_rows.extend((row..row + m).map(|r| r as u32)),
+            }
+            tokens.extend_from_slice(s.tokens);
+            positions.extend((s.start..end).map(|p| p as u32));
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        self.run_layers(kv, &tokens, &positions, seqs)?;
+        let mut out = Vec::new();
+        if !want_rows.is_empty() {
+            self.logits_rows(n, &want_rows, &mut out);
         }
         Ok(out)
     }
 
-    fn run_layers(&mut self, tokens: &[u32], start: usize) -> Result<()> {
+    fn run_layers(
+        &mut self,
+        kv: &mut KvCache<B>,
+        tokens: &[u32],
+        positions: &[u32],
+        seqs: &[SeqChunk],
+    ) -> Result<()> {
         let c = &self.config;
         let be = &self.backend;
         let s = &mut self.state;
@@ -330,7 +453,6 @@ impl<B: Backend> Decoder<B> {
             c.head_dim,
         );
         let qkv_w = qd + 2 * kvd;
-        let positions: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
         let rope = RopeParams {
             layout: c.rope_layout,
             inv_freq: &self.inv_freq,
@@ -339,7 +461,6 @@ impl<B: Backend> Decoder<B> {
         let q_view = Rows::columns(n, qkv_w, 0, qd).split_heads(hd);
         let k_view = Rows::columns(n, qkv_w, qd, kvd).split_heads(hd);
         let v_view = Rows::columns(n, qkv_w, qd + kvd, kvd);
-        let cache_rows = Rows::dense(start + n, kvd).slice(start, n);
 
         be.embed(&self.embed, tokens, &mut s.x, hidden);
         for (li, layer) in self.layers.iter().enumerate() {
@@ -375,27 +496,37 @@ impl<B: Backend> Decoder<B> {
                 be.rms_norm_inplace(&mut s.qkv, q_view, qn, c.rms_eps);
                 be.rms_norm_inplace(&mut s.qkv, k_view, kn, c.rms_eps);
             }
-            be.rope(&mut s.qkv, q_view, &positions, rope);
-            be.rope(&mut s.qkv, k_view, &positions, rope);
-            be.write_kv(&s.qkv, k_view, &mut s.k_cache[li], cache_rows);
-            be.write_kv(&s.qkv, v_view, &mut s.v_cache[li], cache_rows);
+            be.rope(&mut s.qkv, q_view, positions, rope);
+            be.rope(&mut s.qkv, k_view, positions, rope);
             let attn_view = Rows::dense(n, qd).split_heads(hd);
-            be.attention(
-                &s.qkv,
-                q_view,
-                &s.k_cache[li],
-                &s.v_cache[li],
-                kvd,
-                &mut s.attn,
-                attn_view,
-                AttentionParams {
-                    first_pos: start,
-                    n_kv_heads: c.n_kv_heads,
-                    scale: 1.0 / (hd as f32).sqrt(),
-                    window: c.sliding_window,
-                    softcap: None,
-                },
-            );
+            let mut row = 0;
+            for seq in seqs {
+                let m = seq.tokens.len();
+                let table = KvTable {
+                    blocks: seq.blocks,
+                    block_size: kv.block_size,
+                };
+                let (ks, vs) = (k_view.slice(row, m), v_view.slice(row, m));
+                be.write_kv(&s.qkv, ks, &mut kv.k[li], table, seq.start);
+                be.write_kv(&s.qkv, vs, &mut kv.v[li], table, seq.start);
+                be.attention(
+                    &s.qkv,
+                    q_view.slice(row, m),
+                    &kv.k[li],
+                    &kv.v[li],
+                    table,
+                    &mut s.attn,
+                    attn_view.slice(row, m),
+                    AttentionParams {
+                        first_pos: seq.start,
+                        n_kv_heads: c.n_kv_heads,
+                        scale: 1.0 / (hd as f32).sqrt(),
+                        window: c.sliding_window,
+                        softcap: None,
+                    },
+                );
+                row += m;
+            }
             be.matmul(
                 &s.attn,
                 Rows::dense(n, qd),
@@ -486,15 +617,16 @@ impl<B: Backend> Decoder<B> {
         Ok(())
     }
 
-    /// Final norm and output head for `count` rows starting at `first`; appends to `out`.
-    fn logits_rows(&mut self, first: usize, count: usize, out: &mut Vec<f32>) {
+    /// Final norm and output head for the residual rows `rows` of an `n`-row pass (gathered
+    /// first, so the head's weights are read once for all of them); appends to `out`.
+    fn logits_rows(&mut self, n: usize, rows: &[u32], out: &mut Vec<f32>) {
         let c = &self.config;
         let be = &self.backend;
         let s = &mut self.state;
-        let (h, vocab) = (c.hidden_size, c.vocab_size);
-        let src = Rows::dense(first + count, h).slice(first, count);
+        let (h, vocab, count) = (c.hidden_size, c.vocab_size, rows.len());
         let dst = Rows::dense(count, h);
-        be.rms_norm(&s.x, src, &self.final_norm, c.rms_eps, &mut s.xn, dst);
+        be.gather_rows(&s.x, Rows::dense(n, h), rows, &mut s.tmp, dst);
+        be.rms_norm(&s.tmp, dst, &self.final_norm, c.rms_eps, &mut s.xn, dst);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         if be.buf_len(&s.logits) < count * vocab {
             s.logits = be.alloc(count * vocab);

@@ -52,8 +52,9 @@ fn run(path: PathBuf, tokens: &[u32]) -> (Vec<Vec<f32>>, usize) {
 fn run_on(be: CpuBackend, path: PathBuf, tokens: &[u32]) -> (Vec<Vec<f32>>, usize) {
     let mut m = Model::open(&path, be, &LoadOptions { context: Some(64) })
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut kv = m.decoder.alloc_kv_tokens(64);
     let v = m.decoder.config.vocab_size;
-    let all = m.decoder.forward(tokens, 0, Logits::All).unwrap();
+    let all = m.decoder.forward(&mut kv, tokens, 0, Logits::All).unwrap();
     (all.chunks(v).map(|r| r.to_vec()).collect(), v)
 }
 
@@ -169,9 +170,10 @@ fn prefill_in_one_pass_equals_token_by_token_decode() {
         let (full, v) = run_on(CpuBackend::new(), path.clone(), &r.tokens);
         let mut m =
             Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(64) }).unwrap();
+        let mut kv = m.decoder.alloc_kv_tokens(64);
         let mut last = Vec::new();
         for (i, &t) in r.tokens.iter().enumerate() {
-            last = m.decoder.forward(&[t], i, Logits::Last).unwrap();
+            last = m.decoder.forward(&mut kv, &[t], i, Logits::Last).unwrap();
         }
         assert_eq!(last.len(), v);
         let want = full.last().unwrap();
@@ -189,19 +191,20 @@ fn prefill_in_one_pass_equals_token_by_token_decode() {
 fn context_overflow_and_bad_token_are_errors() {
     let path = dir("qwen3").join("model-f32.gguf");
     let mut m = Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(8) }).unwrap();
+    let mut kv = m.decoder.alloc_kv_tokens(8);
     let e = m
         .decoder
-        .forward(&[1; 9], 0, Logits::Last)
+        .forward(&mut kv, &[1; 9], 0, Logits::Last)
         .unwrap_err()
         .to_string();
     assert!(e.contains("exceeds the context"), "{e}");
     let v = m.decoder.config.vocab_size as u32;
     let e = m
         .decoder
-        .forward(&[v], 0, Logits::Last)
+        .forward(&mut kv, &[v], 0, Logits::Last)
         .unwrap_err()
         .to_string();
     assert!(e.contains("outside the vocabulary"), "{e}");
     // The model is still usable afterwards.
-    assert!(m.decoder.forward(&[1, 2], 0, Logits::Last).is_ok());
+    assert!(m.decoder.forward(&mut kv, &[1, 2], 0, Logits::Last).is_ok());
 }

@@ -49,7 +49,8 @@ fn load(be: CpuBackend, path: PathBuf) -> Model<CpuBackend> {
 
 fn logits(m: &mut Model<CpuBackend>, tokens: &[u32]) -> Vec<Vec<f32>> {
     let v = m.decoder.config.vocab_size;
-    let all = m.decoder.forward(tokens, 0, Logits::All).unwrap();
+    let mut kv = m.decoder.alloc_kv_tokens(64);
+    let all = m.decoder.forward(&mut kv, tokens, 0, Logits::All).unwrap();
     all.chunks(v).map(|r| r.to_vec()).collect()
 }
 
@@ -142,20 +143,23 @@ fn prefill_chunked_and_decode_agree() {
         let r = reference("qwen3moe-gguf", "reference.json");
         let n = r.tokens.len();
         let mut m = load(CpuBackend::new(), path.clone());
-        let whole = m.decoder.forward(&r.tokens, 0, Logits::Last).unwrap();
+        let mut kv = m.decoder.alloc_kv_tokens(64);
+        let whole = m.decoder.forward(&mut kv, &r.tokens, 0, Logits::Last).unwrap();
         let mut m = load(CpuBackend::new(), path.clone());
-        m.decoder.forward(&r.tokens[..5], 0, Logits::Last).unwrap();
+        let mut kv = m.decoder.alloc_kv_tokens(64);
+        m.decoder.forward(&mut kv, &r.tokens[..5], 0, Logits::Last).unwrap();
         m.decoder
-            .forward(&r.tokens[5..11], 5, Logits::Last)
+            .forward(&mut kv, &r.tokens[5..11], 5, Logits::Last)
             .unwrap();
         let chunked = m
             .decoder
-            .forward(&r.tokens[11..], 11, Logits::Last)
+            .forward(&mut kv, &r.tokens[11..], 11, Logits::Last)
             .unwrap();
         let mut m = load(CpuBackend::new(), path);
+        let mut kv = m.decoder.alloc_kv_tokens(64);
         let mut decoded = Vec::new();
         for (i, &t) in r.tokens.iter().enumerate() {
-            decoded = m.decoder.forward(&[t], i, Logits::Last).unwrap();
+            decoded = m.decoder.forward(&mut kv, &[t], i, Logits::Last).unwrap();
         }
         let stats = m.decoder.expert_stats().unwrap();
         let routed: u64 = stats.iter().flatten().sum();

@@ -4,6 +4,7 @@
 //! Reduction order never depends on how many rows or tokens a call carries (each output is
 //! one dot product computed the same way), which keeps results batch-invariant.
 
+pub mod kv;
 pub mod pool;
 pub mod quant;
 pub mod simd;
@@ -14,35 +15,13 @@ use ferrum_core::{DType, Error, Result};
 use ferrum_loader::RawTensor;
 use std::sync::Arc;
 
+pub use kv::{CpuKv, KvDtype};
 use pool::ThreadPool;
 
 use crate::{
-    moe_ffn_default, AttentionParams, Backend, ExpertBatch, ExpertWeights, MoeScratch, RopeLayout,
+    moe_ffn_default, AttentionParams, KvTable, Backend, ExpertBatch, ExpertWeights, MoeScratch, RopeLayout,
     RopeParams, Rows,
 };
-
-/// Element format of the CPU backend's KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KvDtype {
-    F32,
-    /// Half the memory and bandwidth; keys and values round to 11 significant bits.
-    F16,
-}
-
-/// A KV cache in its element format.
-pub enum CpuKv {
-    F32(Vec<f32>),
-    F16(Vec<half::f16>),
-}
-
-impl CpuKv {
-    fn len(&self) -> usize {
-        match self {
-            CpuKv::F32(v) => v.len(),
-            CpuKv::F16(v) => v.len(),
-        }
-    }
-}
 
 pub struct CpuBackend {
     threads: usize,
@@ -239,38 +218,27 @@ impl Backend for CpuBackend {
             "cpu ({} threads, {}, {} KV{})",
             self.threads,
             simd::simd_name(),
-            match self.kv {
-                KvDtype::F32 => "f32",
-                KvDtype::F16 => "f16",
-            },
+            self.kv.name(),
             if self.exact { ", exact" } else { "" }
         )
     }
 
-    fn alloc_kv(&self, len: usize) -> CpuKv {
-        match self.kv {
-            KvDtype::F32 => CpuKv::F32(vec![0.0; len]),
-            KvDtype::F16 => CpuKv::F16(vec![half::f16::ZERO; len]),
-        }
+    fn alloc_kv(&self, rows: usize, width: usize) -> CpuKv {
+        CpuKv::new(self.kv, rows, width)
     }
 
-    fn write_kv(&self, src: &Vec<f32>, sv: Rows, dst: &mut CpuKv, dv: Rows) {
-        assert_eq!(sv.count, dv.count);
-        assert_eq!(sv.width(), dv.width());
+    fn kv_row_bytes(&self, width: usize) -> usize {
+        self.kv.row_bytes(width)
+    }
+
+    fn write_kv(&self, src: &Vec<f32>, sv: Rows, dst: &mut CpuKv, table: KvTable, first_pos: usize) {
         check_view("kv src", sv, src.len());
-        check_view("kv dst", dv, dst.len());
         let w = sv.width();
         for t in 0..sv.count {
-            let s = &src[sv.offset + t * sv.stride..][..w];
-            let d = dv.offset + t * dv.stride;
-            match dst {
-                CpuKv::F32(v) => v[d..d + w].copy_from_slice(s),
-                CpuKv::F16(v) => {
-                    for (o, &x) in v[d..d + w].iter_mut().zip(s) {
-                        *o = half::f16::from_f32(x);
-                    }
-                }
-            }
+            let row = table
+                .slot(first_pos + t)
+                .unwrap_or_else(|| panic!("write_kv: position {} past the block table", first_pos + t));
+            dst.write_row(row, &src[sv.offset + t * sv.stride..][..w]);
         }
     }
 
@@ -489,50 +457,18 @@ impl Backend for CpuBackend {
         qv: Rows,
         k_cache: &CpuKv,
         v_cache: &CpuKv,
-        kv_stride: usize,
+        table: KvTable,
         out: &mut Vec<f32>,
         ov: Rows,
         p: AttentionParams,
     ) {
-        let hd = qv.head_dim;
         assert_eq!(ov.heads, qv.heads);
-        assert_eq!(ov.head_dim, hd);
+        assert_eq!(ov.head_dim, qv.head_dim);
         assert_eq!(ov.count, qv.count);
         assert!(p.n_kv_heads > 0 && qv.heads.is_multiple_of(p.n_kv_heads));
         check_view("attention q", qv, q.len());
         check_view("attention out", ov, out.len());
-        let kv_len = p.first_pos + qv.count;
-        assert!(kv_len * kv_stride <= k_cache.len() && kv_len * kv_stride <= v_cache.len());
-        assert!(p.n_kv_heads * hd <= kv_stride);
-        match (k_cache, v_cache) {
-            (CpuKv::F32(k), CpuKv::F32(v)) => attend(
-                &self.pool,
-                q,
-                qv,
-                k,
-                v,
-                kv_stride,
-                out,
-                ov,
-                p,
-                simd::dot_fn(),
-                simd::axpy_fn(),
-            ),
-            (CpuKv::F16(k), CpuKv::F16(v)) => attend(
-                &self.pool,
-                q,
-                qv,
-                k,
-                v,
-                kv_stride,
-                out,
-                ov,
-                p,
-                simd::dot_f16_fn(),
-                simd::axpy_f16_fn(),
-            ),
-            _ => panic!("attention: keys and values in different formats"),
-        }
+        kv::attention(&self.pool, q, qv, k_cache, v_cache, table, out, ov, p);
     }
 
     fn silu_mul(&self, x: &Vec<f32>, xv: Rows, out: &mut Vec<f32>, ov: Rows) {
@@ -729,74 +665,6 @@ impl Backend for CpuBackend {
             }
         }
     }
-}
-
-/// Causal GQA attention over a cache whose rows are of element type `T`, with the matching
-/// dot and axpy kernels.
-#[allow(clippy::too_many_arguments)]
-fn attend<T: Sync>(
-    pool: &ThreadPool,
-    q: &[f32],
-    qv: Rows,
-    k_cache: &[T],
-    v_cache: &[T],
-    kv_stride: usize,
-    out: &mut [f32],
-    ov: Rows,
-    p: AttentionParams,
-    dot: fn(&[f32], &[T]) -> f32,
-    axpy: fn(f32, &[T], &mut [f32]),
-) {
-    let hd = qv.head_dim;
-    let group = qv.heads / p.n_kv_heads;
-    let dst = SharedMut(out.as_mut_ptr());
-    // A job is one head over a block of query rows: enough work to amortise the hand-off
-    // in prefill, while decode (one row) still spreads its heads over the threads.
-    const ROWS: usize = 8;
-    let blocks = qv.count.div_ceil(ROWS);
-    pool.run(blocks * qv.heads, &|job| {
-        let (blk, h) = (job / qv.heads, job % qv.heads);
-        let kvh = h / group;
-        SCRATCH2.with(|s| {
-            SCRATCH.with(|acc| {
-                let (mut scores, mut acc) = (s.borrow_mut(), acc.borrow_mut());
-                for t in blk * ROWS..((blk + 1) * ROWS).min(qv.count) {
-                    let pos = p.first_pos + t;
-                    let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                    let qo = qv.offset + t * qv.stride + h * hd;
-                    let qh = &q[qo..qo + hd];
-                    scores.clear();
-                    let mut max = f32::NEG_INFINITY;
-                    for j in lo..=pos {
-                        let ko = j * kv_stride + kvh * hd;
-                        let mut sc = dot(qh, &k_cache[ko..ko + hd]) * p.scale;
-                        if let Some(cap) = p.softcap {
-                            sc = cap * (sc / cap).tanh();
-                        }
-                        max = max.max(sc);
-                        scores.push(sc);
-                    }
-                    let mut sum = 0f32;
-                    for s in scores.iter_mut() {
-                        *s = (*s - max).exp();
-                        sum += *s;
-                    }
-                    let inv = 1.0 / sum;
-                    acc.clear();
-                    acc.resize(hd, 0.0);
-                    for (j, &s) in (lo..=pos).zip(scores.iter()) {
-                        let vo = j * kv_stride + kvh * hd;
-                        axpy(s * inv, &v_cache[vo..vo + hd], &mut acc);
-                    }
-                    let oo = ov.offset + t * ov.stride + h * hd;
-                    for (i, &a) in acc.iter().enumerate() {
-                        // SAFETY: in bounds (check_view); (t, h) belongs to this job alone.
-                        unsafe { dst.write(oo + i, a) };
-                    }
-                }
-            });
-        });
-    });
 }
 
 thread_local! {

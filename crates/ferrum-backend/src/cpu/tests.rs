@@ -88,67 +88,81 @@ fn matmul_matches_naive_for_f32_and_q8_0() {
     }
 }
 
+/// Attention through a shuffled block table, in every KV format, against a naive f64
+/// computation on contiguous keys and values; queries split at `first_pos` see the same.
 #[test]
-fn attention_matches_naive_causal_gqa_with_window() {
-    let be = CpuBackend::new();
+fn paged_attention_matches_naive_causal_gqa_with_window() {
     let mut r = rng();
-    let (heads, kvh, hd, n) = (4, 2, 8, 6);
-    let kv_stride = kvh * hd;
+    let (heads, kvh, hd, n, bs) = (4, 2, 32, 19, 4);
+    let kvd = kvh * hd;
     let q = rand_vec(&mut r, n * heads * hd);
-    let kc = rand_vec(&mut r, n * kv_stride);
-    let vc = rand_vec(&mut r, n * kv_stride);
-    let (kb, vb) = (CpuKv::F32(kc.clone()), CpuKv::F32(vc.clone()));
-    for window in [None, Some(3)] {
-        let mut out = vec![0.0; n * heads * hd];
-        let qv = Rows::dense(n, heads * hd).split_heads(hd);
-        let p = AttentionParams {
-            first_pos: 0,
-            n_kv_heads: kvh,
-            scale: 0.3,
-            window,
-            softcap: None,
-        };
-        be.attention(&q, qv, &kb, &vb, kv_stride, &mut out, qv, p);
-        // The f16 cache: same result within f16 rounding of keys and values.
-        let (kh, vh) = (be.alloc_kv(kc.len()), be.alloc_kv(vc.len()));
-        let (mut kh, mut vh) = (kh, vh);
-        let rows = Rows::dense(n, kv_stride);
-        CpuBackend::new().write_kv(&kc, rows, &mut kh, rows);
-        CpuBackend::new().write_kv(&vc, rows, &mut vh, rows);
-        assert!(
-            matches!(kh, CpuKv::F16(_)),
-            "the fast backend keeps an f16 cache"
-        );
-        let mut out16 = vec![0.0; n * heads * hd];
-        be.attention(&q, qv, &kh, &vh, kv_stride, &mut out16, qv, p);
-        for (a, b) in out.iter().zip(&out16) {
-            assert!((a - b).abs() < 2e-3, "f16 cache {b} vs f32 {a}");
-        }
-        for t in 0..n {
-            for h in 0..heads {
-                let g = h / (heads / kvh);
-                let lo = window.map_or(0, |w| (t + 1).saturating_sub(w));
-                let s: Vec<f64> = (lo..=t)
-                    .map(|j| {
-                        (0..hd)
-                            .map(|d| {
-                                q[t * heads * hd + h * hd + d] as f64
-                                    * kc[j * kv_stride + g * hd + d] as f64
-                            })
-                            .sum::<f64>()
-                            * 0.3
-                    })
-                    .collect();
-                let mx = s.iter().cloned().fold(f64::MIN, f64::max);
-                let e: Vec<f64> = s.iter().map(|v| (v - mx).exp()).collect();
-                let z: f64 = e.iter().sum();
-                for d in 0..hd {
-                    let want: f64 = (lo..=t)
-                        .zip(&e)
-                        .map(|(j, w)| w / z * vc[j * kv_stride + g * hd + d] as f64)
-                        .sum();
-                    let got = out[t * heads * hd + h * hd + d] as f64;
-                    assert!((got - want).abs() < 1e-5, "t{t} h{h} d{d} {window:?}");
+    let kc = rand_vec(&mut r, n * kvd);
+    let vc = rand_vec(&mut r, n * kvd);
+    // Eight blocks of cache, the sequence's five in a scrambled order.
+    let blocks = [6u32, 1, 7, 3, 0];
+    let table = KvTable {
+        blocks: &blocks,
+        block_size: bs,
+    };
+    let qv = Rows::dense(n, heads * hd).split_heads(hd);
+    for (kv, tol) in [
+        (KvDtype::F32, 1e-5),
+        (KvDtype::F16, 2e-3),
+        (KvDtype::Q8_0, 3e-2),
+    ] {
+        let be = CpuBackend::new().with_kv(kv);
+        let (mut kb, mut vb) = (be.alloc_kv(8 * bs, kvd), be.alloc_kv(8 * bs, kvd));
+        assert_eq!(kb.dtype(), kv);
+        // Written in two pieces, as a chunked prefill would.
+        let rows = Rows::dense(n, kvd);
+        be.write_kv(&kc, rows.slice(0, 7), &mut kb, table, 0);
+        be.write_kv(&kc, rows.slice(7, n - 7), &mut kb, table, 7);
+        be.write_kv(&vc, rows, &mut vb, table, 0);
+        for window in [None, Some(3)] {
+            let p = AttentionParams {
+                first_pos: 0,
+                n_kv_heads: kvh,
+                scale: 0.3,
+                window,
+                softcap: None,
+            };
+            let mut out = vec![0.0; n * heads * hd];
+            be.attention(&q, qv, &kb, &vb, table, &mut out, qv, p);
+            // The last rows alone, starting at position 12, give the same rows.
+            let mut tail = vec![0.0; n * heads * hd];
+            let tv = qv.slice(12, n - 12);
+            let p12 = AttentionParams { first_pos: 12, ..p };
+            be.attention(&q, tv, &kb, &vb, table, &mut tail, tv, p12);
+            assert_eq!(&tail[12 * heads * hd..], &out[12 * heads * hd..]);
+            for t in 0..n {
+                for h in 0..heads {
+                    let g = h / (heads / kvh);
+                    let lo = window.map_or(0, |w| (t + 1).saturating_sub(w));
+                    let s: Vec<f64> = (lo..=t)
+                        .map(|j| {
+                            (0..hd)
+                                .map(|d| {
+                                    q[t * heads * hd + h * hd + d] as f64
+                                        * kc[j * kvd + g * hd + d] as f64
+                                })
+                                .sum::<f64>()
+                                * 0.3
+                        })
+                        .collect();
+                    let mx = s.iter().cloned().fold(f64::MIN, f64::max);
+                    let e: Vec<f64> = s.iter().map(|v| (v - mx).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for d in 0..hd {
+                        let want: f64 = (lo..=t)
+                            .zip(&e)
+                            .map(|(j, w)| w / z * vc[j * kvd + g * hd + d] as f64)
+                            .sum();
+                        let got = out[t * heads * hd + h * hd + d] as f64;
+                        assert!(
+                            (got - want).abs() < tol,
+                            "{kv:?} t{t} h{h} d{d} {window:?}: {got} vs {want}"
+                        );
+                    }
                 }
             }
         }

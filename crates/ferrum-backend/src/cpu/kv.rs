@@ -1,0 +1,316 @@
+//! The CPU KV cache: rows of keys or values in f32, f16 or Q8_0, and causal attention over
+//! them through a sequence's block table.
+
+use half::f16;
+
+use super::pool::ThreadPool;
+use super::quant::q8_0::{BlockQ8_0, QK};
+use super::{simd, SharedMut, SCRATCH, SCRATCH2};
+use crate::{AttentionParams, KvTable, Rows};
+
+/// Element format of the CPU backend's KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvDtype {
+    F32,
+    /// Half the memory and bandwidth; keys and values round to 11 significant bits.
+    F16,
+    /// About a quarter of f32: 32 values share one f16 scale. Needs a head size that is a
+    /// multiple of 32.
+    Q8_0,
+}
+
+impl KvDtype {
+    pub fn parse(s: &str) -> Option<KvDtype> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Some(KvDtype::F32),
+            "f16" => Some(KvDtype::F16),
+            "q8_0" => Some(KvDtype::Q8_0),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+            KvDtype::Q8_0 => "q8_0",
+        }
+    }
+
+    /// Bytes one row of `width` values takes.
+    pub fn row_bytes(self, width: usize) -> usize {
+        match self {
+            KvDtype::F32 => 4 * width,
+            KvDtype::F16 => 2 * width,
+            KvDtype::Q8_0 => width.div_ceil(QK) * std::mem::size_of::<BlockQ8_0>(),
+        }
+    }
+}
+
+/// `rows` rows of `width` keys or values.
+pub struct CpuKv {
+    width: usize,
+    rows: usize,
+    data: KvData,
+}
+
+enum KvData {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    Q8(Vec<BlockQ8_0>),
+}
+
+impl CpuKv {
+    pub(super) fn new(dtype: KvDtype, rows: usize, width: usize) -> CpuKv {
+        let data = match dtype {
+            KvDtype::F32 => KvData::F32(vec![0.0; rows * width]),
+            KvDtype::F16 => KvData::F16(vec![f16::ZERO; rows * width]),
+            KvDtype::Q8_0 => {
+                assert!(
+                    width.is_multiple_of(QK),
+                    "a q8_0 KV cache needs rows of whole 32-value blocks"
+                );
+                let zero = BlockQ8_0 {
+                    d: f16::ZERO,
+                    qs: [0; QK],
+                };
+                KvData::Q8(vec![zero; rows * width / QK])
+            }
+        };
+        CpuKv { width, rows, data }
+    }
+
+    pub fn dtype(&self) -> KvDtype {
+        match self.data {
+            KvData::F32(_) => KvDtype::F32,
+            KvData::F16(_) => KvDtype::F16,
+            KvData::Q8(_) => KvDtype::Q8_0,
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Stores `src` (one row) at cache row `row`.
+    pub(super) fn write_row(&mut self, row: usize, src: &[f32]) {
+        assert!(row < self.rows, "KV row {row} of {}", self.rows);
+        assert_eq!(src.len(), self.width);
+        let w = self.width;
+        match &mut self.data {
+            KvData::F32(v) => v[row * w..(row + 1) * w].copy_from_slice(src),
+            KvData::F16(v) => {
+                for (o, &x) in v[row * w..(row + 1) * w].iter_mut().zip(src) {
+                    *o = f16::from_f32(x);
+                }
+            }
+            KvData::Q8(v) => {
+                let per = w / QK;
+                for (b, x) in v[row * per..(row + 1) * per]
+                    .iter_mut()
+                    .zip(src.chunks_exact(QK))
+                {
+                    *b = quantize_q8_0(x);
+                }
+            }
+        }
+    }
+}
+
+/// llama.cpp's reference Q8_0 rounding: scale = max|x| / 127, round to nearest.
+fn quantize_q8_0(x: &[f32]) -> BlockQ8_0 {
+    let amax = x.iter().fold(0f32, |m, &v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let mut qs = [0i8; QK];
+    for (q, &v) in qs.iter_mut().zip(x) {
+        *q = (v * id).round() as i8;
+    }
+    BlockQ8_0 {
+        d: f16::from_f32(d),
+        qs,
+    }
+}
+
+fn dot_q8_0(q: &[f32], k: &[BlockQ8_0]) -> f32 {
+    let mut sum = 0f32;
+    for (b, x) in k.iter().zip(q.chunks_exact(QK)) {
+        let s: f32 = b.qs.iter().zip(x).map(|(&c, &v)| c as f32 * v).sum();
+        sum += s * b.d.to_f32();
+    }
+    sum
+}
+
+fn axpy_q8_0(a: f32, v: &[BlockQ8_0], y: &mut [f32]) {
+    for (b, out) in v.iter().zip(y.chunks_exact_mut(QK)) {
+        let s = a * b.d.to_f32();
+        for (o, &c) in out.iter_mut().zip(&b.qs) {
+            *o += s * c as f32;
+        }
+    }
+}
+
+pub(super) fn attention(
+    pool: &ThreadPool,
+    q: &[f32],
+    qv: Rows,
+    k: &CpuKv,
+    v: &CpuKv,
+    table: KvTable,
+    out: &mut [f32],
+    ov: Rows,
+    p: AttentionParams,
+) {
+    let hd = qv.head_dim;
+    assert!(p.n_kv_heads * hd <= k.width && k.width == v.width);
+    let kv_len = p.first_pos + qv.count;
+    assert!(kv_len <= table.capacity(), "attention past the block table");
+    let max_row = table.blocks[..kv_len.div_ceil(table.block_size)]
+        .iter()
+        .map(|&b| (b as usize + 1) * table.block_size)
+        .max()
+        .unwrap_or(0);
+    assert!(max_row <= k.rows && max_row <= v.rows, "block table past the cache");
+    let w = k.width;
+    match (&k.data, &v.data) {
+        (KvData::F32(kd), KvData::F32(vd)) => attend(
+            pool,
+            q,
+            qv,
+            kd,
+            vd,
+            Layout { width: w, per: 1 },
+            table,
+            out,
+            ov,
+            p,
+            simd::dot_fn(),
+            simd::axpy_fn(),
+        ),
+        (KvData::F16(kd), KvData::F16(vd)) => attend(
+            pool,
+            q,
+            qv,
+            kd,
+            vd,
+            Layout { width: w, per: 1 },
+            table,
+            out,
+            ov,
+            p,
+            simd::dot_f16_fn(),
+            simd::axpy_f16_fn(),
+        ),
+        (KvData::Q8(kd), KvData::Q8(vd)) => {
+            assert!(hd.is_multiple_of(QK), "q8_0 KV needs a head size divisible by 32");
+            attend(
+                pool,
+                q,
+                qv,
+                kd,
+                vd,
+                Layout { width: w, per: QK },
+                table,
+                out,
+                ov,
+                p,
+                dot_q8_0,
+                axpy_q8_0,
+            )
+        }
+        _ => panic!("attention: keys and values in different formats"),
+    }
+}
+
+/// Row width in values, and how many values one storage element holds.
+#[derive(Clone, Copy)]
+struct Layout {
+    width: usize,
+    per: usize,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attend<T: Sync>(
+    pool: &ThreadPool,
+    q: &[f32],
+    qv: Rows,
+    k_cache: &[T],
+    v_cache: &[T],
+    lay: Layout,
+    table: KvTable,
+    out: &mut [f32],
+    ov: Rows,
+    p: AttentionParams,
+    dot: fn(&[f32], &[T]) -> f32,
+    axpy: fn(f32, &[T], &mut [f32]),
+) {
+    let hd = qv.head_dim;
+    let group = qv.heads / p.n_kv_heads;
+    let dst = SharedMut(out.as_mut_ptr());
+    let (row_units, head_units) = (lay.width / lay.per, hd / lay.per);
+    // A job is one head over a block of query rows: enough work to amortise the hand-off
+    // in prefill, while decode (one row) still spreads its heads over the threads.
+    const ROWS: usize = 8;
+    let blocks = qv.count.div_ceil(ROWS);
+    pool.run(blocks * qv.heads, &|job| {
+        let (blk, h) = (job / qv.heads, job % qv.heads);
+        let kvh = h / group;
+        SCRATCH2.with(|s| {
+            SCRATCH.with(|acc| {
+                let (mut scores, mut acc) = (s.borrow_mut(), acc.borrow_mut());
+                for t in blk * ROWS..((blk + 1) * ROWS).min(qv.count) {
+                    let pos = p.first_pos + t;
+                    let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    let qo = qv.offset + t * qv.stride + h * hd;
+                    let qh = &q[qo..qo + hd];
+                    scores.clear();
+                    let mut max = f32::NEG_INFINITY;
+                    walk(table, lo, pos, row_units, kvh * head_units, |ko| {
+                        let mut sc = dot(qh, &k_cache[ko..ko + head_units]) * p.scale;
+                        if let Some(cap) = p.softcap {
+                            sc = cap * (sc / cap).tanh();
+                        }
+                        max = max.max(sc);
+                        scores.push(sc);
+                    });
+                    let mut sum = 0f32;
+                    for s in scores.iter_mut() {
+                        *s = (*s - max).exp();
+                        sum += *s;
+                    }
+                    let inv = 1.0 / sum;
+                    acc.clear();
+                    acc.resize(hd, 0.0);
+                    let mut i = 0;
+                    walk(table, lo, pos, row_units, kvh * head_units, |vo| {
+                        axpy(scores[i] * inv, &v_cache[vo..vo + head_units], &mut acc);
+                        i += 1;
+                    });
+                    let oo = ov.offset + t * ov.stride + h * hd;
+                    for (i, &a) in acc.iter().enumerate() {
+                        // SAFETY: in bounds (checked by the caller); (t, h) belongs to this
+                        // job alone.
+                        unsafe { dst.write(oo + i, a) };
+                    }
+                }
+            });
+        });
+    });
+}
+
+/// Calls `f` with the storage offset of column `col` in the cache row of each position
+/// `lo..=pos`, in order. The table is looked up once per block, not once per key.
+#[inline]
+fn walk(table: KvTable, lo: usize, pos: usize, row_units: usize, col: usize, mut f: impl FnMut(usize)) {
+    let bs = table.block_size;
+    let mut j = lo;
+    while j <= pos {
+        let in_blk = j % bs;
+        let run = (bs - in_blk).min(pos + 1 - j);
+        let first = table.blocks[j / bs] as usize * bs + in_blk;
+        for r in 0..run {
+            f((first + r) * row_units + col);
+        }
+        j += run;
+    }
+}

@@ -1,0 +1,260 @@
+//! The one owner of KV memory: a pool of fixed-size blocks with reference counts, and the
+//! prefix cache over them.
+//!
+//! A block is either referenced (by one or more sequences' block tables), free, or cached:
+//! unreferenced but still holding the keys and values of a full block of tokens, findable by
+//! the hash chained over (parent block's hash, this block's tokens). A new sequence takes the
+//! longest run of cached blocks that matches its prompt and computes only the rest. Cached
+//! blocks are reclaimed least-recently-released first when the free list runs dry.
+//!
+//! The pool holds only accounts; the memory itself is the model's [`ferrum_models::KvCache`],
+//! indexed by the block ids handed out here.
+
+use std::collections::{BTreeSet, HashMap};
+use std::hash::{Hash, Hasher};
+
+/// Prefix-cache counters, since the pool was made.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    /// Full prompt blocks looked up.
+    pub queries: u64,
+    /// Of which found in the cache.
+    pub hits: u64,
+    /// Prompt tokens not computed thanks to hits.
+    pub tokens_saved: u64,
+    /// Cached blocks reclaimed for new data.
+    pub evictions: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Block {
+    refs: u32,
+    /// Set while the block is findable in the prefix cache.
+    key: Option<BlockKey>,
+}
+
+/// What a cached block holds: checked on every hit, so a hash collision is a miss, never
+/// wrong keys and values.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct BlockKey {
+    hash: u64,
+    parent: u64,
+    tokens: Vec<u32>,
+}
+
+pub struct BlockPool {
+    block_size: usize,
+    blocks: Vec<Block>,
+    /// Unreferenced blocks holding nothing worth keeping.
+    free: Vec<u32>,
+    /// Unreferenced cached blocks, oldest release first.
+    evictable: BTreeSet<(u64, u32)>,
+    /// Release tick of each evictable block (its key in `evictable`).
+    released_at: Vec<u64>,
+    cached: HashMap<u64, u32>,
+    tick: u64,
+    prefix_caching: bool,
+    stats: PrefixStats,
+}
+
+/// The hash of the block after `parent` holding `tokens`. The first block's parent is 0.
+pub fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
+    // SipHash with fixed keys: the same on every run, so the chain is reproducible.
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    parent.hash(&mut h);
+    tokens.hash(&mut h);
+    h.finish()
+}
+
+impl BlockPool {
+    pub fn new(n_blocks: usize, block_size: usize, prefix_caching: bool) -> BlockPool {
+        BlockPool {
+            block_size,
+            blocks: vec![Block::default(); n_blocks],
+            // Popped from the end: hand out low ids first.
+            free: (0..n_blocks as u32).rev().collect(),
+            evictable: BTreeSet::new(),
+            released_at: vec![0; n_blocks],
+            cached: HashMap::new(),
+            tick: 0,
+            prefix_caching,
+            stats: PrefixStats::default(),
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn n_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Blocks that can be handed out now (free, or cached and unreferenced).
+    pub fn available(&self) -> usize {
+        self.free.len() + self.evictable.len()
+    }
+
+    /// Blocks referenced by some sequence.
+    pub fn in_use(&self) -> usize {
+        self.n_blocks() - self.available()
+    }
+
+    pub fn stats(&self) -> PrefixStats {
+        self.stats
+    }
+
+    pub fn prefix_caching(&self) -> bool {
+        self.prefix_caching
+    }
+
+    /// A block for one owner; `None` when every block is referenced.
+    pub fn allocate(&mut self) -> Option<u32> {
+        let id = match self.free.pop() {
+            Some(id) => id,
+            None => {
+                let &(t, id) = self.evictable.iter().next()?;
+                self.evictable.remove(&(t, id));
+                if let Some(key) = self.blocks[id as usize].key.take() {
+                    self.cached.remove(&key.hash);
+                }
+                self.stats.evictions += 1;
+                id
+            }
+        };
+        let b = &mut self.blocks[id as usize];
+        debug_assert_eq!(b.refs, 0);
+        b.refs = 1;
+        Some(id)
+    }
+
+    /// Drops one reference; an unreferenced block stays findable if it is cached.
+    pub fn release(&mut self, id: u32) {
+        let b = &mut self.blocks[id as usize];
+        assert!(b.refs > 0, "block {id} released more often than taken");
+        b.refs -= 1;
+        if b.refs == 0 {
+            if b.key.is_some() {
+                self.tick += 1;
+                self.released_at[id as usize] = self.tick;
+                self.evictable.insert((self.tick, id));
+            } else {
+                self.free.push(id);
+            }
+        }
+    }
+
+    /// Makes a full block findable: `tokens` are its contents, `parent` the hash of the block
+    /// before it (0 for the first). Returns this block's hash, the parent of the next.
+    pub fn register(&mut self, id: u32, parent: u64, tokens: &[u32]) -> u64 {
+        let hash = chain_hash(parent, tokens);
+        if !self.prefix_caching || self.blocks[id as usize].key.is_some() {
+            return hash;
+        }
+        // A second copy of the same contents stays private; the first one is found.
+        if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
+            e.insert(id);
+            self.blocks[id as usize].key = Some(BlockKey {
+                hash,
+                parent,
+                tokens: tokens.to_vec(),
+            });
+        }
+        hash
+    }
+
+    /// Takes a reference on each cached block that continues `tokens`' chain, at most
+    /// `max_blocks` of them. Returns the blocks and the chain hashes of each.
+    pub fn lookup(&mut self, tokens: &[u32], max_blocks: usize) -> (Vec<u32>, Vec<u64>) {
+        let (mut blocks, mut hashes) = (Vec::new(), Vec::new());
+        if !self.prefix_caching {
+            return (blocks, hashes);
+        }
+        let mut parent = 0;
+        for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
+            self.stats.queries += 1;
+            let hash = chain_hash(parent, chunk);
+            let Some(&id) = self.cached.get(&hash) else {
+                break;
+            };
+            let b = &mut self.blocks[id as usize];
+            match &b.key {
+                Some(k) if k.parent == parent && k.tokens == chunk => {}
+                _ => break,
+            }
+            if b.refs == 0 {
+                self.evictable.remove(&(self.released_at[id as usize], id));
+            }
+            b.refs += 1;
+            self.stats.hits += 1;
+            self.stats.tokens_saved += self.block_size as u64;
+            blocks.push(id);
+            hashes.push(hash);
+            parent = hash;
+        }
+        // Queries past the first miss were not made.
+        (blocks, hashes)
+    }
+
+    /// Every block back unreferenced (a test's leak check).
+    pub fn all_released(&self) -> bool {
+        self.blocks.iter().all(|b| b.refs == 0) && self.available() == self.n_blocks()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocate_release_and_exhaustion() {
+        let mut p = BlockPool::new(3, 4, true);
+        let a: Vec<u32> = (0..3).map(|_| p.allocate().unwrap()).collect();
+        assert_eq!(a, [0, 1, 2]);
+        assert_eq!(p.allocate(), None);
+        p.release(1);
+        assert_eq!(p.available(), 1);
+        assert_eq!(p.allocate(), Some(1));
+        for id in a {
+            p.release(id);
+        }
+        assert!(p.all_released());
+    }
+
+    #[test]
+    fn cached_prefix_is_found_shared_and_evicted_lru() {
+        let mut p = BlockPool::new(4, 2, true);
+        let toks = [1, 2, 3, 4, 5];
+        let (b0, b1) = (p.allocate().unwrap(), p.allocate().unwrap());
+        let h0 = p.register(b0, 0, &toks[..2]);
+        p.register(b1, h0, &toks[2..4]);
+        // Still referenced by the writer: a second sequence shares them.
+        let (found, _) = p.lookup(&toks, 2);
+        assert_eq!(found, [b0, b1]);
+        // A different second block: only the first matches.
+        let (found2, _) = p.lookup(&[1, 2, 9, 9], 2);
+        assert_eq!(found2, [b0]);
+        for id in [b0, b1, b0, b1, b0] {
+            p.release(id);
+        }
+        assert!(p.all_released());
+        let s = p.stats();
+        assert_eq!((s.queries, s.hits, s.tokens_saved), (4, 3, 6));
+        // Two free blocks go first, then the cached ones, oldest release (b1) first.
+        let got: Vec<u32> = (0..3).map(|_| p.allocate().unwrap()).collect();
+        assert_eq!(&got[2..], &[b1]);
+        assert_eq!(p.stats().evictions, 1);
+        let (found, _) = p.lookup(&toks, 2);
+        assert_eq!(found, [b0], "b0 is still cached, b1's contents are gone");
+    }
+
+    #[test]
+    fn disabled_cache_finds_nothing() {
+        let mut p = BlockPool::new(2, 2, false);
+        let b = p.allocate().unwrap();
+        p.register(b, 0, &[1, 2]);
+        p.release(b);
+        assert_eq!(p.lookup(&[1, 2, 3], 1).0, Vec::<u32>::new());
+        assert!(p.all_released());
+    }
+}

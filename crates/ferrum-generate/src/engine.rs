@@ -1,0 +1,561 @@
+//! The engine: many requests on one model. Each [`Engine::step`] schedules a batch (decode
+//! tokens of running sequences first, then prefill chunks of new ones, within a token
+//! budget), runs it as one forward pass, samples where a sequence's input is used up, and
+//! returns what happened as [`Output`]s.
+//!
+//! KV memory belongs to the [`BlockPool`]; a sequence holds a block table and nothing else.
+//! When a running sequence needs a block and none is left, the newest running sequence is
+//! preempted: its blocks go back (cached blocks stay findable) and it waits to be recomputed
+//! from its tokens, which it keeps. A prompt that could never fit is refused when it arrives.
+
+use std::collections::VecDeque;
+
+use ferrum_backend::Backend;
+use ferrum_core::{Error, Result};
+use ferrum_models::{Logits, Model, SeqChunk, KvCache};
+use ferrum_tokenizer::Tokenizer;
+
+use crate::block_pool::{BlockPool, PrefixStats};
+use crate::detok::Detokenizer;
+use crate::sampler::{Sampler, SamplingExtras, SamplingParams};
+use crate::stop::StopMatcher;
+use crate::FinishReason;
+
+/// How the engine sizes and schedules.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Positions per KV block.
+    pub block_size: usize,
+    /// KV capacity in blocks.
+    pub kv_blocks: usize,
+    /// Tokens one step may carry (decode tokens plus prefill chunks); at most
+    /// [`ferrum_models::decoder::CHUNK`].
+    pub max_batch_tokens: usize,
+    /// Sequences running at once.
+    pub max_running: usize,
+    pub prefix_caching: bool,
+}
+
+impl EngineConfig {
+    /// A pool of `kv_tokens` positions in blocks of 16, prefix caching on.
+    pub fn with_kv_tokens(kv_tokens: usize) -> EngineConfig {
+        EngineConfig {
+            block_size: 16,
+            kv_blocks: kv_tokens.div_ceil(16).max(1),
+            max_batch_tokens: ferrum_models::decoder::CHUNK,
+            max_running: 64,
+            prefix_caching: true,
+        }
+    }
+}
+
+/// A validated generation request.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub params: SamplingParams,
+    pub extras: SamplingExtras,
+    /// Generation ends before any of these strings, which are not emitted.
+    pub stop: Vec<String>,
+    /// Tokens that end generation like end-of-sequence (not emitted).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past end-of-sequence tokens (benchmarks).
+    pub ignore_eos: bool,
+    /// Report log-probabilities: `Some(n)` gives the chosen token's and the top `n`.
+    pub logprobs: Option<usize>,
+}
+
+impl Request {
+    pub fn new(prompt: Vec<u32>, max_tokens: usize) -> Request {
+        Request {
+            prompt,
+            max_tokens,
+            params: SamplingParams::greedy(),
+            extras: SamplingExtras::default(),
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+}
+
+pub type RequestId = u64;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub logprob: f32,
+    /// The most likely tokens with theirs, highest first.
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens whose keys and values came from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum OutputKind {
+    /// A generated token and the text it completes (possibly empty: text is held back until
+    /// a character, grapheme or possible stop string is complete).
+    Token {
+        token: u32,
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    /// The last event of a request; `text` is any held-back text released at the end.
+    Finished {
+        reason: FinishReason,
+        text: String,
+        usage: Usage,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Output {
+    pub id: RequestId,
+    pub kind: OutputKind,
+}
+
+/// What the engine is doing, for `/metrics` and the benchmark.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EngineStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_blocks: usize,
+    pub kv_blocks_used: usize,
+    pub prefix: PrefixStats,
+    pub preemptions: u64,
+    pub steps: u64,
+    pub prompt_tokens: u64,
+    pub generated_tokens: u64,
+}
+
+struct Seq {
+    id: RequestId,
+    prompt_len: usize,
+    /// Prompt then generated tokens.
+    tokens: Vec<u32>,
+    /// Leading tokens whose keys and values are in the cache.
+    computed: usize,
+    blocks: Vec<u32>,
+    /// Chain hash of each full block registered so far.
+    hashes: Vec<u64>,
+    cached_tokens: usize,
+    max_tokens: usize,
+    sampler: Sampler,
+    detok: Detokenizer,
+    stops: StopMatcher,
+    stop_ids: Vec<u32>,
+    logprobs: Option<usize>,
+    cancelled: bool,
+}
+
+impl Seq {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+pub struct Engine<B: Backend> {
+    pub model: Model<B>,
+    pub tokenizer: Tokenizer,
+    kv: KvCache<B>,
+    pool: BlockPool,
+    config: EngineConfig,
+    /// Oldest first: the scheduling priority.
+    running: Vec<Seq>,
+    waiting: VecDeque<Seq>,
+    next_id: RequestId,
+    eos: Vec<u32>,
+    stats: EngineStats,
+}
+
+impl<B: Backend> Engine<B> {
+    pub fn new(model: Model<B>, tokenizer: Tokenizer, config: EngineConfig) -> Result<Engine<B>> {
+        if config.block_size == 0 || config.kv_blocks == 0 {
+            return Err(Error::InvalidRequest(
+                "the KV cache needs at least one block of one position".into(),
+            ));
+        }
+        if config.max_batch_tokens == 0 || config.max_batch_tokens > ferrum_models::decoder::CHUNK
+        {
+            return Err(Error::InvalidRequest(format!(
+                "max_batch_tokens must be 1..={}",
+                ferrum_models::decoder::CHUNK
+            )));
+        }
+        let kv = model.decoder.alloc_kv(config.kv_blocks, config.block_size);
+        let pool = BlockPool::new(config.kv_blocks, config.block_size, config.prefix_caching);
+        let eos = tokenizer.eos_ids().to_vec();
+        Ok(Engine {
+            model,
+            tokenizer,
+            kv,
+            pool,
+            config,
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            next_id: 0,
+            eos,
+            stats: EngineStats::default(),
+        })
+    }
+
+    /// Gives back the model and tokenizer (running requests are dropped).
+    pub fn into_parts(self) -> (Model<B>, Tokenizer) {
+        (self.model, self.tokenizer)
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The longest sequence (prompt and output) one request can reach.
+    pub fn max_sequence(&self) -> usize {
+        self.model
+            .decoder
+            .context
+            .min(self.config.kv_blocks * self.config.block_size)
+    }
+
+    /// Bytes of KV memory the pool holds.
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.capacity() * self.model.decoder.kv_bytes_per_token()
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            kv_blocks: self.pool.n_blocks(),
+            kv_blocks_used: self.pool.in_use(),
+            prefix: self.pool.stats(),
+            ..self.stats
+        }
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Every block back in the pool (nothing running or waiting holds one).
+    pub fn kv_all_free(&self) -> bool {
+        self.pool.all_released()
+    }
+
+    /// Queues a request. Refused (with the reason) when it is malformed or could never fit.
+    pub fn add(&mut self, req: Request) -> Result<RequestId> {
+        req.extras.validate()?;
+        if req.prompt.is_empty() {
+            return Err(Error::InvalidRequest("the prompt is empty".into()));
+        }
+        let vocab = self.model.decoder.config.vocab_size;
+        if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary ({vocab} tokens)"
+            )));
+        }
+        let max = self.max_sequence();
+        if req.prompt.len() >= max {
+            return Err(Error::InvalidRequest(format!(
+                "the prompt is {} tokens; at most {} fit (context {}, KV cache {} tokens)",
+                req.prompt.len(),
+                max - 1,
+                self.model.decoder.context,
+                self.config.kv_blocks * self.config.block_size
+            )));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut sampler = Sampler::with_extras(req.params, req.extras);
+        sampler.observe_prompt(&req.prompt);
+        let mut stop_ids = req.stop_token_ids;
+        if !req.ignore_eos {
+            stop_ids.extend_from_slice(&self.eos);
+        }
+        self.stats.prompt_tokens += req.prompt.len() as u64;
+        self.waiting.push_back(Seq {
+            id,
+            prompt_len: req.prompt.len(),
+            tokens: req.prompt,
+            computed: 0,
+            blocks: Vec::new(),
+            hashes: Vec::new(),
+            cached_tokens: 0,
+            max_tokens: req.max_tokens,
+            sampler,
+            detok: Detokenizer::new(),
+            stops: StopMatcher::new(req.stop),
+            stop_ids,
+            logprobs: req.logprobs,
+            cancelled: false,
+        });
+        Ok(id)
+    }
+
+    /// Marks a request cancelled; its blocks are freed at the start of the next step, which
+    /// reports it finished with [`FinishReason::Cancelled`]. Unknown ids are ignored.
+    pub fn cancel(&mut self, id: RequestId) {
+        for s in self.running.iter_mut().chain(self.waiting.iter_mut()) {
+            if s.id == id {
+                s.cancelled = true;
+            }
+        }
+    }
+
+    /// One scheduling step and forward pass. Returns the events of this step.
+    pub fn step(&mut self) -> Result<Vec<Output>> {
+        let mut out = Vec::new();
+        self.reap_cancelled(&mut out);
+        let plan = self.schedule();
+        if plan.is_empty() {
+            return Ok(out);
+        }
+        self.stats.steps += 1;
+        // Logits come back in batch order for the sequences that asked.
+        let logits = {
+            let seqs: Vec<SeqChunk> = plan
+                .iter()
+                .map(|&(i, n)| {
+                    let s = &self.running[i];
+                    SeqChunk {
+                        tokens: &s.tokens[s.computed..s.computed + n],
+                        start: s.computed,
+                        blocks: &s.blocks,
+                        logits: if s.computed + n == s.tokens.len() {
+                            Logits::Last
+                        } else {
+                            Logits::None
+                        },
+                    }
+                })
+                .collect();
+            self.model.decoder.forward_batch(&mut self.kv, &seqs)?
+        };
+        let vocab = self.model.decoder.config.vocab_size;
+        let mut rows = logits.chunks_exact(vocab);
+        let mut finished = Vec::new();
+        for &(i, n) in &plan {
+            let s = &mut self.running[i];
+            s.computed += n;
+            register_full_blocks(&mut self.pool, s);
+            if s.computed < s.tokens.len() {
+                continue;
+            }
+            let Some(row) = rows.next() else {
+                return Err(Error::InvalidRequest("forward returned too few logits".into()));
+            };
+            if let Some(reason) = self.emit_token(i, row, &mut out)? {
+                finished.push((i, reason));
+            }
+        }
+        // Remove from the back so the indices stay valid.
+        finished.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
+        for (i, reason) in finished {
+            let s = self.running.remove(i);
+            self.finish(s, reason, &mut out);
+        }
+        Ok(out)
+    }
+
+    /// Samples the next token of running sequence `i` and reports it; returns why the
+    /// sequence ends, if it does.
+    fn emit_token(
+        &mut self,
+        i: usize,
+        logits: &[f32],
+        out: &mut Vec<Output>,
+    ) -> Result<Option<FinishReason>> {
+        let max_seq = self.max_sequence();
+        let s = &mut self.running[i];
+        let (token, logprob) = match s.logprobs {
+            Some(n) => {
+                let (t, lp, top) = s.sampler.sample_with_logprobs(logits, n);
+                (t, Some(TokenLogprob { logprob: lp, top }))
+            }
+            None => (s.sampler.sample(logits), None),
+        };
+        if s.stop_ids.contains(&token) {
+            return Ok(Some(FinishReason::Stop));
+        }
+        s.tokens.push(token);
+        s.sampler.observe(token);
+        self.stats.generated_tokens += 1;
+        let text = s.detok.push(&self.tokenizer, token)?;
+        let outcome = s.stops.push(&text);
+        out.push(Output {
+            id: s.id,
+            kind: OutputKind::Token {
+                token,
+                text: outcome.emit,
+                logprob,
+            },
+        });
+        Ok(if outcome.stopped {
+            Some(FinishReason::Stop)
+        } else if s.generated() >= s.max_tokens || s.tokens.len() >= max_seq {
+            Some(FinishReason::Length)
+        } else {
+            None
+        })
+    }
+
+    fn finish(&mut self, mut s: Seq, reason: FinishReason, out: &mut Vec<Output>) {
+        for &b in &s.blocks {
+            self.pool.release(b);
+        }
+        s.blocks.clear();
+        // Whatever is held back is released, unless a stop string already ended the text.
+        let mut text = String::new();
+        if s.stops.matched().is_none() {
+            let rest = s.detok.flush(&self.tokenizer).unwrap_or_default();
+            let o = s.stops.push(&rest);
+            text = o.emit;
+            if !o.stopped {
+                text.push_str(&s.stops.flush());
+            }
+        }
+        out.push(Output {
+            id: s.id,
+            kind: OutputKind::Finished {
+                reason,
+                text,
+                usage: Usage {
+                    prompt_tokens: s.prompt_len,
+                    completion_tokens: s.generated(),
+                    cached_tokens: s.cached_tokens,
+                },
+            },
+        });
+    }
+
+    fn reap_cancelled(&mut self, out: &mut Vec<Output>) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].cancelled {
+                let s = self.running.remove(i);
+                self.finish(s, FinishReason::Cancelled, out);
+            } else {
+                i += 1;
+            }
+        }
+        let mut keep = VecDeque::with_capacity(self.waiting.len());
+        while let Some(s) = self.waiting.pop_front() {
+            if s.cancelled {
+                self.finish(s, FinishReason::Cancelled, out);
+            } else {
+                keep.push_back(s);
+            }
+        }
+        self.waiting = keep;
+    }
+
+    /// Chooses this step's work: `(index into running, tokens to compute)`. Running
+    /// sequences go first, oldest first (each decode step or the next prefill chunk); then
+    /// waiting ones are admitted while the budget and the pool allow.
+    fn schedule(&mut self) -> Vec<(usize, usize)> {
+        let mut budget = self.config.max_batch_tokens;
+        let mut plan = Vec::new();
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let s = &self.running[i];
+            let n = (s.tokens.len() - s.computed).min(budget);
+            let upto = s.computed + n;
+            loop {
+                if grow(&mut self.pool, &mut self.running[i], upto) {
+                    plan.push((i, n));
+                    budget -= n;
+                    i += 1;
+                    break;
+                }
+                // Out of blocks: give up the newest running sequence (this one if it is the
+                // newest; older ones always make progress).
+                preempted = true;
+                let victim = self.running.len() - 1;
+                let s = self.running.remove(victim);
+                self.preempt(s);
+                if victim == i {
+                    break;
+                }
+            }
+        }
+        // Admitting while preempting would only thrash.
+        while !preempted && budget > 0 && self.running.len() < self.config.max_running {
+            let Some(mut s) = self.waiting.pop_front() else {
+                break;
+            };
+            if s.blocks.is_empty() {
+                let bs = self.config.block_size;
+                // At least the last token is computed: its logits start the generation.
+                let max_blocks = (s.tokens.len() - 1) / bs;
+                let (blocks, hashes) = self.pool.lookup(&s.tokens, max_blocks);
+                s.computed = blocks.len() * bs;
+                if s.generated() == 0 {
+                    s.cached_tokens = s.computed;
+                }
+                s.blocks = blocks;
+                s.hashes = hashes;
+            }
+            let n = (s.tokens.len() - s.computed).min(budget);
+            let upto = s.computed + n;
+            if !grow(&mut self.pool, &mut s, upto) {
+                // Not enough room: hand back what it took and wait for running ones to end.
+                for &b in &s.blocks {
+                    self.pool.release(b);
+                }
+                s.blocks.clear();
+                s.hashes.clear();
+                s.computed = 0;
+                self.waiting.push_front(s);
+                break;
+            }
+            self.running.push(s);
+            plan.push((self.running.len() - 1, n));
+            budget -= n;
+        }
+        plan
+    }
+
+    fn preempt(&mut self, mut s: Seq) {
+        for &b in &s.blocks {
+            self.pool.release(b);
+        }
+        s.blocks.clear();
+        s.hashes.clear();
+        s.computed = 0;
+        self.stats.preemptions += 1;
+        self.waiting.push_front(s);
+    }
+}
+
+/// Gives `s` blocks for positions `0..upto`; false (taking nothing) when the pool lacks them.
+fn grow(pool: &mut BlockPool, s: &mut Seq, upto: usize) -> bool {
+    let need = upto.div_ceil(pool.block_size()).saturating_sub(s.blocks.len());
+    if need > pool.available() {
+        return false;
+    }
+    for _ in 0..need {
+        match pool.allocate() {
+            Some(b) => s.blocks.push(b),
+            None => return false,
+        }
+    }
+    true
+}
+
+/// Makes `s`'s newly completed blocks findable by later requests.
+fn register_full_blocks(pool: &mut BlockPool, s: &mut Seq) {
+    let bs = pool.block_size();
+    while s.hashes.len() < s.computed / bs {
+        let k = s.hashes.len();
+        let parent = if k == 0 { 0 } else { s.hashes[k - 1] };
+        let h = pool.register(s.blocks[k], parent, &s.tokens[k * bs..(k + 1) * bs]);
+        s.hashes.push(h);
+    }
+}
