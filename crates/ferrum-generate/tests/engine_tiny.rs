@@ -1,0 +1,222 @@
+//! The engine's bookkeeping under stress, on a tiny random Llama (fast): random arrivals,
+//! lengths and cancellations against a deliberately small KV pool. Every request finishes or
+//! is refused with a reason, no block leaks, nothing panics — and greedy outputs equal the
+//! same requests run alone, so preemption and recomputation, prefix reuse and batching
+//! change nothing.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use ferrum_backend::CpuBackend;
+use ferrum_generate::{Engine, EngineConfig, FinishReason, OutputKind, Request};
+use ferrum_loader::ModelFile;
+use ferrum_models::{LoadOptions, Model};
+use ferrum_tokenizer::Tokenizer;
+use rand::{Rng, SeedableRng};
+
+fn engine(config: EngineConfig) -> Engine<CpuBackend> {
+    let dir = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/tiny/llama"
+    ));
+    let file = ModelFile::open(&dir).unwrap();
+    let model = Model::load(&file, CpuBackend::new(), &LoadOptions::default()).unwrap();
+    let tok = Tokenizer::from_hf_dir(&dir).unwrap();
+    Engine::new(model, tok, config).unwrap()
+}
+
+fn small(blocks: usize, bs: usize, budget: usize) -> EngineConfig {
+    EngineConfig {
+        block_size: bs,
+        kv_blocks: blocks,
+        max_batch_tokens: budget,
+        max_running: 8,
+        prefix_caching: true,
+    }
+}
+
+struct Spec {
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    arrive: usize,
+    cancel: Option<usize>,
+}
+
+#[derive(Default, Debug)]
+struct Outcome {
+    tokens: Vec<u32>,
+    finish: Option<(FinishReason, usize)>,
+}
+
+/// Runs `specs` (arrival and cancellation by step number) to completion; returns the outcome
+/// of each accepted request and the refusals.
+fn drive(e: &mut Engine<CpuBackend>, specs: &[Spec]) -> (Vec<Option<Outcome>>, Vec<String>) {
+    let mut ids: Vec<Option<u64>> = vec![None; specs.len()];
+    let mut outcomes: HashMap<u64, Outcome> = HashMap::new();
+    let mut refused = Vec::new();
+    let last_arrival = specs.iter().map(|s| s.arrive).max().unwrap_or(0);
+    let mut step = 0;
+    while step <= last_arrival || e.has_work() {
+        for (i, s) in specs.iter().enumerate() {
+            if s.arrive == step {
+                let mut r = Request::new(s.prompt.clone(), s.max_tokens);
+                r.ignore_eos = true;
+                match e.add(r) {
+                    Ok(id) => {
+                        ids[i] = Some(id);
+                        outcomes.insert(id, Outcome::default());
+                    }
+                    Err(err) => refused.push(err.to_string()),
+                }
+            }
+            if s.cancel == Some(step) {
+                if let Some(id) = ids[i] {
+                    e.cancel(id);
+                }
+            }
+        }
+        for o in e.step().expect("a step never fails on valid requests") {
+            let out = outcomes.get_mut(&o.id).expect("events only for known ids");
+            assert!(out.finish.is_none(), "event after the end of request {}", o.id);
+            match o.kind {
+                OutputKind::Token { token, .. } => out.tokens.push(token),
+                OutputKind::Finished { reason, usage, .. } => {
+                    assert_eq!(usage.completion_tokens, out.tokens.len());
+                    out.finish = Some((reason, usage.prompt_tokens));
+                }
+            }
+        }
+        step += 1;
+        assert!(step < 10_000, "the engine stopped making progress");
+    }
+    let res = ids
+        .iter()
+        .map(|id| id.map(|id| outcomes.remove(&id).unwrap()))
+        .collect();
+    (res, refused)
+}
+
+#[test]
+fn random_traffic_on_a_tiny_pool_finishes_everything_and_leaks_nothing() {
+    let mut preemptions = 0;
+    let mut evictions = 0;
+    let mut checked = 0;
+    for seed in 0..12u64 {
+        let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+        // 12 blocks of 4: 48 positions shared by up to 8 sequences.
+        let mut e = engine(small(12, 4, 16));
+        let vocab = e.model.decoder.config.vocab_size as u32;
+        // A few prompts share a prefix, so the prefix cache is exercised too.
+        let shared: Vec<u32> = (0..9).map(|_| r.gen_range(0..vocab)).collect();
+        let specs: Vec<Spec> = (0..10)
+            .map(|_| {
+                let len = r.gen_range(1..56);
+                let mut prompt: Vec<u32> = (0..len).map(|_| r.gen_range(0..vocab)).collect();
+                if r.gen_bool(0.3) {
+                    prompt.splice(0..0, shared.iter().copied());
+                }
+                let arrive = r.gen_range(0..30);
+                Spec {
+                    prompt,
+                    max_tokens: r.gen_range(1..24),
+                    arrive,
+                    cancel: r.gen_bool(0.2).then(|| arrive + r.gen_range(0..10)),
+                }
+            })
+            .collect();
+        let (outcomes, refused) = drive(&mut e, &specs);
+        for msg in &refused {
+            assert!(msg.contains("fit"), "refusal without a reason: {msg}");
+        }
+        for (s, o) in specs.iter().zip(&outcomes) {
+            match o {
+                None => assert!(s.prompt.len() >= e.max_sequence(), "refused needlessly"),
+                Some(o) => {
+                    let (reason, _) = o.finish.expect("every request finishes");
+                    match reason {
+                        FinishReason::Length => assert!(
+                            o.tokens.len() == s.max_tokens
+                                || s.prompt.len() + o.tokens.len() >= e.max_sequence()
+                        ),
+                        FinishReason::Cancelled => assert!(s.cancel.is_some()),
+                        FinishReason::Stop => panic!("nothing should stop: EOS is ignored"),
+                    }
+                }
+            }
+        }
+        assert!(!e.has_work());
+        assert!(e.kv_all_free(), "seed {seed}: blocks leaked");
+        let st = e.stats();
+        preemptions += st.preemptions;
+        evictions += st.prefix.evictions;
+
+        // Alone, with a roomy pool, each finished request produces the same tokens.
+        let mut alone = engine(small(64, 4, 16));
+        for (s, o) in specs.iter().zip(&outcomes) {
+            let Some(Outcome {
+                tokens,
+                finish: Some((FinishReason::Length, _)),
+            }) = o
+            else {
+                continue;
+            };
+            let solo = [Spec {
+                prompt: s.prompt.clone(),
+                max_tokens: tokens.len(),
+                arrive: 0,
+                cancel: None,
+            }];
+            let (solo_out, _) = drive(&mut alone, &solo);
+            let solo_tokens = &solo_out[0].as_ref().unwrap().tokens;
+            assert_eq!(solo_tokens, tokens, "seed {seed}: batched output differs");
+            checked += 1;
+        }
+    }
+    assert!(preemptions > 0, "the pool was never tight enough to preempt");
+    assert!(evictions > 0, "cached blocks were never reclaimed");
+    assert!(checked > 50, "too few requests compared ({checked})");
+}
+
+#[test]
+fn prompts_that_can_never_fit_are_refused_and_bad_requests_named() {
+    let mut e = engine(small(4, 4, 16));
+    let err = e.add(Request::new(vec![1; 16], 4)).unwrap_err().to_string();
+    assert!(err.contains("at most 15 fit"), "{err}");
+    let err = e.add(Request::new(vec![], 4)).unwrap_err().to_string();
+    assert!(err.contains("empty"), "{err}");
+    let err = e
+        .add(Request::new(vec![u32::MAX], 4))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("vocabulary"), "{err}");
+    // The engine still serves after refusing.
+    let (out, _) = drive(
+        &mut e,
+        &[Spec {
+            prompt: vec![1, 2, 3],
+            max_tokens: 3,
+            arrive: 0,
+            cancel: None,
+        }],
+    );
+    assert_eq!(out[0].as_ref().unwrap().tokens.len(), 3);
+    assert!(e.kv_all_free());
+}
+
+#[test]
+fn cancelling_frees_blocks_at_the_next_step() {
+    let mut e = engine(small(16, 4, 16));
+    let id = e.add(Request::new((1..30).collect(), 100)).unwrap();
+    e.step().unwrap();
+    assert!(e.stats().kv_blocks_used > 0);
+    e.cancel(id);
+    let out = e.step().unwrap();
+    assert!(matches!(
+        out.last().map(|o| &o.kind),
+        Some(OutputKind::Finished {
+            reason: FinishReason::Cancelled,
+            ..
+        })
+    ));
+    assert!(e.kv_all_free() && !e.has_work());
+}
