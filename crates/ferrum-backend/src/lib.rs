@@ -124,10 +124,17 @@ impl KvTable<'_> {
     }
 }
 
+/// One sequence's rows in a batched attention call: the next `rows` query rows, at positions
+/// `first_pos..first_pos + rows`, attend to positions `0..=their own` of this sequence's cache.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnSeq<'a> {
+    pub rows: usize,
+    pub first_pos: usize,
+    pub table: KvTable<'a>,
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionParams {
-    /// Position of the first query row; query row `t` attends to keys `0..=first_pos + t`.
-    pub first_pos: usize,
     pub n_kv_heads: usize,
     pub scale: f32,
     /// Sliding window: a query at position `p` sees keys at positions `> p - window`.
@@ -232,9 +239,9 @@ pub trait Backend: Send + Sync {
         first_pos: usize,
     );
 
-    /// Causal grouped-query attention of one sequence: queries `qv` (`heads` query heads, at
-    /// positions `p.first_pos..`) against positions `0..p.first_pos + qv.count` of the key and
-    /// value caches (`n_kv_heads` heads per row), found through `table`.
+    /// Causal grouped-query attention for a batch of sequences in one call: the rows of `qv`
+    /// (`heads` query heads) belong to `seqs` in order, and each sequence's queries attend to
+    /// its own cached keys and values (`n_kv_heads` heads per row), found through its table.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -242,7 +249,7 @@ pub trait Backend: Send + Sync {
         qv: Rows,
         k_cache: &Self::KvBuf,
         v_cache: &Self::KvBuf,
-        table: KvTable,
+        seqs: &[AttnSeq],
         out: &mut Self::Buf,
         ov: Rows,
         p: AttentionParams,

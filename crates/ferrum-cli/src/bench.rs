@@ -100,10 +100,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
     // One untimed warm-up of each test: first touches of the mapped weights are page faults.
     let mut pp = Vec::new();
     if a.pp > 0 {
-        model.decoder.forward(&mut kv, &tokens[..a.pp], 0, Logits::Last)?;
+        model
+            .decoder
+            .forward(&mut kv, &tokens[..a.pp], 0, Logits::Last)?;
         for _ in 0..a.reps {
             let t = Instant::now();
-            model.decoder.forward(&mut kv, &tokens[..a.pp], 0, Logits::Last)?;
+            model
+                .decoder
+                .forward(&mut kv, &tokens[..a.pp], 0, Logits::Last)?;
             pp.push(a.pp as f64 / t.elapsed().as_secs_f64());
         }
     }

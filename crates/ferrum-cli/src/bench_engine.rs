@@ -145,7 +145,15 @@ pub fn run(
         );
         return Ok(());
     }
-    println!("{c:>7} {:>12} {:>8} {:>10} {:>26} {:>26}", "decode t/s", "× one", "total t/s", "TTFT ms p50/p90/p99", "ITL ms p50/p90/p99", c = "streams");
+    println!(
+        "{c:>7} {:>12} {:>8} {:>10} {:>26} {:>26}",
+        "decode t/s",
+        "× one",
+        "total t/s",
+        "TTFT ms p50/p90/p99",
+        "ITL ms p50/p90/p99",
+        c = "streams"
+    );
     for r in &results {
         println!(
             "{:>7} {:>12.1} {:>8.2} {:>10.1} {:>26} {:>26}",
@@ -153,7 +161,10 @@ pub fn run(
             r.decode_tok_s,
             r.decode_tok_s / base,
             r.total_tok_s,
-            format!("{:.0}/{:.0}/{:.0}", r.ttft_ms[0], r.ttft_ms[1], r.ttft_ms[2]),
+            format!(
+                "{:.0}/{:.0}/{:.0}",
+                r.ttft_ms[0], r.ttft_ms[1], r.ttft_ms[2]
+            ),
             format!("{:.1}/{:.1}/{:.1}", r.itl_ms[0], r.itl_ms[1], r.itl_ms[2]),
         );
     }

@@ -221,6 +221,17 @@ fn run(a: RunArgs) -> Result<()> {
         bail!("--kv-dtype q8_0 needs a head size divisible by 32");
     }
     let mut session = Session::new(model, tokenizer)?;
+    let e = &session.engine;
+    eprintln!(
+        "ferrum: KV cache {} tokens ({:.1} MB), prefix caching {}",
+        e.config().kv_blocks * e.config().block_size,
+        e.kv_bytes() as f64 / 1e6,
+        if e.config().prefix_caching {
+            "on"
+        } else {
+            "off"
+        }
+    );
     let opts = GenerateOptions {
         max_tokens: a.max_tokens,
         params: SamplingParams {

@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 
 use ferrum_backend::Backend;
 use ferrum_core::{Error, Result};
-use ferrum_models::{Logits, Model, SeqChunk, KvCache};
+use ferrum_models::{KvCache, Logits, Model, SeqChunk};
 use ferrum_tokenizer::Tokenizer;
 
 use crate::block_pool::{BlockPool, PrefixStats};
@@ -182,8 +182,7 @@ impl<B: Backend> Engine<B> {
                 "the KV cache needs at least one block of one position".into(),
             ));
         }
-        if config.max_batch_tokens == 0 || config.max_batch_tokens > ferrum_models::decoder::CHUNK
-        {
+        if config.max_batch_tokens == 0 || config.max_batch_tokens > ferrum_models::decoder::CHUNK {
             return Err(Error::InvalidRequest(format!(
                 "max_batch_tokens must be 1..={}",
                 ferrum_models::decoder::CHUNK
@@ -348,7 +347,9 @@ impl<B: Backend> Engine<B> {
                 continue;
             }
             let Some(row) = rows.next() else {
-                return Err(Error::InvalidRequest("forward returned too few logits".into()));
+                return Err(Error::InvalidRequest(
+                    "forward returned too few logits".into(),
+                ));
             };
             if let Some(reason) = self.emit_token(i, row, &mut out)? {
                 finished.push((i, reason));
@@ -536,7 +537,9 @@ impl<B: Backend> Engine<B> {
 
 /// Gives `s` blocks for positions `0..upto`; false (taking nothing) when the pool lacks them.
 fn grow(pool: &mut BlockPool, s: &mut Seq, upto: usize) -> bool {
-    let need = upto.div_ceil(pool.block_size()).saturating_sub(s.blocks.len());
+    let need = upto
+        .div_ceil(pool.block_size())
+        .saturating_sub(s.blocks.len());
     if need > pool.available() {
         return false;
     }

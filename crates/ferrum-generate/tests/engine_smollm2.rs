@@ -94,7 +94,9 @@ fn run(e: &mut Engine<CpuBackend>, reqs: Vec<Request>, arrive: &[usize]) -> Vec<
         }
         step += 1;
     }
-    ids.iter().map(|id| done.remove(&id.unwrap()).unwrap()).collect()
+    ids.iter()
+        .map(|id| done.remove(&id.unwrap()).unwrap())
+        .collect()
 }
 
 fn chat(tok: &Tokenizer, q: &str) -> Vec<u32> {
@@ -158,7 +160,10 @@ fn shared_512_token_prefix_is_computed_once() {
     let before = e.stats().prefix;
     let second = run(&mut e, vec![b.clone()], &[0]).remove(0);
     let after = e.stats().prefix;
-    assert_eq!(second.usage.cached_tokens, 512, "the prefix's 32 blocks are reused");
+    assert_eq!(
+        second.usage.cached_tokens, 512,
+        "the prefix's 32 blocks are reused"
+    );
     assert_eq!(after.tokens_saved - before.tokens_saved, 512);
     assert_eq!(after.hits - before.hits, 32);
     // Without the cache: the same tokens.
@@ -197,7 +202,10 @@ fn seeded_sampling_repeats_alone_or_batched_and_logprobs_are_the_models() {
     // Log-probabilities are the model's own: recompute the first position directly.
     let (mut m, _) = load(2048);
     let mut kv = m.decoder.alloc_kv_tokens(prompt.len());
-    let logits = m.decoder.forward(&mut kv, &prompt, 0, Logits::Last).unwrap();
+    let logits = m
+        .decoder
+        .forward(&mut kv, &prompt, 0, Logits::Last)
+        .unwrap();
     let lse = {
         let mx = logits.iter().copied().fold(f32::MIN, f32::max);
         mx + logits.iter().map(|l| (l - mx).exp()).sum::<f32>().ln()
@@ -229,7 +237,11 @@ fn stop_token_ids_and_strings_end_requests() {
     r.stop = vec!["four".into()];
     let st = run(&mut e, vec![r], &[0]).remove(0);
     assert_eq!(st.reason, FinishReason::Stop);
-    assert!(st.text.contains("three") && !st.text.contains("four"), "{:?}", st.text);
+    assert!(
+        st.text.contains("three") && !st.text.contains("four"),
+        "{:?}",
+        st.text
+    );
 }
 
 /// Deltas concatenate to the full decode, and none ends inside a character or inside a

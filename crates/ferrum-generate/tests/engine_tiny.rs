@@ -77,7 +77,11 @@ fn drive(e: &mut Engine<CpuBackend>, specs: &[Spec]) -> (Vec<Option<Outcome>>, V
         }
         for o in e.step().expect("a step never fails on valid requests") {
             let out = outcomes.get_mut(&o.id).expect("events only for known ids");
-            assert!(out.finish.is_none(), "event after the end of request {}", o.id);
+            assert!(
+                out.finish.is_none(),
+                "event after the end of request {}",
+                o.id
+            );
             match o.kind {
                 OutputKind::Token { token, .. } => out.tokens.push(token),
                 OutputKind::Finished { reason, usage, .. } => {
@@ -172,7 +176,10 @@ fn random_traffic_on_a_tiny_pool_finishes_everything_and_leaks_nothing() {
             checked += 1;
         }
     }
-    assert!(preemptions > 0, "the pool was never tight enough to preempt");
+    assert!(
+        preemptions > 0,
+        "the pool was never tight enough to preempt"
+    );
     assert!(evictions > 0, "cached blocks were never reclaimed");
     assert!(checked > 50, "too few requests compared ({checked})");
 }

@@ -8,7 +8,7 @@
 //! V written into the cache → causal GQA attention → O projection → residual add fused with
 //! the FFN's RMSNorm → SwiGLU FFN → residual add.
 
-use ferrum_backend::{AttentionParams, Backend, KvTable, MoeScratch, RopeParams, Rows};
+use ferrum_backend::{AttentionParams, AttnSeq, Backend, KvTable, MoeScratch, RopeParams, Rows};
 use ferrum_core::{Error, Result};
 use ferrum_loader::TensorStore;
 
@@ -462,6 +462,17 @@ impl<B: Backend> Decoder<B> {
         let k_view = Rows::columns(n, qkv_w, qd, kvd).split_heads(hd);
         let v_view = Rows::columns(n, qkv_w, qd + kvd, kvd);
 
+        let attn_seqs: Vec<AttnSeq> = seqs
+            .iter()
+            .map(|q| AttnSeq {
+                rows: q.tokens.len(),
+                first_pos: q.start,
+                table: KvTable {
+                    blocks: q.blocks,
+                    block_size: kv.block_size,
+                },
+            })
+            .collect();
         be.embed(&self.embed, tokens, &mut s.x, hidden);
         for (li, layer) in self.layers.iter().enumerate() {
             if li == 0 {
@@ -500,33 +511,27 @@ impl<B: Backend> Decoder<B> {
             be.rope(&mut s.qkv, k_view, positions, rope);
             let attn_view = Rows::dense(n, qd).split_heads(hd);
             let mut row = 0;
-            for seq in seqs {
-                let m = seq.tokens.len();
-                let table = KvTable {
-                    blocks: seq.blocks,
-                    block_size: kv.block_size,
-                };
-                let (ks, vs) = (k_view.slice(row, m), v_view.slice(row, m));
-                be.write_kv(&s.qkv, ks, &mut kv.k[li], table, seq.start);
-                be.write_kv(&s.qkv, vs, &mut kv.v[li], table, seq.start);
-                be.attention(
-                    &s.qkv,
-                    q_view.slice(row, m),
-                    &kv.k[li],
-                    &kv.v[li],
-                    table,
-                    &mut s.attn,
-                    attn_view.slice(row, m),
-                    AttentionParams {
-                        first_pos: seq.start,
-                        n_kv_heads: c.n_kv_heads,
-                        scale: 1.0 / (hd as f32).sqrt(),
-                        window: c.sliding_window,
-                        softcap: None,
-                    },
-                );
-                row += m;
+            for a in &attn_seqs {
+                let (ks, vs) = (k_view.slice(row, a.rows), v_view.slice(row, a.rows));
+                be.write_kv(&s.qkv, ks, &mut kv.k[li], a.table, a.first_pos);
+                be.write_kv(&s.qkv, vs, &mut kv.v[li], a.table, a.first_pos);
+                row += a.rows;
             }
+            be.attention(
+                &s.qkv,
+                q_view,
+                &kv.k[li],
+                &kv.v[li],
+                &attn_seqs,
+                &mut s.attn,
+                attn_view,
+                AttentionParams {
+                    n_kv_heads: c.n_kv_heads,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                    window: c.sliding_window,
+                    softcap: None,
+                },
+            );
             be.matmul(
                 &s.attn,
                 Rows::dense(n, qd),

@@ -144,10 +144,15 @@ fn prefill_chunked_and_decode_agree() {
         let n = r.tokens.len();
         let mut m = load(CpuBackend::new(), path.clone());
         let mut kv = m.decoder.alloc_kv_tokens(64);
-        let whole = m.decoder.forward(&mut kv, &r.tokens, 0, Logits::Last).unwrap();
+        let whole = m
+            .decoder
+            .forward(&mut kv, &r.tokens, 0, Logits::Last)
+            .unwrap();
         let mut m = load(CpuBackend::new(), path.clone());
         let mut kv = m.decoder.alloc_kv_tokens(64);
-        m.decoder.forward(&mut kv, &r.tokens[..5], 0, Logits::Last).unwrap();
+        m.decoder
+            .forward(&mut kv, &r.tokens[..5], 0, Logits::Last)
+            .unwrap();
         m.decoder
             .forward(&mut kv, &r.tokens[5..11], 5, Logits::Last)
             .unwrap();

@@ -34,7 +34,10 @@ fn score(be: CpuBackend, r: &Reference) -> (f64, f64) {
     let mut m = Model::open(model_path(), be, &LoadOptions { context: Some(512) }).unwrap();
     let v = m.decoder.config.vocab_size;
     let mut kv = m.decoder.alloc_kv_tokens(512);
-    let logits = m.decoder.forward(&mut kv, &r.tokens, 0, Logits::All).unwrap();
+    let logits = m
+        .decoder
+        .forward(&mut kv, &r.tokens, 0, Logits::All)
+        .unwrap();
     let mut agree = 0;
     let mut nll = 0f64;
     let n = r.tokens.len() - 1;

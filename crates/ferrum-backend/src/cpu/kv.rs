@@ -6,7 +6,7 @@ use half::f16;
 use super::pool::ThreadPool;
 use super::quant::q8_0::{BlockQ8_0, QK};
 use super::{simd, SharedMut, SCRATCH, SCRATCH2};
-use crate::{AttentionParams, KvTable, Rows};
+use crate::{AttentionParams, AttnSeq, KvTable, Rows};
 
 /// Element format of the CPU backend's KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,27 +150,34 @@ fn axpy_q8_0(a: f32, v: &[BlockQ8_0], y: &mut [f32]) {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(super) fn attention(
     pool: &ThreadPool,
     q: &[f32],
     qv: Rows,
     k: &CpuKv,
     v: &CpuKv,
-    table: KvTable,
+    seqs: &[AttnSeq],
     out: &mut [f32],
     ov: Rows,
     p: AttentionParams,
 ) {
     let hd = qv.head_dim;
     assert!(p.n_kv_heads * hd <= k.width && k.width == v.width);
-    let kv_len = p.first_pos + qv.count;
-    assert!(kv_len <= table.capacity(), "attention past the block table");
-    let max_row = table.blocks[..kv_len.div_ceil(table.block_size)]
-        .iter()
-        .map(|&b| (b as usize + 1) * table.block_size)
-        .max()
-        .unwrap_or(0);
-    assert!(max_row <= k.rows && max_row <= v.rows, "block table past the cache");
+    for s in seqs {
+        let kv_len = s.first_pos + s.rows;
+        let t = s.table;
+        assert!(kv_len <= t.capacity(), "attention past the block table");
+        let max_row = t.blocks[..kv_len.div_ceil(t.block_size)]
+            .iter()
+            .map(|&b| (b as usize + 1) * t.block_size)
+            .max()
+            .unwrap_or(0);
+        assert!(
+            max_row <= k.rows && max_row <= v.rows,
+            "block table past the cache"
+        );
+    }
     let w = k.width;
     match (&k.data, &v.data) {
         (KvData::F32(kd), KvData::F32(vd)) => attend(
@@ -180,7 +187,7 @@ pub(super) fn attention(
             kd,
             vd,
             Layout { width: w, per: 1 },
-            table,
+            seqs,
             out,
             ov,
             p,
@@ -194,7 +201,7 @@ pub(super) fn attention(
             kd,
             vd,
             Layout { width: w, per: 1 },
-            table,
+            seqs,
             out,
             ov,
             p,
@@ -202,7 +209,10 @@ pub(super) fn attention(
             simd::axpy_f16_fn(),
         ),
         (KvData::Q8(kd), KvData::Q8(vd)) => {
-            assert!(hd.is_multiple_of(QK), "q8_0 KV needs a head size divisible by 32");
+            assert!(
+                hd.is_multiple_of(QK),
+                "q8_0 KV needs a head size divisible by 32"
+            );
             attend(
                 pool,
                 q,
@@ -210,7 +220,7 @@ pub(super) fn attention(
                 kd,
                 vd,
                 Layout { width: w, per: QK },
-                table,
+                seqs,
                 out,
                 ov,
                 p,
@@ -237,7 +247,7 @@ fn attend<T: Sync>(
     k_cache: &[T],
     v_cache: &[T],
     lay: Layout,
-    table: KvTable,
+    seqs: &[AttnSeq],
     out: &mut [f32],
     ov: Rows,
     p: AttentionParams,
@@ -248,18 +258,32 @@ fn attend<T: Sync>(
     let group = qv.heads / p.n_kv_heads;
     let dst = SharedMut(out.as_mut_ptr());
     let (row_units, head_units) = (lay.width / lay.per, hd / lay.per);
-    // A job is one head over a block of query rows: enough work to amortise the hand-off
-    // in prefill, while decode (one row) still spreads its heads over the threads.
+    // A job is one head over a block of up to ROWS query rows of one sequence: enough work
+    // to amortise the hand-off in prefill, while a decode batch (one row per sequence) still
+    // spreads sequences × heads over the threads in a single hand-off.
     const ROWS: usize = 8;
-    let blocks = qv.count.div_ceil(ROWS);
-    pool.run(blocks * qv.heads, &|job| {
-        let (blk, h) = (job / qv.heads, job % qv.heads);
+    // (sequence, the sequence's first row, the block's first and end rows).
+    let mut blocks = Vec::new();
+    let mut row = 0;
+    for (si, s) in seqs.iter().enumerate() {
+        let mut r = row;
+        while r < row + s.rows {
+            let end = (r + ROWS).min(row + s.rows);
+            blocks.push((si, row, r, end));
+            r = end;
+        }
+        row += s.rows;
+    }
+    pool.run(blocks.len() * qv.heads, &|job| {
+        let (b, h) = (job / qv.heads, job % qv.heads);
+        let (si, seq_row, lo_row, hi_row) = blocks[b];
+        let (first_pos, table) = (seqs[si].first_pos, seqs[si].table);
         let kvh = h / group;
         SCRATCH2.with(|s| {
             SCRATCH.with(|acc| {
                 let (mut scores, mut acc) = (s.borrow_mut(), acc.borrow_mut());
-                for t in blk * ROWS..((blk + 1) * ROWS).min(qv.count) {
-                    let pos = p.first_pos + t;
+                for t in lo_row..hi_row {
+                    let pos = first_pos + (t - seq_row);
                     let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
                     let qo = qv.offset + t * qv.stride + h * hd;
                     let qh = &q[qo..qo + hd];
@@ -301,7 +325,14 @@ fn attend<T: Sync>(
 /// Calls `f` with the storage offset of column `col` in the cache row of each position
 /// `lo..=pos`, in order. The table is looked up once per block, not once per key.
 #[inline]
-fn walk(table: KvTable, lo: usize, pos: usize, row_units: usize, col: usize, mut f: impl FnMut(usize)) {
+fn walk(
+    table: KvTable,
+    lo: usize,
+    pos: usize,
+    row_units: usize,
+    col: usize,
+    mut f: impl FnMut(usize),
+) {
     let bs = table.block_size;
     let mut j = lo;
     while j <= pos {

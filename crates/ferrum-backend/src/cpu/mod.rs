@@ -19,8 +19,8 @@ pub use kv::{CpuKv, KvDtype};
 use pool::ThreadPool;
 
 use crate::{
-    moe_ffn_default, AttentionParams, KvTable, Backend, ExpertBatch, ExpertWeights, MoeScratch, RopeLayout,
-    RopeParams, Rows,
+    moe_ffn_default, AttentionParams, AttnSeq, Backend, ExpertBatch, ExpertWeights, KvTable,
+    MoeScratch, RopeLayout, RopeParams, Rows,
 };
 
 pub struct CpuBackend {
@@ -231,13 +231,20 @@ impl Backend for CpuBackend {
         self.kv.row_bytes(width)
     }
 
-    fn write_kv(&self, src: &Vec<f32>, sv: Rows, dst: &mut CpuKv, table: KvTable, first_pos: usize) {
+    fn write_kv(
+        &self,
+        src: &Vec<f32>,
+        sv: Rows,
+        dst: &mut CpuKv,
+        table: KvTable,
+        first_pos: usize,
+    ) {
         check_view("kv src", sv, src.len());
         let w = sv.width();
         for t in 0..sv.count {
-            let row = table
-                .slot(first_pos + t)
-                .unwrap_or_else(|| panic!("write_kv: position {} past the block table", first_pos + t));
+            let row = table.slot(first_pos + t).unwrap_or_else(|| {
+                panic!("write_kv: position {} past the block table", first_pos + t)
+            });
             dst.write_row(row, &src[sv.offset + t * sv.stride..][..w]);
         }
     }
@@ -457,7 +464,7 @@ impl Backend for CpuBackend {
         qv: Rows,
         k_cache: &CpuKv,
         v_cache: &CpuKv,
-        table: KvTable,
+        seqs: &[AttnSeq],
         out: &mut Vec<f32>,
         ov: Rows,
         p: AttentionParams,
@@ -468,7 +475,8 @@ impl Backend for CpuBackend {
         assert!(p.n_kv_heads > 0 && qv.heads.is_multiple_of(p.n_kv_heads));
         check_view("attention q", qv, q.len());
         check_view("attention out", ov, out.len());
-        kv::attention(&self.pool, q, qv, k_cache, v_cache, table, out, ov, p);
+        assert_eq!(seqs.iter().map(|s| s.rows).sum::<usize>(), qv.count);
+        kv::attention(&self.pool, q, qv, k_cache, v_cache, seqs, out, ov, p);
     }
 
     fn silu_mul(&self, x: &Vec<f32>, xv: Rows, out: &mut Vec<f32>, ov: Rows) {

@@ -119,21 +119,38 @@ fn paged_attention_matches_naive_causal_gqa_with_window() {
         be.write_kv(&kc, rows.slice(7, n - 7), &mut kb, table, 7);
         be.write_kv(&vc, rows, &mut vb, table, 0);
         for window in [None, Some(3)] {
-            let p = AttentionParams {
+            let whole = [AttnSeq {
+                rows: n,
                 first_pos: 0,
+                table,
+            }];
+            let p = AttentionParams {
                 n_kv_heads: kvh,
                 scale: 0.3,
                 window,
                 softcap: None,
             };
             let mut out = vec![0.0; n * heads * hd];
-            be.attention(&q, qv, &kb, &vb, table, &mut out, qv, p);
+            be.attention(&q, qv, &kb, &vb, &whole, &mut out, qv, p);
             // The last rows alone, starting at position 12, give the same rows.
             let mut tail = vec![0.0; n * heads * hd];
             let tv = qv.slice(12, n - 12);
-            let p12 = AttentionParams { first_pos: 12, ..p };
-            be.attention(&q, tv, &kb, &vb, table, &mut tail, tv, p12);
+            let from12 = AttnSeq {
+                rows: n - 12,
+                first_pos: 12,
+                table,
+            };
+            be.attention(&q, tv, &kb, &vb, &[from12], &mut tail, tv, p);
             assert_eq!(&tail[12 * heads * hd..], &out[12 * heads * hd..]);
+            // And as two sequences of one batched call (as a prefill chunk beside a decode).
+            let mut both = vec![0.0; n * heads * hd];
+            let head12 = AttnSeq {
+                rows: 12,
+                first_pos: 0,
+                table,
+            };
+            be.attention(&q, qv, &kb, &vb, &[head12, from12], &mut both, qv, p);
+            assert_eq!(both, out);
             for t in 0..n {
                 for h in 0..heads {
                     let g = h / (heads / kvh);
