@@ -1,6 +1,8 @@
 //! The engine on the real default model (fast backend): batch invariance, the prefix cache,
 //! seeded sampling and log-probabilities, and detokenised deltas.
 
+mod common;
+
 use std::collections::HashMap;
 
 use ferrum_backend::CpuBackend;
@@ -8,27 +10,12 @@ use ferrum_generate::{
     Detokenizer, Engine, EngineConfig, FinishReason, OutputKind, Request, SamplingParams,
     TokenLogprob, Usage,
 };
-use ferrum_loader::ModelFile;
-use ferrum_models::{LoadOptions, Logits, Model};
+use ferrum_models::{Logits, Model};
 use ferrum_tokenizer::{Message, Tokenizer};
 use unicode_segmentation::UnicodeSegmentation;
 
 fn load(context: usize) -> (Model<CpuBackend>, Tokenizer) {
-    let p = ferrum_loader::assets::default_model_path();
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/fetch-test-assets.sh",
-        p.display()
-    );
-    let file = ModelFile::open(&p).unwrap();
-    let ModelFile::Gguf(g) = &file else {
-        unreachable!()
-    };
-    let tok = Tokenizer::from_gguf(g).unwrap();
-    let opts = LoadOptions {
-        context: Some(context),
-    };
-    (Model::load(&file, CpuBackend::new(), &opts).unwrap(), tok)
+    common::smollm2(CpuBackend::new(), context)
 }
 
 fn engine(kv_tokens: usize, prefix_caching: bool) -> Engine<CpuBackend> {

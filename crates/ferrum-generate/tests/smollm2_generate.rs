@@ -2,36 +2,18 @@
 //! detokenizer, compared with transformers' greedy `generate` on the same weights
 //! (`tests/fixtures/smollm2/prompt_greedy.json`, made by `scripts/fixtures/smollm2_reference.py`).
 
+mod common;
+
 use ferrum_backend::CpuBackend;
 use ferrum_generate::{FinishReason, SamplingParams, Session};
-use ferrum_loader::ModelFile;
-use ferrum_models::{LoadOptions, Model};
-use ferrum_tokenizer::{Message, Tokenizer};
+use ferrum_tokenizer::Message;
 
 fn session(context: usize) -> Session<CpuBackend> {
     session_on(CpuBackend::exact(), context)
 }
 
 fn session_on(be: CpuBackend, context: usize) -> Session<CpuBackend> {
-    let p = ferrum_loader::assets::default_model_path();
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/fetch-test-assets.sh",
-        p.display()
-    );
-    let file = ModelFile::open(&p).unwrap();
-    let ModelFile::Gguf(g) = &file else {
-        unreachable!()
-    };
-    let tok = Tokenizer::from_gguf(g).unwrap();
-    let model = Model::load(
-        &file,
-        be,
-        &LoadOptions {
-            context: Some(context),
-        },
-    )
-    .unwrap();
+    let (model, tok) = common::smollm2(be, context);
     Session::new(model, tok).unwrap()
 }
 
