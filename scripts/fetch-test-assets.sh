@@ -8,6 +8,9 @@
 #     (vendor/llama.cpp/models/ggml-vocab-*.gguf{,.inp,.out} from the
 #     llama-cpp-python==0.3.36 source distribution), flattened into
 #       -> $CACHE/llama-vocab/ggml-vocab-<name>.gguf{,.inp,.out}
+#  3. A Python venv with the official `openai` client, pytest and jsonschema, for the
+#     OpenAI-compatibility suite (tests/openai, run by crates/ferrum-cli/tests/openai_client.rs)
+#       -> $CACHE/venv-openai
 #
 # Cache dir: ${FERRUM_CACHE:-$HOME/.cache/ferrum}.
 # Prints "KEY=path" lines on stdout (FERRUM_SMOLLM2_GGUF, FERRUM_LLAMA_VOCAB_DIR);
@@ -74,7 +77,22 @@ PY
     trap - EXIT
 fi
 
+# --- 3. the OpenAI client venv -------------------------------------------------
+VENV="$CACHE/venv-openai"
+VENV_MARKER="$VENV/.complete-openai-1"
+if [[ -f "$VENV_MARKER" ]]; then
+    log "OpenAI client venv already present"
+else
+    log "creating $VENV (openai, pytest, jsonschema)"
+    rm -rf "$VENV"
+    "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+        "openai>=1.50,<3" "pytest>=8,<10" "jsonschema>=4,<5" >&2
+    touch "$VENV_MARKER"
+fi
+
 log "SmolLM2 GGUF:      $SMOL_GGUF"
 log "llama.cpp vocabs:  $VOCAB_DIR ($(find "$VOCAB_DIR" -maxdepth 1 -name "ggml-vocab-*.gguf" | wc -l | tr -d " ") vocab GGUFs)"
 echo "FERRUM_SMOLLM2_GGUF=$SMOL_GGUF"
 echo "FERRUM_LLAMA_VOCAB_DIR=$VOCAB_DIR"
+echo "FERRUM_OPENAI_VENV=$VENV"

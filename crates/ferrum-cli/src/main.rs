@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use ferrum_backend::{cpu::KvDtype, Backend, CpuBackend};
-use ferrum_generate::{GenerateOptions, SamplingExtras, SamplingParams, Session};
+use ferrum_generate::{EngineConfig, GenerateOptions, SamplingExtras, SamplingParams, Session};
 use ferrum_loader::ModelFile;
 use ferrum_models::{LoadOptions, Logits, Model};
 use ferrum_tokenizer::{Message, Tokenizer};
@@ -31,6 +31,8 @@ struct Cli {
 enum Cmd {
     /// Chat with a model in the terminal, or answer one prompt with --prompt.
     Run(RunArgs),
+    /// Serve a model over an OpenAI-compatible HTTP API.
+    Serve(ServeArgs),
     /// Print the logits of every position for a list of token ids, as JSON.
     Logits {
         #[arg(long)]
@@ -120,10 +122,102 @@ struct RunArgs {
     stop: Vec<String>,
 }
 
+#[derive(Args)]
+struct ServeArgs {
+    /// A .gguf file or a Hugging Face model folder (default: the default model).
+    model: Option<PathBuf>,
+    /// Address to bind; 127.0.0.1 keeps the server local.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require this key as a Bearer token on /v1 routes (or set FERRUM_API_KEY).
+    #[arg(long, env = "FERRUM_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// The model id clients name (default: the file name without .gguf).
+    #[arg(long)]
+    model_name: Option<String>,
+    /// Longest sequence (prompt + answer) per request.
+    #[arg(long)]
+    ctx: Option<usize>,
+    /// KV cache capacity in tokens, shared by all requests (default: 4 × the context).
+    #[arg(long)]
+    kv_tokens: Option<usize>,
+    /// KV cache element format: f16 (default), f32 or q8_0.
+    #[arg(long, value_parser = parse_kv_dtype)]
+    kv_dtype: Option<KvDtype>,
+    /// Turn the prefix cache off.
+    #[arg(long)]
+    no_prefix_cache: bool,
+    /// Largest request body in bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_body: usize,
+    /// Requests that may wait for room before new ones get 429.
+    #[arg(long, default_value_t = 64)]
+    max_waiting: usize,
+    /// Keep activations in f32 (the reference's math).
+    #[arg(long)]
+    exact: bool,
+}
+
+fn serve(a: ServeArgs) -> Result<()> {
+    let path = match a.model {
+        Some(p) => p,
+        None => default_model::ensure()?,
+    };
+    let file = ModelFile::open(&path)?;
+    let tokenizer = |f: &ModelFile| -> Result<Tokenizer> {
+        Ok(match f {
+            ModelFile::Gguf(g) => Tokenizer::from_gguf(g)?,
+            ModelFile::Hf(h) => Tokenizer::from_hf_dir(&h.dir)?,
+        })
+    };
+    let tok = tokenizer(&file)?;
+    let id = a.model_name.clone().unwrap_or_else(|| {
+        let name = path
+            .file_name()
+            .unwrap_or(path.as_os_str())
+            .to_string_lossy();
+        name.strip_suffix(".gguf").unwrap_or(&name).to_string()
+    });
+    let be = BackendOpts {
+        exact: a.exact,
+        kv: a.kv_dtype,
+    };
+    let (ctx, kv_tokens, prefix) = (a.ctx, a.kv_tokens, !a.no_prefix_cache);
+    let load = move || -> ferrum_core::Result<ferrum_generate::Engine<CpuBackend>> {
+        let model = load_model(&path, &file, ctx, be)
+            .map_err(|e| ferrum_core::Error::Weights(format!("{e:#}")))?;
+        let engine_tok =
+            tokenizer(&file).map_err(|e| ferrum_core::Error::Tokenizer(format!("{e:#}")))?;
+        let mut config =
+            EngineConfig::with_kv_tokens(kv_tokens.unwrap_or(4 * model.decoder.context));
+        config.prefix_caching = prefix;
+        let engine = ferrum_generate::Engine::new(model, engine_tok, config)?;
+        eprintln!(
+            "ferrum: KV cache {} tokens ({:.1} MB), prefix caching {}; ready",
+            engine.config().kv_blocks * engine.config().block_size,
+            engine.kv_bytes() as f64 / 1e6,
+            if prefix { "on" } else { "off" }
+        );
+        Ok(engine)
+    };
+    let cfg = ferrum_server::ServeConfig {
+        host: a.host,
+        port: a.port,
+        api_key: a.api_key.filter(|k| !k.is_empty()),
+        model_id: id,
+        max_body_bytes: a.max_body,
+        max_waiting: a.max_waiting.max(1),
+    };
+    ferrum_server::serve(cfg, tok, load).map_err(|e| anyhow::anyhow!(e))
+}
+
 fn main() {
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Run(a) => run(a),
+        Cmd::Serve(a) => serve(a),
         Cmd::Bench(a) => bench::run(a),
         Cmd::Quantize {
             input,

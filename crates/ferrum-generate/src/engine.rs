@@ -297,6 +297,28 @@ impl<B: Backend> Engine<B> {
         Ok(id)
     }
 
+    /// A sentence embedding of `tokens`: the mean of the model's final-normalised hidden
+    /// states, scaled to unit length. Runs outside the batch, in a cache of its own.
+    pub fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(Error::InvalidRequest("the input is empty".into()));
+        }
+        if tokens.len() > self.model.decoder.context {
+            return Err(Error::InvalidRequest(format!(
+                "the input is {} tokens; the context holds {}",
+                tokens.len(),
+                self.model.decoder.context
+            )));
+        }
+        let mut kv = self.model.decoder.alloc_kv_tokens(tokens.len());
+        let mut v = self.model.decoder.pooled_hidden(&mut kv, tokens)?;
+        let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        if norm > 0.0 {
+            v.iter_mut().for_each(|x| *x /= norm);
+        }
+        Ok(v)
+    }
+
     /// Marks a request cancelled; its blocks are freed at the start of the next step, which
     /// reports it finished with [`FinishReason::Cancelled`]. Unknown ids are ignored.
     pub fn cancel(&mut self, id: RequestId) {

@@ -373,6 +373,52 @@ impl<B: Backend> Decoder<B> {
         result.map(|_| out)
     }
 
+    /// The mean over positions of the final-normalised hidden states of `tokens`, run as one
+    /// fresh sequence owning `kv` (sentence embeddings).
+    pub fn pooled_hidden(&mut self, kv: &mut KvCache<B>, tokens: &[u32]) -> Result<Vec<f32>> {
+        let h = self.config.hidden_size;
+        let mut sum = vec![0f64; h];
+        let mut host = Vec::new();
+        let blocks = std::mem::take(&mut kv.identity);
+        let mut pos = 0;
+        let mut result = Ok(());
+        for chunk in tokens.chunks(CHUNK) {
+            let seq = SeqChunk {
+                tokens: chunk,
+                start: pos,
+                blocks: &blocks,
+                logits: Logits::None,
+            };
+            if let Err(e) = self.forward_batch(kv, &[seq]) {
+                result = Err(e);
+                break;
+            }
+            let rows = Rows::dense(chunk.len(), h);
+            let s = &mut self.state;
+            let be = &self.backend;
+            be.rms_norm(
+                &s.x,
+                rows,
+                &self.final_norm,
+                self.config.rms_eps,
+                &mut s.xn,
+                rows,
+            );
+            host.resize(chunk.len() * h, 0.0);
+            be.read(&s.xn, 0, &mut host);
+            for row in host.chunks_exact(h) {
+                for (a, &b) in sum.iter_mut().zip(row) {
+                    *a += b as f64;
+                }
+            }
+            pos += chunk.len();
+        }
+        kv.identity = blocks;
+        result?;
+        let n = tokens.len().max(1) as f64;
+        Ok(sum.iter().map(|&v| (v / n) as f32).collect())
+    }
+
     /// Runs one pass over a batch of sequences (prefill chunks and decode tokens alike), at
     /// most [`CHUNK`] tokens in all. Returns, row-major and in batch order, the logits each
     /// sequence asked for. A sequence's numbers do not depend on what else is in the batch:

@@ -78,6 +78,17 @@ impl ChatTemplate {
     /// Renders the conversation. Errors raised by the template (`raise_exception`) and
     /// runtime errors are [`Error::Template`].
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.render_with(messages, add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// [`ChatTemplate::render`] with extra template variables (`chat_template_kwargs`, e.g.
+    /// `enable_thinking`); they cannot replace the messages or the special-token texts.
+    pub fn render_with(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
         let tmpl = self
             .env
             .get_template(TEMPLATE_NAME)
@@ -89,6 +100,7 @@ impl ChatTemplate {
             documents => Value::from(()),
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
+            ..Value::from_serialize(kwargs)
         };
         tmpl.render(ctx).map_err(|e| Error::Template(describe(&e)))
     }

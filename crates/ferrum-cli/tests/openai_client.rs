@@ -1,0 +1,36 @@
+//! Runs the OpenAI-compatibility suite (`tests/openai`, pytest with the official `openai`
+//! package) against this build's `ferrum serve` on the default model. The Python side is
+//! installed by `scripts/fetch-test-assets.sh` (a venv in the cache folder).
+
+use std::process::Command;
+
+#[test]
+fn openai_python_client_suite() {
+    let cache = ferrum_loader::assets::cache_dir();
+    let python = cache.join("venv-openai/bin/python");
+    assert!(
+        python.exists(),
+        "{} is missing: run scripts/fetch-test-assets.sh",
+        python.display()
+    );
+    let model = ferrum_loader::assets::default_model_path();
+    assert!(model.exists(), "{} is missing", model.display());
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+    let out = Command::new(&python)
+        .args([
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/openai",
+        ])
+        .current_dir(root)
+        .env("FERRUM_BIN", env!("CARGO_BIN_EXE_ferrum"))
+        .env("FERRUM_MODEL", &model)
+        .output()
+        .expect("running pytest");
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the OpenAI suite failed:\n{text}");
+}

@@ -1,0 +1,504 @@
+//! The OpenAI request bodies, and their translation into engine requests. Every field is
+//! either honoured or refused with a 400 that names it: unknown fields are refused by serde
+//! (`deny_unknown_fields`), and features this server does not have yet are refused here.
+
+use std::collections::{BTreeMap, HashMap};
+
+use ferrum_generate::{Request, SamplingExtras, SamplingParams};
+use ferrum_tokenizer::{Message, Tokenizer};
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::error::ApiError;
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+    #[serde(default)]
+    pub continuous_usage_stats: bool,
+}
+
+/// Sampling fields shared by chat and text completions.
+#[derive(Debug, Deserialize, Default)]
+pub struct Sampling {
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub logit_bias: Option<HashMap<String, f32>>,
+    pub seed: Option<i64>,
+    pub stop: Option<StopField>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub n: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub ignore_eos: Option<bool>,
+    pub user: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: Option<Content>,
+    pub name: Option<String>,
+    pub tool_calls: Option<Value>,
+    pub tool_call_id: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub model: String,
+    pub messages: Vec<ChatMessage>,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    pub response_format: Option<Value>,
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptField {
+    One(String),
+    Many(Vec<String>),
+    Tokens(Vec<u32>),
+    ManyTokens(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub model: String,
+    pub prompt: PromptField,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+    /// The legacy API's field: how many top alternatives to report per token.
+    pub logprobs: Option<i64>,
+    pub echo: Option<bool>,
+    pub suffix: Option<String>,
+    pub best_of: Option<i64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum EmbeddingInput {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct EmbeddingRequest {
+    pub model: String,
+    pub input: EmbeddingInput,
+    pub encoding_format: Option<String>,
+    pub dimensions: Option<i64>,
+    pub user: Option<String>,
+}
+
+const SAMPLING_FIELDS: &[&str] = &[
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "n",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "user",
+];
+
+pub const CHAT_FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "logprobs",
+    "top_logprobs",
+    "chat_template_kwargs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+];
+
+pub const COMPLETION_FIELDS: &[&str] =
+    &["model", "prompt", "logprobs", "echo", "suffix", "best_of"];
+
+pub const EMBEDDING_FIELDS: &[&str] = &["model", "input", "encoding_format", "dimensions", "user"];
+
+/// Parses a JSON object body whose fields must be among `fields` (plus the sampling fields
+/// when `sampling`), naming the offending field in the error.
+pub fn parse<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    fields: &[&str],
+    sampling: bool,
+) -> Result<T, ApiError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}"), None))?;
+    let Some(obj) = v.as_object() else {
+        return Err(ApiError::bad_request(
+            "the body must be a JSON object",
+            None,
+        ));
+    };
+    for k in obj.keys() {
+        let known =
+            fields.contains(&k.as_str()) || (sampling && SAMPLING_FIELDS.contains(&k.as_str()));
+        if !known {
+            return Err(ApiError::param(k, format!("unsupported parameter {k:?}")));
+        }
+    }
+    let keys: Vec<String> = obj.keys().cloned().collect();
+    serde_json::from_value(v).map_err(|e| {
+        let msg = e.to_string();
+        // Name the field serde complains about when it says which.
+        let param = msg
+            .split('`')
+            .nth(1)
+            .filter(|_| msg.starts_with("missing field") || msg.starts_with("unknown field"))
+            .map(str::to_string)
+            .or_else(|| keys.iter().find(|k| msg.contains(k.as_str())).cloned());
+        ApiError::bad_request(format!("invalid request: {msg}"), param.as_deref())
+    })
+}
+
+/// The parts of a request the handler needs besides the engine request.
+pub struct Plan {
+    pub base: Request,
+    pub n: usize,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub seed: Option<u64>,
+}
+
+impl Sampling {
+    /// Checks every field and builds the engine request for `prompt`.
+    pub fn plan(
+        &self,
+        prompt: Vec<u32>,
+        max_sequence: usize,
+        vocab: usize,
+        logprobs: Option<usize>,
+    ) -> Result<Plan, ApiError> {
+        let room = max_sequence.saturating_sub(prompt.len());
+        if prompt.len() >= max_sequence {
+            return Err(ApiError::param(
+                "messages",
+                format!(
+                    "the prompt is {} tokens; this model's context holds {} (prompt and answer)",
+                    prompt.len(),
+                    max_sequence
+                ),
+            ));
+        }
+        let max_tokens = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(v), _) => positive("max_completion_tokens", v)?,
+            (None, Some(v)) => positive("max_tokens", v)?,
+            (None, None) => room,
+        };
+        let temperature = self.temperature.unwrap_or(1.0);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(ApiError::param(
+                "temperature",
+                "temperature must be in [0, 2]",
+            ));
+        }
+        let top_p = self.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ApiError::param("top_p", "top_p must be in (0, 1]"));
+        }
+        let top_k = match self.top_k {
+            None | Some(-1) | Some(0) => 0,
+            Some(k) if k > 0 => k as usize,
+            Some(_) => return Err(ApiError::param("top_k", "top_k must be -1, 0 or positive")),
+        };
+        let n = match self.n {
+            None => 1,
+            Some(n) if (1..=16).contains(&n) => n as usize,
+            Some(_) => return Err(ApiError::param("n", "n must be between 1 and 16")),
+        };
+        let seed = self.seed.map(|s| s as u64);
+        let mut logit_bias = BTreeMap::new();
+        for (k, &v) in self.logit_bias.iter().flatten() {
+            let id: u32 = k.parse().map_err(|_| {
+                ApiError::param(
+                    "logit_bias",
+                    format!("logit_bias key {k:?} is not a token id"),
+                )
+            })?;
+            if id as usize >= vocab {
+                return Err(ApiError::param(
+                    "logit_bias",
+                    format!("logit_bias token {id} is outside the vocabulary ({vocab})"),
+                ));
+            }
+            logit_bias.insert(id, v);
+        }
+        let extras = SamplingExtras {
+            min_p: self.min_p.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            logit_bias,
+        };
+        extras.validate()?;
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(StopField::One(s)) => vec![s.clone()],
+            Some(StopField::Many(v)) if v.len() <= 16 => v.clone(),
+            Some(_) => return Err(ApiError::param("stop", "at most 16 stop strings")),
+        };
+        if let Some(bad) = self
+            .stop_token_ids
+            .iter()
+            .flatten()
+            .find(|&&t| t as usize >= vocab)
+        {
+            return Err(ApiError::param(
+                "stop_token_ids",
+                format!("stop token {bad} is outside the vocabulary"),
+            ));
+        }
+        let include_usage = self
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage);
+        let stream = self.stream.unwrap_or(false);
+        if self.stream_options.is_some() && !stream {
+            return Err(ApiError::param(
+                "stream_options",
+                "stream_options is only allowed with stream: true",
+            ));
+        }
+        let base = Request {
+            prompt,
+            max_tokens: max_tokens.min(room),
+            params: SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                seed,
+            },
+            extras,
+            stop,
+            stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            logprobs,
+        };
+        Ok(Plan {
+            base,
+            n,
+            stream,
+            include_usage,
+            seed,
+        })
+    }
+}
+
+fn positive(name: &str, v: i64) -> Result<usize, ApiError> {
+    if v < 1 {
+        return Err(ApiError::param(
+            name,
+            format!("{name} must be at least 1, got {v}"),
+        ));
+    }
+    Ok(v as usize)
+}
+
+impl ChatRequest {
+    /// Refuses what this server cannot honour yet, naming the field.
+    pub fn check_supported(&self) -> Result<(), ApiError> {
+        if let Some(rf) = &self.response_format {
+            match rf.get("type").and_then(Value::as_str) {
+                Some("text") => {}
+                _ => {
+                    return Err(ApiError::param(
+                        "response_format",
+                        "response_format json_object / json_schema is not supported yet",
+                    ))
+                }
+            }
+        }
+        let no_tools = match &self.tools {
+            None => true,
+            Some(Value::Array(a)) => a.is_empty(),
+            Some(_) => false,
+        };
+        if !no_tools {
+            return Err(ApiError::param(
+                "tools",
+                "tool calling is not supported yet",
+            ));
+        }
+        if let Some(tc) = &self.tool_choice {
+            if tc.as_str() != Some("none") && tc.as_str() != Some("auto") {
+                return Err(ApiError::param(
+                    "tool_choice",
+                    "tool calling is not supported yet",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The conversation as the template sees it: text parts joined, `developer` as `system`.
+    pub fn messages(&self) -> Result<Vec<Message>, ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::param("messages", "messages must not be empty"));
+        }
+        let mut out = Vec::with_capacity(self.messages.len());
+        for m in &self.messages {
+            let role = match m.role.as_str() {
+                "developer" => "system",
+                r @ ("system" | "user" | "assistant" | "tool") => r,
+                other => {
+                    return Err(ApiError::param(
+                        "messages",
+                        format!("unknown message role {other:?}"),
+                    ))
+                }
+            };
+            if m.tool_calls.is_some() {
+                return Err(ApiError::param(
+                    "messages",
+                    "assistant tool_calls are not supported yet",
+                ));
+            }
+            let content = match &m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t.clone(),
+                Some(Content::Parts(parts)) => {
+                    let mut s = String::new();
+                    for p in parts {
+                        match (p.kind.as_str(), &p.text) {
+                            ("text", Some(t)) => s.push_str(t),
+                            (kind, _) => {
+                                return Err(ApiError::param(
+                                    "messages",
+                                    format!("content parts of type {kind:?} are not supported"),
+                                ))
+                            }
+                        }
+                    }
+                    s
+                }
+            };
+            out.push(Message::new(role, content));
+        }
+        Ok(out)
+    }
+
+    pub fn logprobs(&self) -> Result<Option<usize>, ApiError> {
+        match (self.logprobs.unwrap_or(false), self.top_logprobs) {
+            (false, Some(_)) => Err(ApiError::param(
+                "top_logprobs",
+                "top_logprobs needs logprobs: true",
+            )),
+            (false, None) => Ok(None),
+            (true, None) => Ok(Some(0)),
+            (true, Some(k)) if (0..=20).contains(&k) => Ok(Some(k as usize)),
+            (true, Some(_)) => Err(ApiError::param(
+                "top_logprobs",
+                "top_logprobs must be 0..=20",
+            )),
+        }
+    }
+
+    /// Renders the conversation with the model's template into token ids.
+    pub fn prompt(&self, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {
+        let messages = self.messages()?;
+        let kwargs = self.chat_template_kwargs.clone().unwrap_or_default();
+        let text = match tok.chat_template() {
+            Some(t) => t.render_with(&messages, true, &kwargs)?,
+            None => messages
+                .iter()
+                .map(|m| m.content.as_str())
+                .collect::<Vec<_>>()
+                .join("\n"),
+        };
+        Ok(tok.encode(&text, tok.chat_template().is_none())?)
+    }
+}
+
+impl CompletionRequest {
+    pub fn check_supported(&self) -> Result<(), ApiError> {
+        if self.echo == Some(true) {
+            return Err(ApiError::param("echo", "echo is not supported"));
+        }
+        if self.suffix.is_some() {
+            return Err(ApiError::param("suffix", "suffix is not supported"));
+        }
+        if self.best_of.is_some_and(|b| b != 1) {
+            return Err(ApiError::param(
+                "best_of",
+                "best_of other than 1 is not supported",
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn logprobs(&self) -> Result<Option<usize>, ApiError> {
+        match self.logprobs {
+            None => Ok(None),
+            Some(k) if (0..=20).contains(&k) => Ok(Some(k as usize)),
+            Some(_) => Err(ApiError::param("logprobs", "logprobs must be 0..=20")),
+        }
+    }
+
+    /// Each prompt as token ids (text is encoded with the model's BOS rule).
+    pub fn prompts(&self, tok: &Tokenizer) -> Result<Vec<Vec<u32>>, ApiError> {
+        let v = match &self.prompt {
+            PromptField::One(s) => vec![tok.encode(s, true)?],
+            PromptField::Many(v) => v
+                .iter()
+                .map(|s| tok.encode(s, true))
+                .collect::<ferrum_core::Result<_>>()?,
+            PromptField::Tokens(t) => vec![t.clone()],
+            PromptField::ManyTokens(v) => v.clone(),
+        };
+        if v.is_empty() || v.iter().any(|p| p.is_empty()) {
+            return Err(ApiError::param("prompt", "the prompt is empty"));
+        }
+        Ok(v)
+    }
+}

@@ -1,0 +1,192 @@
+//! Counters and histograms for `/metrics` (Prometheus text format), with the vLLM names
+//! gateways and dashboards already know.
+
+use std::fmt::Write;
+use std::sync::Mutex;
+
+use ferrum_generate::EngineStats;
+
+const BUCKETS: [f64; 11] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+
+#[derive(Default, Clone)]
+struct Histogram {
+    counts: [u64; BUCKETS.len()],
+    count: u64,
+    sum: f64,
+}
+
+impl Histogram {
+    fn observe(&mut self, v: f64) {
+        for (c, &b) in self.counts.iter_mut().zip(&BUCKETS) {
+            if v <= b {
+                *c += 1;
+            }
+        }
+        self.count += 1;
+        self.sum += v;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (c, b) in self.counts.iter().zip(&BUCKETS) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", self.sum, self.count);
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    requests: u64,
+    failed: u64,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    ttft: Histogram,
+    e2e: Histogram,
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    inner: Mutex<Inner>,
+}
+
+impl Metrics {
+    pub fn request_done(&self, prompt: usize, completion: usize, ttft: Option<f64>, e2e: f64) {
+        if let Ok(mut m) = self.inner.lock() {
+            m.requests += 1;
+            m.prompt_tokens += prompt as u64;
+            m.completion_tokens += completion as u64;
+            if let Some(t) = ttft {
+                m.ttft.observe(t);
+            }
+            m.e2e.observe(e2e);
+        }
+    }
+
+    pub fn request_failed(&self) {
+        if let Ok(mut m) = self.inner.lock() {
+            m.failed += 1;
+        }
+    }
+
+    pub fn render(&self, s: &EngineStats) -> String {
+        let mut out = String::new();
+        let usage = if s.kv_blocks > 0 {
+            s.kv_blocks_used as f64 / s.kv_blocks as f64
+        } else {
+            0.0
+        };
+        let mut gauge = |name: &str, help: &str, kind: &str, v: f64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
+            );
+        };
+        if let Ok(m) = self.inner.lock() {
+            gauge(
+                "ferrum_requests_total",
+                "Requests finished.",
+                "counter",
+                m.requests as f64,
+            );
+            gauge(
+                "ferrum_requests_failed_total",
+                "Requests refused or failed.",
+                "counter",
+                m.failed as f64,
+            );
+            gauge(
+                "ferrum_prompt_tokens_total",
+                "Prompt tokens of finished requests.",
+                "counter",
+                m.prompt_tokens as f64,
+            );
+            gauge(
+                "ferrum_generation_tokens_total",
+                "Tokens generated for finished requests.",
+                "counter",
+                m.completion_tokens as f64,
+            );
+        }
+        gauge(
+            "ferrum_requests_running",
+            "Sequences in the running batch.",
+            "gauge",
+            s.running as f64,
+        );
+        gauge(
+            "ferrum_requests_waiting",
+            "Sequences waiting for KV room.",
+            "gauge",
+            s.waiting as f64,
+        );
+        gauge(
+            "ferrum_kv_cache_usage_ratio",
+            "Share of KV blocks referenced.",
+            "gauge",
+            usage,
+        );
+        gauge(
+            "ferrum_kv_cache_blocks",
+            "KV blocks in the pool.",
+            "gauge",
+            s.kv_blocks as f64,
+        );
+        gauge(
+            "ferrum_prefix_cache_queries_total",
+            "Prompt blocks looked up in the prefix cache.",
+            "counter",
+            s.prefix.queries as f64,
+        );
+        gauge(
+            "ferrum_prefix_cache_hits_total",
+            "Prompt blocks found in the prefix cache.",
+            "counter",
+            s.prefix.hits as f64,
+        );
+        gauge(
+            "ferrum_prefix_cache_tokens_saved_total",
+            "Prompt tokens not computed thanks to the prefix cache.",
+            "counter",
+            s.prefix.tokens_saved as f64,
+        );
+        gauge(
+            "ferrum_preemptions_total",
+            "Sequences preempted for KV room.",
+            "counter",
+            s.preemptions as f64,
+        );
+        gauge(
+            "vllm:num_requests_running",
+            "Number of requests in the running batch.",
+            "gauge",
+            s.running as f64,
+        );
+        gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting.",
+            "gauge",
+            s.waiting as f64,
+        );
+        gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage; 1 means 100 percent.",
+            "gauge",
+            usage,
+        );
+        if let Ok(m) = self.inner.lock() {
+            m.ttft.render(
+                &mut out,
+                "ferrum_time_to_first_token_seconds",
+                "Time to first token.",
+            );
+            m.e2e.render(
+                &mut out,
+                "ferrum_request_duration_seconds",
+                "Request latency, end to end.",
+            );
+        }
+        out
+    }
+}

@@ -1,0 +1,743 @@
+//! The HTTP handlers: parse and check a request, submit it to the engine (once per choice),
+//! and turn the engine's events into an OpenAI response body or an SSE stream.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Request as HttpRequest, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use ferrum_generate::{FinishReason, Output, OutputKind, Request, TokenLogprob, Usage};
+use ferrum_tokenizer::Tokenizer;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::StreamExt;
+
+use crate::api::{self, Plan};
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::worker::{Handle, ModelCard};
+
+pub struct AppState {
+    pub handle: Handle,
+    pub tokenizer: Tokenizer,
+    pub metrics: Metrics,
+    pub api_key: Option<String>,
+    /// Waiting requests beyond which new ones get 429.
+    pub max_waiting: usize,
+    pub next_id: AtomicU64,
+}
+
+type App = State<Arc<AppState>>;
+
+impl AppState {
+    fn card(&self) -> Result<&ModelCard, ApiError> {
+        if let Some(e) = self.handle.shared.load_error.get() {
+            return Err(ApiError::not_ready(format!(
+                "the model failed to load: {e}"
+            )));
+        }
+        self.handle
+            .shared
+            .card
+            .get()
+            .ok_or_else(|| ApiError::not_ready("the model is still loading"))
+    }
+
+    fn check_model(&self, model: &str) -> Result<&ModelCard, ApiError> {
+        let card = self.card()?;
+        if model != card.id {
+            return Err(ApiError::not_found(
+                format!(
+                    "model {model:?} is not served here (this server has {:?})",
+                    card.id
+                ),
+                Some("model"),
+            ));
+        }
+        Ok(card)
+    }
+
+    fn check_load(&self) -> Result<(), ApiError> {
+        let waiting = self.handle.shared.stats.lock().map_or(0, |s| s.waiting);
+        if waiting >= self.max_waiting {
+            return Err(ApiError::overloaded(1));
+        }
+        Ok(())
+    }
+
+    fn new_id(&self, prefix: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}-{:x}{n:06x}", now())
+    }
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Bearer-token check for the API routes when the server has a key.
+pub async fn auth(State(st): App, req: HttpRequest, next: Next) -> Response {
+    if let Some(key) = &st.api_key {
+        let ok = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|k| k == key);
+        if !ok {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+fn body(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    b.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::too_large("the request body is too large")
+        } else {
+            ApiError::bad_request(format!("cannot read the body: {e}"), None)
+        }
+    })
+}
+
+pub async fn health(State(st): App) -> Response {
+    match st.card() {
+        Ok(c) => {
+            let s = st
+                .handle
+                .shared
+                .stats
+                .lock()
+                .map(|s| *s)
+                .unwrap_or_default();
+            Json(json!({
+                "status": "ok",
+                "model": c.id,
+                "arch": c.arch,
+                "dtype": c.dtype,
+                "context": c.context,
+                "kv_cache_tokens": c.kv_tokens,
+                "kv_cache_bytes": c.kv_bytes,
+                "kv_blocks": s.kv_blocks,
+                "kv_blocks_used": s.kv_blocks_used,
+                "running": s.running,
+                "waiting": s.waiting,
+            }))
+            .into_response()
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+pub async fn metrics(State(st): App) -> Response {
+    let s = st
+        .handle
+        .shared
+        .stats
+        .lock()
+        .map(|s| *s)
+        .unwrap_or_default();
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        st.metrics.render(&s),
+    )
+        .into_response()
+}
+
+pub async fn models(State(st): App) -> Result<Response, ApiError> {
+    let c = st.card()?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": [{
+            "id": c.id,
+            "object": "model",
+            "created": c.created,
+            "owned_by": "ferrum",
+            "max_model_len": c.max_sequence,
+        }]
+    }))
+    .into_response())
+}
+
+/// One generated choice, accumulated.
+#[derive(Default)]
+struct Choice {
+    text: String,
+    tokens: usize,
+    logprobs: Vec<(u32, TokenLogprob)>,
+    finish: Option<FinishReason>,
+    usage: Usage,
+    first_token: Option<Instant>,
+}
+
+fn finish_name(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Cancelled => "abort",
+    }
+}
+
+/// Submits one engine request per choice; returns a channel of `(choice, event)`.
+async fn launch(
+    st: &AppState,
+    plans: Vec<Request>,
+) -> Result<mpsc::UnboundedReceiver<(usize, Output)>, ApiError> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    for (i, req) in plans.into_iter().enumerate() {
+        let (_, mut events) = st.handle.submit(req).await?;
+        let tx = tx.clone();
+        // Forward until the engine finishes or the consumer is gone; either way `events` is
+        // dropped and the worker cancels whatever is still running.
+        tokio::spawn(async move {
+            while let Some(o) = events.recv().await {
+                if tx.send((i, o)).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    Ok(rx)
+}
+
+/// `n` engine requests from one plan; with a seed, choice `i` uses `seed + i`.
+fn choices(plan: &Plan) -> Vec<Request> {
+    (0..plan.n)
+        .map(|i| {
+            let mut r = plan.base.clone();
+            r.params.seed = plan.seed.map(|s| s.wrapping_add(i as u64));
+            r
+        })
+        .collect()
+}
+
+fn token_text(tok: &Tokenizer, id: u32) -> String {
+    tok.decode(&[id], false).unwrap_or_default()
+}
+
+fn chat_logprobs(tok: &Tokenizer, lps: &[(u32, TokenLogprob)]) -> Value {
+    let entry = |id: u32, lp: f32| {
+        let t = token_text(tok, id);
+        json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})
+    };
+    let content: Vec<Value> = lps
+        .iter()
+        .map(|(id, lp)| {
+            let mut e = entry(*id, lp.logprob);
+            e["top_logprobs"] = lp.top.iter().map(|&(t, l)| entry(t, l)).collect();
+            e
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+fn completion_logprobs(tok: &Tokenizer, lps: &[(u32, TokenLogprob)], offset0: usize) -> Value {
+    let mut offset = offset0;
+    let (mut tokens, mut lp, mut top, mut offs) = (vec![], vec![], vec![], vec![]);
+    for (id, l) in lps {
+        let t = token_text(tok, *id);
+        offs.push(offset);
+        offset += t.len();
+        tokens.push(t);
+        lp.push(l.logprob);
+        let m: serde_json::Map<String, Value> = l
+            .top
+            .iter()
+            .map(|&(id, v)| (token_text(tok, id), json!(v)))
+            .collect();
+        top.push(Value::Object(m));
+    }
+    json!({"tokens": tokens, "token_logprobs": lp, "top_logprobs": top, "text_offset": offs})
+}
+
+/// Usage of `u` (choices in prompt-major order, `n` per prompt): each prompt counts once.
+fn usage_json(u: &[Usage], n: usize) -> Value {
+    let per_prompt = u.iter().step_by(n.max(1));
+    let prompt: usize = per_prompt.clone().map(|x| x.prompt_tokens).sum();
+    let cached: usize = per_prompt.map(|x| x.cached_tokens).sum();
+    let completion: usize = u.iter().map(|x| x.completion_tokens).sum();
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+/// Waits for every choice to finish.
+async fn collect(
+    mut rx: mpsc::UnboundedReceiver<(usize, Output)>,
+    n: usize,
+) -> Result<Vec<Choice>, ApiError> {
+    let mut out: Vec<Choice> = (0..n).map(|_| Choice::default()).collect();
+    let mut done = 0;
+    while done < n {
+        let Some((i, o)) = rx.recv().await else {
+            return Err(ApiError::internal("the engine dropped the request"));
+        };
+        let c = &mut out[i];
+        match o.kind {
+            OutputKind::Token {
+                token,
+                text,
+                logprob,
+            } => {
+                c.first_token.get_or_insert_with(Instant::now);
+                c.text.push_str(&text);
+                c.tokens += 1;
+                if let Some(lp) = logprob {
+                    c.logprobs.push((token, lp));
+                }
+            }
+            OutputKind::Finished {
+                reason,
+                text,
+                usage,
+            } => {
+                c.text.push_str(&text);
+                c.finish = Some(reason);
+                c.usage = usage;
+                done += 1;
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn record(st: &AppState, t0: Instant, choices: &[Choice]) {
+    let prompt: usize = choices.first().map_or(0, |c| c.usage.prompt_tokens);
+    let completion: usize = choices.iter().map(|c| c.usage.completion_tokens).sum();
+    let ttft = choices
+        .iter()
+        .filter_map(|c| c.first_token)
+        .min()
+        .map(|t| (t - t0).as_secs_f64());
+    st.metrics
+        .request_done(prompt, completion, ttft, t0.elapsed().as_secs_f64());
+}
+
+pub async fn chat(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
+    match chat_inner(st.clone(), b).await {
+        Ok(r) => r,
+        Err(e) => {
+            st.metrics.request_failed();
+            e.into_response()
+        }
+    }
+}
+
+async fn chat_inner(
+    st: Arc<AppState>,
+    b: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let t0 = Instant::now();
+    let bytes = body(b)?;
+    let req: api::ChatRequest = api::parse(&bytes, api::CHAT_FIELDS, true)?;
+    let card = st.check_model(&req.model)?.clone();
+    req.check_supported()?;
+    let logprobs = req.logprobs()?;
+    let prompt = req.prompt(&st.tokenizer)?;
+    let plan = req
+        .sampling
+        .plan(prompt, card.max_sequence, card.vocab_size, logprobs)?;
+    st.check_load()?;
+    let rx = launch(&st, choices(&plan)).await?;
+    let id = st.new_id("chatcmpl");
+    let created = now();
+    if !plan.stream {
+        let out = collect(rx, plan.n).await?;
+        record(&st, t0, &out);
+        let usages: Vec<Usage> = out.iter().map(|c| c.usage).collect();
+        let choices: Vec<Value> = out
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                json!({
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": logprobs.map(|_| chat_logprobs(&st.tokenizer, &c.logprobs)),
+                    "finish_reason": c.finish.map(finish_name),
+                })
+            })
+            .collect();
+        return Ok(Json(json!({
+            "id": id,
+            "object": "chat.completion",
+            "created": created,
+            "model": card.id,
+            "choices": choices,
+            "usage": usage_json(&usages, plan.n),
+        }))
+        .into_response());
+    }
+    let chunk = {
+        let (id, model) = (id.clone(), card.id.clone());
+        move |choices: Value| {
+            json!({
+                "id": id, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": choices,
+            })
+        }
+    };
+    let first: Vec<Value> = (0..plan.n)
+        .map(|i| {
+            chunk(json!([{
+                "index": i, "delta": {"role": "assistant", "content": ""},
+                "logprobs": null, "finish_reason": null,
+            }]))
+        })
+        .collect();
+    let tok_st = st.clone();
+    let piece = move |i: usize, o: &Output| -> Option<Value> {
+        match &o.kind {
+            OutputKind::Token {
+                token,
+                text,
+                logprob,
+            } => {
+                if text.is_empty() && logprob.is_none() {
+                    return None;
+                }
+                let lp = logprob
+                    .as_ref()
+                    .map(|l| chat_logprobs(&tok_st.tokenizer, &[(*token, l.clone())]));
+                Some(chunk(json!([{
+                    "index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": null,
+                }])))
+            }
+            OutputKind::Finished { reason, text, .. } => Some(chunk(json!([{
+                "index": i,
+                "delta": if text.is_empty() { json!({}) } else { json!({"content": text}) },
+                "logprobs": null,
+                "finish_reason": finish_name(*reason),
+            }]))),
+        }
+    };
+    let final_usage = {
+        let (id, model) = (id.clone(), card.id.clone());
+        move |u: Value| {
+            json!({
+                "id": id, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": [], "usage": u,
+            })
+        }
+    };
+    let usage = Usage4Sse { n: plan.n };
+    Ok(sse(
+        st,
+        t0,
+        rx,
+        plan.n,
+        first,
+        piece,
+        plan.include_usage,
+        usage,
+        final_usage,
+    ))
+}
+
+/// Choices per prompt, for the usage chunk.
+struct Usage4Sse {
+    n: usize,
+}
+
+/// Streams `first`, then each event through `piece`, then the usage chunk if asked, then
+/// `[DONE]`. A client that goes away drops the stream, which cancels the requests.
+#[allow(clippy::too_many_arguments)]
+fn sse(
+    st: Arc<AppState>,
+    t0: Instant,
+    mut rx: mpsc::UnboundedReceiver<(usize, Output)>,
+    n: usize,
+    first: Vec<Value>,
+    piece: impl Fn(usize, &Output) -> Option<Value> + Send + 'static,
+    include_usage: bool,
+    per: Usage4Sse,
+    usage_chunk: impl Fn(Value) -> Value + Send + 'static,
+) -> Response {
+    let (tx, out) = mpsc::unbounded_channel::<Event>();
+    tokio::spawn(async move {
+        let send = |v: Value| tx.send(Event::default().data(v.to_string())).is_ok();
+        for v in first {
+            if !send(v) {
+                return;
+            }
+        }
+        let mut choices: Vec<Choice> = (0..n).map(|_| Choice::default()).collect();
+        let mut done = 0;
+        while done < n {
+            let Some((i, o)) = rx.recv().await else {
+                return;
+            };
+            if let OutputKind::Token { .. } = &o.kind {
+                choices[i].first_token.get_or_insert_with(Instant::now);
+            }
+            if let OutputKind::Finished { usage, reason, .. } = &o.kind {
+                choices[i].usage = *usage;
+                choices[i].finish = Some(*reason);
+                done += 1;
+            }
+            if let Some(v) = piece(i, &o) {
+                if !send(v) {
+                    return;
+                }
+            }
+        }
+        record(&st, t0, &choices);
+        if include_usage {
+            let usages: Vec<Usage> = choices.iter().map(|c| c.usage).collect();
+            if !send(usage_chunk(usage_json(&usages, per.n))) {
+                return;
+            }
+        }
+        let _ = tx.send(Event::default().data("[DONE]"));
+    });
+    let stream = UnboundedReceiverStream::new(out).map(Ok::<_, Infallible>);
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(10)))
+        .into_response()
+}
+
+pub async fn completions(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
+    match completions_inner(st.clone(), b).await {
+        Ok(r) => r,
+        Err(e) => {
+            st.metrics.request_failed();
+            e.into_response()
+        }
+    }
+}
+
+async fn completions_inner(
+    st: Arc<AppState>,
+    b: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let t0 = Instant::now();
+    let bytes = body(b)?;
+    let req: api::CompletionRequest = api::parse(&bytes, api::COMPLETION_FIELDS, true)?;
+    let card = st.check_model(&req.model)?.clone();
+    req.check_supported()?;
+    let logprobs = req.logprobs()?;
+    let prompts = req.prompts(&st.tokenizer)?;
+    let mut reqs = Vec::new();
+    let mut plan0 = None;
+    for p in prompts {
+        let plan = req
+            .sampling
+            .plan(p, card.max_sequence, card.vocab_size, logprobs)
+            .map_err(|mut e| {
+                if e.param.as_deref() == Some("messages") {
+                    e.param = Some("prompt".into());
+                }
+                e
+            })?;
+        reqs.extend(choices(&plan));
+        plan0.get_or_insert(plan);
+    }
+    let Some(plan) = plan0 else {
+        return Err(ApiError::param("prompt", "the prompt is empty"));
+    };
+    st.check_load()?;
+    let total = reqs.len();
+    let rx = launch(&st, reqs).await?;
+    let id = st.new_id("cmpl");
+    let created = now();
+    if !plan.stream {
+        let out = collect(rx, total).await?;
+        record(&st, t0, &out);
+        let choices: Vec<Value> = out
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                json!({
+                    "index": i,
+                    "text": c.text,
+                    "logprobs": logprobs.map(|_| completion_logprobs(&st.tokenizer, &c.logprobs, 0)),
+                    "finish_reason": c.finish.map(finish_name),
+                })
+            })
+            .collect();
+        let usages: Vec<Usage> = out.iter().map(|c| c.usage).collect();
+        return Ok(Json(json!({
+            "id": id,
+            "object": "text_completion",
+            "created": created,
+            "model": card.id,
+            "choices": choices,
+            "usage": usage_json(&usages, plan.n),
+        }))
+        .into_response());
+    }
+    let chunk = {
+        let (id, model) = (id.clone(), card.id.clone());
+        move |choices: Value, usage: Option<Value>| {
+            let mut v = json!({
+                "id": id, "object": "text_completion", "created": created,
+                "model": model, "choices": choices,
+            });
+            if let Some(u) = usage {
+                v["usage"] = u;
+            }
+            v
+        }
+    };
+    let c2 = chunk.clone();
+    let tok_st = st.clone();
+    let piece = move |i: usize, o: &Output| -> Option<Value> {
+        match &o.kind {
+            OutputKind::Token {
+                token,
+                text,
+                logprob,
+            } => {
+                if text.is_empty() && logprob.is_none() {
+                    return None;
+                }
+                let lp = logprob
+                    .as_ref()
+                    .map(|l| completion_logprobs(&tok_st.tokenizer, &[(*token, l.clone())], 0));
+                Some(chunk(
+                    json!([{"index": i, "text": text, "logprobs": lp, "finish_reason": null}]),
+                    None,
+                ))
+            }
+            OutputKind::Finished { reason, text, .. } => Some(chunk(
+                json!([{"index": i, "text": text, "logprobs": null, "finish_reason": finish_name(*reason)}]),
+                None,
+            )),
+        }
+    };
+    let usage_chunk = move |u: Value| c2(json!([]), Some(u));
+    let usage = Usage4Sse { n: plan.n };
+    Ok(sse(
+        st,
+        t0,
+        rx,
+        total,
+        Vec::new(),
+        piece,
+        plan.include_usage,
+        usage,
+        usage_chunk,
+    ))
+}
+
+/// Standard base64 of little-endian f32s (what the OpenAI clients ask for by default).
+fn base64_f32(v: &[f32]) -> String {
+    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for c in bytes.chunks(3) {
+        let b = [c[0], *c.get(1).unwrap_or(&0), *c.get(2).unwrap_or(&0)];
+        let n = (b[0] as u32) << 16 | (b[1] as u32) << 8 | b[2] as u32;
+        for k in 0..4 {
+            if k <= c.len() {
+                out.push(T[(n >> (18 - 6 * k) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+pub async fn embeddings(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
+    match embeddings_inner(st.clone(), b).await {
+        Ok(r) => r,
+        Err(e) => {
+            st.metrics.request_failed();
+            e.into_response()
+        }
+    }
+}
+
+async fn embeddings_inner(
+    st: Arc<AppState>,
+    b: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let bytes = body(b)?;
+    let req: api::EmbeddingRequest = api::parse(&bytes, api::EMBEDDING_FIELDS, false)?;
+    let card = st.check_model(&req.model)?.clone();
+    let base64 = match req.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => {
+            return Err(ApiError::param(
+                "encoding_format",
+                format!("encoding_format {other:?} (float or base64)"),
+            ))
+        }
+    };
+    let inputs = match &req.input {
+        api::EmbeddingInput::One(s) => vec![s.clone()],
+        api::EmbeddingInput::Many(v) => v.clone(),
+    };
+    if inputs.is_empty() {
+        return Err(ApiError::param("input", "input must not be empty"));
+    }
+    let mut data = Vec::new();
+    let mut tokens = 0;
+    for (i, text) in inputs.iter().enumerate() {
+        let ids = st.tokenizer.encode(text, true)?;
+        if ids.is_empty() {
+            return Err(ApiError::param("input", format!("input {i} is empty")));
+        }
+        if ids.len() > card.context {
+            return Err(ApiError::param(
+                "input",
+                format!(
+                    "input {i} is {} tokens; the context holds {}",
+                    ids.len(),
+                    card.context
+                ),
+            ));
+        }
+        tokens += ids.len();
+        let v = st.handle.embed(ids).await?;
+        if let Some(d) = req.dimensions {
+            if d != v.len() as i64 {
+                return Err(ApiError::param(
+                    "dimensions",
+                    format!("this model's embeddings have {} dimensions", v.len()),
+                ));
+            }
+        }
+        let embedding = if base64 {
+            json!(base64_f32(&v))
+        } else {
+            json!(v)
+        };
+        data.push(json!({"object": "embedding", "index": i, "embedding": embedding}));
+    }
+    Ok(Json(json!({
+        "object": "list",
+        "data": data,
+        "model": card.id,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }))
+    .into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::base64_f32;
+
+    #[test]
+    fn base64_matches_the_rfc_alphabet_and_padding() {
+        // 1.0f32 = 00 00 80 3f → "AACAPw=="
+        assert_eq!(base64_f32(&[1.0]), "AACAPw==");
+        assert_eq!(base64_f32(&[0.0, 1.0]), "AAAAAAAAgD8=");
+    }
+}

@@ -1,0 +1,197 @@
+//! The engine's thread. The engine is synchronous and owns the model; HTTP handlers talk to
+//! it through a command channel and get each request's events back on a channel of their
+//! own. A handler that goes away (client disconnected) drops its receiver; the next event
+//! sent to it fails and the worker cancels the request, which frees its KV blocks.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use ferrum_backend::CpuBackend;
+use ferrum_core::{Error, Result};
+use ferrum_generate::{Engine, EngineStats, Output, OutputKind, Request, RequestId};
+use tokio::sync::{mpsc as tmpsc, oneshot};
+
+pub enum Command {
+    Submit {
+        req: Request,
+        events: tmpsc::UnboundedSender<Output>,
+        reply: oneshot::Sender<Result<RequestId>>,
+    },
+    Embed {
+        tokens: Vec<u32>,
+        reply: oneshot::Sender<Result<Vec<f32>>>,
+    },
+}
+
+/// What the server knows about the loaded model.
+#[derive(Debug, Clone)]
+pub struct ModelCard {
+    pub id: String,
+    pub created: u64,
+    pub context: usize,
+    pub max_sequence: usize,
+    pub kv_tokens: usize,
+    pub kv_bytes: usize,
+    pub vocab_size: usize,
+    pub arch: String,
+    pub dtype: String,
+}
+
+/// State the handlers read without asking the worker.
+#[derive(Default)]
+pub struct Shared {
+    pub ready: AtomicBool,
+    pub card: OnceLock<ModelCard>,
+    pub stats: Mutex<EngineStats>,
+    /// Set when loading failed; /health reports it.
+    pub load_error: OnceLock<String>,
+}
+
+#[derive(Clone)]
+pub struct Handle {
+    tx: mpsc::Sender<Command>,
+    pub shared: Arc<Shared>,
+}
+
+impl Handle {
+    /// Queues a request; returns its id and the channel its events arrive on.
+    pub async fn submit(
+        &self,
+        req: Request,
+    ) -> Result<(RequestId, tmpsc::UnboundedReceiver<Output>)> {
+        let (events, rx) = tmpsc::unbounded_channel();
+        let (reply, answer) = oneshot::channel();
+        self.tx
+            .send(Command::Submit { req, events, reply })
+            .map_err(|_| Error::InvalidRequest("the engine has stopped".into()))?;
+        let id = answer
+            .await
+            .map_err(|_| Error::InvalidRequest("the engine has stopped".into()))??;
+        Ok((id, rx))
+    }
+
+    pub async fn embed(&self, tokens: Vec<u32>) -> Result<Vec<f32>> {
+        let (reply, answer) = oneshot::channel();
+        self.tx
+            .send(Command::Embed { tokens, reply })
+            .map_err(|_| Error::InvalidRequest("the engine has stopped".into()))?;
+        answer
+            .await
+            .map_err(|_| Error::InvalidRequest("the engine has stopped".into()))?
+    }
+}
+
+/// Starts the worker thread; `load` builds the engine on that thread (the server answers
+/// /health with 503 meanwhile).
+pub fn spawn(
+    id: String,
+    load: impl FnOnce() -> Result<Engine<CpuBackend>> + Send + 'static,
+) -> Handle {
+    let (tx, rx) = mpsc::channel();
+    let shared = Arc::new(Shared::default());
+    let sh = shared.clone();
+    let started = std::thread::Builder::new()
+        .name("ferrum-engine".into())
+        .spawn(move || {
+            let mut engine = match load() {
+                Ok(e) => e,
+                Err(e) => {
+                    let _ = sh.load_error.set(e.to_string());
+                    return;
+                }
+            };
+            let created = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            let _ = sh.card.set(ModelCard {
+                id,
+                created,
+                context: engine.model.decoder.context,
+                max_sequence: engine.max_sequence(),
+                kv_tokens: engine.config().kv_blocks * engine.config().block_size,
+                kv_bytes: engine.kv_bytes(),
+                vocab_size: engine.model.decoder.config.vocab_size,
+                arch: engine.model.info.arch.name().to_string(),
+                dtype: engine.model.info.main_dtype.name().to_string(),
+            });
+            publish(&sh, &engine);
+            sh.ready.store(true, Ordering::SeqCst);
+            run(&mut engine, &rx, &sh);
+        });
+    if let Err(e) = started {
+        let _ = shared
+            .load_error
+            .set(format!("cannot start the engine thread: {e}"));
+    }
+    Handle { tx, shared }
+}
+
+fn publish(sh: &Shared, engine: &Engine<CpuBackend>) {
+    if let Ok(mut s) = sh.stats.lock() {
+        *s = engine.stats();
+    }
+}
+
+fn run(engine: &mut Engine<CpuBackend>, rx: &mpsc::Receiver<Command>, sh: &Shared) {
+    let mut senders: HashMap<RequestId, tmpsc::UnboundedSender<Output>> = HashMap::new();
+    loop {
+        // Idle: sleep until a command comes (or every handle is gone: shut down).
+        if !engine.has_work() {
+            match rx.recv() {
+                Ok(cmd) => handle(engine, cmd, &mut senders),
+                Err(_) => return,
+            }
+        }
+        while let Ok(cmd) = rx.try_recv() {
+            handle(engine, cmd, &mut senders);
+        }
+        if engine.has_work() {
+            match engine.step() {
+                Ok(outs) => {
+                    for o in outs {
+                        let id = o.id;
+                        let last = matches!(o.kind, OutputKind::Finished { .. });
+                        let gone = senders.get(&id).is_none_or(|tx| tx.send(o).is_err());
+                        if last {
+                            senders.remove(&id);
+                        } else if gone {
+                            engine.cancel(id);
+                        }
+                    }
+                }
+                Err(e) => {
+                    // Not expected (requests are validated): end every request rather than
+                    // spin on the error; their handlers see the channel close.
+                    eprintln!("ferrum: engine step failed: {e}");
+                    for id in senders.keys() {
+                        engine.cancel(*id);
+                    }
+                    senders.clear();
+                    let _ = engine.step();
+                }
+            }
+        }
+        publish(sh, engine);
+    }
+}
+
+fn handle(
+    engine: &mut Engine<CpuBackend>,
+    cmd: Command,
+    senders: &mut HashMap<RequestId, tmpsc::UnboundedSender<Output>>,
+) {
+    match cmd {
+        Command::Submit { req, events, reply } => {
+            let r = engine.add(req);
+            if let Ok(id) = r {
+                senders.insert(id, events);
+            }
+            let _ = reply.send(r);
+        }
+        Command::Embed { tokens, reply } => {
+            let _ = reply.send(engine.embed(&tokens));
+        }
+    }
+}

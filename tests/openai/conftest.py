@@ -1,0 +1,72 @@
+"""Starts the real `ferrum serve` on SmolLM2 for the suite and hands out an `openai` client.
+
+Run by `cargo test` (crates/ferrum-cli/tests/openai_client.rs), which sets FERRUM_BIN to the
+freshly built binary and FERRUM_MODEL to the default model; by hand:
+    FERRUM_BIN=target/release/ferrum FERRUM_MODEL=path/to.gguf python -m pytest tests/openai
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+
+API_KEY = "test-key"
+CTX = 1024
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, proc, base, model):
+        self.proc, self.base, self.model = proc, base, model
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=API_KEY, max_retries=0, **kw)
+
+    def raw(self, method, path, **kw):
+        headers = kw.pop("headers", {"Authorization": f"Bearer {API_KEY}"})
+        return httpx.request(method, self.base + path, headers=headers, timeout=60, **kw)
+
+
+@pytest.fixture(scope="session")
+def server():
+    binary = os.environ["FERRUM_BIN"]
+    model = os.environ["FERRUM_MODEL"]
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "serve", model, "--port", str(port), "--api-key", API_KEY,
+         "--ctx", str(CTX), "--kv-tokens", "8192"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    model_id = None
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ferrum serve exited early:\n{proc.stdout.read()}")
+        try:
+            r = httpx.get(base + "/health", timeout=2)
+            if r.status_code == 200:
+                model_id = r.json()["model"]
+                break
+            assert r.status_code == 503, r.text  # loading
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    if model_id is None:
+        proc.kill()
+        raise RuntimeError("ferrum serve did not become healthy")
+    yield Server(proc, base, model_id)
+    # Graceful shutdown on SIGTERM: running requests finish, then exit 0.
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out

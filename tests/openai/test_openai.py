@@ -1,0 +1,247 @@
+"""OpenAI compatibility, through the official `openai` package only (plus raw HTTP for
+bodies the client refuses to send)."""
+
+import json
+import math
+import threading
+
+import openai
+import pytest
+
+from conftest import CTX
+
+CHAT = [{"role": "user", "content": "Write two sentences about the sea."}]
+
+
+def test_models_lists_the_served_model(server):
+    models = server.client().models.list().data
+    assert [m.id for m in models] == [server.model]
+
+
+def test_chat_stream_concatenates_to_the_non_stream_answer(server):
+    c = server.client()
+    full = c.chat.completions.create(model=server.model, messages=CHAT, max_tokens=40, temperature=0)
+    text = full.choices[0].message.content
+    assert full.choices[0].message.role == "assistant"
+    assert len(text) > 0
+    stream = c.chat.completions.create(
+        model=server.model, messages=CHAT, max_tokens=40, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    deltas, roles, finish, usage = [], [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            if ch.delta.role:
+                roles.append(ch.delta.role)
+            if ch.delta.content:
+                deltas.append(ch.delta.content)
+            if ch.finish_reason:
+                finish = ch.finish_reason
+    assert roles == ["assistant"]
+    assert "".join(deltas) == text
+    assert finish == full.choices[0].finish_reason
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_usage_is_always_reported(server):
+    r = server.client().chat.completions.create(model=server.model, messages=CHAT, max_tokens=5)
+    u = r.usage
+    assert u.prompt_tokens > 0 and u.completion_tokens > 0
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+
+
+def test_max_tokens_ends_with_length(server):
+    c = server.client()
+    for kw in ({"max_tokens": 7}, {"max_completion_tokens": 7}):
+        r = c.chat.completions.create(model=server.model, messages=CHAT, temperature=0, **kw)
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == 7
+
+
+def test_stop_string_is_not_emitted(server):
+    c = server.client()
+    prompt = "Count: one, two, three, four, five, six"
+    free = c.completions.create(model=server.model, prompt=prompt, max_tokens=12, temperature=0)
+    text = free.choices[0].text
+    # Stop on a piece of the free answer: it must end before it.
+    cut = text.strip()[3:6]
+    assert cut and cut in text
+    r = c.completions.create(model=server.model, prompt=prompt, max_tokens=12, temperature=0, stop=[cut])
+    assert r.choices[0].finish_reason == "stop"
+    assert cut not in r.choices[0].text
+    assert text.startswith(r.choices[0].text)
+
+
+def test_completions_take_a_string_or_a_list(server):
+    c = server.client()
+    one = c.completions.create(model=server.model, prompt="The sky is", max_tokens=5, temperature=0)
+    assert len(one.choices) == 1 and one.choices[0].text
+    two = c.completions.create(model=server.model, prompt=["The sky is", "Water is"], max_tokens=5, temperature=0)
+    assert [ch.index for ch in two.choices] == [0, 1]
+    assert two.choices[0].text == one.choices[0].text
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(model=server.model, prompt="The sky is", max_tokens=5,
+                                       temperature=0, stream=True)
+        if ch.choices
+    )
+    assert streamed == one.choices[0].text
+
+
+def test_n_choices(server):
+    r = server.client().chat.completions.create(
+        model=server.model, messages=CHAT, max_tokens=12, temperature=1.0, n=3, seed=11)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert all(ch.message.content for ch in r.choices)
+    assert len({ch.message.content for ch in r.choices}) > 1, "three seeds, three answers"
+
+
+def test_seed_reproduces(server):
+    c = server.client()
+    kw = dict(model=server.model, messages=CHAT, max_tokens=20, temperature=1.0, top_p=0.95)
+    a = c.chat.completions.create(seed=1234, **kw).choices[0].message.content
+    b = c.chat.completions.create(seed=1234, **kw).choices[0].message.content
+    assert a == b
+
+
+def test_logprobs(server):
+    r = server.client().chat.completions.create(
+        model=server.model, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:
+        assert e.logprob <= 0
+        assert len(e.top_logprobs) == 3
+        tops = [t.logprob for t in e.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        # Greedy: the chosen token is the most likely one.
+        assert math.isclose(e.logprob, tops[0], abs_tol=1e-5)
+        assert e.token == e.top_logprobs[0].token
+
+
+def test_embeddings(server):
+    c = server.client()
+    # The client asks for base64 by default and decodes it.
+    r = c.embeddings.create(model=server.model, input=["hello world", "the sea is blue"])
+    assert [d.index for d in r.data] == [0, 1]
+    for d in r.data:
+        assert len(d.embedding) == 576
+        assert math.isclose(sum(x * x for x in d.embedding), 1.0, rel_tol=1e-3)
+    f = c.embeddings.create(model=server.model, input="hello world", encoding_format="float")
+    assert all(math.isclose(a, b, abs_tol=1e-6) for a, b in zip(f.data[0].embedding, r.data[0].embedding))
+    assert r.usage.prompt_tokens > 0
+
+
+def test_chat_template_kwargs_are_passed(server):
+    # SmolLM2's template has no variable of this name: accepted and harmless.
+    r = server.client().chat.completions.create(
+        model=server.model, messages=CHAT, max_tokens=3, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.content is not None
+
+
+def error_of(exc):
+    body = exc.value.response.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_bad_requests_get_the_right_status_and_shape(server):
+    c = server.client()
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="no-such-model", messages=CHAT)
+    assert error_of(e)["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=server.model, messages=CHAT, max_tokens=-1)
+    assert error_of(e)["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=server.model, messages=CHAT, extra_body={"frobnicate": 1})
+    assert error_of(e)["param"] == "frobnicate"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=server.model, messages=CHAT, temperature=5)
+    assert error_of(e)["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "word " * (CTX + 50)}])
+    assert "context" in error_of(e)["message"]
+    with pytest.raises(openai.AuthenticationError) as e:
+        server.client().with_options(api_key="wrong").models.list()
+    assert error_of(e)["type"] == "authentication_error"
+    # Bodies the client would not send.
+    r = server.raw("POST", "/v1/chat/completions", content=b"{not json",
+                   headers={"Authorization": "Bearer test-key", "Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    big = json.dumps({"model": server.model, "messages": [{"role": "user", "content": "x" * (2 << 20)}]})
+    r = server.raw("POST", "/v1/chat/completions", content=big,
+                   headers={"Authorization": "Bearer test-key", "Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_not_yet_supported_features_are_refused_by_name(server):
+    c = server.client()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=server.model, messages=CHAT, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}})
+    assert error_of(e)["param"] == "response_format"
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=server.model, messages=CHAT, tools=[tool])
+    assert error_of(e)["param"] == "tools"
+
+
+def metric(server, name):
+    text = server.raw("GET", "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_16_concurrent_streams_some_leaving_early(server):
+    results, errors = {}, []
+
+    def client(i):
+        try:
+            c = server.client()
+            stream = c.chat.completions.create(
+                model=server.model, max_tokens=24, temperature=0, stream=True,
+                messages=[{"role": "user", "content": f"Tell me fact number {i} about the moon."}])
+            text = []
+            for k, chunk in enumerate(stream):
+                if i % 4 == 3 and k == 3:
+                    stream.close()  # the client goes away mid-answer
+                    results[i] = None
+                    return
+                for ch in chunk.choices:
+                    text.append(ch.delta.content or "")
+                    if ch.finish_reason:
+                        results[i] = ("".join(text), ch.finish_reason)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    finished = [v for i, v in results.items() if i % 4 != 3]
+    assert len(finished) == 12
+    assert all(reason in ("stop", "length") and text for text, reason in finished)
+    # The departed clients' requests were cancelled: nothing keeps running.
+    for _ in range(50):
+        if metric(server, "vllm:num_requests_running") == 0:
+            break
+        threading.Event().wait(0.1)
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:num_requests_waiting") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_health_and_metrics(server):
+    h = server.raw("GET", "/health", headers={}).json()
+    assert h["status"] == "ok" and h["model"] == server.model and h["kv_cache_tokens"] >= 8192
+    assert metric(server, "ferrum_requests_total") > 0
+    assert "ferrum_time_to_first_token_seconds_bucket" in server.raw("GET", "/metrics").text
