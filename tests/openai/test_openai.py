@@ -178,17 +178,121 @@ def test_bad_requests_get_the_right_status_and_shape(server):
     assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_not_yet_supported_features_are_refused_by_name(server):
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}}, "required": ["name"]},
+    {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["age"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 1, "maxItems": 3}}, "required": ["tags"]},
+    {"type": "object", "properties": {"x": {"type": "number", "minimum": -10, "maximum": 10}, "y": {"type": "number", "minimum": -10, "maximum": 10}}, "required": ["x", "y"]},
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}}, "required": ["city", "country"], "additionalProperties": False},
+    {"type": "object", "properties": {"point": {"$ref": "#/$defs/pt"}}, "required": ["point"], "$defs": {"pt": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}}},
+    {"type": "object", "properties": {"v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "string", "maxLength": 5}]}}, "required": ["v"]},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 999}, "admin": {"type": "boolean"}}, "required": ["id", "admin"]}}, "required": ["user"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"status": {"const": "done"}, "count": {"type": "integer", "minimum": 0, "maximum": 50}}, "required": ["status", "count"]},
+    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 24}, "year": {"type": "integer", "minimum": 1900, "maximum": 2030}}, "required": ["title", "year"]},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 5}}, "required": ["n"]}}}, "required": ["items"]},
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}, "confidence": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["answer", "confidence"]},
+    {"type": "object", "properties": {"email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"}}, "required": ["email"]},
+    {"type": "object", "properties": {"mood": {"oneOf": [{"const": "happy"}, {"const": "sad"}]}}, "required": ["mood"]},
+    {"type": "object", "properties": {"grid": {"type": "array", "maxItems": 2, "items": {"type": "array", "maxItems": 2, "items": {"type": "boolean"}}}}, "required": ["grid"]},
+    {"type": "object", "properties": {"id": {"type": "string", "minLength": 3, "maxLength": 6}, "n": {"type": ["integer", "null"], "minimum": 0, "maximum": 9}}, "required": ["id", "n"]},
+    {"type": "object", "properties": {"lang": {"enum": ["rust", "c", "python"]}, "stars": {"type": "integer", "minimum": 0, "maximum": 5}, "fast": {"type": "boolean"}}, "required": ["lang", "stars", "fast"], "additionalProperties": False},
+]
+
+
+def strict(schema):
+    """OpenAI's strict mode: every object closes its properties."""
+    if isinstance(schema, dict):
+        schema = {k: strict(v) for k, v in schema.items()}
+        if schema.get("type") == "object":
+            schema.setdefault("additionalProperties", False)
+    elif isinstance(schema, list):
+        schema = [strict(v) for v in schema]
+    return schema
+
+
+def test_json_schema_output_validates_20_of_20(server):
+    import jsonschema
     c = server.client()
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for i, schema in enumerate(map(strict, SCHEMAS)):
+        r = c.chat.completions.create(
+            model=server.model, max_tokens=120, temperature=0.7, seed=i,
+            messages=[{"role": "user", "content": "Reply with a JSON value."}],
+            response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}})
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop", (i, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_mode_and_a_bad_schema(server):
+    c = server.client()
+    r = c.chat.completions.create(model=server.model, max_tokens=60, messages=CHAT,
+                                  response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=server.model, messages=CHAT, response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}})
-    assert error_of(e)["param"] == "response_format"
-    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
+    assert "constraint" in error_of(e)["message"]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"],
+        "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "maxLength": 12}}, "required": ["zone"]}}}
+
+
+def test_forced_tool_calls_validate_10_of_10(server):
+    import jsonschema
+    c = server.client()
+    for i in range(10):
+        choice = "required" if i % 2 else {"type": "function", "function": {"name": "get_weather"}}
+        r = c.chat.completions.create(
+            model=server.model, max_tokens=120, temperature=0.8, seed=100 + i,
+            messages=[{"role": "user", "content": f"What is the weather in city number {i}?"}],
+            tools=[WEATHER, TIME], tool_choice=choice)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls", ch
+        (call,) = ch.message.tool_calls
+        spec = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        if not isinstance(choice, str):
+            assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), spec["function"]["parameters"])
+        assert call.id and call.type == "function"
+
+
+def test_tool_round_trip_and_streamed_calls(server):
+    c = server.client()
+    msgs = [{"role": "user", "content": "Weather in Oslo?"}]
+    r = c.chat.completions.create(model=server.model, max_tokens=80, temperature=0, messages=msgs,
+                                  tools=[WEATHER], tool_choice="required")
+    call = r.choices[0].message.tool_calls[0]
+    # The same request streamed: the call arrives as a tool_calls delta.
+    stream = c.chat.completions.create(model=server.model, max_tokens=80, temperature=0, messages=msgs,
+                                       tools=[WEATHER], tool_choice="required", stream=True)
+    calls, finish = [], None
+    for chunk in stream:
+        for ch in chunk.choices:
+            calls.extend(ch.delta.tool_calls or [])
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(d.function.name, d.function.arguments) for d in calls] == [(call.function.name, call.function.arguments)]
+    # Feed the result back as a tool message: the model answers in text.
+    msgs += [r.choices[0].message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": "{\"temp\": 21, \"sky\": \"clear\"}"}]
+    r2 = c.chat.completions.create(model=server.model, max_tokens=30, temperature=0, messages=msgs,
+                                   tools=[WEATHER], tool_choice="none")
+    assert r2.choices[0].message.content and not r2.choices[0].message.tool_calls
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model=server.model, messages=CHAT, tools=[tool])
-    assert error_of(e)["param"] == "tools"
+        c.chat.completions.create(model=server.model, messages=msgs, tools=[WEATHER],
+                                  tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert error_of(e)["param"] == "tool_choice"
 
 
 def metric(server, name):

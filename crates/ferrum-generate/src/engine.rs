@@ -17,6 +17,7 @@ use ferrum_tokenizer::Tokenizer;
 
 use crate::block_pool::{BlockPool, PrefixStats};
 use crate::detok::Detokenizer;
+use crate::grammar::{Constraint, GrammarCompiler, TokenMask};
 use crate::sampler::{Sampler, SamplingExtras, SamplingParams};
 use crate::stop::StopMatcher;
 use crate::FinishReason;
@@ -64,6 +65,8 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Report log-probabilities: `Some(n)` gives the chosen token's and the top `n`.
     pub logprobs: Option<usize>,
+    /// Output must match this (JSON schema, grammar), enforced token by token.
+    pub constraint: Option<Constraint>,
 }
 
 impl Request {
@@ -77,6 +80,7 @@ impl Request {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            constraint: None,
         }
     }
 }
@@ -152,6 +156,7 @@ struct Seq {
     stops: StopMatcher,
     stop_ids: Vec<u32>,
     logprobs: Option<usize>,
+    mask: Option<TokenMask>,
     cancelled: bool,
 }
 
@@ -173,6 +178,10 @@ pub struct Engine<B: Backend> {
     next_id: RequestId,
     eos: Vec<u32>,
     stats: EngineStats,
+    /// Built on the first constrained request (the token trie takes a moment).
+    grammar: Option<GrammarCompiler>,
+    /// Masked logits of the sequence being sampled.
+    scratch: Vec<f32>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -202,6 +211,8 @@ impl<B: Backend> Engine<B> {
             next_id: 0,
             eos,
             stats: EngineStats::default(),
+            grammar: None,
+            scratch: Vec::new(),
         })
     }
 
@@ -269,6 +280,19 @@ impl<B: Backend> Engine<B> {
                 self.config.kv_blocks * self.config.block_size
             )));
         }
+        let mask = match &req.constraint {
+            None => None,
+            Some(c) => {
+                if self.grammar.is_none() {
+                    let vocab = self.model.decoder.config.vocab_size;
+                    self.grammar = Some(GrammarCompiler::new(&self.tokenizer, vocab)?);
+                }
+                match &self.grammar {
+                    Some(g) => Some(g.compile(c)?),
+                    None => None,
+                }
+            }
+        };
         let id = self.next_id;
         self.next_id += 1;
         let mut sampler = Sampler::with_extras(req.params, req.extras);
@@ -292,6 +316,7 @@ impl<B: Backend> Engine<B> {
             stops: StopMatcher::new(req.stop),
             stop_ids,
             logprobs: req.logprobs,
+            mask,
             cancelled: false,
         });
         Ok(id)
@@ -396,15 +421,26 @@ impl<B: Backend> Engine<B> {
     ) -> Result<Option<FinishReason>> {
         let max_seq = self.max_sequence();
         let s = &mut self.running[i];
-        let (token, logprob) = match s.logprobs {
-            Some(n) => {
-                let (t, lp, top) = s.sampler.sample_with_logprobs(logits, n);
-                (t, Some(TokenLogprob { logprob: lp, top }))
+        // A constraint masks what may be sampled; log-probabilities stay the model's own.
+        let sample_from = match &mut s.mask {
+            Some(m) => {
+                self.scratch.clear();
+                self.scratch.extend_from_slice(logits);
+                m.apply(&mut self.scratch)?;
+                &self.scratch[..]
             }
-            None => (s.sampler.sample(logits), None),
+            None => logits,
         };
+        let token = s.sampler.sample(sample_from);
+        let logprob = s.logprobs.map(|n| {
+            let (lp, top) = crate::sampler::logprobs(logits, token, n);
+            TokenLogprob { logprob: lp, top }
+        });
         if s.stop_ids.contains(&token) {
             return Ok(Some(FinishReason::Stop));
+        }
+        if let Some(m) = &mut s.mask {
+            m.commit(token)?;
         }
         s.tokens.push(token);
         s.sampler.observe(token);
@@ -419,7 +455,8 @@ impl<B: Backend> Engine<B> {
                 logprob,
             },
         });
-        Ok(if outcome.stopped {
+        let complete = s.mask.as_ref().is_some_and(|m| m.is_stopped());
+        Ok(if outcome.stopped || complete {
             Some(FinishReason::Stop)
         } else if s.generated() >= s.max_tokens || s.tokens.len() >= max_seq {
             Some(FinishReason::Length)

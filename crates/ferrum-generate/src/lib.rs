@@ -8,6 +8,7 @@
 pub mod block_pool;
 pub mod detok;
 pub mod engine;
+pub mod grammar;
 pub mod sampler;
 pub mod stop;
 
@@ -23,6 +24,7 @@ pub use detok::Detokenizer;
 pub use engine::{
     Engine, EngineConfig, EngineStats, Output, OutputKind, Request, RequestId, TokenLogprob, Usage,
 };
+pub use grammar::{Constraint, GrammarCompiler};
 pub use sampler::{argmax, Sampler, SamplingExtras, SamplingParams, TokenHistory};
 pub use stop::{StopMatcher, StopOutcome};
 

@@ -343,13 +343,19 @@ impl Sampler {
         top_n: usize,
     ) -> (u32, f32, Vec<(u32, f32)>) {
         let token = self.sample(logits);
-        let lse = log_sum_exp(logits);
-        let chosen = logits
-            .get(token as usize)
-            .map_or(f32::NEG_INFINITY, |&l| l - lse);
-        let top = top_n_logprobs(logits, top_n, lse);
+        let (chosen, top) = logprobs(logits, token, top_n);
         (token, chosen, top)
     }
+}
+
+/// The log-probability of `token` under `logits` (their log-softmax) and the `top_n` most
+/// likely tokens with theirs, highest first, ties to the lower id.
+pub fn logprobs(logits: &[f32], token: u32, top_n: usize) -> (f32, Vec<(u32, f32)>) {
+    let lse = log_sum_exp(logits);
+    let chosen = logits
+        .get(token as usize)
+        .map_or(f32::NEG_INFINITY, |&l| l - lse);
+    (chosen, top_n_logprobs(logits, top_n, lse))
 }
 
 /// `ln Σ exp(l)`, computed stably.

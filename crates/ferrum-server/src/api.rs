@@ -4,12 +4,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use ferrum_generate::{Request, SamplingExtras, SamplingParams};
-use ferrum_tokenizer::{Message, Tokenizer};
+use ferrum_generate::{Constraint, Request, SamplingExtras, SamplingParams};
+use ferrum_tokenizer::Tokenizer;
 use serde::Deserialize;
 use serde_json::Value;
 
 use crate::error::ApiError;
+use crate::tools::{self, Tools};
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -324,6 +325,7 @@ impl Sampling {
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             logprobs,
+            constraint: None,
         };
         Ok(Plan {
             base,
@@ -346,65 +348,72 @@ fn positive(name: &str, v: i64) -> Result<usize, ApiError> {
 }
 
 impl ChatRequest {
-    /// Refuses what this server cannot honour yet, naming the field.
-    pub fn check_supported(&self) -> Result<(), ApiError> {
-        if let Some(rf) = &self.response_format {
-            match rf.get("type").and_then(Value::as_str) {
-                Some("text") => {}
-                _ => {
-                    return Err(ApiError::param(
-                        "response_format",
-                        "response_format json_object / json_schema is not supported yet",
-                    ))
-                }
-            }
-        }
-        let no_tools = match &self.tools {
-            None => true,
-            Some(Value::Array(a)) => a.is_empty(),
-            Some(_) => false,
-        };
-        if !no_tools {
-            return Err(ApiError::param(
-                "tools",
-                "tool calling is not supported yet",
-            ));
-        }
-        if let Some(tc) = &self.tool_choice {
-            if tc.as_str() != Some("none") && tc.as_str() != Some("auto") {
-                return Err(ApiError::param(
-                    "tool_choice",
-                    "tool calling is not supported yet",
-                ));
-            }
-        }
-        Ok(())
+    /// The tools in play (checked), if any.
+    pub fn tools(&self) -> Result<Option<Tools>, ApiError> {
+        tools::parse(self.tools.as_ref(), self.tool_choice.as_ref())
     }
 
-    /// The conversation as the template sees it: text parts joined, `developer` as `system`.
-    pub fn messages(&self) -> Result<Vec<Message>, ApiError> {
+    /// What the output must match: `response_format`'s JSON, or a required / named tool call.
+    pub fn constraint(&self, tools: Option<&Tools>) -> Result<Option<Constraint>, ApiError> {
+        let format = match &self.response_format {
+            None => None,
+            Some(rf) => match rf.get("type").and_then(Value::as_str) {
+                Some("text") => None,
+                Some("json_object") => Some(Constraint::JsonObject),
+                Some("json_schema") => {
+                    let schema = rf
+                        .get("json_schema")
+                        .and_then(|j| j.get("schema"))
+                        .filter(|s| s.is_object())
+                        .ok_or_else(|| {
+                            ApiError::param(
+                                "response_format",
+                                "response_format json_schema needs json_schema.schema (an object)",
+                            )
+                        })?;
+                    Some(Constraint::JsonSchema(schema.clone()))
+                }
+                other => {
+                    return Err(ApiError::param(
+                        "response_format",
+                        format!(
+                            "response_format type {other:?} (text, json_object or json_schema)"
+                        ),
+                    ))
+                }
+            },
+        };
+        let call = tools.and_then(Tools::grammar).map(Constraint::Lark);
+        match (format, call) {
+            (Some(_), Some(_)) => Err(ApiError::param(
+                "response_format",
+                "response_format cannot be combined with a required tool call",
+            )),
+            (f, c) => Ok(f.or(c)),
+        }
+    }
+
+    /// The conversation as the template sees it: text parts joined, `developer` as
+    /// `system`; for templates that do not know tools, calls and results become text in the
+    /// Hermes format and the tool instructions a system message.
+    pub fn messages(&self, tools: Option<&Tools>, template: &str) -> Result<Vec<Value>, ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::param("messages", "messages must not be empty"));
         }
-        let mut out = Vec::with_capacity(self.messages.len());
-        for m in &self.messages {
+        let native = template.contains("tool_calls") || template.contains("tools");
+        let mut out = Vec::with_capacity(self.messages.len() + 1);
+        for (i, m) in self.messages.iter().enumerate() {
             let role = match m.role.as_str() {
                 "developer" => "system",
                 r @ ("system" | "user" | "assistant" | "tool") => r,
                 other => {
                     return Err(ApiError::param(
                         "messages",
-                        format!("unknown message role {other:?}"),
+                        format!("messages[{i}]: unknown role {other:?}"),
                     ))
                 }
             };
-            if m.tool_calls.is_some() {
-                return Err(ApiError::param(
-                    "messages",
-                    "assistant tool_calls are not supported yet",
-                ));
-            }
-            let content = match &m.content {
+            let mut content = match &m.content {
                 None => String::new(),
                 Some(Content::Text(t)) => t.clone(),
                 Some(Content::Parts(parts)) => {
@@ -415,7 +424,7 @@ impl ChatRequest {
                             (kind, _) => {
                                 return Err(ApiError::param(
                                     "messages",
-                                    format!("content parts of type {kind:?} are not supported"),
+                                    format!("messages[{i}]: content parts of type {kind:?} are not supported"),
                                 ))
                             }
                         }
@@ -423,7 +432,55 @@ impl ChatRequest {
                     s
                 }
             };
-            out.push(Message::new(role, content));
+            let mut msg = serde_json::Map::new();
+            if let Some(calls) = &m.tool_calls {
+                if role != "assistant" {
+                    return Err(ApiError::param(
+                        "messages",
+                        format!("messages[{i}]: only assistant messages carry tool_calls"),
+                    ));
+                }
+                if native {
+                    msg.insert("tool_calls".into(), calls.clone());
+                } else {
+                    for c in calls.as_array().into_iter().flatten() {
+                        let f = &c["function"];
+                        let args: Value = match &f["arguments"] {
+                            Value::String(s) => {
+                                serde_json::from_str(s).unwrap_or(Value::String(s.clone()))
+                            }
+                            v => v.clone(),
+                        };
+                        let call = serde_json::json!({"name": f["name"], "arguments": args});
+                        content.push_str(&format!("<tool_call>\n{call}\n</tool_call>"));
+                    }
+                }
+            }
+            if role == "tool" && !native {
+                content = format!("<tool_response>\n{content}\n</tool_response>");
+            }
+            msg.insert("role".into(), role.into());
+            msg.insert("content".into(), content.into());
+            if let Some(id) = &m.tool_call_id {
+                msg.insert("tool_call_id".into(), id.clone().into());
+            }
+            if let Some(n) = &m.name {
+                msg.insert("name".into(), n.clone().into());
+            }
+            out.push(Value::Object(msg));
+        }
+        if let Some(t) = tools.filter(|t| t.active() && !native) {
+            let instructions = t.system_prompt();
+            match out.first_mut() {
+                Some(Value::Object(first)) if first["role"] == "system" => {
+                    let c = first["content"].as_str().unwrap_or("").to_string();
+                    first.insert("content".into(), format!("{c}\n\n{instructions}").into());
+                }
+                _ => out.insert(
+                    0,
+                    serde_json::json!({"role": "system", "content": instructions}),
+                ),
+            }
         }
         Ok(out)
     }
@@ -445,18 +502,23 @@ impl ChatRequest {
     }
 
     /// Renders the conversation with the model's template into token ids.
-    pub fn prompt(&self, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {
-        let messages = self.messages()?;
-        let kwargs = self.chat_template_kwargs.clone().unwrap_or_default();
-        let text = match tok.chat_template() {
+    pub fn prompt(&self, tok: &Tokenizer, tools: Option<&Tools>) -> Result<Vec<u32>, ApiError> {
+        let template = tok.chat_template();
+        let source = template.map_or("", |t| t.source());
+        let messages = self.messages(tools, source)?;
+        let mut kwargs = self.chat_template_kwargs.clone().unwrap_or_default();
+        if let Some(t) = tools.filter(|t| t.active()) {
+            kwargs.insert("tools".into(), Value::Array(t.raw.clone()));
+        }
+        let text = match template {
             Some(t) => t.render_with(&messages, true, &kwargs)?,
             None => messages
                 .iter()
-                .map(|m| m.content.as_str())
+                .filter_map(|m| m["content"].as_str())
                 .collect::<Vec<_>>()
                 .join("\n"),
         };
-        Ok(tok.encode(&text, tok.chat_template().is_none())?)
+        Ok(tok.encode(&text, template.is_none())?)
     }
 }
 

@@ -9,6 +9,7 @@ pub mod api;
 pub mod error;
 pub mod metrics;
 pub mod routes;
+pub mod tools;
 pub mod worker;
 
 use std::net::SocketAddr;

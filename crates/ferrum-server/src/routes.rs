@@ -24,6 +24,7 @@ use tokio_stream::StreamExt;
 use crate::api::{self, Plan};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
+use crate::tools::Tools;
 use crate::worker::{Handle, ModelCard};
 
 pub struct AppState {
@@ -276,6 +277,38 @@ fn usage_json(u: &[Usage], n: usize) -> Value {
     })
 }
 
+/// The assistant message for an answer, and its finish reason: with tools, calls are parsed
+/// out (`finish_reason: "tool_calls"`) and content is null when there is none.
+fn assistant_message(
+    st: &AppState,
+    tools: Option<&Tools>,
+    text: &str,
+    finish: Option<FinishReason>,
+) -> (Value, Option<&'static str>) {
+    let reason = finish.map(finish_name);
+    let Some(t) = tools else {
+        return (json!({"role": "assistant", "content": text}), reason);
+    };
+    let (content, calls) = t.parse_output(text);
+    if calls.is_empty() {
+        return (json!({"role": "assistant", "content": text}), reason);
+    }
+    let calls: Vec<Value> = calls
+        .into_iter()
+        .map(|c| {
+            json!({
+                "id": st.new_id("call"),
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            })
+        })
+        .collect();
+    (
+        json!({"role": "assistant", "content": content, "tool_calls": calls}),
+        Some("tool_calls"),
+    )
+}
+
 /// Waits for every choice to finish.
 async fn collect(
     mut rx: mpsc::UnboundedReceiver<(usize, Output)>,
@@ -346,12 +379,15 @@ async fn chat_inner(
     let bytes = body(b)?;
     let req: api::ChatRequest = api::parse(&bytes, api::CHAT_FIELDS, true)?;
     let card = st.check_model(&req.model)?.clone();
-    req.check_supported()?;
+    let tools = req.tools()?;
+    let constraint = req.constraint(tools.as_ref())?;
     let logprobs = req.logprobs()?;
-    let prompt = req.prompt(&st.tokenizer)?;
-    let plan = req
+    let prompt = req.prompt(&st.tokenizer, tools.as_ref())?;
+    let mut plan = req
         .sampling
         .plan(prompt, card.max_sequence, card.vocab_size, logprobs)?;
+    plan.base.constraint = constraint;
+    let tools = tools.filter(|t| t.active());
     st.check_load()?;
     let rx = launch(&st, choices(&plan)).await?;
     let id = st.new_id("chatcmpl");
@@ -364,11 +400,12 @@ async fn chat_inner(
             .iter()
             .enumerate()
             .map(|(i, c)| {
+                let (message, finish) = assistant_message(&st, tools.as_ref(), &c.text, c.finish);
                 json!({
                     "index": i,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": logprobs.map(|_| chat_logprobs(&st.tokenizer, &c.logprobs)),
-                    "finish_reason": c.finish.map(finish_name),
+                    "finish_reason": finish,
                 })
             })
             .collect();
@@ -400,29 +437,68 @@ async fn chat_inner(
         })
         .collect();
     let tok_st = st.clone();
-    let piece = move |i: usize, o: &Output| -> Option<Value> {
+    // With tools in play the answer is held until it is complete: only then is it known
+    // whether it is text or calls.
+    let mut held: Vec<String> = vec![String::new(); plan.n];
+    let piece = move |i: usize, o: &Output| -> Vec<Value> {
         match &o.kind {
             OutputKind::Token {
                 token,
                 text,
                 logprob,
             } => {
+                if tools.is_some() {
+                    held[i].push_str(text);
+                    return Vec::new();
+                }
                 if text.is_empty() && logprob.is_none() {
-                    return None;
+                    return Vec::new();
                 }
                 let lp = logprob
                     .as_ref()
                     .map(|l| chat_logprobs(&tok_st.tokenizer, &[(*token, l.clone())]));
-                Some(chunk(json!([{
+                vec![chunk(json!([{
                     "index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": null,
-                }])))
+                }]))]
             }
-            OutputKind::Finished { reason, text, .. } => Some(chunk(json!([{
-                "index": i,
-                "delta": if text.is_empty() { json!({}) } else { json!({"content": text}) },
-                "logprobs": null,
-                "finish_reason": finish_name(*reason),
-            }]))),
+            OutputKind::Finished { reason, text, .. } => {
+                let mut out = Vec::new();
+                let mut finish = finish_name(*reason);
+                let delta_text = if let Some(t) = &tools {
+                    held[i].push_str(text);
+                    let (message, f) = assistant_message(&tok_st, Some(t), &held[i], Some(*reason));
+                    finish = f.unwrap_or(finish);
+                    if let Some(calls) = message.get("tool_calls").and_then(Value::as_array) {
+                        let calls: Vec<Value> = calls
+                            .iter()
+                            .enumerate()
+                            .map(|(k, c)| {
+                                let mut c = c.clone();
+                                c["index"] = json!(k);
+                                c
+                            })
+                            .collect();
+                        if let Some(content) = message["content"].as_str() {
+                            out.push(chunk(json!([{"index": i, "delta": {"content": content},
+                                "logprobs": null, "finish_reason": null}])));
+                        }
+                        out.push(chunk(json!([{"index": i, "delta": {"tool_calls": calls},
+                            "logprobs": null, "finish_reason": null}])));
+                        String::new()
+                    } else {
+                        std::mem::take(&mut held[i])
+                    }
+                } else {
+                    text.clone()
+                };
+                out.push(chunk(json!([{
+                    "index": i,
+                    "delta": if delta_text.is_empty() { json!({}) } else { json!({"content": delta_text}) },
+                    "logprobs": null,
+                    "finish_reason": finish,
+                }])));
+                out
+            }
         }
     };
     let final_usage = {
@@ -462,7 +538,7 @@ fn sse(
     mut rx: mpsc::UnboundedReceiver<(usize, Output)>,
     n: usize,
     first: Vec<Value>,
-    piece: impl Fn(usize, &Output) -> Option<Value> + Send + 'static,
+    mut piece: impl FnMut(usize, &Output) -> Vec<Value> + Send + 'static,
     include_usage: bool,
     per: Usage4Sse,
     usage_chunk: impl Fn(Value) -> Value + Send + 'static,
@@ -489,7 +565,7 @@ fn sse(
                 choices[i].finish = Some(*reason);
                 done += 1;
             }
-            if let Some(v) = piece(i, &o) {
+            for v in piece(i, &o) {
                 if !send(v) {
                     return;
                 }
@@ -595,7 +671,7 @@ async fn completions_inner(
     };
     let c2 = chunk.clone();
     let tok_st = st.clone();
-    let piece = move |i: usize, o: &Output| -> Option<Value> {
+    let piece = move |i: usize, o: &Output| -> Vec<Value> {
         match &o.kind {
             OutputKind::Token {
                 token,
@@ -603,20 +679,20 @@ async fn completions_inner(
                 logprob,
             } => {
                 if text.is_empty() && logprob.is_none() {
-                    return None;
+                    return Vec::new();
                 }
                 let lp = logprob
                     .as_ref()
                     .map(|l| completion_logprobs(&tok_st.tokenizer, &[(*token, l.clone())], 0));
-                Some(chunk(
+                vec![chunk(
                     json!([{"index": i, "text": text, "logprobs": lp, "finish_reason": null}]),
                     None,
-                ))
+                )]
             }
-            OutputKind::Finished { reason, text, .. } => Some(chunk(
+            OutputKind::Finished { reason, text, .. } => vec![chunk(
                 json!([{"index": i, "text": text, "logprobs": null, "finish_reason": finish_name(*reason)}]),
                 None,
-            )),
+            )],
         }
     };
     let usage_chunk = move |u: Value| c2(json!([]), Some(u));

@@ -15,7 +15,7 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 
 pub enum Command {
     Submit {
-        req: Request,
+        req: Box<Request>,
         events: tmpsc::UnboundedSender<Output>,
         reply: oneshot::Sender<Result<RequestId>>,
     },
@@ -64,7 +64,11 @@ impl Handle {
         let (events, rx) = tmpsc::unbounded_channel();
         let (reply, answer) = oneshot::channel();
         self.tx
-            .send(Command::Submit { req, events, reply })
+            .send(Command::Submit {
+                req: Box::new(req),
+                events,
+                reply,
+            })
             .map_err(|_| Error::InvalidRequest("the engine has stopped".into()))?;
         let id = answer
             .await
@@ -184,7 +188,7 @@ fn handle(
 ) {
     match cmd {
         Command::Submit { req, events, reply } => {
-            let r = engine.add(req);
+            let r = engine.add(*req);
             if let Ok(id) = r {
                 senders.insert(id, events);
             }

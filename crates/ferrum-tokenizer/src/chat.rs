@@ -35,6 +35,7 @@ impl Message {
 }
 
 /// A compiled chat template with the BOS/EOS texts it is rendered with.
+#[derive(Clone)]
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
@@ -83,9 +84,11 @@ impl ChatTemplate {
 
     /// [`ChatTemplate::render`] with extra template variables (`chat_template_kwargs`, e.g.
     /// `enable_thinking`); they cannot replace the messages or the special-token texts.
-    pub fn render_with(
+    /// Messages may be any serialisable shape (the server passes OpenAI messages with
+    /// `tool_calls`); `kwargs` may set `tools`.
+    pub fn render_with<M: serde::Serialize>(
         &self,
-        messages: &[Message],
+        messages: &[M],
         add_generation_prompt: bool,
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
@@ -93,15 +96,18 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| Error::Template(describe(&e)))?;
-        let ctx = minijinja::context! {
-            messages => Value::from_serialize(messages),
-            add_generation_prompt => add_generation_prompt,
-            tools => Value::from(()),
-            documents => Value::from(()),
-            bos_token => &self.bos_token,
-            eos_token => &self.eos_token,
-            ..Value::from_serialize(kwargs)
-        };
+        // Caller's variables first; the conversation and special tokens cannot be replaced.
+        let mut vars: std::collections::BTreeMap<String, Value> = Default::default();
+        vars.insert("tools".into(), Value::from(()));
+        vars.insert("documents".into(), Value::from(()));
+        for (k, v) in kwargs {
+            vars.insert(k.clone(), Value::from_serialize(v));
+        }
+        vars.insert("messages".into(), Value::from_serialize(messages));
+        vars.insert("add_generation_prompt".into(), add_generation_prompt.into());
+        vars.insert("bos_token".into(), Value::from(self.bos_token.as_str()));
+        vars.insert("eos_token".into(), Value::from(self.eos_token.as_str()));
+        let ctx = Value::from_object(vars);
         tmpl.render(ctx).map_err(|e| Error::Template(describe(&e)))
     }
 

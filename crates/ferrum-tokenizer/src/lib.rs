@@ -37,6 +37,7 @@ const END_OF_TURN_TEXTS: &[&str] = &[
 ];
 
 /// A tokenizer plus what the generation loop needs to know about its special tokens.
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     vocab_size: usize,

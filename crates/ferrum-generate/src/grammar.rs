@@ -1,0 +1,201 @@
+//! Constrained decoding with llguidance: a request's JSON schema (or Lark grammar) becomes a
+//! token mask applied before sampling, so the output matches it token by token.
+//!
+//! llguidance works on token *bytes*; [`GrammarCompiler::new`] recovers each token's bytes
+//! from the vocabulary (GPT-2 byte-level or SentencePiece with byte fallback) and builds the
+//! token trie once per model.
+
+use std::sync::Arc;
+
+use ferrum_core::{Error, Result};
+use ferrum_tokenizer::Tokenizer;
+use llguidance::api::TopLevelGrammar;
+use llguidance::{Matcher, ParserFactory};
+use toktrie::{TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+
+/// What a request's output must match.
+#[derive(Debug, Clone)]
+pub enum Constraint {
+    /// Any JSON object (`response_format: json_object`).
+    JsonObject,
+    /// JSON matching this schema.
+    JsonSchema(serde_json::Value),
+    /// A grammar in llguidance's Lark dialect (tool calls wrap JSON in tags this way).
+    Lark(String),
+}
+
+struct Env {
+    trie: TokTrie,
+    tokenizer: Tokenizer,
+}
+
+impl TokenizerEnv for Env {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        self.tokenizer
+            .encode(&String::from_utf8_lossy(s), false)
+            .unwrap_or_default()
+    }
+}
+
+/// GPT-2's byte ↔ printable-character table: bytes that are printable map to themselves,
+/// the rest to U+0100 upwards in byte order.
+fn gpt2_char_to_byte() -> std::collections::HashMap<char, u8> {
+    let printable = |b: u8| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+    let mut map = std::collections::HashMap::new();
+    let mut next = 256u32;
+    for b in 0..=255u8 {
+        let c = if printable(b) {
+            char::from(b)
+        } else {
+            let c = char::from_u32(next).unwrap_or('\u{FFFD}');
+            next += 1;
+            c
+        };
+        map.insert(c, b);
+    }
+    map
+}
+
+/// The bytes each token stands for.
+fn token_bytes(tok: &Tokenizer, vocab: usize) -> Vec<Vec<u8>> {
+    let inner = tok.inner();
+    let pieces: Vec<Option<String>> = (0..vocab as u32).map(|i| inner.id_to_token(i)).collect();
+    let byte_level = pieces
+        .iter()
+        .flatten()
+        .any(|p| p.contains('Ġ') || p.contains('Ċ'));
+    let table = gpt2_char_to_byte();
+    pieces
+        .iter()
+        .enumerate()
+        .map(|(id, p)| {
+            let Some(p) = p else {
+                return Vec::new();
+            };
+            if tok.is_special(id as u32) {
+                // toktrie's marker for tokens that never come from text.
+                let mut v = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                v.extend_from_slice(p.as_bytes());
+                return v;
+            }
+            if byte_level {
+                if let Some(bytes) = p.chars().map(|c| table.get(&c).copied()).collect() {
+                    return bytes;
+                }
+                return p.as_bytes().to_vec();
+            }
+            // SentencePiece: <0xHH> byte-fallback pieces, ▁ for space.
+            if p.len() == 6 && p.starts_with("<0x") && p.ends_with('>') {
+                if let Ok(b) = u8::from_str_radix(&p[3..5], 16) {
+                    return vec![b];
+                }
+            }
+            p.replace('▁', " ").into_bytes()
+        })
+        .collect()
+}
+
+/// JSON without free whitespace (one space after `:` and `,`), unless the schema sets its
+/// own `x-guidance` options: a small model given room for whitespace can fill `max_tokens`
+/// with newlines and never close the object.
+pub fn compact(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(obj) = schema.as_object_mut() {
+        obj.entry("x-guidance").or_insert_with(|| {
+            serde_json::json!({
+                "whitespace_flexible": false,
+                "key_separator": ": ",
+                "item_separator": ", ",
+            })
+        });
+    }
+    schema
+}
+
+/// Compiles constraints for one model's vocabulary.
+pub struct GrammarCompiler {
+    factory: Arc<ParserFactory>,
+    vocab: usize,
+}
+
+impl GrammarCompiler {
+    /// `vocab` is the model's output size (it may exceed the tokenizer's).
+    pub fn new(tok: &Tokenizer, vocab: usize) -> Result<GrammarCompiler> {
+        let eos = tok.eos_ids().first().copied().unwrap_or(0);
+        let mut info = TokRxInfo::new(vocab as u32, eos);
+        info.tok_bos = tok.bos_id();
+        let trie = TokTrie::from(&info, &token_bytes(tok, vocab));
+        let env: toktrie::TokEnv = Arc::new(Env {
+            trie,
+            tokenizer: tok.clone(),
+        });
+        let mut factory = ParserFactory::new_simple(&env)
+            .map_err(|e| Error::InvalidRequest(format!("grammar engine: {e}")))?;
+        factory.quiet();
+        Ok(GrammarCompiler {
+            factory: Arc::new(factory),
+            vocab,
+        })
+    }
+
+    /// A fresh matcher for `c`; a schema or grammar that does not compile is an error here,
+    /// before any generation.
+    pub fn compile(&self, c: &Constraint) -> Result<TokenMask> {
+        let grammar = match c {
+            Constraint::JsonObject => {
+                TopLevelGrammar::from_json_schema(compact(serde_json::json!({"type": "object"})))
+            }
+            Constraint::JsonSchema(s) => TopLevelGrammar::from_json_schema(compact(s.clone())),
+            Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+        };
+        let parser = self.factory.create_parser(grammar);
+        let matcher = Matcher::new(parser);
+        if let Some(e) = matcher.get_error() {
+            return Err(Error::InvalidRequest(format!(
+                "cannot compile the constraint: {e}"
+            )));
+        }
+        Ok(TokenMask {
+            matcher,
+            vocab: self.vocab,
+        })
+    }
+}
+
+/// One request's constraint state.
+pub struct TokenMask {
+    matcher: Matcher,
+    vocab: usize,
+}
+
+impl TokenMask {
+    /// Sets the logits of tokens the constraint forbids next to −∞ (once the constraint is
+    /// complete, only end-of-sequence stays allowed).
+    pub fn apply(&mut self, logits: &mut [f32]) -> Result<()> {
+        let mask = self
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| Error::InvalidRequest(format!("constraint: {e}")))?;
+        for (i, l) in logits.iter_mut().enumerate().take(self.vocab) {
+            if !mask.is_allowed(i as TokenId) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+
+    /// Advances past a sampled token.
+    pub fn commit(&mut self, token: u32) -> Result<()> {
+        self.matcher
+            .consume_token(token)
+            .map_err(|e| Error::InvalidRequest(format!("constraint: {e}")))
+    }
+
+    /// The constraint is satisfied and allows nothing more.
+    pub fn is_stopped(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+}
