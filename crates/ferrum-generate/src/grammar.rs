@@ -24,6 +24,27 @@ pub enum Constraint {
     Lark(String),
 }
 
+impl Constraint {
+    /// The same constraint on the answer after an optional `<think>…</think>` block:
+    /// reasoning models think first, and the thinking is not held to the answer's format.
+    /// (The thinking may not contain `<`.)
+    pub fn after_reasoning(&self) -> Constraint {
+        let body = match self {
+            Constraint::JsonObject => {
+                format!(
+                    "body: %json {}",
+                    compact(serde_json::json!({"type": "object"}))
+                )
+            }
+            Constraint::JsonSchema(s) => format!("body: %json {}", compact(s.clone())),
+            Constraint::Lark(g) => g.replacen("start:", "body:", 1),
+        };
+        Constraint::Lark(format!(
+            "start: think? body\nthink: \"<think>\" /[^<]*/ \"</think>\" /[ \\n]*/\n{body}\n"
+        ))
+    }
+}
+
 struct Env {
     trie: TokTrie,
     tokenizer: Tokenizer,
@@ -197,5 +218,48 @@ impl TokenMask {
     /// The constraint is satisfied and allows nothing more.
     pub fn is_stopped(&self) -> bool {
         self.matcher.is_stopped()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny_tokenizer() -> Tokenizer {
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/tiny/qwen3"
+        );
+        Tokenizer::from_hf_dir(std::path::Path::new(dir)).unwrap()
+    }
+
+    fn accepts(c: &Constraint, text: &str) -> bool {
+        let tok = tiny_tokenizer();
+        let g = GrammarCompiler::new(&tok, tok.vocab_size()).unwrap();
+        let mut m = g.compile(c).unwrap();
+        for t in tok.encode(text, false).unwrap() {
+            let mut logits = vec![0f32; tok.vocab_size()];
+            m.apply(&mut logits).unwrap();
+            if logits[t as usize] == f32::NEG_INFINITY || m.commit(t).is_err() {
+                return false;
+            }
+        }
+        m.matcher.is_accepting().unwrap_or(false)
+    }
+
+    #[test]
+    fn schemas_admit_matching_json_and_nothing_else() {
+        let c = Constraint::JsonSchema(serde_json::json!({
+            "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+            "additionalProperties": false
+        }));
+        assert!(accepts(&c, "{\"a\": 12}"));
+        assert!(!accepts(&c, "{\"a\": \"x\"}"));
+        assert!(!accepts(&c, "{\"b\": 1}"));
+        // After a think block, or without one.
+        let r = c.after_reasoning();
+        assert!(accepts(&r, "<think>hmm, a number</think>\n\n{\"a\": 3}"));
+        assert!(accepts(&r, "{\"a\": 3}"));
+        assert!(!accepts(&r, "<think>x</think>nope"));
     }
 }

@@ -8,6 +8,7 @@
 pub mod api;
 pub mod error;
 pub mod metrics;
+pub mod reasoning;
 pub mod routes;
 pub mod tools;
 pub mod worker;
@@ -74,8 +75,12 @@ pub fn serve(
             .await
             .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
         let handle = worker::spawn(cfg.model_id.clone(), load);
+        let thinking = tokenizer
+            .chat_template()
+            .is_some_and(|t| t.source().contains("<think>"));
         let state = Arc::new(routes::AppState {
             handle,
+            thinking,
             tokenizer,
             metrics: Default::default(),
             api_key: cfg.api_key.clone(),

@@ -24,6 +24,7 @@ use tokio_stream::StreamExt;
 use crate::api::{self, Plan};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
+use crate::reasoning::ReasoningSplitter;
 use crate::tools::Tools;
 use crate::worker::{Handle, ModelCard};
 
@@ -32,6 +33,8 @@ pub struct AppState {
     pub tokenizer: Tokenizer,
     pub metrics: Metrics,
     pub api_key: Option<String>,
+    /// The chat template has `<think>` blocks: answers are split into reasoning and content.
+    pub thinking: bool,
     /// Waiting requests beyond which new ones get 429.
     pub max_waiting: usize,
     pub next_id: AtomicU64,
@@ -286,12 +289,24 @@ fn assistant_message(
     finish: Option<FinishReason>,
 ) -> (Value, Option<&'static str>) {
     let reason = finish.map(finish_name);
-    let Some(t) = tools else {
-        return (json!({"role": "assistant", "content": text}), reason);
+    let (reasoning, text) = if st.thinking {
+        ReasoningSplitter::split(text)
+    } else {
+        (None, text.to_string())
     };
-    let (content, calls) = t.parse_output(text);
+    let plain = |content: Value| {
+        let mut m = json!({"role": "assistant", "content": content});
+        if let Some(r) = &reasoning {
+            m["reasoning_content"] = json!(r);
+        }
+        m
+    };
+    let Some(t) = tools else {
+        return (plain(json!(text)), reason);
+    };
+    let (content, calls) = t.parse_output(&text);
     if calls.is_empty() {
-        return (json!({"role": "assistant", "content": text}), reason);
+        return (plain(json!(text)), reason);
     }
     let calls: Vec<Value> = calls
         .into_iter()
@@ -303,10 +318,9 @@ fn assistant_message(
             })
         })
         .collect();
-    (
-        json!({"role": "assistant", "content": content, "tool_calls": calls}),
-        Some("tool_calls"),
-    )
+    let mut m = plain(json!(content));
+    m["tool_calls"] = json!(calls);
+    (m, Some("tool_calls"))
 }
 
 /// Waits for every choice to finish.
@@ -386,7 +400,11 @@ async fn chat_inner(
     let mut plan = req
         .sampling
         .plan(prompt, card.max_sequence, card.vocab_size, logprobs)?;
-    plan.base.constraint = constraint;
+    plan.base.constraint = if st.thinking {
+        constraint.map(|c| c.after_reasoning())
+    } else {
+        constraint
+    };
     let tools = tools.filter(|t| t.active());
     st.check_load()?;
     let rx = launch(&st, choices(&plan)).await?;
@@ -440,6 +458,19 @@ async fn chat_inner(
     // With tools in play the answer is held until it is complete: only then is it known
     // whether it is text or calls.
     let mut held: Vec<String> = vec![String::new(); plan.n];
+    let thinking = st.thinking;
+    let mut splitters = vec![ReasoningSplitter::default(); plan.n];
+    // Reasoning and answer text as delta fields (one chunk may carry both).
+    let text_delta = move |r: String, c: String| {
+        let mut d = serde_json::Map::new();
+        if !r.is_empty() {
+            d.insert("reasoning_content".into(), json!(r));
+        }
+        if !c.is_empty() || r.is_empty() {
+            d.insert("content".into(), json!(c));
+        }
+        Value::Object(d)
+    };
     let piece = move |i: usize, o: &Output| -> Vec<Value> {
         match &o.kind {
             OutputKind::Token {
@@ -451,14 +482,19 @@ async fn chat_inner(
                     held[i].push_str(text);
                     return Vec::new();
                 }
-                if text.is_empty() && logprob.is_none() {
+                let (r, c) = if thinking {
+                    splitters[i].push(text)
+                } else {
+                    (String::new(), text.clone())
+                };
+                if r.is_empty() && c.is_empty() && logprob.is_none() {
                     return Vec::new();
                 }
                 let lp = logprob
                     .as_ref()
                     .map(|l| chat_logprobs(&tok_st.tokenizer, &[(*token, l.clone())]));
                 vec![chunk(json!([{
-                    "index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": null,
+                    "index": i, "delta": text_delta(r, c), "logprobs": lp, "finish_reason": null,
                 }]))]
             }
             OutputKind::Finished { reason, text, .. } => {
@@ -478,8 +514,13 @@ async fn chat_inner(
                                 c
                             })
                             .collect();
-                        if let Some(content) = message["content"].as_str() {
-                            out.push(chunk(json!([{"index": i, "delta": {"content": content},
+                        let r = message["reasoning_content"]
+                            .as_str()
+                            .unwrap_or("")
+                            .to_string();
+                        let c = message["content"].as_str().unwrap_or("").to_string();
+                        if !r.is_empty() || !c.is_empty() {
+                            out.push(chunk(json!([{"index": i, "delta": text_delta(r, c),
                                 "logprobs": null, "finish_reason": null}])));
                         }
                         out.push(chunk(json!([{"index": i, "delta": {"tool_calls": calls},
@@ -491,9 +532,24 @@ async fn chat_inner(
                 } else {
                     text.clone()
                 };
+                let delta = if thinking {
+                    let (mut r, mut c) = splitters[i].push(&delta_text);
+                    let (r2, c2) = splitters[i].finish();
+                    r.push_str(&r2);
+                    c.push_str(&c2);
+                    if r.is_empty() && c.is_empty() {
+                        json!({})
+                    } else {
+                        text_delta(r, c)
+                    }
+                } else if delta_text.is_empty() {
+                    json!({})
+                } else {
+                    json!({"content": delta_text})
+                };
                 out.push(chunk(json!([{
                     "index": i,
-                    "delta": if delta_text.is_empty() { json!({}) } else { json!({"content": delta_text}) },
+                    "delta": delta,
                     "logprobs": null,
                     "finish_reason": finish,
                 }])));
