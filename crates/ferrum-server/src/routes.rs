@@ -90,6 +90,14 @@ fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// The response, or the error's; failures are counted.
+fn respond(st: &AppState, r: Result<Response, ApiError>) -> Response {
+    r.unwrap_or_else(|e| {
+        st.metrics.request_failed();
+        e.into_response()
+    })
+}
+
 /// Bearer-token check for the API routes when the server has a key.
 pub async fn auth(State(st): App, req: HttpRequest, next: Next) -> Response {
     if let Some(key) = &st.api_key {
@@ -376,13 +384,8 @@ fn record(st: &AppState, t0: Instant, choices: &[Choice]) {
 }
 
 pub async fn chat(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
-    match chat_inner(st.clone(), b).await {
-        Ok(r) => r,
-        Err(e) => {
-            st.metrics.request_failed();
-            e.into_response()
-        }
-    }
+    let r = chat_inner(st.clone(), b).await;
+    respond(&st, r)
 }
 
 async fn chat_inner(
@@ -643,13 +646,8 @@ fn sse(
 }
 
 pub async fn completions(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
-    match completions_inner(st.clone(), b).await {
-        Ok(r) => r,
-        Err(e) => {
-            st.metrics.request_failed();
-            e.into_response()
-        }
-    }
+    let r = completions_inner(st.clone(), b).await;
+    respond(&st, r)
 }
 
 async fn completions_inner(
@@ -786,13 +784,8 @@ fn base64_f32(v: &[f32]) -> String {
 }
 
 pub async fn embeddings(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
-    match embeddings_inner(st.clone(), b).await {
-        Ok(r) => r,
-        Err(e) => {
-            st.metrics.request_failed();
-            e.into_response()
-        }
-    }
+    let r = embeddings_inner(st.clone(), b).await;
+    respond(&st, r)
 }
 
 async fn embeddings_inner(
