@@ -8,9 +8,12 @@
 #     (vendor/llama.cpp/models/ggml-vocab-*.gguf{,.inp,.out} from the
 #     llama-cpp-python==0.3.36 source distribution), flattened into
 #       -> $CACHE/llama-vocab/ggml-vocab-<name>.gguf{,.inp,.out}
-#  3. A Python venv with the official `openai` client, pytest and jsonschema, for the
-#     OpenAI-compatibility suite (tests/openai, run by crates/ferrum-cli/tests/openai_client.rs)
+#  3. A Python venv with the official `openai` client, pytest, jsonschema and selenium, for
+#     the OpenAI-compatibility suite and the chat-page test (tests/openai, run by
+#     crates/ferrum-cli/tests/openai_client.rs)
 #       -> $CACHE/venv-openai
+#  4. Debian's chromium and chromium-driver (apt-get, when missing and running as root), for
+#     the chat-page test in headless Chromium
 #
 # Cache dir: ${FERRUM_CACHE:-$HOME/.cache/ferrum}.
 # Prints "KEY=path" lines on stdout (FERRUM_SMOLLM2_GGUF, FERRUM_LLAMA_VOCAB_DIR);
@@ -79,16 +82,28 @@ fi
 
 # --- 3. the OpenAI client venv -------------------------------------------------
 VENV="$CACHE/venv-openai"
-VENV_MARKER="$VENV/.complete-openai-1"
+VENV_MARKER="$VENV/.complete-openai-2"
 if [[ -f "$VENV_MARKER" ]]; then
     log "OpenAI client venv already present"
 else
-    log "creating $VENV (openai, pytest, jsonschema)"
+    log "creating $VENV (openai, pytest, jsonschema, selenium)"
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-        "openai>=1.50,<3" "pytest>=8,<10" "jsonschema>=4,<5" >&2
+        "openai>=1.50,<3" "pytest>=8,<10" "jsonschema>=4,<5" "selenium>=4.20,<5" >&2
     touch "$VENV_MARKER"
+fi
+
+# --- 4. headless Chromium ------------------------------------------------------
+if [[ -x /usr/bin/chromium && -x /usr/bin/chromedriver ]]; then
+    log "chromium and chromedriver already installed"
+elif [[ "$(id -u)" == 0 ]]; then
+    log "installing chromium and chromium-driver with apt-get (~1 min)"
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >&2
+else
+    log "chromium/chromedriver missing and not root: install Debian's chromium and chromium-driver"
+    exit 1
 fi
 
 log "SmolLM2 GGUF:      $SMOL_GGUF"

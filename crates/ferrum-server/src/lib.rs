@@ -49,6 +49,7 @@ pub fn router(state: Arc<routes::AppState>, max_body: usize) -> Router {
         ));
     Router::new()
         .merge(api)
+        .route("/", get(routes::chat_page))
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
         .layer(DefaultBodyLimit::max(max_body))

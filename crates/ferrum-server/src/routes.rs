@@ -124,6 +124,12 @@ fn body(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     })
 }
 
+/// The chat page: plain HTML and JavaScript built into the binary, talking to
+/// `/v1/chat/completions` with streaming; the conversation stays in the browser.
+pub async fn chat_page() -> Response {
+    axum::response::Html(include_str!("../static/chat.html")).into_response()
+}
+
 pub async fn health(State(st): App) -> Response {
     match st.card() {
         Ok(c) => {

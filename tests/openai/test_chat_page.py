@@ -1,0 +1,60 @@
+"""The chat page at `/`, in headless Chromium (Debian's chromium + chromedriver, driven by
+Selenium): type a question, see the answer stream in."""
+
+import time
+
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.support.ui import WebDriverWait
+
+from conftest import API_KEY
+
+
+def browser():
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = "/usr/bin/chromium"
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        opts.add_argument(a)
+    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+
+
+def test_chat_page_streams_an_answer(server):
+    d = browser()
+    try:
+        d.get(server.base + "/")
+        key = d.find_element(By.ID, "apikey")
+        key.send_keys(API_KEY)
+        # The page lists models once it has the key.
+        d.execute_script("arguments[0].dispatchEvent(new Event('change'))", key)
+        WebDriverWait(d, 30).until(lambda d: d.find_element(By.ID, "model").get_attribute("value") == server.model)
+        d.find_element(By.ID, "max_tokens").clear()
+        d.find_element(By.ID, "max_tokens").send_keys("48")
+        box = d.find_element(By.ID, "input")
+        box.send_keys("Tell me about the ocean.")
+        box.send_keys(Keys.ENTER)
+        # Watch the answer grow: several distinct partial lengths before it is complete.
+        seen = set()
+        deadline = time.time() + 120
+        done = False
+        while time.time() < deadline:
+            answers = d.find_elements(By.CSS_SELECTOR, ".msg.assistant")
+            if answers:
+                text = d.execute_script("return arguments[0].firstChild ? arguments[0].firstChild.textContent : ''", answers[-1])
+                seen.add(len(text))
+                if answers[-1].find_elements(By.CLASS_NAME, "meta"):
+                    done = True
+                    break
+            time.sleep(0.01)
+        assert done, "no complete answer"
+        meta = d.find_element(By.CSS_SELECTOR, ".msg.assistant .meta").text
+        assert "tok/s" in meta, meta
+        assert len([n for n in seen if n > 0]) >= 3, f"not streamed: lengths seen {sorted(seen)}"
+        user = d.find_elements(By.CSS_SELECTOR, ".msg.user")
+        assert user[-1].text == "Tell me about the ocean."
+        # The conversation is kept in the browser: a reload shows it again.
+        d.refresh()
+        WebDriverWait(d, 10).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg")) >= 2)
+    finally:
+        d.quit()
