@@ -12,8 +12,8 @@
 #     the OpenAI-compatibility suite and the chat-page test (tests/openai, run by
 #     crates/ferrum-cli/tests/openai_client.rs)
 #       -> $CACHE/venv-openai
-#  4. Debian's chromium and chromium-driver (apt-get, when missing and running as root), for
-#     the chat-page test in headless Chromium
+#  4. Debian's chromium, chromium-driver and tmux (apt-get, when missing and running as root),
+#     for the chat-page test in headless Chromium and the terminal-chat test
 #
 # Cache dir: ${FERRUM_CACHE:-$HOME/.cache/ferrum}.
 # Prints "KEY=path" lines on stdout (FERRUM_SMOLLM2_GGUF, FERRUM_LLAMA_VOCAB_DIR);
@@ -95,14 +95,14 @@ else
 fi
 
 # --- 4. headless Chromium ------------------------------------------------------
-if [[ -x /usr/bin/chromium && -x /usr/bin/chromedriver ]]; then
-    log "chromium and chromedriver already installed"
+if [[ -x /usr/bin/chromium && -x /usr/bin/chromedriver && -x /usr/bin/tmux ]]; then
+    log "chromium, chromedriver and tmux already installed"
 elif [[ "$(id -u)" == 0 ]]; then
-    log "installing chromium and chromium-driver with apt-get (~1 min)"
+    log "installing chromium, chromium-driver and tmux with apt-get (~1 min)"
     apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver tmux >&2
 else
-    log "chromium/chromedriver missing and not root: install Debian's chromium and chromium-driver"
+    log "chromium/chromedriver/tmux missing and not root: install Debian's chromium, chromium-driver and tmux"
     exit 1
 fi
 

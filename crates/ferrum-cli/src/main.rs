@@ -4,8 +4,9 @@
 mod bench;
 mod bench_engine;
 mod default_model;
+mod repl;
 
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -213,8 +214,22 @@ fn serve(a: ServeArgs) -> Result<()> {
     ferrum_server::serve(cfg, tok, load).map_err(|e| anyhow::anyhow!(e))
 }
 
+/// Logs go to stderr through `tracing`; `RUST_LOG` overrides the default level, which is
+/// `info` for `serve` (one line per request) and `warn` elsewhere (no noise in `run`).
+fn init_logging(serving: bool) {
+    let default = if serving { "info" } else { "warn" };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}
+
 fn main() {
     let cli = Cli::parse();
+    init_logging(matches!(cli.cmd, Cmd::Serve(_)));
     let result = match cli.cmd {
         Cmd::Run(a) => run(a),
         Cmd::Serve(a) => serve(a),
@@ -282,8 +297,17 @@ pub(crate) fn load_model(
         backend = backend.with_kv(kv);
     }
     let backend_name = backend.name();
-    let model = Model::load(file, backend, &LoadOptions { context: ctx })
-        .with_context(|| format!("loading {}", path.display()))?;
+    let spinner = repl::spinner(&format!(
+        "loading {}",
+        path.file_name()
+            .unwrap_or(path.as_os_str())
+            .to_string_lossy()
+    ));
+    let model = Model::load(file, backend, &LoadOptions { context: ctx });
+    if let Some(s) = spinner {
+        s.finish_and_clear();
+    }
+    let model = model.with_context(|| format!("loading {}", path.display()))?;
     let i = &model.info;
     eprintln!(
         "ferrum: {}: {}, {:.1}M params, {}, {:.0} MB, loaded in {:.2}s, context {}, {}",
@@ -361,53 +385,19 @@ fn run(a: RunArgs) -> Result<()> {
             });
             render(session.tokenizer(), &messages)?
         };
-        answer(&mut session, &ids, &opts)?;
+        answer(
+            &mut session,
+            &ids,
+            &opts,
+            &std::sync::atomic::AtomicBool::new(false),
+        )?;
         return Ok(());
     }
 
-    eprintln!("Type a message. /clear starts over, /exit leaves.");
-    let stdin = std::io::stdin();
-    let mut line = String::new();
-    loop {
-        eprint!("> ");
-        line.clear();
-        if stdin.lock().read_line(&mut line)? == 0 {
-            break;
-        }
-        let input = line.trim();
-        match input {
-            "" => continue,
-            "/exit" | "/quit" => break,
-            "/clear" => {
-                messages.retain(|m| m.role == "system");
-                // Nothing to reset: the next prompt simply shares no prefix with the cache.
-                eprintln!("(conversation cleared)");
-                continue;
-            }
-            _ => {}
-        }
-        messages.push(Message {
-            role: "user".into(),
-            content: input.to_string(),
-        });
-        let ids = render(session.tokenizer(), &messages)?;
-        match answer(&mut session, &ids, &opts) {
-            Ok(text) => messages.push(Message {
-                role: "assistant".into(),
-                content: text,
-            }),
-            Err(e) => {
-                // A turn that cannot run (e.g. the conversation outgrew the context) is reported
-                // and dropped; the chat goes on.
-                eprintln!("ferrum: {e:#}");
-                messages.pop();
-            }
-        }
-    }
-    Ok(())
+    repl::chat(&mut session, messages, &opts)
 }
 
-fn render(tok: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
+pub(crate) fn render(tok: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
     let text = match tok.chat_template() {
         Some(t) => t.render(messages, true)?,
         None => messages
@@ -421,11 +411,15 @@ fn render(tok: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
     Ok(tok.encode(&text, !has_template)?)
 }
 
-fn answer(
+/// Streams one answer to stdout and its figures to stderr; returns the text. Stops early
+/// (keeping what was said) when `interrupted` is set, e.g. by Ctrl-C.
+pub(crate) fn answer(
     session: &mut Session<CpuBackend>,
     ids: &[u32],
     opts: &GenerateOptions,
+    interrupted: &std::sync::atomic::AtomicBool,
 ) -> Result<String> {
+    use std::sync::atomic::Ordering;
     let mut text = String::new();
     let stdout = std::io::stdout();
     let stats = session.generate_with(ids, opts, |delta| {
@@ -433,9 +427,12 @@ fn answer(
         let mut out = stdout.lock();
         let _ = out.write_all(delta.as_bytes());
         let _ = out.flush();
-        true
+        !interrupted.load(Ordering::SeqCst)
     })?;
     println!();
+    if stats.finish == ferrum_generate::FinishReason::Cancelled {
+        eprintln!("[interrupted]");
+    }
     eprintln!(
         "[{} prompt tokens ({} computed) in {:.2}s, {} tokens at {:.1} tok/s]",
         stats.prompt_tokens,

@@ -1,11 +1,12 @@
-//! Runs the OpenAI-compatibility suite (`tests/openai`, pytest with the official `openai`
-//! package) against this build's `ferrum serve` on the default model. The Python side is
-//! installed by `scripts/fetch-test-assets.sh` (a venv in the cache folder).
+//! Runs the Python end-to-end suites against this build's `ferrum` on the default model:
+//! `tests/openai` (the server through the official `openai` package, and the chat page in
+//! headless Chromium) and `tests/cli` (the terminal chat in tmux, pull/list/plan). The
+//! Python side, Chromium and tmux are installed by `scripts/fetch-test-assets.sh`.
 
 use std::process::Command;
 
 #[test]
-fn openai_python_client_suite() {
+fn python_end_to_end_suites() {
     let cache = ferrum_loader::assets::cache_dir();
     let python = cache.join("venv-openai/bin/python");
     assert!(

@@ -88,8 +88,8 @@ pub fn serve(
             max_waiting: cfg.max_waiting,
             next_id: AtomicU64::new(0),
         });
-        eprintln!(
-            "ferrum: serving {:?} on http://{addr} (OpenAI API under /v1; /health, /metrics){}",
+        tracing::info!(
+            "serving {:?} on http://{addr} (OpenAI API under /v1; /health, /metrics){}",
             cfg.model_id,
             if cfg.api_key.is_some() {
                 ", API key required"
@@ -123,5 +123,5 @@ async fn shutdown() {
         _ = ctrl_c => {},
         _ = term => {},
     }
-    eprintln!("ferrum: shutting down; finishing running requests");
+    tracing::info!("shutting down; finishing running requests");
 }

@@ -94,6 +94,12 @@ fn now() -> u64 {
 fn respond(st: &AppState, r: Result<Response, ApiError>) -> Response {
     r.unwrap_or_else(|e| {
         st.metrics.request_failed();
+        tracing::info!(
+            status = e.status.as_u16(),
+            param = e.param.as_deref().unwrap_or(""),
+            "request refused: {}",
+            e.message
+        );
         e.into_response()
     })
 }
@@ -377,7 +383,8 @@ async fn collect(
     Ok(out)
 }
 
-fn record(st: &AppState, t0: Instant, choices: &[Choice]) {
+/// Metrics and the one log line of a finished request.
+fn record(st: &AppState, id: &str, t0: Instant, choices: &[Choice]) {
     let prompt: usize = choices.first().map_or(0, |c| c.usage.prompt_tokens);
     let completion: usize = choices.iter().map(|c| c.usage.completion_tokens).sum();
     let ttft = choices
@@ -385,8 +392,21 @@ fn record(st: &AppState, t0: Instant, choices: &[Choice]) {
         .filter_map(|c| c.first_token)
         .min()
         .map(|t| (t - t0).as_secs_f64());
-    st.metrics
-        .request_done(prompt, completion, ttft, t0.elapsed().as_secs_f64());
+    let secs = t0.elapsed().as_secs_f64();
+    st.metrics.request_done(prompt, completion, ttft, secs);
+    let finish: Vec<&str> = choices
+        .iter()
+        .filter_map(|c| c.finish.map(finish_name))
+        .collect();
+    tracing::info!(
+        id,
+        prompt_tokens = prompt,
+        completion_tokens = completion,
+        ttft_ms = ttft.map_or(0, |t| (t * 1e3) as u64),
+        latency_ms = (secs * 1e3) as u64,
+        finish = finish.join(",").as_str(),
+        "request done"
+    );
 }
 
 pub async fn chat(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
@@ -421,7 +441,7 @@ async fn chat_inner(
     let created = now();
     if !plan.stream {
         let out = collect(rx, plan.n).await?;
-        record(&st, t0, &out);
+        record(&st, &id, t0, &out);
         let usages: Vec<Usage> = out.iter().map(|c| c.usage).collect();
         let choices: Vec<Value> = out
             .iter()
@@ -578,6 +598,7 @@ async fn chat_inner(
     let usage = Usage4Sse { n: plan.n };
     Ok(sse(
         st,
+        id,
         t0,
         rx,
         plan.n,
@@ -599,6 +620,7 @@ struct Usage4Sse {
 #[allow(clippy::too_many_arguments)]
 fn sse(
     st: Arc<AppState>,
+    id: String,
     t0: Instant,
     mut rx: mpsc::UnboundedReceiver<(usize, Output)>,
     n: usize,
@@ -636,7 +658,7 @@ fn sse(
                 }
             }
         }
-        record(&st, t0, &choices);
+        record(&st, &id, t0, &choices);
         if include_usage {
             let usages: Vec<Usage> = choices.iter().map(|c| c.usage).collect();
             if !send(usage_chunk(usage_json(&usages, per.n))) {
@@ -692,7 +714,7 @@ async fn completions_inner(
     let created = now();
     if !plan.stream {
         let out = collect(rx, total).await?;
-        record(&st, t0, &out);
+        record(&st, &id, t0, &out);
         let choices: Vec<Value> = out
             .iter()
             .enumerate()
@@ -759,6 +781,7 @@ async fn completions_inner(
     let usage = Usage4Sse { n: plan.n };
     Ok(sse(
         st,
+        id,
         t0,
         rx,
         total,

@@ -168,7 +168,7 @@ fn run(engine: &mut Engine<CpuBackend>, rx: &mpsc::Receiver<Command>, sh: &Share
                 Err(e) => {
                     // Not expected (requests are validated): end every request rather than
                     // spin on the error; their handlers see the channel close.
-                    eprintln!("ferrum: engine step failed: {e}");
+                    tracing::error!("engine step failed: {e}");
                     for id in senders.keys() {
                         engine.cancel(*id);
                     }
