@@ -353,3 +353,18 @@ def test_health_and_metrics(server):
     assert h["status"] == "ok" and h["model"] == server.model and h["kv_cache_tokens"] >= 8192
     assert metric(server, "ferrum_requests_total") > 0
     assert "ferrum_time_to_first_token_seconds_bucket" in server.raw("GET", "/metrics").text
+
+
+def test_plan_predicts_the_servers_memory_within_10_percent(server):
+    """`ferrum plan` with the server's settings against the server's real RSS (it has built
+    the structured-output grammar by now: the JSON tests above ran first)."""
+    import os
+    import subprocess
+    out = subprocess.run([os.environ["FERRUM_BIN"], "plan", os.environ["FERRUM_MODEL"], "--ctx", str(CTX),
+                          "--kv-tokens", "8192", "--json"], check=True, capture_output=True, text=True)
+    plan = json.loads(out.stdout)
+    with open(f"/proc/{server.proc.pid}/status") as f:
+        rss = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+    predicted = plan["total_with_grammar_bytes"]
+    assert abs(predicted - rss) <= 0.10 * rss, (predicted, rss, plan)
+    assert plan["fits"] and plan["kv_tokens"] == 8192

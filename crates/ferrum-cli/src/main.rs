@@ -4,6 +4,7 @@
 mod bench;
 mod bench_engine;
 mod default_model;
+mod plan;
 mod repl;
 
 use std::io::Write;
@@ -34,6 +35,26 @@ enum Cmd {
     Run(RunArgs),
     /// Serve a model over an OpenAI-compatible HTTP API.
     Serve(ServeArgs),
+    /// How much memory a model will take (weights, KV cache, activations) and whether it fits,
+    /// before loading it.
+    Plan {
+        /// A .gguf file or a Hugging Face model folder.
+        model: PathBuf,
+        /// Longest sequence (as `run --ctx` / `serve --ctx`).
+        #[arg(long)]
+        ctx: Option<usize>,
+        /// Sequences served at once: the KV cache holds ctx × this many tokens.
+        #[arg(long, default_value_t = 1)]
+        concurrency: usize,
+        /// KV cache size in tokens, as `serve --kv-tokens` (overrides ctx × concurrency).
+        #[arg(long)]
+        kv_tokens: Option<usize>,
+        /// KV cache element format: f16 (default), f32 or q8_0.
+        #[arg(long, value_parser = parse_kv_dtype)]
+        kv_dtype: Option<KvDtype>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Print the logits of every position for a list of token ids, as JSON.
     Logits {
         #[arg(long)]
@@ -233,6 +254,21 @@ fn main() {
     let result = match cli.cmd {
         Cmd::Run(a) => run(a),
         Cmd::Serve(a) => serve(a),
+        Cmd::Plan {
+            model,
+            ctx,
+            concurrency,
+            kv_tokens,
+            kv_dtype,
+            json,
+        } => plan::run(plan::PlanArgs {
+            model: &model,
+            ctx,
+            concurrency,
+            kv_tokens,
+            kv_bytes_per_value: kv_dtype.unwrap_or(KvDtype::F16).row_bytes(32) as f64 / 32.0,
+            json,
+        }),
         Cmd::Bench(a) => bench::run(a),
         Cmd::Quantize {
             input,

@@ -175,11 +175,18 @@ pub struct GgufFile {
 
 impl GgufFile {
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
+        Self::open_with(path, true)
+    }
+
+    /// Opens for reading the metadata only: the tensor data is not faulted in.
+    pub fn inspect(path: impl AsRef<Path>) -> Result<GgufFile> {
+        Self::open_with(path, false)
+    }
+
+    fn open_with(path: impl AsRef<Path>, populate: bool) -> Result<GgufFile> {
         let path = path.as_ref().to_path_buf();
         let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
-        // SAFETY: the mapping is read-only; like every mmap-based loader we assume the file
-        // is not truncated or rewritten by another process while it is mapped.
-        let mmap = crate::tensor::map_file(&file).map_err(|e| Error::io(&path, e))?;
+        let mmap = crate::tensor::map_file(&file, populate).map_err(|e| Error::io(&path, e))?;
         Self::parse(path, Arc::new(mmap))
     }
 

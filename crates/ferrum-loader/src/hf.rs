@@ -23,6 +23,15 @@ pub struct HfFolder {
 
 impl HfFolder {
     pub fn open(dir: impl AsRef<Path>) -> Result<HfFolder> {
+        Self::open_with(dir, true)
+    }
+
+    /// Opens for reading the configuration and tensor headers only.
+    pub fn inspect(dir: impl AsRef<Path>) -> Result<HfFolder> {
+        Self::open_with(dir, false)
+    }
+
+    fn open_with(dir: impl AsRef<Path>, populate: bool) -> Result<HfFolder> {
         let dir = dir.as_ref().to_path_buf();
         let config_path = dir.join("config.json");
         let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
@@ -33,7 +42,7 @@ impl HfFolder {
         let mut tensors = TensorStore::default();
         let mut file_bytes = 0;
         for f in files {
-            file_bytes += load_safetensors(&f, &mut tensors)?;
+            file_bytes += load_safetensors(&f, &mut tensors, populate)?;
         }
         Ok(HfFolder {
             dir,
@@ -82,10 +91,9 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// Maps one safetensors file and adds its tensors; returns its size.
-pub fn load_safetensors(path: &Path, store: &mut TensorStore) -> Result<usize> {
+pub fn load_safetensors(path: &Path, store: &mut TensorStore, populate: bool) -> Result<usize> {
     let file = File::open(path).map_err(|e| Error::io(path, e))?;
-    // SAFETY: read-only mapping of a file we assume is not modified while mapped.
-    let mmap = Arc::new(crate::tensor::map_file(&file).map_err(|e| Error::io(path, e))?);
+    let mmap = Arc::new(crate::tensor::map_file(&file, populate).map_err(|e| Error::io(path, e))?);
     let st = SafeTensors::deserialize(&mmap[..])
         .map_err(|e| Error::format(path, format!("invalid safetensors: {e}")))?;
     let base = mmap.as_ptr() as usize;

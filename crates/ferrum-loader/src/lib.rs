@@ -24,11 +24,28 @@ pub enum ModelFile {
 
 impl ModelFile {
     pub fn open(path: impl AsRef<Path>) -> ferrum_core::Result<ModelFile> {
-        let path = path.as_ref();
+        Self::open_with(path.as_ref(), true)
+    }
+
+    /// Reads headers and configuration without faulting in the weights (`ferrum plan`,
+    /// `ferrum list`).
+    pub fn inspect(path: impl AsRef<Path>) -> ferrum_core::Result<ModelFile> {
+        Self::open_with(path.as_ref(), false)
+    }
+
+    fn open_with(path: &Path, populate: bool) -> ferrum_core::Result<ModelFile> {
         if path.is_dir() {
-            Ok(ModelFile::Hf(HfFolder::open(path)?))
+            Ok(ModelFile::Hf(if populate {
+                HfFolder::open(path)?
+            } else {
+                HfFolder::inspect(path)?
+            }))
         } else if path.exists() {
-            Ok(ModelFile::Gguf(GgufFile::open(path)?))
+            Ok(ModelFile::Gguf(if populate {
+                GgufFile::open(path)?
+            } else {
+                GgufFile::inspect(path)?
+            }))
         } else {
             Err(ferrum_core::Error::io(
                 path,

@@ -9,10 +9,15 @@ use memmap2::Mmap;
 /// Maps a model file read-only, asking the kernel to fault every page in up front
 /// (`MAP_POPULATE`): the first decode steps of a MoE model otherwise pay a page fault for every
 /// expert page they touch for the first time, which measured as most of their time.
-pub(crate) fn map_file(file: &std::fs::File) -> std::io::Result<Mmap> {
+/// Without `populate`, pages are read only when touched: enough to read a header.
+pub(crate) fn map_file(file: &std::fs::File, populate: bool) -> std::io::Result<Mmap> {
+    let mut opts = memmap2::MmapOptions::new();
+    if populate {
+        opts.populate();
+    }
     // SAFETY: read-only mapping; like every mmap-based loader we assume the file is not
     // truncated or rewritten by another process while it is mapped.
-    unsafe { memmap2::MmapOptions::new().populate().map(file) }
+    unsafe { opts.map(file) }
 }
 
 /// Where a tensor's bytes live. Loaders map files; a few callers (tests, converters) own

@@ -62,6 +62,24 @@ pub fn detect_arch(file: &ModelFile) -> Result<Arch> {
     }
 }
 
+/// The model's configuration, from config.json or the GGUF metadata (and, for GGUF, the
+/// embedding's row count and whether an output head exists). Reads no weights.
+pub fn read_config(file: &ModelFile) -> Result<ModelConfig> {
+    let arch = detect_arch(file)?;
+    match file {
+        ModelFile::Hf(h) => ModelConfig::from_hf(arch, &h.config),
+        ModelFile::Gguf(g) => {
+            let store = file.tensors();
+            let embd = store.get("token_embd.weight").ok_or_else(|| {
+                Error::Weights(format!("{}: no token_embd.weight", g.path.display()))
+            })?;
+            let vocab = embd.n_rows();
+            let tied = !store.contains("output.weight");
+            ModelConfig::from_gguf(arch, g, vocab, tied)
+        }
+    }
+}
+
 /// What the load summary line reports.
 #[derive(Debug, Clone)]
 pub struct ModelInfo {
@@ -98,17 +116,8 @@ impl<B: Backend> Model<B> {
         let t0 = Instant::now();
         let arch = detect_arch(file)?;
         let store = file.tensors();
-        let (config, gguf) = match file {
-            ModelFile::Hf(h) => (ModelConfig::from_hf(arch, &h.config)?, false),
-            ModelFile::Gguf(g) => {
-                let embd = store.get("token_embd.weight").ok_or_else(|| {
-                    Error::Weights(format!("{}: no token_embd.weight", g.path.display()))
-                })?;
-                let vocab = embd.n_rows();
-                let tied = !store.contains("output.weight");
-                (ModelConfig::from_gguf(arch, g, vocab, tied)?, true)
-            }
-        };
+        let config = read_config(file)?;
+        let gguf = matches!(file, ModelFile::Gguf(_));
         let context = opts
             .context
             .unwrap_or_else(|| config.max_position.min(DEFAULT_MAX_CONTEXT));

@@ -77,7 +77,29 @@ impl CpuKv {
                 KvData::Q8(vec![zero; rows * width / QK])
             }
         };
-        CpuKv { width, rows, data }
+        let mut kv = CpuKv { width, rows, data };
+        kv.fault_in();
+        kv
+    }
+
+    /// Zeroed allocations are mapped lazily; touch every page now so the cache is resident
+    /// from the start (what `ferrum plan` predicts, and no page faults while serving).
+    fn fault_in(&mut self) {
+        fn touch<T>(v: &mut [T]) {
+            let step = (4096 / std::mem::size_of::<T>().max(1)).max(1);
+            let p = v.as_mut_ptr() as *mut u8;
+            let bytes = std::mem::size_of_val(v);
+            for off in (0..bytes).step_by(step * std::mem::size_of::<T>().max(1)) {
+                // SAFETY: `off` is inside the slice; a volatile write of the zero byte that is
+                // already there cannot be optimised away and changes nothing.
+                unsafe { std::ptr::write_volatile(p.add(off), 0) };
+            }
+        }
+        match &mut self.data {
+            KvData::F32(v) => touch(v),
+            KvData::F16(v) => touch(v),
+            KvData::Q8(v) => touch(v),
+        }
     }
 
     pub fn dtype(&self) -> KvDtype {

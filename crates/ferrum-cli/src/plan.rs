@@ -1,0 +1,157 @@
+//! `ferrum plan MODEL`: before loading the weights, how much memory a run or a server will
+//! take — the mapped weights, the KV cache, the activation buffers, the tokenizer and the
+//! structured-output grammar — whether it fits in this machine's available memory, and how
+//! many tokens of KV cache the rest of memory would hold.
+//!
+//! Weights, KV and activations are computed from the file's header and configuration; the
+//! process's own footprint, the tokenizer's and the grammar's are measured here by building
+//! them (they are small), so the figure tracks the real RSS of `ferrum serve`.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use ferrum_loader::ModelFile;
+use ferrum_tokenizer::Tokenizer;
+
+/// Resident set size of this process, in bytes.
+fn rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+fn meminfo(key: &str) -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with(key))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+pub struct PlanArgs<'a> {
+    pub model: &'a Path,
+    pub ctx: Option<usize>,
+    pub concurrency: usize,
+    pub kv_tokens: Option<usize>,
+    pub kv_bytes_per_value: f64,
+    pub json: bool,
+}
+
+pub fn run(a: PlanArgs) -> Result<()> {
+    let base = rss();
+    let file =
+        ModelFile::inspect(a.model).with_context(|| format!("reading {}", a.model.display()))?;
+    let c = ferrum_models::read_config(&file)?;
+    let header = rss().saturating_sub(base);
+    let tok_before = rss();
+    let tok = match &file {
+        ModelFile::Gguf(g) => Tokenizer::from_gguf(g)?,
+        ModelFile::Hf(h) => Tokenizer::from_hf_dir(&h.dir)?,
+    };
+    let tokenizer = rss().saturating_sub(tok_before);
+    let g_before = rss();
+    let grammar = ferrum_generate::GrammarCompiler::new(&tok, c.vocab_size)?;
+    let grammar_bytes = rss().saturating_sub(g_before);
+    drop(grammar);
+
+    let ctx = a
+        .ctx
+        .unwrap_or_else(|| c.max_position.min(ferrum_models::DEFAULT_MAX_CONTEXT));
+    let kv_tokens = a.kv_tokens.unwrap_or(ctx * a.concurrency.max(1));
+    let kv_per_token = (2 * c.n_layers * c.kv_dim()) as f64 * a.kv_bytes_per_value;
+    let kv = kv_per_token * kv_tokens as f64;
+    let weights = file.file_bytes() as f64;
+    // The decoder's buffers for one pass of CHUNK tokens, the logits of up to CHUNK rows
+    // (and the engine's copy of them), the MoE scratch.
+    let chunk = ferrum_models::decoder::CHUNK as f64;
+    let (h, qd, kvd, f, v) = (
+        c.hidden_size as f64,
+        c.q_dim() as f64,
+        c.kv_dim() as f64,
+        c.intermediate_size as f64,
+        c.vocab_size as f64,
+    );
+    let mut act = chunk * (3.0 * h + qd + 2.0 * kvd + qd + 3.0 * f) * 4.0;
+    let rows = chunk.min(a.concurrency.max(1) as f64).max(1.0);
+    act += 2.0 * rows * v * 4.0;
+    if let Some(m) = &c.moe {
+        act += chunk * (2.0 * m.n_experts as f64 + 2.0 * h + 3.0 * m.expert_ffn as f64) * 4.0;
+    }
+    // The server holds two tokenizers (its own for prompts, the engine's for text).
+    let copies = if a.concurrency > 1 || a.kv_tokens.is_some() {
+        2.0
+    } else {
+        1.0
+    };
+    let runtime = (base + header) as f64 + copies * tokenizer as f64;
+    let total = weights + kv + act + runtime;
+    let with_grammar = total + grammar_bytes as f64;
+    let available = meminfo("MemAvailable:") as f64;
+    let mem_total = meminfo("MemTotal:") as f64;
+    let fits = with_grammar <= available;
+    let spare_kv_tokens = ((available - (with_grammar - kv)) / kv_per_token).max(0.0) as u64;
+    let mb = |b: f64| b / 1e6;
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": a.model.display().to_string(),
+                "arch": c.arch.name(),
+                "context": ctx,
+                "concurrency": a.concurrency,
+                "kv_tokens": kv_tokens,
+                "kv_bytes_per_token": kv_per_token,
+                "weights_bytes": weights,
+                "kv_bytes": kv,
+                "activation_bytes": act,
+                "runtime_bytes": runtime,
+                "grammar_bytes": grammar_bytes,
+                "total_bytes": total,
+                "total_with_grammar_bytes": with_grammar,
+                "mem_available_bytes": available,
+                "mem_total_bytes": mem_total,
+                "fits": fits,
+                "kv_tokens_memory_holds": spare_kv_tokens,
+            })
+        );
+        return Ok(());
+    }
+    println!(
+        "{} ({}, {} layers, vocab {})",
+        a.model.display(),
+        c.arch.name(),
+        c.n_layers,
+        c.vocab_size
+    );
+    println!("  weights (mapped)        {:>10.1} MB", mb(weights));
+    let why = match a.kv_tokens {
+        Some(_) => "as asked".to_string(),
+        None => format!("context {ctx} × {} sequence(s)", a.concurrency),
+    };
+    println!(
+        "  KV cache                {:>10.1} MB  ({kv_tokens} tokens × {:.1} KB: {why})",
+        mb(kv),
+        kv_per_token / 1e3
+    );
+    println!("  activations             {:>10.1} MB", mb(act));
+    println!("  runtime + tokenizer     {:>10.1} MB", mb(runtime));
+    println!("  total                   {:>10.1} MB", mb(total));
+    println!(
+        "  + structured output     {:>10.1} MB  (token trie, built on first use)",
+        mb(grammar_bytes as f64)
+    );
+    println!(
+        "  this machine: {:.1} GB available of {:.1} GB — {}",
+        available / 1e9,
+        mem_total / 1e9,
+        if fits { "fits" } else { "does NOT fit" }
+    );
+    println!("  the rest of available memory holds {spare_kv_tokens} tokens of KV cache");
+    Ok(())
+}
