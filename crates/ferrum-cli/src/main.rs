@@ -4,6 +4,7 @@
 mod bench;
 mod bench_engine;
 mod default_model;
+mod models;
 mod plan;
 mod repl;
 
@@ -35,11 +36,20 @@ enum Cmd {
     Run(RunArgs),
     /// Serve a model over an OpenAI-compatible HTTP API.
     Serve(ServeArgs),
+    /// Download a model into the Hugging Face cache: org/repo, org/repo:file.gguf,
+    /// org/repo:Q4_K_M or an alias (see `ferrum list --aliases`).
+    Pull { reference: String },
+    /// Models in the cache, with size, architecture, quantisation and whether complete.
+    List {
+        /// Show the short names `run`, `serve` and `pull` accept instead.
+        #[arg(long)]
+        aliases: bool,
+    },
     /// How much memory a model will take (weights, KV cache, activations) and whether it fits,
     /// before loading it.
     Plan {
-        /// A .gguf file or a Hugging Face model folder.
-        model: PathBuf,
+        /// A .gguf file, a Hugging Face folder, or a pulled reference.
+        model: String,
         /// Longest sequence (as `run --ctx` / `serve --ctx`).
         #[arg(long)]
         ctx: Option<usize>,
@@ -96,9 +106,9 @@ enum Cmd {
 
 #[derive(Args)]
 struct RunArgs {
-    /// A .gguf file or a Hugging Face model folder (default: SmolLM2-135M-Instruct Q4_1,
-    /// fetched on first use).
-    model: Option<PathBuf>,
+    /// A .gguf file, a Hugging Face folder, org/repo[:file.gguf|:QUANT] or an alias
+    /// (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).
+    model: Option<String>,
     /// Answer this prompt and exit instead of starting a chat.
     #[arg(long)]
     prompt: Option<String>,
@@ -146,8 +156,9 @@ struct RunArgs {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// A .gguf file or a Hugging Face model folder (default: the default model).
-    model: Option<PathBuf>,
+    /// A .gguf file, a Hugging Face folder, org/repo[:file.gguf|:QUANT] or an alias
+    /// (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).
+    model: Option<String>,
     /// Address to bind; 127.0.0.1 keeps the server local.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -182,11 +193,52 @@ struct ServeArgs {
     exact: bool,
 }
 
+/// A reference that must already be on disk (no download).
+fn local_model(reference: &str) -> Result<PathBuf> {
+    models::local(reference)?
+        .ok_or_else(|| anyhow::anyhow!("{reference} is not in the cache: ferrum pull {reference}"))
+}
+
+/// The model to run: the default one, or a reference resolved (pulled if need be).
+fn model_path(reference: Option<&str>) -> Result<PathBuf> {
+    match reference {
+        None => default_model::ensure(),
+        Some(r) => models::resolve(r),
+    }
+}
+
+fn list(aliases: bool) -> Result<()> {
+    if aliases {
+        for (a, target) in models::ALIASES {
+            println!("{a:<22} {target}");
+        }
+        return Ok(());
+    }
+    let entries = models::list();
+    if entries.is_empty() {
+        println!("no models yet: ferrum pull REF (see ferrum list --aliases)");
+        return Ok(());
+    }
+    println!(
+        "{:<60} {:>9}  {:<10} {:<8} complete",
+        "NAME", "SIZE", "ARCH", "QUANT"
+    );
+    for e in entries {
+        println!(
+            "{:<60} {:>6.1} MB  {:<10} {:<8} {}",
+            e.name,
+            e.bytes as f64 / 1e6,
+            e.arch,
+            e.quant,
+            if e.complete { "yes" } else { "no" }
+        );
+        tracing::debug!(path = %e.path.display(), "listed");
+    }
+    Ok(())
+}
+
 fn serve(a: ServeArgs) -> Result<()> {
-    let path = match a.model {
-        Some(p) => p,
-        None => default_model::ensure()?,
-    };
+    let path = model_path(a.model.as_deref())?;
     let file = ModelFile::open(&path)?;
     let tokenizer = |f: &ModelFile| -> Result<Tokenizer> {
         Ok(match f {
@@ -195,7 +247,8 @@ fn serve(a: ServeArgs) -> Result<()> {
         })
     };
     let tok = tokenizer(&file)?;
-    let id = a.model_name.clone().unwrap_or_else(|| {
+    let reference = a.model.clone().filter(|r| !Path::new(r).exists());
+    let id = a.model_name.clone().or(reference).unwrap_or_else(|| {
         let name = path
             .file_name()
             .unwrap_or(path.as_os_str())
@@ -254,6 +307,10 @@ fn main() {
     let result = match cli.cmd {
         Cmd::Run(a) => run(a),
         Cmd::Serve(a) => serve(a),
+        Cmd::Pull { reference } => models::pull(&reference).map(|p| {
+            eprintln!("ferrum: {reference} is at {}", p.display());
+        }),
+        Cmd::List { aliases } => list(aliases),
         Cmd::Plan {
             model,
             ctx,
@@ -261,13 +318,15 @@ fn main() {
             kv_tokens,
             kv_dtype,
             json,
-        } => plan::run(plan::PlanArgs {
-            model: &model,
-            ctx,
-            concurrency,
-            kv_tokens,
-            kv_bytes_per_value: kv_dtype.unwrap_or(KvDtype::F16).row_bytes(32) as f64 / 32.0,
-            json,
+        } => local_model(&model).and_then(|model| {
+            plan::run(plan::PlanArgs {
+                model: &model,
+                ctx,
+                concurrency,
+                kv_tokens,
+                kv_bytes_per_value: kv_dtype.unwrap_or(KvDtype::F16).row_bytes(32) as f64 / 32.0,
+                json,
+            })
         }),
         Cmd::Bench(a) => bench::run(a),
         Cmd::Quantize {
@@ -362,10 +421,7 @@ pub(crate) fn load_model(
 }
 
 fn run(a: RunArgs) -> Result<()> {
-    let path = match a.model {
-        Some(p) => p,
-        None => default_model::ensure()?,
-    };
+    let path = model_path(a.model.as_deref())?;
     let be = BackendOpts {
         exact: a.exact,
         kv: a.kv_dtype,

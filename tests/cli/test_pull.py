@@ -1,0 +1,102 @@
+"""`ferrum pull` / `list` / `run` with model references, against a local stand-in for the
+Hugging Face Hub (tests/cli/mock_hub.py) serving the tiny random Llama fixture."""
+
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+from mock_hub import Hub, Repo
+
+TINY = pathlib.Path(__file__).resolve().parents[2] / "tests/fixtures/tiny/llama"
+FOLDER_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "model.safetensors"]
+
+
+@pytest.fixture
+def hub():
+    folder = {f: (TINY / f).read_bytes() for f in FOLDER_FILES}
+    gguf = (TINY / "model-q8_0.gguf").read_bytes()
+    h = Hub({
+        "test-org/tiny-llama": Repo(dict(folder, **{"README.md": b"# tiny\n"})),
+        "test-org/tiny-llama-GGUF": Repo({"tiny-llama-Q8_0.gguf": gguf, "tiny-llama-F32.gguf": (TINY / "model-f32.gguf").read_bytes()}),
+        "test-org/gated": Repo({"tiny-Q8_0.gguf": gguf}, gated_token="sesame"),
+        "test-org/corrupt": Repo({"tiny-Q8_0.gguf": gguf}, corrupt=["tiny-Q8_0.gguf"]),
+        "test-org/flaky": Repo({"tiny-Q8_0.gguf": gguf}, flaky=["tiny-Q8_0.gguf"]),
+    })
+    yield h
+    h.close()
+
+
+def ferrum_cmd(ferrum, env, *args):
+    return subprocess.run([ferrum, *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def env(hub, tmp_path):
+    e = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=hub.url)
+    e.pop("HF_TOKEN", None)
+    return e
+
+
+def test_pull_list_and_run_offline(ferrum, env, hub):
+    r = ferrum_cmd(ferrum, env, "pull", "test-org/tiny-llama-GGUF:Q8_0")
+    assert r.returncode == 0, r.stderr
+    path = pathlib.Path(r.stderr.strip().split(" is at ")[-1])
+    assert path.name == "tiny-llama-Q8_0.gguf" and path.exists()
+    assert path.read_bytes() == (TINY / "model-q8_0.gguf").read_bytes()
+    # The folder repo: config, tokenizer and weights, not the README.
+    r = ferrum_cmd(ferrum, env, "pull", "test-org/tiny-llama")
+    assert r.returncode == 0, r.stderr
+    folder = pathlib.Path(r.stderr.strip().split(" is at ")[-1])
+    assert sorted(p.name for p in folder.iterdir()) == sorted(FOLDER_FILES)
+    listing = ferrum_cmd(ferrum, env, "list").stdout
+    rows = {line.split()[0]: line.split() for line in listing.splitlines()[1:]}
+    gguf_row = rows["test-org/tiny-llama-GGUF:tiny-llama-Q8_0.gguf"]
+    assert gguf_row[3:] == ["llama", "Q8_0", "yes"], listing
+    assert rows["test-org/tiny-llama"][3] == "llama" and rows["test-org/tiny-llama"][-1] == "yes", listing
+    # Offline: the cached models still run and plan, by reference.
+    offline = dict(env, HF_ENDPOINT="http://127.0.0.1:9")
+    r = ferrum_cmd(ferrum, offline, "run", "test-org/tiny-llama-GGUF:Q8_0", "--raw", "--prompt", "hello",
+                   "--max-tokens", "3", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    r = ferrum_cmd(ferrum, offline, "plan", "test-org/tiny-llama", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["fits"], r.stderr
+    # A second pull is served from the cache.
+    before = len(hub.ranges)
+    assert ferrum_cmd(ferrum, env, "pull", "test-org/tiny-llama-GGUF:Q8_0").returncode == 0
+    assert len(hub.ranges) == before
+
+
+def test_gated_repo_needs_a_token(ferrum, env):
+    r = ferrum_cmd(ferrum, env, "pull", "test-org/gated:Q8_0")
+    assert r.returncode != 0 and "gated or private" in r.stderr and "HF_TOKEN" in r.stderr, r.stderr
+    r = ferrum_cmd(ferrum, dict(env, HF_TOKEN="sesame"), "pull", "test-org/gated:Q8_0")
+    assert r.returncode == 0, r.stderr
+
+
+def test_offline_and_unknown_are_clear_errors(ferrum, env):
+    r = ferrum_cmd(ferrum, dict(env, HF_ENDPOINT="http://127.0.0.1:9"), "pull", "test-org/tiny-llama")
+    assert r.returncode != 0 and "cannot reach" in r.stderr, r.stderr
+    r = ferrum_cmd(ferrum, env, "pull", "test-org/nope")
+    assert r.returncode != 0 and "not found" in r.stderr, r.stderr
+    r = ferrum_cmd(ferrum, env, "run", "not a model")
+    assert r.returncode != 0 and "not a file or folder" in r.stderr, r.stderr
+
+
+def test_checksum_mismatch_is_refused_and_removed(ferrum, env):
+    r = ferrum_cmd(ferrum, env, "pull", "test-org/corrupt:Q8_0")
+    assert r.returncode != 0 and "checksum mismatch" in r.stderr, r.stderr
+    listing = ferrum_cmd(ferrum, env, "list").stdout
+    assert "tiny-Q8_0.gguf" not in listing, listing
+
+
+def test_interrupted_download_resumes(ferrum, env, hub):
+    r = ferrum_cmd(ferrum, env, "pull", "test-org/flaky:Q8_0")
+    assert r.returncode == 0, r.stderr
+    starts = [s for repo, _, s in hub.ranges if repo == "test-org/flaky"]
+    assert starts[0] == 0 and any(s > 0 for s in starts[1:]), starts
+    path = pathlib.Path(r.stderr.strip().split(" is at ")[-1])
+    assert path.read_bytes() == (TINY / "model-q8_0.gguf").read_bytes()
