@@ -64,6 +64,12 @@ def test_pull_list_and_run_offline(ferrum, env, hub):
     assert r.returncode == 0, r.stderr
     r = ferrum_cmd(ferrum, offline, "plan", "test-org/tiny-llama", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["fits"], r.stderr
+    # A partial download in a repo's blobs marks it incomplete.
+    blobs = pathlib.Path(env["HF_HOME"]) / "hub/models--test-org--tiny-llama/blobs"
+    (blobs / "0123abcd.incomplete").write_bytes(b"half")
+    rows = {l.split()[0]: l.split() for l in ferrum_cmd(ferrum, env, "list").stdout.splitlines()[1:]}
+    assert rows["test-org/tiny-llama"][-1] == "no"
+    (blobs / "0123abcd.incomplete").unlink()
     # A second pull is served from the cache.
     before = len(hub.ranges)
     assert ferrum_cmd(ferrum, env, "pull", "test-org/tiny-llama-GGUF:Q8_0").returncode == 0
