@@ -113,6 +113,19 @@ fn explain(repo: &str, e: hf_hub::api::sync::ApiError) -> anyhow::Error {
     }
 }
 
+/// Feeds the rest of `f` to `h`; the hex digest.
+fn digest<D: sha2::Digest>(mut h: D, f: &mut std::fs::File) -> Result<String> {
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(hex(&h.finalize()))
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -120,33 +133,16 @@ fn hex(bytes: &[u8]) -> String {
 /// Checks a downloaded file against the Hub's etag: sha256 for LFS files, the git blob sha1
 /// otherwise. A mismatch removes the file.
 fn verify(path: &Path, etag: &str) -> Result<()> {
-    use sha1::Digest as _;
     let etag = etag.trim_matches('"');
     let is_hex = |n| etag.len() == n && etag.chars().all(|c| c.is_ascii_hexdigit());
     let mut f = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
     let size = f.metadata()?.len();
-    let mut buf = vec![0u8; 1 << 20];
     let got = if is_hex(64) {
-        let mut h = sha2::Sha256::new();
-        loop {
-            let n = f.read(&mut buf)?;
-            if n == 0 {
-                break;
-            }
-            h.update(&buf[..n]);
-        }
-        hex(&h.finalize())
+        digest(sha2::Sha256::default(), &mut f)?
     } else if is_hex(40) {
-        let mut h = sha1::Sha1::new();
-        h.update(format!("blob {size}\0").as_bytes());
-        loop {
-            let n = f.read(&mut buf)?;
-            if n == 0 {
-                break;
-            }
-            h.update(&buf[..n]);
-        }
-        hex(&h.finalize())
+        let mut h = sha1::Sha1::default();
+        sha1::Digest::update(&mut h, format!("blob {size}\0").as_bytes());
+        digest(h, &mut f)?
     } else {
         return Ok(()); // an etag that is no checksum: nothing to check against
     };
