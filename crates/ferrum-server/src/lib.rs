@@ -125,3 +125,87 @@ async fn shutdown() {
     }
     tracing::info!("shutting down; finishing running requests");
 }
+
+#[cfg(test)]
+mod tests {
+    //! The router's error paths that the end-to-end suite cannot reach deterministically:
+    //! not ready (503), overloaded (429 with Retry-After), wrong key (401).
+
+    use super::*;
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use http_body_util::BodyExt;
+    use std::sync::atomic::Ordering;
+    use tower::ServiceExt;
+
+    fn app(ready: bool, waiting: usize) -> Router {
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/tiny/llama"
+        );
+        let tokenizer = Tokenizer::from_hf_dir(std::path::Path::new(dir)).unwrap();
+        let shared = Arc::new(worker::Shared::default());
+        if ready {
+            let _ = shared.card.set(worker::ModelCard {
+                id: "tiny".into(),
+                created: 0,
+                context: 64,
+                max_sequence: 64,
+                kv_tokens: 64,
+                kv_bytes: 0,
+                vocab_size: tokenizer.vocab_size(),
+                arch: "llama".into(),
+                dtype: "F32".into(),
+            });
+            shared.ready.store(true, Ordering::SeqCst);
+        }
+        shared.stats.lock().unwrap().waiting = waiting;
+        let state = Arc::new(routes::AppState {
+            handle: worker::Handle::detached(shared),
+            tokenizer,
+            metrics: Default::default(),
+            api_key: Some("k".into()),
+            thinking: false,
+            max_waiting: 4,
+            next_id: AtomicU64::new(0),
+        });
+        router(state, 1 << 16)
+    }
+
+    async fn post(app: Router, key: &str) -> (StatusCode, Option<String>, serde_json::Value) {
+        let body = r#"{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}"#;
+        let req = Request::post("/v1/chat/completions")
+            .header("Authorization", format!("Bearer {key}"))
+            .header("Content-Type", "application/json")
+            .body(Body::from(body))
+            .unwrap();
+        let r = app.oneshot(req).await.unwrap();
+        let status = r.status();
+        let retry = r
+            .headers()
+            .get("retry-after")
+            .map(|v| v.to_str().unwrap().to_string());
+        let bytes = r.into_body().collect().await.unwrap().to_bytes();
+        (status, retry, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    #[tokio::test]
+    async fn not_ready_overloaded_and_unauthorised() {
+        let (s, _, e) = post(app(false, 0), "k").await;
+        assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e["error"]["type"], "service_unavailable_error");
+        let (s, retry, e) = post(app(true, 4), "k").await;
+        assert_eq!(s, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(retry.as_deref(), Some("1"));
+        assert_eq!(e["error"]["type"], "rate_limit_error");
+        let (s, _, e) = post(app(true, 0), "wrong").await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED);
+        assert_eq!(e["error"]["code"], "invalid_api_key");
+        // /health is open and says 503 while loading.
+        let r = app(false, 0)
+            .oneshot(Request::get("/health").body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    }
+}

@@ -56,6 +56,13 @@ pub struct Handle {
 }
 
 impl Handle {
+    /// A handle with no engine behind it (the router's own tests).
+    #[cfg(test)]
+    pub(crate) fn detached(shared: Arc<Shared>) -> Handle {
+        let (tx, _) = mpsc::channel();
+        Handle { tx, shared }
+    }
+
     /// Queues a request; returns its id and the channel its events arrive on.
     pub async fn submit(
         &self,
