@@ -426,7 +426,12 @@ impl<B: Backend> Engine<B> {
             Some(m) => {
                 self.scratch.clear();
                 self.scratch.extend_from_slice(logits);
-                m.apply(&mut self.scratch)?;
+                // A constraint that fails (or allows nothing) ends this request only.
+                if m.apply(&mut self.scratch).is_err()
+                    || self.scratch.iter().all(|l| *l == f32::NEG_INFINITY)
+                {
+                    return Ok(Some(FinishReason::Stop));
+                }
                 &self.scratch[..]
             }
             None => logits,
@@ -440,7 +445,9 @@ impl<B: Backend> Engine<B> {
             return Ok(Some(FinishReason::Stop));
         }
         if let Some(m) = &mut s.mask {
-            m.commit(token)?;
+            if m.commit(token).is_err() {
+                return Ok(Some(FinishReason::Stop));
+            }
         }
         s.tokens.push(token);
         s.sampler.observe(token);
