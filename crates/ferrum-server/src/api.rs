@@ -209,7 +209,6 @@ pub struct Plan {
     pub n: usize,
     pub stream: bool,
     pub include_usage: bool,
-    pub seed: Option<u64>,
 }
 
 impl Sampling {
@@ -332,7 +331,6 @@ impl Sampling {
             n,
             stream,
             include_usage,
-            seed,
         })
     }
 }

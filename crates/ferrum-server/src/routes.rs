@@ -199,11 +199,40 @@ pub async fn models(State(st): App) -> Result<Response, ApiError> {
 #[derive(Default)]
 struct Choice {
     text: String,
-    tokens: usize,
     logprobs: Vec<(u32, TokenLogprob)>,
     finish: Option<FinishReason>,
     usage: Usage,
     first_token: Option<Instant>,
+}
+
+impl Choice {
+    /// Takes in one event of this choice; true when it was the last.
+    fn absorb(&mut self, kind: &OutputKind) -> bool {
+        match kind {
+            OutputKind::Token {
+                token,
+                text,
+                logprob,
+            } => {
+                self.first_token.get_or_insert_with(Instant::now);
+                self.text.push_str(text);
+                if let Some(lp) = logprob {
+                    self.logprobs.push((*token, lp.clone()));
+                }
+                false
+            }
+            OutputKind::Finished {
+                reason,
+                text,
+                usage,
+            } => {
+                self.text.push_str(text);
+                self.finish = Some(*reason);
+                self.usage = *usage;
+                true
+            }
+        }
+    }
 }
 
 fn finish_name(r: FinishReason) -> &'static str {
@@ -241,7 +270,7 @@ fn choices(plan: &Plan) -> Vec<Request> {
     (0..plan.n)
         .map(|i| {
             let mut r = plan.base.clone();
-            r.params.seed = plan.seed.map(|s| s.wrapping_add(i as u64));
+            r.params.seed = plan.base.params.seed.map(|s| s.wrapping_add(i as u64));
             r
         })
         .collect()
@@ -354,30 +383,8 @@ async fn collect(
         let Some((i, o)) = rx.recv().await else {
             return Err(ApiError::internal("the engine dropped the request"));
         };
-        let c = &mut out[i];
-        match o.kind {
-            OutputKind::Token {
-                token,
-                text,
-                logprob,
-            } => {
-                c.first_token.get_or_insert_with(Instant::now);
-                c.text.push_str(&text);
-                c.tokens += 1;
-                if let Some(lp) = logprob {
-                    c.logprobs.push((token, lp));
-                }
-            }
-            OutputKind::Finished {
-                reason,
-                text,
-                usage,
-            } => {
-                c.text.push_str(&text);
-                c.finish = Some(reason);
-                c.usage = usage;
-                done += 1;
-            }
+        if out[i].absorb(&o.kind) {
+            done += 1;
         }
     }
     Ok(out)
@@ -595,7 +602,6 @@ async fn chat_inner(
             })
         }
     };
-    let usage = Usage4Sse { n: plan.n };
     Ok(sse(
         st,
         id,
@@ -605,18 +611,14 @@ async fn chat_inner(
         first,
         piece,
         plan.include_usage,
-        usage,
+        plan.n,
         final_usage,
     ))
 }
 
-/// Choices per prompt, for the usage chunk.
-struct Usage4Sse {
-    n: usize,
-}
-
-/// Streams `first`, then each event through `piece`, then the usage chunk if asked, then
-/// `[DONE]`. A client that goes away drops the stream, which cancels the requests.
+/// Streams `first`, then each event through `piece`, then the usage chunk if asked (choices
+/// come `per_prompt` to a prompt), then `[DONE]`. A client that goes away drops the stream,
+/// which cancels the requests.
 #[allow(clippy::too_many_arguments)]
 fn sse(
     st: Arc<AppState>,
@@ -627,7 +629,7 @@ fn sse(
     first: Vec<Value>,
     mut piece: impl FnMut(usize, &Output) -> Vec<Value> + Send + 'static,
     include_usage: bool,
-    per: Usage4Sse,
+    per_prompt: usize,
     usage_chunk: impl Fn(Value) -> Value + Send + 'static,
 ) -> Response {
     let (tx, out) = mpsc::unbounded_channel::<Event>();
@@ -644,12 +646,7 @@ fn sse(
             let Some((i, o)) = rx.recv().await else {
                 return;
             };
-            if let OutputKind::Token { .. } = &o.kind {
-                choices[i].first_token.get_or_insert_with(Instant::now);
-            }
-            if let OutputKind::Finished { usage, reason, .. } = &o.kind {
-                choices[i].usage = *usage;
-                choices[i].finish = Some(*reason);
+            if choices[i].absorb(&o.kind) {
                 done += 1;
             }
             for v in piece(i, &o) {
@@ -661,7 +658,7 @@ fn sse(
         record(&st, &id, t0, &choices);
         if include_usage {
             let usages: Vec<Usage> = choices.iter().map(|c| c.usage).collect();
-            if !send(usage_chunk(usage_json(&usages, per.n))) {
+            if !send(usage_chunk(usage_json(&usages, per_prompt))) {
                 return;
             }
         }
@@ -778,7 +775,6 @@ async fn completions_inner(
         }
     };
     let usage_chunk = move |u: Value| c2(json!([]), Some(u));
-    let usage = Usage4Sse { n: plan.n };
     Ok(sse(
         st,
         id,
@@ -788,7 +784,7 @@ async fn completions_inner(
         Vec::new(),
         piece,
         plan.include_usage,
-        usage,
+        plan.n,
         usage_chunk,
     ))
 }
