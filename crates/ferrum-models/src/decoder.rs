@@ -344,9 +344,27 @@ impl<B: Backend> Decoder<B> {
         start: usize,
         want: Logits,
     ) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        self.run_alone(kv, tokens, start, want, |_, _, logits| {
+            out.extend_from_slice(&logits)
+        })?;
+        Ok(out)
+    }
+
+    /// Runs `tokens` as one sequence owning the whole of `kv`, a chunk per pass, calling
+    /// `after(self, chunk, logits)` after each pass (the chunk's hidden states are then in the
+    /// residual buffer).
+    fn run_alone(
+        &mut self,
+        kv: &mut KvCache<B>,
+        tokens: &[u32],
+        start: usize,
+        want: Logits,
+        mut after: impl FnMut(&mut Self, &[u32], Vec<f32>),
+    ) -> Result<()> {
+        // Taken out for the duration, so the table can be borrowed while `kv` is written.
         let blocks = std::mem::take(&mut kv.identity);
         let end = start + tokens.len();
-        let mut out = Vec::new();
         let mut pos = start;
         let mut result = Ok(());
         for chunk in tokens.chunks(CHUNK) {
@@ -361,7 +379,7 @@ impl<B: Backend> Decoder<B> {
                 logits,
             };
             match self.forward_batch(kv, &[seq]) {
-                Ok(l) => out.extend_from_slice(&l),
+                Ok(l) => after(self, chunk, l),
                 Err(e) => {
                     result = Err(e);
                     break;
@@ -370,7 +388,7 @@ impl<B: Backend> Decoder<B> {
             pos += chunk.len();
         }
         kv.identity = blocks;
-        result.map(|_| out)
+        result
     }
 
     /// The mean over positions of the final-normalised hidden states of `tokens`, run as one
@@ -379,31 +397,11 @@ impl<B: Backend> Decoder<B> {
         let h = self.config.hidden_size;
         let mut sum = vec![0f64; h];
         let mut host = Vec::new();
-        let blocks = std::mem::take(&mut kv.identity);
-        let mut pos = 0;
-        let mut result = Ok(());
-        for chunk in tokens.chunks(CHUNK) {
-            let seq = SeqChunk {
-                tokens: chunk,
-                start: pos,
-                blocks: &blocks,
-                logits: Logits::None,
-            };
-            if let Err(e) = self.forward_batch(kv, &[seq]) {
-                result = Err(e);
-                break;
-            }
+        self.run_alone(kv, tokens, 0, Logits::None, |d, chunk, _| {
             let rows = Rows::dense(chunk.len(), h);
-            let s = &mut self.state;
-            let be = &self.backend;
-            be.rms_norm(
-                &s.x,
-                rows,
-                &self.final_norm,
-                self.config.rms_eps,
-                &mut s.xn,
-                rows,
-            );
+            let s = &mut d.state;
+            let be = &d.backend;
+            be.rms_norm(&s.x, rows, &d.final_norm, d.config.rms_eps, &mut s.xn, rows);
             host.resize(chunk.len() * h, 0.0);
             be.read(&s.xn, 0, &mut host);
             for row in host.chunks_exact(h) {
@@ -411,10 +409,7 @@ impl<B: Backend> Decoder<B> {
                     *a += b as f64;
                 }
             }
-            pos += chunk.len();
-        }
-        kv.identity = blocks;
-        result?;
+        })?;
         let n = tokens.len().max(1) as f64;
         Ok(sum.iter().map(|&v| (v / n) as f32).collect())
     }
