@@ -69,10 +69,7 @@ fn memory_bandwidth(threads: usize) -> f64 {
 
 /// Peak resident set size in bytes (Linux), from `/proc/self/status`.
 fn peak_rss() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    crate::plan::proc_bytes("/proc/self/status", "VmHWM:")
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {

@@ -13,25 +13,21 @@ use anyhow::{Context, Result};
 use ferrum_loader::ModelFile;
 use ferrum_tokenizer::Tokenizer;
 
+/// A `Key: N kB` field of a /proc file (`/proc/self/status`, `/proc/meminfo`), in bytes.
+pub(crate) fn proc_bytes(file: &str, key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(file).ok()?;
+    let line = s.lines().find(|l| l.starts_with(key))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 /// Resident set size of this process, in bytes.
 fn rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            let line = s.lines().find(|l| l.starts_with("VmRSS:"))?;
-            line.split_whitespace().nth(1)?.parse::<u64>().ok()
-        })
-        .map_or(0, |kb| kb * 1024)
+    proc_bytes("/proc/self/status", "VmRSS:").unwrap_or(0)
 }
 
 fn meminfo(key: &str) -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            let line = s.lines().find(|l| l.starts_with(key))?;
-            line.split_whitespace().nth(1)?.parse::<u64>().ok()
-        })
-        .map_or(0, |kb| kb * 1024)
+    proc_bytes("/proc/meminfo", key).unwrap_or(0)
 }
 
 pub struct PlanArgs<'a> {
