@@ -200,55 +200,41 @@ pub(super) fn attention(
             "block table past the cache"
         );
     }
-    let w = k.width;
+    // The same call for every element format; only the storage and its kernels differ.
+    macro_rules! attend_as {
+        ($kd:expr, $vd:expr, $per:expr, $dot:expr, $axpy:expr) => {
+            attend(
+                pool,
+                q,
+                qv,
+                $kd,
+                $vd,
+                Layout {
+                    width: k.width,
+                    per: $per,
+                },
+                seqs,
+                out,
+                ov,
+                p,
+                $dot,
+                $axpy,
+            )
+        };
+    }
     match (&k.data, &v.data) {
-        (KvData::F32(kd), KvData::F32(vd)) => attend(
-            pool,
-            q,
-            qv,
-            kd,
-            vd,
-            Layout { width: w, per: 1 },
-            seqs,
-            out,
-            ov,
-            p,
-            simd::dot_fn(),
-            simd::axpy_fn(),
-        ),
-        (KvData::F16(kd), KvData::F16(vd)) => attend(
-            pool,
-            q,
-            qv,
-            kd,
-            vd,
-            Layout { width: w, per: 1 },
-            seqs,
-            out,
-            ov,
-            p,
-            simd::dot_f16_fn(),
-            simd::axpy_f16_fn(),
-        ),
+        (KvData::F32(kd), KvData::F32(vd)) => {
+            attend_as!(kd, vd, 1, simd::dot_fn(), simd::axpy_fn())
+        }
+        (KvData::F16(kd), KvData::F16(vd)) => {
+            attend_as!(kd, vd, 1, simd::dot_f16_fn(), simd::axpy_f16_fn())
+        }
         (KvData::Q8(kd), KvData::Q8(vd)) => {
             assert!(
                 hd.is_multiple_of(QK),
                 "q8_0 KV needs a head size divisible by 32"
             );
-            attend(
-                pool,
-                q,
-                qv,
-                kd,
-                vd,
-                Layout { width: w, per: QK },
-                seqs,
-                out,
-                ov,
-                p,
-                dot_q8_0,
-                axpy_q8_0,
-            )
+            attend_as!(kd, vd, QK, dot_q8_0, axpy_q8_0)
         }
         _ => panic!("attention: keys and values in different formats"),
     }
