@@ -391,8 +391,13 @@ async fn collect(
 }
 
 /// Metrics and the one log line of a finished request.
-fn record(st: &AppState, id: &str, t0: Instant, choices: &[Choice]) {
-    let prompt: usize = choices.first().map_or(0, |c| c.usage.prompt_tokens);
+/// `choices` come `per_prompt` to a prompt; each prompt counts once.
+fn record(st: &AppState, id: &str, t0: Instant, choices: &[Choice], per_prompt: usize) {
+    let prompt: usize = choices
+        .iter()
+        .step_by(per_prompt.max(1))
+        .map(|c| c.usage.prompt_tokens)
+        .sum();
     let completion: usize = choices.iter().map(|c| c.usage.completion_tokens).sum();
     let ttft = choices
         .iter()
@@ -448,7 +453,7 @@ async fn chat_inner(
     let created = now();
     if !plan.stream {
         let out = collect(rx, plan.n).await?;
-        record(&st, &id, t0, &out);
+        record(&st, &id, t0, &out, plan.n);
         let usages: Vec<Usage> = out.iter().map(|c| c.usage).collect();
         let choices: Vec<Value> = out
             .iter()
@@ -655,7 +660,7 @@ fn sse(
                 }
             }
         }
-        record(&st, &id, t0, &choices);
+        record(&st, &id, t0, &choices, per_prompt);
         if include_usage {
             let usages: Vec<Usage> = choices.iter().map(|c| c.usage).collect();
             if !send(usage_chunk(usage_json(&usages, per_prompt))) {
@@ -711,7 +716,7 @@ async fn completions_inner(
     let created = now();
     if !plan.stream {
         let out = collect(rx, total).await?;
-        record(&st, &id, t0, &out);
+        record(&st, &id, t0, &out, plan.n);
         let choices: Vec<Value> = out
             .iter()
             .enumerate()
