@@ -55,7 +55,9 @@ pub fn run(
     let mut results = Vec::new();
     for &c in levels {
         // Room for every stream at once: the benchmark measures batching, not preemption.
-        let mut config = EngineConfig::with_kv_tokens(max_c * per_seq.next_multiple_of(16));
+        let mut config = EngineConfig::with_kv_tokens(
+            max_c * per_seq.next_multiple_of(ferrum_models::decoder::BLOCK_SIZE),
+        );
         config.prefix_caching = false;
         let (Some(m), Some(t)) = (model.take(), tokenizer.take()) else {
             bail!("model lost between levels");

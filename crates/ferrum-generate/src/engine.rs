@@ -38,11 +38,14 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
-    /// A pool of `kv_tokens` positions in blocks of 16, prefix caching on.
+    /// A pool of `kv_tokens` positions in blocks of [`ferrum_models::decoder::BLOCK_SIZE`],
+    /// prefix caching on.
     pub fn with_kv_tokens(kv_tokens: usize) -> EngineConfig {
         EngineConfig {
-            block_size: 16,
-            kv_blocks: kv_tokens.div_ceil(16).max(1),
+            block_size: ferrum_models::decoder::BLOCK_SIZE,
+            kv_blocks: kv_tokens
+                .div_ceil(ferrum_models::decoder::BLOCK_SIZE)
+                .max(1),
             max_batch_tokens: ferrum_models::decoder::CHUNK,
             max_running: 64,
             prefix_caching: true,

@@ -19,6 +19,9 @@ use crate::names;
 /// How many tokens one pass through the layers carries; longer inputs go in chunks.
 pub const CHUNK: usize = 64;
 
+/// Positions per KV block unless the caller picks another size.
+pub const BLOCK_SIZE: usize = 16;
+
 /// Which positions of a forward pass need logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
@@ -325,8 +328,7 @@ impl<B: Backend> Decoder<B> {
 
     /// A cache for one sequence of up to `tokens` positions (see [`Decoder::forward`]).
     pub fn alloc_kv_tokens(&self, tokens: usize) -> KvCache<B> {
-        const BS: usize = 16;
-        self.alloc_kv(tokens.max(1).div_ceil(BS), BS)
+        self.alloc_kv(tokens.max(1).div_ceil(BLOCK_SIZE), BLOCK_SIZE)
     }
 
     /// Bytes of cache one position takes across all layers (keys and values).
