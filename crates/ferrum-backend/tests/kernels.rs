@@ -169,3 +169,91 @@ fn simd_activation_quantisation_equals_scalar_twin() {
         }
     }
 }
+
+/// The packed (eight-row interleaved) layout of the 32-value formats: the AVX2 kernel equals
+/// its scalar twin bit for bit at every token count; a token's result does not depend on
+/// how many tokens share the pass; and each (row, token) agrees with the file-layout kernel
+/// to float rounding (both compute the same integer sums and scales, summed in another order).
+#[test]
+fn packed_kernels_equal_scalar_twin_and_file_layout_kernel() {
+    use ferrum_backend::cpu::quant::packed::{Packed, ROWS};
+    use ferrum_core::DType;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(2024);
+    for dt in [
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q8_0,
+    ] {
+        let (rows, k) = (3 * ROWS, 256);
+        let wa = Aligned::new(&random_blocks(&mut rng, dt, rows * k));
+        let w = wa.bytes();
+        let p = Packed::new(dt, w, rows, k, &mut |_| {}).expect("packs");
+        assert_eq!(p.rows(), rows);
+        assert_eq!(p.bytes(), w.len(), "{dt}: packing keeps the size");
+        let Some(Kernel::Q8 { dot, .. }) = scalar_kernel(dt) else {
+            panic!("{dt}: a Q8 kernel")
+        };
+        let row_bytes = w.len() / rows;
+        let xs: Vec<(Vec<f32>, Vec<BlockQ8>)> = (0..9)
+            .map(|t| {
+                let scale = [0.5f32, 4.0, 30.0][t % 3];
+                let x: Vec<f32> = (0..k).map(|_| rng.gen_range(-scale..scale)).collect();
+                let mut a = vec![BlockQ8::default(); k / 32];
+                quantize_q8(&x, &mut a);
+                (x, a)
+            })
+            .collect();
+        let mut wf = vec![0f32; rows * k];
+        assert!(dequantize(dt, w, &mut wf));
+        let mut row = vec![0f32; k];
+        for j in 0..rows {
+            p.dequantize_row(j, &mut row);
+            let want = &wf[j * k..(j + 1) * k];
+            assert!(
+                row.iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{dt}: packed row {j} dequantises differently"
+            );
+        }
+        for n in 1..=xs.len() {
+            let acts: Vec<&[BlockQ8]> = xs[..n].iter().map(|(_, a)| &a[..]).collect();
+            for g in 0..rows / ROWS {
+                let (mut fast, mut slow) = (vec![[0f32; ROWS]; n], vec![[0f32; ROWS]; n]);
+                p.gemm(g, &acts, &mut fast);
+                p.gemm_scalar(g, &acts, &mut slow);
+                for t in 0..n {
+                    let mut alone = [[0f32; ROWS]];
+                    p.gemm(g, &acts[t..t + 1], &mut alone);
+                    for r in 0..ROWS {
+                        let (f, s, a) = (fast[t][r], slow[t][r], alone[0][r]);
+                        assert_eq!(
+                            f.to_bits(),
+                            s.to_bits(),
+                            "{dt} n={n} t={t}: simd {f} scalar {s}"
+                        );
+                        assert_eq!(
+                            f.to_bits(),
+                            a.to_bits(),
+                            "{dt} n={n} t={t}: batch {f} alone {a}"
+                        );
+                        let j = g * ROWS + r;
+                        let e = dot(&w[j * row_bytes..(j + 1) * row_bytes], acts[t]);
+                        // Magnitude of the sum's terms: rounding is relative to it.
+                        let mag: f32 = wf[j * k..(j + 1) * k]
+                            .iter()
+                            .zip(&xs[t].0)
+                            .map(|(a, b)| (a * b).abs())
+                            .sum();
+                        assert!(
+                            (f - e).abs() <= 1e-5 * mag + 1e-6,
+                            "{dt} row {j} token {t}: packed {f} vs file layout {e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -17,7 +17,16 @@ pub(crate) fn map_file(file: &std::fs::File, populate: bool) -> std::io::Result<
     }
     // SAFETY: read-only mapping; like every mmap-based loader we assume the file is not
     // truncated or rewritten by another process while it is mapped.
-    unsafe { opts.map(file) }
+    let map = unsafe { opts.map(file)? };
+    #[cfg(target_os = "linux")]
+    {
+        // Page-sized mappings only. Weights that are repacked at load have their pages
+        // dropped (`release_pages`); with the page cache in large folios, one fault on a
+        // neighbouring tensor could map a whole 2 MB folio back, released pages included.
+        // Advice is a hint: if refused, memory use is higher, nothing else changes.
+        let _ = map.advise(memmap2::Advice::NoHugePage);
+    }
+    Ok(map)
 }
 
 /// Where a tensor's bytes live. Loaders map files; a few callers (tests, converters) own
@@ -114,6 +123,31 @@ impl RawTensor {
 
     pub fn bytes(&self) -> &[u8] {
         &self.storage.bytes()[self.offset..self.offset + self.len]
+    }
+
+    /// Lets the OS drop the pages of bytes `range` of this tensor from memory, for a caller
+    /// that keeps its own copy of them (a repacked weight). Touching them again reads them
+    /// back from the file, so [`bytes`](Self::bytes) stays valid; only resident memory
+    /// changes. Only pages wholly inside the range are dropped. A no-op for owned bytes.
+    pub fn release_pages(&self, range: std::ops::Range<usize>) {
+        const PAGE: usize = 4096;
+        let Storage::Mapped(m) = &self.storage else {
+            return;
+        };
+        let end = range.end.min(self.len);
+        let base = m.as_ptr() as usize;
+        // Page-aligned addresses inside the range (the mapping itself starts on a page).
+        let first = (base + self.offset + range.start).next_multiple_of(PAGE) - base;
+        let last = (base + self.offset + end) / PAGE * PAGE - base;
+        if first >= last {
+            return;
+        }
+        // SAFETY: the mapping is read-only and file-backed, and nothing ever writes
+        // through it: a dropped page is re-read from the file unchanged on next access.
+        // Failure (not supported) only means the pages stay resident.
+        let _ = unsafe {
+            m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, first, last - first)
+        };
     }
 
     pub fn numel(&self) -> usize {

@@ -57,6 +57,53 @@ impl CpuBackend {
         }
     }
 
+    /// A weight as the file stores it (no packed copy): matrices stay mapped.
+    fn load_mapped(&self, t: &RawTensor) -> Result<CpuWeight> {
+        let cols = t.row_len();
+        let rows = t.n_rows();
+        if !quant::can_dequantize(t.dtype) {
+            return Err(Error::Unsupported(format!(
+                "tensor {}: no CPU kernel for {}",
+                t.name, t.dtype
+            )));
+        }
+        if t.dtype.bytes_for(cols).is_none() {
+            return Err(Error::Weights(format!(
+                "tensor {}: row length {cols} is not a whole number of {} blocks",
+                t.name, t.dtype
+            )));
+        }
+        let is_vector = t.shape.len() == 1;
+        let unaligned_f32 = t.dtype == DType::F32 && quant::cast_blocks::<f32>(t.bytes()).is_none();
+        let data = if is_vector || unaligned_f32 {
+            let mut v = vec![0.0; t.numel()];
+            if !quant::dequantize(t.dtype, t.bytes(), &mut v) {
+                return Err(Error::Weights(format!("tensor {}: cannot convert", t.name)));
+            }
+            WeightData::F32(v)
+        } else {
+            WeightData::Mapped(t.clone())
+        };
+        let kernel = match &data {
+            WeightData::Mapped(_) if !self.exact => quant::best_kernel(t.dtype),
+            _ => None,
+        };
+        if kernel.is_some() && !(t.bytes().as_ptr() as usize).is_multiple_of(4) {
+            return Err(Error::Weights(format!(
+                "tensor {}: data is not aligned",
+                t.name
+            )));
+        }
+        Ok(CpuWeight {
+            dtype: t.dtype,
+            rows,
+            cols,
+            data,
+            kernel,
+            packed: None,
+        })
+    }
+
     /// The same backend with another KV-cache format.
     pub fn with_kv(self, kv: KvDtype) -> Self {
         CpuBackend { kv, ..self }
@@ -82,11 +129,16 @@ pub struct CpuWeight {
     data: WeightData,
     /// The integer kernel for quantised matrices (absent in exact mode and for floats).
     kernel: Option<quant::Kernel>,
+    /// Rows `0..packed.rows()` interleaved eight at a time (the 32-value block formats with
+    /// AVX2); the matmul reads these instead of the mapped rows. See [`quant::packed`].
+    packed: Option<quant::packed::Packed>,
 }
 
 enum WeightData {
     Mapped(RawTensor),
     F32(Vec<f32>),
+    /// Every row is in [`CpuWeight::packed`].
+    Packed,
 }
 
 impl CpuWeight {
@@ -101,8 +153,16 @@ impl CpuWeight {
 
     /// Row `j` as f32: borrowed when stored as f32, else dequantised into `scratch`.
     fn row<'a>(&'a self, j: usize, scratch: &'a mut Vec<f32>) -> &'a [f32] {
+        if let Some(p) = self.packed.as_ref().filter(|p| j < p.rows()) {
+            // The mapped pages of packed rows were dropped; reading them would fault them
+            // back in (with the kernel's read-around, far more than one row).
+            scratch.resize(self.cols, 0.0);
+            p.dequantize_row(j, scratch);
+            return scratch;
+        }
         match &self.data {
             WeightData::F32(v) => &v[j * self.cols..(j + 1) * self.cols],
+            WeightData::Packed => panic!("row {j} of a {}-row weight", self.rows),
             WeightData::Mapped(t) => {
                 let rb = self.row_bytes();
                 let bytes = &t.bytes()[j * rb..(j + 1) * rb];
@@ -118,8 +178,25 @@ impl CpuWeight {
         }
     }
 
-    /// Row `j` dotted with one activation row prepared in every format a kernel may want.
-    fn dot_act(&self, j: usize, a: &ActRow, scratch: &mut Vec<f32>) -> f32 {
+    /// Rows `first..first + out.len()` dotted with one activation row. A whole packed group
+    /// (eight rows from a multiple of eight) is one kernel call; a packed row on its own is
+    /// taken from its group's result, so every path gives a row the matmul's value.
+    fn dot_rows(&self, first: usize, a: &ActRow, out: &mut [f32], scratch: &mut Vec<f32>) {
+        use quant::packed::ROWS;
+        if let Some(p) = self.packed.as_ref().filter(|p| first < p.rows()) {
+            let mut v = [[0f32; ROWS]];
+            p.gemm(first / ROWS, &[&a.q8], &mut v);
+            let at = first % ROWS;
+            out.copy_from_slice(&v[0][at..at + out.len()]);
+            return;
+        }
+        for (j, o) in (first..).zip(out.iter_mut()) {
+            *o = self.dot_file_row(j, a, scratch);
+        }
+    }
+
+    /// Row `j` in the file's layout dotted with one activation row.
+    fn dot_file_row(&self, j: usize, a: &ActRow, scratch: &mut Vec<f32>) -> f32 {
         match self.kernel {
             Some(quant::Kernel::Q8 { dot, .. }) => dot(self.row_bytes_of(j), &a.q8),
             Some(quant::Kernel::Q8K { dot, .. }) => dot(self.row_bytes_of(j), &a.q8k),
@@ -133,7 +210,7 @@ impl CpuWeight {
                 let rb = self.row_bytes();
                 &t.bytes()[j * rb..(j + 1) * rb]
             }
-            WeightData::F32(_) => &[],
+            WeightData::F32(_) | WeightData::Packed => &[],
         }
     }
 
@@ -141,7 +218,7 @@ impl CpuWeight {
     fn as_f32(&self) -> &[f32] {
         match &self.data {
             WeightData::F32(v) => v,
-            WeightData::Mapped(_) => &[],
+            WeightData::Mapped(_) | WeightData::Packed => &[],
         }
     }
 }
@@ -266,48 +343,27 @@ impl Backend for CpuBackend {
     }
 
     fn load_weight(&self, t: &RawTensor) -> Result<CpuWeight> {
-        let cols = t.row_len();
-        let rows = t.n_rows();
-        if !quant::can_dequantize(t.dtype) {
-            return Err(Error::Unsupported(format!(
-                "tensor {}: no CPU kernel for {}",
-                t.name, t.dtype
-            )));
-        }
-        if t.dtype.bytes_for(cols).is_none() {
-            return Err(Error::Weights(format!(
-                "tensor {}: row length {cols} is not a whole number of {} blocks",
-                t.name, t.dtype
-            )));
-        }
-        let is_vector = t.shape.len() == 1;
-        let unaligned_f32 = t.dtype == DType::F32 && quant::cast_blocks::<f32>(t.bytes()).is_none();
-        let data = if is_vector || unaligned_f32 {
-            let mut v = vec![0.0; t.numel()];
-            if !quant::dequantize(t.dtype, t.bytes(), &mut v) {
-                return Err(Error::Weights(format!("tensor {}: cannot convert", t.name)));
+        let mut w = self.load_mapped(t)?;
+        #[cfg(target_arch = "x86_64")]
+        // Only plain matrices: a stacked expert tensor is only ever read through its
+        // per-expert row views, which stay in the file's layout.
+        if w.kernel.is_some() && t.shape.len() == 2 && quant::has_avx2() {
+            // Each packed stretch of the mapped rows is dropped from memory as soon as it is
+            // copied: resident memory holds the weights once, never twice (not even at the
+            // peak of loading). An embedding lookup of a tied head reads its row back.
+            let mut released = 0;
+            w.packed = quant::packed::Packed::new(t.dtype, t.bytes(), w.rows, w.cols, &mut |n| {
+                t.release_pages(released..n);
+                released = n;
+            });
+            if w.packed.as_ref().is_some_and(|p| p.rows() == w.rows) {
+                // Nothing reads the file's layout any more. Dropping the tensor matters for
+                // owned bytes (fused projections are concatenated copies), which would
+                // otherwise stay in memory beside their packed copy.
+                w.data = WeightData::Packed;
             }
-            WeightData::F32(v)
-        } else {
-            WeightData::Mapped(t.clone())
-        };
-        let kernel = match &data {
-            WeightData::Mapped(_) if !self.exact => quant::best_kernel(t.dtype),
-            _ => None,
-        };
-        if kernel.is_some() && !(t.bytes().as_ptr() as usize).is_multiple_of(4) {
-            return Err(Error::Weights(format!(
-                "tensor {}: data is not aligned",
-                t.name
-            )));
         }
-        Ok(CpuWeight {
-            dtype: t.dtype,
-            rows,
-            cols,
-            data,
-            kernel,
-        })
+        Ok(w)
     }
 
     fn weight_shape(&self, w: &CpuWeight) -> (usize, usize) {
@@ -348,7 +404,11 @@ impl Backend for CpuBackend {
         let n = xv.count;
         let dst = SharedMut(out.as_mut_ptr());
         // Enough tasks to balance the cores, few enough that each amortises its start.
-        let per_task = (m / (self.threads * 8)).clamp(4, 256);
+        let mut per_task = (m / (self.threads * 8)).clamp(4, 256);
+        if w.packed.is_some() {
+            // Tasks start on a packed group.
+            per_task = per_task.next_multiple_of(quant::packed::ROWS);
+        }
         let n_tasks = m.div_ceil(per_task);
         if let Some(kernel) = w.kernel {
             return quantized_matmul(
@@ -611,18 +671,33 @@ impl Backend for CpuBackend {
             scratch.gu.resize(gu_len, 0.0);
         }
         let gu = SharedMut(scratch.gu.as_mut_ptr());
-        let rows = k * 2 * f;
-        let per_task = (rows / (self.threads * 8)).clamp(8, 256);
-        self.pool.run(rows.div_ceil(per_task), &|task| {
+        // Rows go in units of a packed group when every selected matrix is packed whole
+        // (then f and h are multiples of 8 and a unit never straddles two matrices).
+        let unit = if sel.iter().all(|(e, _)| {
+            [&e.gate, &e.up, &e.down]
+                .iter()
+                .all(|w| w.packed.as_ref().is_some_and(|p| p.rows() == w.rows))
+        }) {
+            quant::packed::ROWS
+        } else {
+            1
+        };
+        let units = k * 2 * f / unit;
+        let per_task = (units / (self.threads * 8)).clamp(1, 256);
+        self.pool.run(units.div_ceil(per_task), &|task| {
             SCRATCH.with(|sc| {
                 let mut sc = sc.borrow_mut();
-                for r in task * per_task..((task + 1) * per_task).min(rows) {
+                let mut v = [0f32; quant::packed::ROWS];
+                for u in task * per_task..((task + 1) * per_task).min(units) {
+                    let r = u * unit;
                     let (slot, within) = (r / (2 * f), r % (2 * f));
                     let e = sel[slot].0;
                     let w = if within < f { &e.gate } else { &e.up };
-                    let v = w.dot_act(within % f, &xin, &mut sc);
-                    // SAFETY: r < gu_len; each r is written by one task.
-                    unsafe { gu.write(r, v) };
+                    w.dot_rows(within % f, &xin, &mut v[..unit], &mut sc);
+                    for (i, &vi) in v[..unit].iter().enumerate() {
+                        // SAFETY: r + i < gu_len; each row is written by one task.
+                        unsafe { gu.write(r + i, vi) };
+                    }
                 }
             })
         });
@@ -647,17 +722,25 @@ impl Backend for CpuBackend {
             .collect();
         // Pass 2: each output element is the weighted sum over the experts, in expert order.
         let dst = SharedMut(out.as_mut_ptr());
-        let per_task = (h / (self.threads * 8)).clamp(4, 256);
-        self.pool.run(h.div_ceil(per_task), &|task| {
+        let units = h / unit;
+        let per_task = (units / (self.threads * 8)).clamp(1, 256);
+        self.pool.run(units.div_ceil(per_task), &|task| {
             SCRATCH.with(|sc| {
                 let mut sc = sc.borrow_mut();
-                for row in task * per_task..((task + 1) * per_task).min(h) {
-                    let mut acc = 0f32;
+                let mut v = [0f32; quant::packed::ROWS];
+                for u in task * per_task..((task + 1) * per_task).min(units) {
+                    let row = u * unit;
+                    let mut acc = [0f32; quant::packed::ROWS];
                     for ((e, wgt), a) in sel.iter().zip(&acts) {
-                        acc += wgt * e.down.dot_act(row, a, &mut sc);
+                        e.down.dot_rows(row, a, &mut v[..unit], &mut sc);
+                        for (acc, &vi) in acc.iter_mut().zip(&v[..unit]) {
+                            *acc += wgt * vi;
+                        }
                     }
-                    // SAFETY: in bounds (check_view); each row is written by one task.
-                    unsafe { dst.write(ov.offset + row, acc) };
+                    for (i, &ai) in acc[..unit].iter().enumerate() {
+                        // SAFETY: in bounds (check_view); each row is written by one task.
+                        unsafe { dst.write(ov.offset + row + i, ai) };
+                    }
                 }
             })
         });
@@ -678,6 +761,66 @@ impl Backend for CpuBackend {
 thread_local! {
     static ACT_Q8: RefCell<Vec<quant::q8::BlockQ8>> = const { RefCell::new(Vec::new()) };
     static ACT_Q8K: RefCell<Vec<quant::q8::BlockQ8K>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The packed part of a matmul task, for activation formats that packed weights pair with.
+trait PackedRows: Sized + 'static {
+    /// Computes the packed rows of `rows` for all `n` tokens; returns the first row left
+    /// for the file-layout kernels.
+    fn run<'a>(
+        w: &CpuWeight,
+        rows: std::ops::Range<usize>,
+        n: usize,
+        act: &dyn Fn(usize) -> &'a [Self],
+        write: &dyn Fn(usize, usize, f32),
+    ) -> usize;
+}
+
+impl PackedRows for quant::q8::BlockQ8 {
+    fn run<'a>(
+        w: &CpuWeight,
+        rows: std::ops::Range<usize>,
+        n: usize,
+        act: &dyn Fn(usize) -> &'a [Self],
+        write: &dyn Fn(usize, usize, f32),
+    ) -> usize {
+        use quant::packed::ROWS;
+        let Some(p) = &w.packed else {
+            return rows.start;
+        };
+        let end = rows.end.min(p.rows());
+        if rows.start >= end {
+            return rows.start;
+        }
+        debug_assert!(rows.start.is_multiple_of(ROWS), "tasks start on a group");
+        let mut out = [[0f32; ROWS]; 4];
+        for g in rows.start / ROWS..end / ROWS {
+            // Four tokens per pass: each weight block is unpacked once for all four.
+            for t in (0..n).step_by(4) {
+                let c = (n - t).min(4);
+                let acts: [&[Self]; 4] = std::array::from_fn(|i| act((t + i).min(n - 1)));
+                p.gemm(g, &acts[..c], &mut out[..c]);
+                for (i, o) in out[..c].iter().enumerate() {
+                    for (r, &v) in o.iter().enumerate() {
+                        write(t + i, g * ROWS + r, v);
+                    }
+                }
+            }
+        }
+        end
+    }
+}
+
+impl PackedRows for quant::q8::BlockQ8K {
+    fn run<'a>(
+        _: &CpuWeight,
+        rows: std::ops::Range<usize>,
+        _: usize,
+        _: &dyn Fn(usize) -> &'a [Self],
+        _: &dyn Fn(usize, usize, f32),
+    ) -> usize {
+        rows.start
+    }
 }
 
 /// Quantises each activation row once, then runs the weight format's integer kernel for
@@ -712,7 +855,12 @@ fn quantized_matmul(
                 let act = |t: usize| &acts[t * per_row..(t + 1) * per_row];
                 pool.run(n_tasks, &|task| {
                     let rows = task * per_task..((task + 1) * per_task).min(m);
-                    let mut first = rows.start;
+                    let write = |t: usize, j: usize, v: f32| {
+                        let b = bias.map_or(0.0, |b| b[j]);
+                        // SAFETY: in bounds (checked by the caller); column j is this task's.
+                        unsafe { dst.write(ov.offset + t * ov.stride + j, v + b) };
+                    };
+                    let mut first = <$block as PackedRows>::run(w, rows.clone(), n, &act, &write);
                     if n < 4 {
                         // Decode: four weight rows per pass keep four memory streams in flight.
                         while first + 4 <= rows.end {
@@ -720,12 +868,7 @@ fn quantized_matmul(
                             for t in 0..n {
                                 let v = $rows4(wr, act(t));
                                 for (r, vr) in v.iter().enumerate() {
-                                    let b = bias.map_or(0.0, |b| b[first + r]);
-                                    // SAFETY: in bounds (checked by the caller); these columns
-                                    // are this task's alone.
-                                    unsafe {
-                                        dst.write(ov.offset + t * ov.stride + first + r, vr + b)
-                                    };
+                                    write(t, first + r, *vr);
                                 }
                             }
                             first += 4;
@@ -735,11 +878,6 @@ fn quantized_matmul(
                     // activation block loaded once for both rows), then single rows. Every
                     // kernel shape gives a (row, token) pair the same arithmetic, so results do
                     // not depend on how rows or tokens are grouped.
-                    let write = |t: usize, j: usize, v: f32| {
-                        let b = bias.map_or(0.0, |b| b[j]);
-                        // SAFETY: in bounds (checked by the caller); column j is this task's.
-                        unsafe { dst.write(ov.offset + t * ov.stride + j, v + b) };
-                    };
                     let mut j = first;
                     while j < rows.end {
                         let pair = j + 1 < rows.end;

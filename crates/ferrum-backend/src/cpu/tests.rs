@@ -345,3 +345,56 @@ fn moe_decode_override_equals_default_composition() {
         assert_eq!(a, b, "quantized={quantized}");
     }
 }
+
+/// A matmul over a packed weight whose row count is not a multiple of eight (three packed
+/// groups and five rows in the file's layout) gives every token the same bits whether it
+/// runs alone or with up to eight others, and the value of the file-layout kernel to rounding.
+#[test]
+fn packed_matmul_is_batch_invariant_and_covers_tail_rows() {
+    let be = CpuBackend::new();
+    let mut r = rng();
+    let (k, m) = (96, 29);
+    let w = rand_vec(&mut r, m * k);
+    let q = RawTensor::from_bytes("w", DType::Q8_0, vec![m, k], q8_0_bytes(&w)).unwrap();
+    let wq = be.load_weight(&q).unwrap();
+    #[cfg(target_arch = "x86_64")]
+    if quant::has_avx2() {
+        assert_eq!(wq.packed.as_ref().map(|p| p.rows()), Some(24));
+    }
+    let x = rand_vec(&mut r, 9 * k);
+    let run = |first: usize, n: usize| {
+        let mut out = vec![0.0; n * m];
+        be.matmul(
+            &x[first * k..(first + n) * k].to_vec(),
+            Rows::dense(n, k),
+            &wq,
+            None,
+            &mut out,
+            Rows::dense(n, m),
+        );
+        out
+    };
+    let all = run(0, 9);
+    for t in 0..9 {
+        let alone = run(t, 1);
+        for j in 0..m {
+            assert_eq!(
+                all[t * m + j].to_bits(),
+                alone[j].to_bits(),
+                "token {t} row {j}"
+            );
+        }
+    }
+    let Some(quant::Kernel::Q8 { dot, .. }) = quant::scalar_kernel(DType::Q8_0) else {
+        panic!("Q8_0 has a Q8 kernel")
+    };
+    let rb = q.bytes().len() / m;
+    for t in 0..9 {
+        let mut a = vec![quant::q8::BlockQ8::default(); k / 32];
+        quant::q8::quantize_q8(&x[t * k..(t + 1) * k], &mut a);
+        for j in 0..m {
+            let e = dot(&q.bytes()[j * rb..(j + 1) * rb], &a);
+            assert!((all[t * m + j] - e).abs() < 1e-4, "token {t} row {j}");
+        }
+    }
+}

@@ -3,6 +3,7 @@
 //! dequantisation to f32. The fast dot products against 8-bit activations build on these.
 
 pub mod k_quants;
+pub mod packed;
 pub mod q4_0;
 pub mod q4_1;
 pub mod q5_0;

@@ -1,0 +1,574 @@
+//! Eight weight rows interleaved, made once at load for the 32-value block formats (Q4_0,
+//! Q4_1, Q5_0, Q5_1, Q8_0).
+//!
+//! In the file's layout one 256-bit register holds one block of one row, so every
+//! (row, token, block) needs its own convert-and-scale step (`cvtepi32_ps` + `fmadd`) on top of
+//! the integer multiply, and the eight lanes of each accumulator must be summed at the end.
+//! Interleaved, a register holds four consecutive quants of each of eight rows: one
+//! activation word broadcast to all lanes feeds eight rows at once, the integer sums of a block
+//! stay in their lanes (one lane per row), and the scale step runs once per eight rows. The
+//! same packed block serves decode (one token) and prefill (up to four tokens per pass, each
+//! weight block unpacked once for all of them). llama.cpp's `--repack` does the same for Q4_0
+//! and Q4_K on x86; the layout here is ours.
+//!
+//! Layout of one packed block (the same block index of eight consecutive rows): the eight
+//! f16 scales, then the eight minimums (Q4_1, Q5_1), then for Q5 the fifth bits as eight
+//! 32-bit masks, then the quants. Quant vector `j` (32 bytes) holds elements `4j..4j+4` of
+//! row 0, then of row 1, ... of row 7. For the 4- and 5-bit formats the bytes are the file's
+//! packed bytes interleaved the same way, so vector `j < 4` is the low nibbles and vector
+//! `j + 4` the high nibbles of the same 32 bytes (GGML keeps elements 16.. in the high nibbles).
+//!
+//! Per (row, token) the arithmetic is fixed: per block, the exact integer sum of the products,
+//! converted to f32 and fused-multiply-added with `d_w · d_a` into the row's accumulator, then
+//! (formats with an offset) the offset times the activation block's scaled sum fused in. The
+//! scalar twin [`Packed::gemm_scalar`] does exactly that, so the two agree bit for bit, and a
+//! row's value does not depend on how many tokens share the pass.
+
+use half::f16;
+
+use super::q8::BlockQ8;
+use super::{cast_blocks, q4_0, q4_1, q5_0, q5_1, q8_0};
+use ferrum_core::DType;
+
+/// Rows per packed group.
+pub const ROWS: usize = 8;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Q8_0x8 {
+    pub d: [f16; ROWS],
+    pub qs: [i8; 256],
+}
+const _: () = assert!(std::mem::size_of::<Q8_0x8>() == 8 * 34);
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Q4_0x8 {
+    pub d: [f16; ROWS],
+    pub qs: [u8; 128],
+}
+const _: () = assert!(std::mem::size_of::<Q4_0x8>() == 8 * 18);
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Q4_1x8 {
+    pub d: [f16; ROWS],
+    pub m: [f16; ROWS],
+    pub qs: [u8; 128],
+}
+const _: () = assert!(std::mem::size_of::<Q4_1x8>() == 8 * 20);
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Q5_0x8 {
+    pub d: [f16; ROWS],
+    pub qh: [u32; ROWS],
+    pub qs: [u8; 128],
+}
+const _: () = assert!(std::mem::size_of::<Q5_0x8>() == 8 * 22);
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Q5_1x8 {
+    pub d: [f16; ROWS],
+    pub m: [f16; ROWS],
+    pub qh: [u32; ROWS],
+    pub qs: [u8; 128],
+}
+const _: () = assert!(std::mem::size_of::<Q5_1x8>() == 8 * 24);
+
+/// What the kernels need to know of a packed format.
+pub trait BlockX8: Copy + Send + Sync + 'static {
+    /// A row's offset term: `None` (Q8_0), a constant times the scale (Q4_0: −8, Q5_0: −16),
+    /// or a stored minimum (Q4_1, Q5_1).
+    const OFFSET: Offset;
+    fn d(&self) -> &[f16; ROWS];
+    /// The minimums, for [`Offset::Min`] formats.
+    fn m(&self) -> &[f16; ROWS] {
+        self.d()
+    }
+    /// The stored quant of element `e` of row `r` (before any offset).
+    fn quant(&self, r: usize, e: usize) -> i32;
+}
+
+#[derive(Clone, Copy, PartialEq)]
+pub enum Offset {
+    None,
+    Scaled(f32),
+    Min,
+}
+
+/// Position of element `e` (0..32) of row `r` in the packed quant bytes, and whether it sits
+/// in the high nibble (4- and 5-bit formats: 16 bytes per row).
+#[inline]
+fn nibble_at(r: usize, e: usize) -> (usize, bool) {
+    let (lo, high) = (e % 16, e >= 16);
+    (32 * (lo / 4) + 4 * r + lo % 4, high)
+}
+
+#[inline]
+fn nibble(qs: &[u8; 128], r: usize, e: usize) -> i32 {
+    let (i, high) = nibble_at(r, e);
+    (if high { qs[i] >> 4 } else { qs[i] & 0x0f }) as i32
+}
+
+/// Element `e`'s fifth bit of row `r`: mask `e / 4`, bit `4r + e % 4`.
+#[inline]
+fn fifth_bit(qh: &[u32; ROWS], r: usize, e: usize) -> i32 {
+    (((qh[e / 4] >> (4 * r + e % 4)) & 1) << 4) as i32
+}
+
+impl BlockX8 for Q8_0x8 {
+    const OFFSET: Offset = Offset::None;
+    fn d(&self) -> &[f16; ROWS] {
+        &self.d
+    }
+    fn quant(&self, r: usize, e: usize) -> i32 {
+        self.qs[32 * (e / 4) + 4 * r + e % 4] as i32
+    }
+}
+
+impl BlockX8 for Q4_0x8 {
+    const OFFSET: Offset = Offset::Scaled(-8.0);
+    fn d(&self) -> &[f16; ROWS] {
+        &self.d
+    }
+    fn quant(&self, r: usize, e: usize) -> i32 {
+        nibble(&self.qs, r, e)
+    }
+}
+
+impl BlockX8 for Q4_1x8 {
+    const OFFSET: Offset = Offset::Min;
+    fn d(&self) -> &[f16; ROWS] {
+        &self.d
+    }
+    fn m(&self) -> &[f16; ROWS] {
+        &self.m
+    }
+    fn quant(&self, r: usize, e: usize) -> i32 {
+        nibble(&self.qs, r, e)
+    }
+}
+
+impl BlockX8 for Q5_0x8 {
+    const OFFSET: Offset = Offset::Scaled(-16.0);
+    fn d(&self) -> &[f16; ROWS] {
+        &self.d
+    }
+    fn quant(&self, r: usize, e: usize) -> i32 {
+        nibble(&self.qs, r, e) | fifth_bit(&self.qh, r, e)
+    }
+}
+
+impl BlockX8 for Q5_1x8 {
+    const OFFSET: Offset = Offset::Min;
+    fn d(&self) -> &[f16; ROWS] {
+        &self.d
+    }
+    fn m(&self) -> &[f16; ROWS] {
+        &self.m
+    }
+    fn quant(&self, r: usize, e: usize) -> i32 {
+        nibble(&self.qs, r, e) | fifth_bit(&self.qh, r, e)
+    }
+}
+
+/// Interleaves the 16 packed nibble bytes of eight rows (see the module docs).
+fn interleave_nibbles(rows: [&[u8; 16]; ROWS]) -> [u8; 128] {
+    let mut qs = [0u8; 128];
+    for (r, row) in rows.iter().enumerate() {
+        for (i, &byte) in row.iter().enumerate() {
+            qs[32 * (i / 4) + 4 * r + i % 4] = byte;
+        }
+    }
+    qs
+}
+
+/// The fifth bits of eight rows as the masks the kernels expand (see [`fifth_bit`]).
+fn interleave_high_bits(qh: [u32; ROWS]) -> [u32; ROWS] {
+    let mut out = [0u32; ROWS];
+    for (r, &bits) in qh.iter().enumerate() {
+        for e in 0..32 {
+            out[e / 4] |= ((bits >> e) & 1) << (4 * r + e % 4);
+        }
+    }
+    out
+}
+
+fn pack_q8_0(b: [&q8_0::BlockQ8_0; ROWS]) -> Q8_0x8 {
+    let mut qs = [0i8; 256];
+    for (r, blk) in b.iter().enumerate() {
+        for (e, &q) in blk.qs.iter().enumerate() {
+            qs[32 * (e / 4) + 4 * r + e % 4] = q;
+        }
+    }
+    Q8_0x8 {
+        d: b.map(|x| x.d),
+        qs,
+    }
+}
+
+fn pack_q4_0(b: [&q4_0::BlockQ4_0; ROWS]) -> Q4_0x8 {
+    Q4_0x8 {
+        d: b.map(|x| x.d),
+        qs: interleave_nibbles(b.map(|x| &x.qs)),
+    }
+}
+
+fn pack_q4_1(b: [&q4_1::BlockQ4_1; ROWS]) -> Q4_1x8 {
+    Q4_1x8 {
+        d: b.map(|x| x.d),
+        m: b.map(|x| x.m),
+        qs: interleave_nibbles(b.map(|x| &x.qs)),
+    }
+}
+
+fn pack_q5_0(b: [&q5_0::BlockQ5_0; ROWS]) -> Q5_0x8 {
+    Q5_0x8 {
+        d: b.map(|x| x.d),
+        qh: interleave_high_bits(b.map(|x| u32::from_le_bytes(x.qh))),
+        qs: interleave_nibbles(b.map(|x| &x.qs)),
+    }
+}
+
+fn pack_q5_1(b: [&q5_1::BlockQ5_1; ROWS]) -> Q5_1x8 {
+    Q5_1x8 {
+        d: b.map(|x| x.d),
+        m: b.map(|x| x.m),
+        qh: interleave_high_bits(b.map(|x| u32::from_le_bytes(x.qh))),
+        qs: interleave_nibbles(b.map(|x| &x.qs)),
+    }
+}
+
+/// Packs the first `groups · 8` rows of a matrix: group `g`'s blocks are
+/// `out[g · per_row .. (g + 1) · per_row]`. `done(bytes)` hears, every megabyte or so, that
+/// the source's first `bytes` bytes are packed.
+fn pack_all<S: Copy, P>(
+    bytes: &[u8],
+    rows: usize,
+    per_row: usize,
+    pack: fn([&S; ROWS]) -> P,
+    done: &mut dyn FnMut(usize),
+) -> Option<Vec<P>> {
+    let src = cast_blocks::<S>(bytes)?;
+    if src.len() != rows * per_row {
+        return None;
+    }
+    let groups = rows / ROWS;
+    let mut out = Vec::with_capacity(groups * per_row);
+    let group_bytes = ROWS * per_row * std::mem::size_of::<S>();
+    let every = (1 << 20) / group_bytes.max(1) + 1;
+    for g in 0..groups {
+        for i in 0..per_row {
+            out.push(pack(std::array::from_fn(|r| {
+                &src[(g * ROWS + r) * per_row + i]
+            })));
+        }
+        if (g + 1) % every == 0 || g + 1 == groups {
+            done((g + 1) * group_bytes);
+        }
+    }
+    Some(out)
+}
+
+/// The packed groups of a weight matrix (its first `rows / 8 · 8` rows; the rest stay in
+/// the file's layout).
+pub enum Packed {
+    Q8_0(Vec<Q8_0x8>, usize),
+    Q4_0(Vec<Q4_0x8>, usize),
+    Q4_1(Vec<Q4_1x8>, usize),
+    Q5_0(Vec<Q5_0x8>, usize),
+    Q5_1(Vec<Q5_1x8>, usize),
+}
+
+/// Applies `$body` to the variant's block vector and blocks per row.
+macro_rules! with_blocks {
+    ($p:expr, |$v:ident, $per_row:ident| $body:expr) => {
+        match $p {
+            Packed::Q8_0($v, $per_row) => $body,
+            Packed::Q4_0($v, $per_row) => $body,
+            Packed::Q4_1($v, $per_row) => $body,
+            Packed::Q5_0($v, $per_row) => $body,
+            Packed::Q5_1($v, $per_row) => $body,
+        }
+    };
+}
+
+impl Packed {
+    /// Packs a `[rows, cols]` matrix stored as `bytes`; `None` for other formats, for fewer
+    /// than eight rows, or bytes that are not whole aligned blocks. `done(n)` is told as the
+    /// packing goes that the first `n` bytes are copied (a caller may then drop them from
+    /// memory, so that the matrix is never resident twice).
+    pub fn new(
+        dtype: DType,
+        bytes: &[u8],
+        rows: usize,
+        cols: usize,
+        done: &mut dyn FnMut(usize),
+    ) -> Option<Packed> {
+        if rows < ROWS || !cols.is_multiple_of(32) {
+            return None;
+        }
+        let per_row = cols / 32;
+        Some(match dtype {
+            DType::Q8_0 => Packed::Q8_0(pack_all(bytes, rows, per_row, pack_q8_0, done)?, per_row),
+            DType::Q4_0 => Packed::Q4_0(pack_all(bytes, rows, per_row, pack_q4_0, done)?, per_row),
+            DType::Q4_1 => Packed::Q4_1(pack_all(bytes, rows, per_row, pack_q4_1, done)?, per_row),
+            DType::Q5_0 => Packed::Q5_0(pack_all(bytes, rows, per_row, pack_q5_0, done)?, per_row),
+            DType::Q5_1 => Packed::Q5_1(pack_all(bytes, rows, per_row, pack_q5_1, done)?, per_row),
+            _ => return None,
+        })
+    }
+
+    /// Rows covered by the packed groups (a multiple of 8).
+    pub fn rows(&self) -> usize {
+        with_blocks!(self, |v, per_row| v.len() / per_row * ROWS)
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        with_blocks!(self, |v, _per_row| std::mem::size_of_val(v.as_slice()))
+    }
+
+    /// Row `j` (below [`rows`](Self::rows)) as f32 into `out` (one row long): bit for bit
+    /// what the file layout's dequantiser gives, so an embedding lookup can read a packed
+    /// table.
+    pub fn dequantize_row(&self, j: usize, out: &mut [f32]) {
+        with_blocks!(self, |v, per_row| {
+            let (g, r) = (j / ROWS, j % ROWS);
+            for (b, y) in v[g * per_row..(g + 1) * per_row]
+                .iter()
+                .zip(out.chunks_exact_mut(32))
+            {
+                dequantize_block(b, r, y)
+            }
+        })
+    }
+
+    /// Rows `8g..8g+8` against each activation row: `out[t][r]` is row `8g + r` · token `t`.
+    /// Uses AVX2 when the CPU has it, else the scalar twin (same results).
+    ///
+    /// # Panics
+    /// If `group` is out of range, an activation row is shorter than a weight row, or `out`
+    /// is shorter than `acts`.
+    pub fn gemm(&self, group: usize, acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::has_avx2() {
+                return with_blocks!(self, |v, per_row| {
+                    let w = &v[group * per_row..(group + 1) * per_row];
+                    assert!(acts.iter().all(|a| a.len() >= *per_row) && out.len() >= acts.len());
+                    // SAFETY: AVX2, FMA and F16C detected; lengths checked just above.
+                    unsafe { avx2::gemm(w, acts, out) }
+                });
+            }
+        }
+        self.gemm_scalar(group, acts, out)
+    }
+
+    /// The portable twin of [`gemm`](Self::gemm), the reference its tests hold it to.
+    pub fn gemm_scalar(&self, group: usize, acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]) {
+        with_blocks!(self, |v, per_row| {
+            gemm_scalar(&v[group * per_row..(group + 1) * per_row], acts, out)
+        })
+    }
+}
+
+fn dequantize_block<B: BlockX8>(b: &B, r: usize, y: &mut [f32]) {
+    let d = b.d()[r].to_f32();
+    for (e, v) in y.iter_mut().enumerate() {
+        let q = b.quant(r, e) as f32;
+        *v = match B::OFFSET {
+            Offset::None => q * d,
+            Offset::Scaled(c) => (q + c) * d,
+            Offset::Min => q * d + b.m()[r].to_f32(),
+        };
+    }
+}
+
+fn gemm_scalar<B: BlockX8>(w: &[B], acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]) {
+    for (a, o) in acts.iter().zip(out.iter_mut()) {
+        for (r, or) in o.iter_mut().enumerate() {
+            let mut acc = 0f32;
+            for (b, q) in w.iter().zip(a.iter()) {
+                let isum: i32 = (0..32).map(|e| b.quant(r, e) * q.qs[e] as i32).sum();
+                let dw = b.d()[r].to_f32();
+                acc = (isum as f32).mul_add(dw * q.d, acc);
+                match B::OFFSET {
+                    Offset::None => {}
+                    Offset::Scaled(c) => acc = (dw * c).mul_add(q.s, acc),
+                    Offset::Min => acc = b.m()[r].to_f32().mul_add(q.s, acc),
+                }
+            }
+            *or = acc;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use crate::cpu::quant::q8::{bytes_from_bits, prefetch};
+    use std::arch::x86_64::*;
+
+    /// Dispatches on the number of tokens, four per pass.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; every activation row has at least `w.len()` blocks; `out` is at
+    /// least as long as `acts`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn gemm<B: Kernel8>(w: &[B], acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]) {
+        let mut t = 0;
+        while t < acts.len() {
+            let o = &mut out[t..];
+            match acts.len() - t {
+                1 => B::tile::<1>(w, [acts[t]], o),
+                2 => B::tile::<2>(w, [acts[t], acts[t + 1]], o),
+                3 => B::tile::<3>(w, [acts[t], acts[t + 1], acts[t + 2]], o),
+                _ => B::tile::<4>(w, [acts[t], acts[t + 1], acts[t + 2], acts[t + 3]], o),
+            }
+            t += 4;
+        }
+    }
+
+    /// The AVX2 pass of a packed format over up to four tokens.
+    pub trait Kernel8: BlockX8 {
+        /// # Safety
+        /// As [`gemm`].
+        unsafe fn tile<const N: usize>(w: &[Self], a: [&[BlockQ8]; N], out: &mut [[f32; ROWS]]);
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales(d: &[f16; ROWS]) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr() as *const __m128i))
+    }
+
+    /// Four activation quants (elements `4j..4j+4`) in every lane.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn word(q: &BlockQ8, j: usize) -> __m256i {
+        _mm256_set1_epi32((q.qs.as_ptr() as *const i32).add(j).read_unaligned())
+    }
+
+    /// `acc += isum · (d_w · d_a)`, then the offset term: the fixed per-block arithmetic.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scale_block<B: BlockX8>(acc: __m256, isum: __m256i, b: &B, q: &BlockQ8) -> __m256 {
+        let dw = scales(b.d());
+        let acc = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(isum),
+            _mm256_mul_ps(dw, _mm256_set1_ps(q.d)),
+            acc,
+        );
+        match B::OFFSET {
+            Offset::None => acc,
+            Offset::Scaled(c) => _mm256_fmadd_ps(
+                _mm256_mul_ps(dw, _mm256_set1_ps(c)),
+                _mm256_set1_ps(q.s),
+                acc,
+            ),
+            Offset::Min => _mm256_fmadd_ps(scales(b.m()), _mm256_set1_ps(q.s), acc),
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn store<const N: usize>(acc: [__m256; N], out: &mut [[f32; ROWS]]) {
+        for (a, o) in acc.iter().zip(out.iter_mut()) {
+            _mm256_storeu_ps(o.as_mut_ptr(), *a);
+        }
+    }
+
+    impl Kernel8 for Q8_0x8 {
+        /// Signed weights: `maddubs` takes |w| and moves w's sign onto the activation. The
+        /// pair sums can reach 2 · 128 · 127, so each product vector is widened to i32 at once.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn tile<const N: usize>(w: &[Self], a: [&[BlockQ8]; N], out: &mut [[f32; ROWS]]) {
+            let ones = _mm256_set1_epi16(1);
+            let mut acc = [_mm256_setzero_ps(); N];
+            for (i, b) in w.iter().enumerate() {
+                prefetch(b);
+                let q = a.map(|r| r.get_unchecked(i));
+                let mut isum = [_mm256_setzero_si256(); N];
+                for j in 0..8 {
+                    let x = _mm256_loadu_si256(b.qs.as_ptr().add(32 * j) as *const __m256i);
+                    let ax = _mm256_sign_epi8(x, x);
+                    for t in 0..N {
+                        let y = _mm256_sign_epi8(word(q[t], j), x);
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, y), ones);
+                        isum[t] = _mm256_add_epi32(isum[t], p);
+                    }
+                }
+                for t in 0..N {
+                    acc[t] = scale_block(acc[t], isum[t], b, q[t]);
+                }
+            }
+            store(acc, out)
+        }
+    }
+
+    /// The 4- and 5-bit formats: unsigned quants go straight into `maddubs`. A pair sum is at
+    /// most 2 · 31 · 127, so four of them (all eight for 4-bit quants) add up in i16 before one
+    /// widening to i32.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile_nibbles<B: BlockX8, const N: usize>(
+        w: &[B],
+        a: [&[BlockQ8]; N],
+        out: &mut [[f32; ROWS]],
+        qs: impl Fn(&B) -> &[u8; 128],
+        qh: impl Fn(&B) -> Option<&[u32; ROWS]>,
+    ) {
+        let ones = _mm256_set1_epi16(1);
+        let low = _mm256_set1_epi8(0x0f);
+        let bit4 = _mm256_set1_epi8(0x10);
+        let mut acc = [_mm256_setzero_ps(); N];
+        for (i, b) in w.iter().enumerate() {
+            prefetch(b);
+            let q = a.map(|r| r.get_unchecked(i));
+            let mut isum = [_mm256_setzero_si256(); N];
+            let mut s16 = [_mm256_setzero_si256(); N];
+            for j in 0..4 {
+                let raw = _mm256_loadu_si256(qs(b).as_ptr().add(32 * j) as *const __m256i);
+                let mut lo = _mm256_and_si256(raw, low);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                if let Some(h) = qh(b) {
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(bytes_from_bits(h[j]), bit4));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(bytes_from_bits(h[j + 4]), bit4));
+                }
+                for t in 0..N {
+                    let pl = _mm256_maddubs_epi16(lo, word(q[t], j));
+                    let ph = _mm256_maddubs_epi16(hi, word(q[t], j + 4));
+                    s16[t] = _mm256_add_epi16(s16[t], _mm256_add_epi16(pl, ph));
+                }
+                let widen = if qh(b).is_some() { j % 2 == 1 } else { j == 3 };
+                if widen {
+                    for t in 0..N {
+                        isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s16[t], ones));
+                        s16[t] = _mm256_setzero_si256();
+                    }
+                }
+            }
+            for t in 0..N {
+                acc[t] = scale_block(acc[t], isum[t], b, q[t]);
+            }
+        }
+        store(acc, out)
+    }
+
+    macro_rules! nibble_kernel {
+        ($t:ty, $qh:expr) => {
+            impl Kernel8 for $t {
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn tile<const N: usize>(
+                    w: &[Self],
+                    a: [&[BlockQ8]; N],
+                    out: &mut [[f32; ROWS]],
+                ) {
+                    tile_nibbles(w, a, out, |b: &Self| &b.qs, $qh)
+                }
+            }
+        };
+    }
+    nibble_kernel!(Q4_0x8, |_: &Q4_0x8| None);
+    nibble_kernel!(Q4_1x8, |_: &Q4_1x8| None);
+    nibble_kernel!(Q5_0x8, |b: &Q5_0x8| Some(&b.qh));
+    nibble_kernel!(Q5_1x8, |b: &Q5_1x8| Some(&b.qh));
+}
