@@ -154,20 +154,11 @@ fn quantize_q8_0(x: &[f32]) -> BlockQ8_0 {
     }
 }
 
-fn dot_q8_0(q: &[f32], k: &[BlockQ8_0]) -> f32 {
-    let mut sum = 0f32;
-    for (b, x) in k.iter().zip(q.chunks_exact(QK)) {
-        let s: f32 = b.qs.iter().zip(x).map(|(&c, &v)| c as f32 * v).sum();
-        sum += s * b.d.to_f32();
-    }
-    sum
-}
-
-fn axpy_q8_0(a: f32, v: &[BlockQ8_0], y: &mut [f32]) {
-    for (b, out) in v.iter().zip(y.chunks_exact_mut(QK)) {
-        let s = a * b.d.to_f32();
-        for (o, &c) in out.iter_mut().zip(&b.qs) {
-            *o += s * c as f32;
+fn dequantize_q8_0(k: &[BlockQ8_0], out: &mut [f32]) {
+    for (b, o) in k.iter().zip(out.chunks_exact_mut(QK)) {
+        let d = b.d.to_f32();
+        for (o, &c) in o.iter_mut().zip(&b.qs) {
+            *o = c as f32 * d;
         }
     }
 }
@@ -202,7 +193,7 @@ pub(super) fn attention(
     }
     // The same call for every element format; only the storage and its kernels differ.
     macro_rules! attend_as {
-        ($kd:expr, $vd:expr, $per:expr, $dot:expr, $axpy:expr) => {
+        ($kd:expr, $vd:expr, $per:expr, $to_f32:expr) => {
             attend(
                 pool,
                 q,
@@ -217,24 +208,21 @@ pub(super) fn attention(
                 out,
                 ov,
                 p,
-                $dot,
-                $axpy,
+                $to_f32,
             )
         };
     }
     match (&k.data, &v.data) {
         (KvData::F32(kd), KvData::F32(vd)) => {
-            attend_as!(kd, vd, 1, simd::dot_fn(), simd::axpy_fn())
+            attend_as!(kd, vd, 1, |s: &[f32], d: &mut [f32]| d.copy_from_slice(s))
         }
-        (KvData::F16(kd), KvData::F16(vd)) => {
-            attend_as!(kd, vd, 1, simd::dot_f16_fn(), simd::axpy_f16_fn())
-        }
+        (KvData::F16(kd), KvData::F16(vd)) => attend_as!(kd, vd, 1, simd::f16_to_f32),
         (KvData::Q8(kd), KvData::Q8(vd)) => {
             assert!(
                 hd.is_multiple_of(QK),
                 "q8_0 KV needs a head size divisible by 32"
             );
-            attend_as!(kd, vd, QK, dot_q8_0, axpy_q8_0)
+            attend_as!(kd, vd, QK, dequantize_q8_0)
         }
         _ => panic!("attention: keys and values in different formats"),
     }
@@ -259,13 +247,13 @@ fn attend<T: Sync>(
     out: &mut [f32],
     ov: Rows,
     p: AttentionParams,
-    dot: fn(&[f32], &[T]) -> f32,
-    axpy: fn(f32, &[T], &mut [f32]),
+    to_f32: fn(&[T], &mut [f32]),
 ) {
     let hd = qv.head_dim;
     let group = qv.heads / p.n_kv_heads;
     let dst = SharedMut(out.as_mut_ptr());
     let (row_units, head_units) = (lay.width / lay.per, hd / lay.per);
+    let kern = simd::attn_kernels();
     // A job is one head over a block of up to ROWS query rows of one sequence: enough work
     // to amortise the hand-off in prefill, while a decode batch (one row per sequence) still
     // spreads sequences × heads over the threads in a single hand-off.
@@ -287,43 +275,61 @@ fn attend<T: Sync>(
         let (si, seq_row, lo_row, hi_row) = blocks[b];
         let (first_pos, table) = (seqs[si].first_pos, seqs[si].table);
         let kvh = h / group;
+        // Keys lo(first row) ..= pos(last row) cover every row of the block.
+        let pos_of = |t: usize| first_pos + (t - seq_row);
+        let lo_of = |pos: usize| p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let (klo, khi) = (lo_of(pos_of(lo_row)), pos_of(hi_row - 1));
+        let span = khi + 1 - klo;
         SCRATCH2.with(|s| {
-            SCRATCH.with(|acc| {
-                let (mut scores, mut acc) = (s.borrow_mut(), acc.borrow_mut());
+            SCRATCH.with(|kv| {
+                let (mut scores, mut kv) = (s.borrow_mut(), kv.borrow_mut());
+                // The block's keys and values as f32, converted once for all its rows (and
+                // seven zero rows past the end, so `dot8` can always read eight keys).
+                if kv.len() < (2 * span + 7) * hd {
+                    kv.resize((2 * span + 7) * hd, 0.0);
+                }
+                let (kf, vf) = kv.split_at_mut((span + 7) * hd);
+                kf[span * hd..].fill(0.0);
+                let mut i = 0;
+                walk(table, klo, khi, row_units, kvh * head_units, |o| {
+                    to_f32(&k_cache[o..o + head_units], &mut kf[i * hd..(i + 1) * hd]);
+                    to_f32(&v_cache[o..o + head_units], &mut vf[i * hd..(i + 1) * hd]);
+                    i += 1;
+                });
+                let mut acc = [0f32; 8];
                 for t in lo_row..hi_row {
-                    let pos = first_pos + (t - seq_row);
-                    let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    let pos = pos_of(t);
+                    let (lo, n) = (lo_of(pos) - klo, pos + 1 - lo_of(pos));
                     let qo = qv.offset + t * qv.stride + h * hd;
                     let qh = &q[qo..qo + hd];
                     scores.clear();
+                    for c in (0..n).step_by(8) {
+                        (kern.dot8)(qh, &kf[(lo + c) * hd..(lo + c + 8) * hd], &mut acc);
+                        scores.extend_from_slice(&acc[..(n - c).min(8)]);
+                    }
                     let mut max = f32::NEG_INFINITY;
-                    walk(table, lo, pos, row_units, kvh * head_units, |ko| {
-                        let mut sc = dot(qh, &k_cache[ko..ko + head_units]) * p.scale;
+                    for sc in scores.iter_mut() {
+                        *sc *= p.scale;
                         if let Some(cap) = p.softcap {
-                            sc = cap * (sc / cap).tanh();
+                            *sc = cap * (*sc / cap).tanh();
                         }
-                        max = max.max(sc);
-                        scores.push(sc);
-                    });
+                        max = max.max(*sc);
+                    }
                     let mut sum = 0f32;
-                    for s in scores.iter_mut() {
-                        *s = (*s - max).exp();
-                        sum += *s;
+                    for sc in scores.iter_mut() {
+                        *sc = (*sc - max).exp();
+                        sum += *sc;
                     }
                     let inv = 1.0 / sum;
-                    acc.clear();
-                    acc.resize(hd, 0.0);
-                    let mut i = 0;
-                    walk(table, lo, pos, row_units, kvh * head_units, |vo| {
-                        axpy(scores[i] * inv, &v_cache[vo..vo + head_units], &mut acc);
-                        i += 1;
-                    });
-                    let oo = ov.offset + t * ov.stride + h * hd;
-                    for (i, &a) in acc.iter().enumerate() {
-                        // SAFETY: in bounds (checked by the caller); (t, h) belongs to this
-                        // job alone.
-                        unsafe { dst.write(oo + i, a) };
+                    for sc in scores.iter_mut() {
+                        *sc *= inv;
                     }
+                    let oo = ov.offset + t * ov.stride + h * hd;
+                    // SAFETY: in bounds (checked by the caller); (t, h) belongs to this job
+                    // alone, and nothing else reads or writes these elements meanwhile.
+                    let o = unsafe { dst.slice(oo, hd) };
+                    o.fill(0.0);
+                    (kern.mix)(&scores, &vf[lo * hd..(lo + n) * hd], o);
                 }
             });
         });

@@ -270,6 +270,14 @@ impl SharedMut {
     unsafe fn write(self, i: usize, v: f32) {
         *self.0.add(i) = v;
     }
+
+    /// # Safety
+    /// `offset..offset + len` is in bounds of the buffer and no other task touches it while
+    /// the slice lives.
+    #[inline]
+    unsafe fn slice<'a>(self, offset: usize, len: usize) -> &'a mut [f32] {
+        std::slice::from_raw_parts_mut(self.0.add(offset), len)
+    }
 }
 
 thread_local! {

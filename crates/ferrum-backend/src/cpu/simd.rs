@@ -66,46 +66,82 @@ pub fn axpy_scalar(a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
-pub type DotF16Fn = fn(&[f32], &[half::f16]) -> f32;
-pub type AxpyF16Fn = fn(f32, &[half::f16], &mut [f32]);
+/// Attention's kernels, over keys and values already converted to f32 (so each cache row is
+/// converted once per block of query rows, not once per query row).
+///
+/// `dot8(q, k, out)`: `out[r] = q · k[r·n..(r+1)·n]` for eight key rows, `n = q.len()`: each
+/// row summed in eight lanes (lane `l` takes elements `l, l+8, …` by fused multiply-add, the
+/// tail past the last multiple of eight after the lanes), lanes added as
+/// `((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7))`. Which keys share a call never changes a result.
+///
+/// `mix(p, v, acc)`: `acc[d] += Σ_j p[j]·v[j·n + d]`, one fused multiply-add per (j, d) in
+/// order of j, `n = acc.len()`.
+#[derive(Clone, Copy)]
+pub struct AttnKernels {
+    pub dot8: fn(&[f32], &[f32], &mut [f32; 8]),
+    pub mix: fn(&[f32], &[f32], &mut [f32]),
+}
 
-/// `Σ a[i]·b[i]` with `b` in f16 (keys in an f16 KV cache).
-pub fn dot_f16_fn() -> DotF16Fn {
-    static F: OnceLock<DotF16Fn> = OnceLock::new();
-    *F.get_or_init(|| {
+pub fn attn_kernels() -> AttnKernels {
+    static K: OnceLock<AttnKernels> = OnceLock::new();
+    *K.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if super::quant::has_avx2() {
-                // SAFETY: AVX2, FMA and F16C detected.
-                return |a, b| unsafe { avx2::dot_f16(a, b) };
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return AttnKernels {
+                    // SAFETY: AVX2 and FMA detected just above.
+                    dot8: |q, k, o| unsafe { avx2::dot8(q, k, o) },
+                    mix: |p, v, a| unsafe { avx2::mix(p, v, a) },
+                };
             }
         }
-        dot_f16_scalar
+        AttnKernels {
+            dot8: dot8_scalar,
+            mix: mix_scalar,
+        }
     })
 }
 
-/// `y += a · x` with `x` in f16 (values in an f16 KV cache).
-pub fn axpy_f16_fn() -> AxpyF16Fn {
-    static F: OnceLock<AxpyF16Fn> = OnceLock::new();
-    *F.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if super::quant::has_avx2() {
-                // SAFETY: AVX2, FMA and F16C detected.
-                return |a, x, y| unsafe { avx2::axpy_f16(a, x, y) };
+pub fn dot8_scalar(q: &[f32], k: &[f32], out: &mut [f32; 8]) {
+    let n = q.len();
+    let main = n - n % 8;
+    for (r, o) in out.iter_mut().enumerate() {
+        let kr = &k[r * n..(r + 1) * n];
+        let mut lanes = [0f32; 8];
+        for c in (0..main).step_by(8) {
+            for (l, lane) in lanes.iter_mut().enumerate() {
+                *lane = q[c + l].mul_add(kr[c + l], *lane);
             }
         }
-        axpy_f16_scalar
-    })
+        let mut sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+            + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+        for d in main..n {
+            sum = q[d].mul_add(kr[d], sum);
+        }
+        *o = sum;
+    }
 }
 
-pub fn dot_f16_scalar(a: &[f32], b: &[half::f16]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y.to_f32()).sum()
+pub fn mix_scalar(p: &[f32], v: &[f32], acc: &mut [f32]) {
+    let n = acc.len();
+    for (j, &pj) in p.iter().enumerate() {
+        for (a, &x) in acc.iter_mut().zip(&v[j * n..(j + 1) * n]) {
+            *a = pj.mul_add(x, *a);
+        }
+    }
 }
 
-pub fn axpy_f16_scalar(a: f32, x: &[half::f16], y: &mut [f32]) {
-    for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += a * xi.to_f32();
+/// f16 → f32 for a slice (KV rows before attention); exact either way.
+pub fn f16_to_f32(src: &[half::f16], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if super::quant::has_avx2() {
+            // SAFETY: AVX2, FMA and F16C detected.
+            return unsafe { avx2::f16_to_f32(src, dst) };
+        }
+    }
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s.to_f32();
     }
 }
 
@@ -198,44 +234,87 @@ mod avx2 {
         sum
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_f16(a: &[f32], b: &[half::f16]) -> f32 {
-        let n = a.len().min(b.len());
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot8(q: &[f32], k: &[f32], out: &mut [f32; 8]) {
+        let n = q.len();
         let main = n - n % 8;
-        let (pa, pb) = (a.as_ptr(), b.as_ptr() as *const u16);
-        let mut acc = _mm256_setzero_ps();
-        let mut i = 0;
-        while i < main {
-            let kb = _mm256_cvtph_ps(_mm_loadu_si128(pb.add(i) as *const __m128i));
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), kb, acc);
-            i += 8;
+        assert!(k.len() >= 8 * n);
+        let (pq, pk) = (q.as_ptr(), k.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 8];
+        let mut c = 0;
+        while c < main {
+            let qv = _mm256_loadu_ps(pq.add(c));
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(pk.add(r * n + c)), *a);
+            }
+            c += 8;
         }
-        let q = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        let h = _mm_add_ps(q, _mm_movehl_ps(q, q));
-        let mut sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
-        for (x, y) in a[main..n].iter().zip(&b[main..n]) {
-            sum += x * y.to_f32();
+        // hadd pairs neighbouring lanes: per key, ((l0+l1)+(l2+l3)) and ((l4+l5)+(l6+l7)) end
+        // up in the low and high 128-bit halves, then one add joins them.
+        let t0 = _mm256_hadd_ps(acc[0], acc[1]);
+        let t1 = _mm256_hadd_ps(acc[2], acc[3]);
+        let t2 = _mm256_hadd_ps(acc[4], acc[5]);
+        let t3 = _mm256_hadd_ps(acc[6], acc[7]);
+        let u0 = _mm256_hadd_ps(t0, t1);
+        let u1 = _mm256_hadd_ps(t2, t3);
+        let lo = _mm256_permute2f128_ps(u0, u1, 0x20);
+        let hi = _mm256_permute2f128_ps(u0, u1, 0x31);
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(lo, hi));
+        for d in main..n {
+            for (r, o) in out.iter_mut().enumerate() {
+                *o = q[d].mul_add(k[r * n + d], *o);
+            }
         }
-        sum
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn mix(p: &[f32], v: &[f32], acc: &mut [f32]) {
+        let n = acc.len();
+        assert!(v.len() >= p.len() * n);
+        let (pv, pa) = (v.as_ptr(), acc.as_mut_ptr());
+        let main = n - n % 8;
+        // Up to 64 accumulators live in registers across all of p.
+        let mut d = 0;
+        while d < main {
+            let w = ((main - d) / 8).min(8);
+            let mut a = [_mm256_setzero_ps(); 8];
+            for (i, ai) in a.iter_mut().enumerate().take(w) {
+                *ai = _mm256_loadu_ps(pa.add(d + 8 * i));
+            }
+            for (j, &pj) in p.iter().enumerate() {
+                let b = _mm256_set1_ps(pj);
+                let row = pv.add(j * n + d);
+                for (i, ai) in a.iter_mut().enumerate().take(w) {
+                    *ai = _mm256_fmadd_ps(b, _mm256_loadu_ps(row.add(8 * i)), *ai);
+                }
+            }
+            for (i, ai) in a.iter().enumerate().take(w) {
+                _mm256_storeu_ps(pa.add(d + 8 * i), *ai);
+            }
+            d += 8 * w;
+        }
+        for d in main..n {
+            for (j, &pj) in p.iter().enumerate() {
+                *pa.add(d) = pj.mul_add(*pv.add(j * n + d), *pa.add(d));
+            }
+        }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn axpy_f16(a: f32, x: &[half::f16], y: &mut [f32]) {
-        let n = x.len().min(y.len());
+    pub unsafe fn f16_to_f32(src: &[half::f16], dst: &mut [f32]) {
+        let n = src.len().min(dst.len());
         let main = n - n % 8;
-        let av = _mm256_set1_ps(a);
-        let (px, py) = (x.as_ptr() as *const u16, y.as_mut_ptr());
+        let (ps, pd) = (src.as_ptr() as *const u16, dst.as_mut_ptr());
         let mut i = 0;
         while i < main {
-            let xv = _mm256_cvtph_ps(_mm_loadu_si128(px.add(i) as *const __m128i));
             _mm256_storeu_ps(
-                py.add(i),
-                _mm256_fmadd_ps(av, xv, _mm256_loadu_ps(py.add(i))),
+                pd.add(i),
+                _mm256_cvtph_ps(_mm_loadu_si128(ps.add(i) as *const __m128i)),
             );
             i += 8;
         }
-        for (yi, xi) in y[main..n].iter_mut().zip(&x[main..n]) {
-            *yi += a * xi.to_f32();
+        for (d, h) in dst[main..n].iter_mut().zip(&src[main..n]) {
+            *d = h.to_f32();
         }
     }
 
@@ -263,22 +342,37 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     #[test]
-    fn f16_kernels_equal_scalar_twins() {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
-        for n in [0, 5, 8, 64, 131] {
-            let a: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect();
-            let b: Vec<half::f16> = (0..n)
-                .map(|_| half::f16::from_f32(rng.gen_range(-1.0..1.0)))
-                .collect();
-            let (fast, slow) = (dot_f16_fn()(&a, &b), dot_f16_scalar(&a, &b));
-            assert!((fast - slow).abs() <= 1e-5 * (n as f32).max(1.0), "n={n}");
-            let (mut y1, mut y2) = (a.clone(), a.clone());
-            axpy_f16_fn()(0.3, &b, &mut y1);
-            axpy_f16_scalar(0.3, &b, &mut y2);
-            for (p, q) in y1.iter().zip(&y2) {
-                assert!((p - q).abs() <= 1e-6);
+    fn attention_kernels_equal_scalar_twins_bit_for_bit() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let k = attn_kernels();
+        for n in [8, 13, 64, 128, 200] {
+            let q: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let keys: Vec<f32> = (0..8 * n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let (mut a, mut b) = ([0f32; 8], [0f32; 8]);
+            (k.dot8)(&q, &keys, &mut a);
+            dot8_scalar(&q, &keys, &mut b);
+            assert_eq!(a.map(f32::to_bits), b.map(f32::to_bits), "dot8 n={n}");
+            for (r, &v) in a.iter().enumerate() {
+                let e: f64 = (0..n).map(|d| q[d] as f64 * keys[r * n + d] as f64).sum();
+                assert!((v as f64 - e).abs() < 1e-4, "dot8 n={n} row {r}");
             }
+            let p: Vec<f32> = (0..7).map(|_| rng.gen_range(0.0..1.0)).collect();
+            let vals: Vec<f32> = (0..7 * n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let (mut x, mut y) = (q.clone(), q.clone());
+            (k.mix)(&p, &vals, &mut x);
+            mix_scalar(&p, &vals, &mut y);
+            assert_eq!(
+                x.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "mix n={n}"
+            );
         }
+        let h: Vec<half::f16> = (0..37)
+            .map(|i| half::f16::from_f32(i as f32 * 0.37 - 5.0))
+            .collect();
+        let mut f = vec![0f32; 37];
+        f16_to_f32(&h, &mut f);
+        assert!(f.iter().zip(&h).all(|(a, b)| *a == b.to_f32()));
     }
 
     #[test]
