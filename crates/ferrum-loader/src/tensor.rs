@@ -11,20 +11,27 @@ use memmap2::Mmap;
 /// expert page they touch for the first time, which measured as most of their time.
 /// Without `populate`, pages are read only when touched: enough to read a header.
 pub(crate) fn map_file(file: &std::fs::File, populate: bool) -> std::io::Result<Mmap> {
-    let mut opts = memmap2::MmapOptions::new();
-    if populate {
-        opts.populate();
-    }
     // SAFETY: read-only mapping; like every mmap-based loader we assume the file is not
     // truncated or rewritten by another process while it is mapped.
-    let map = unsafe { opts.map(file)? };
+    let map = unsafe { memmap2::MmapOptions::new().map(file)? };
     #[cfg(target_os = "linux")]
     {
-        // Page-sized mappings only. Weights that are repacked at load have their pages
-        // dropped (`release_pages`); with the page cache in large folios, one fault on a
-        // neighbouring tensor could map a whole 2 MB folio back, released pages included.
-        // Advice is a hint: if refused, memory use is higher, nothing else changes.
+        // Page-sized mappings only, set before anything is mapped. Weights that are
+        // repacked at load have their pages dropped (`release_pages`); with the page cache
+        // in large folios, a 2 MB mapping would be dropped or faulted back whole, neighbours
+        // included. Advice is a hint: if refused, memory use is higher, nothing else changes.
         let _ = map.advise(memmap2::Advice::NoHugePage);
+        if populate && map.advise(memmap2::Advice::PopulateRead).is_ok() {
+            return Ok(map);
+        }
+    }
+    if populate {
+        // Kernels without MADV_POPULATE_READ (before 5.14): touch a byte per page.
+        let mut sum = 0u8;
+        for b in map.iter().step_by(4096) {
+            sum = sum.wrapping_add(*b);
+        }
+        std::hint::black_box(sum);
     }
     Ok(map)
 }
