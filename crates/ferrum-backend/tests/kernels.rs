@@ -257,3 +257,71 @@ fn packed_kernels_equal_scalar_twin_and_file_layout_kernel() {
         }
     }
 }
+
+/// The packed Q4_K layout, held to the same four checks as the 32-value layouts: AVX2 ==
+/// scalar twin bit for bit, batch-independent, rows dequantise exactly as the file's, and
+/// each (row, token) within rounding of the file-layout kernel.
+#[test]
+fn packed_q4k_equals_scalar_twin_and_file_layout_kernel() {
+    use ferrum_backend::cpu::quant::packed::{Packed, ROWS};
+    use ferrum_core::DType;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(4242);
+    let (dt, rows, k) = (DType::Q4K, 3 * ROWS, 512);
+    let wa = Aligned::new(&random_blocks(&mut rng, dt, rows * k));
+    let w = wa.bytes();
+    let p = Packed::new(dt, w, rows, k, &mut |_| {}).expect("packs");
+    assert!(p.is_k_quant() && p.rows() == rows);
+    let Some(Kernel::Q8K { dot, .. }) = scalar_kernel(dt) else {
+        panic!("Q4_K has a Q8_K kernel")
+    };
+    let row_bytes = w.len() / rows;
+    let mut wf = vec![0f32; rows * k];
+    assert!(dequantize(dt, w, &mut wf));
+    let mut row = vec![0f32; k];
+    for j in 0..rows {
+        p.dequantize_row(j, &mut row);
+        assert!(
+            row.iter()
+                .zip(&wf[j * k..(j + 1) * k])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "packed row {j} dequantises differently"
+        );
+    }
+    let xs: Vec<(Vec<f32>, Vec<BlockQ8K>)> = (0..7)
+        .map(|t| {
+            let scale = [0.5f32, 4.0, 30.0][t % 3];
+            let x: Vec<f32> = (0..k).map(|_| rng.gen_range(-scale..scale)).collect();
+            let mut a = vec![BlockQ8K::default(); k / 256];
+            quantize_q8k(&x, &mut a);
+            (x, a)
+        })
+        .collect();
+    for n in 1..=xs.len() {
+        let acts: Vec<&[BlockQ8K]> = xs[..n].iter().map(|(_, a)| &a[..]).collect();
+        for g in 0..rows / ROWS {
+            let (mut fast, mut slow) = (vec![[0f32; ROWS]; n], vec![[0f32; ROWS]; n]);
+            p.gemm_k(g, &acts, &mut fast);
+            p.gemm_k_scalar(g, &acts, &mut slow);
+            for t in 0..n {
+                let mut alone = [[0f32; ROWS]];
+                p.gemm_k(g, &acts[t..t + 1], &mut alone);
+                for r in 0..ROWS {
+                    let (f, s, a) = (fast[t][r], slow[t][r], alone[0][r]);
+                    assert_eq!(f.to_bits(), s.to_bits(), "n={n} t={t}: simd {f} scalar {s}");
+                    assert_eq!(f.to_bits(), a.to_bits(), "n={n} t={t}: batch {f} alone {a}");
+                    let j = g * ROWS + r;
+                    let e = dot(&w[j * row_bytes..(j + 1) * row_bytes], acts[t]);
+                    let mag: f32 = wf[j * k..(j + 1) * k]
+                        .iter()
+                        .zip(&xs[t].0)
+                        .map(|(a, b)| (a * b).abs())
+                        .sum();
+                    assert!(
+                        (f - e).abs() <= 1e-5 * mag + 1e-6,
+                        "row {j} token {t}: packed {f} vs file layout {e}"
+                    );
+                }
+            }
+        }
+    }
+}

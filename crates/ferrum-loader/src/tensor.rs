@@ -7,9 +7,9 @@ use ferrum_core::DType;
 use memmap2::Mmap;
 
 /// Maps a model file read-only, asking the kernel to fault every page in up front
-/// (`MAP_POPULATE`): the first decode steps of a MoE model otherwise pay a page fault for every
-/// expert page they touch for the first time, which measured as most of their time.
-/// Without `populate`, pages are read only when touched: enough to read a header.
+/// (`MADV_POPULATE_READ`): the first decode steps of a MoE model otherwise pay a page fault
+/// for every expert page they touch for the first time, which measured as most of their
+/// time. Without `populate`, pages are read only when touched: enough to read a header.
 pub(crate) fn map_file(file: &std::fs::File, populate: bool) -> std::io::Result<Mmap> {
     // SAFETY: read-only mapping; like every mmap-based loader we assume the file is not
     // truncated or rewritten by another process while it is mapped.

@@ -185,7 +185,11 @@ impl CpuWeight {
         use quant::packed::ROWS;
         if let Some(p) = self.packed.as_ref().filter(|p| first < p.rows()) {
             let mut v = [[0f32; ROWS]];
-            p.gemm(first / ROWS, &[&a.q8], &mut v);
+            if p.is_k_quant() {
+                p.gemm_k(first / ROWS, &[&a.q8k], &mut v);
+            } else {
+                p.gemm(first / ROWS, &[&a.q8], &mut v);
+            }
             let at = first % ROWS;
             out.copy_from_slice(&v[0][at..at + out.len()]);
             return;
@@ -679,17 +683,9 @@ impl Backend for CpuBackend {
             scratch.gu.resize(gu_len, 0.0);
         }
         let gu = SharedMut(scratch.gu.as_mut_ptr());
-        // Rows go in units of a packed group when every selected matrix is packed whole
-        // (then f and h are multiples of 8 and a unit never straddles two matrices).
-        let unit = if sel.iter().all(|(e, _)| {
-            [&e.gate, &e.up, &e.down]
-                .iter()
-                .all(|w| w.packed.as_ref().is_some_and(|p| p.rows() == w.rows))
-        }) {
-            quant::packed::ROWS
-        } else {
-            1
-        };
+        // Rows go in units of a packed group when every matrix a pass reads is packed whole
+        // (then its row count is a multiple of 8 and a unit never straddles two matrices).
+        let unit = packed_unit(sel.iter().flat_map(|(e, _)| [&e.gate, &e.up]));
         let units = k * 2 * f / unit;
         let per_task = (units / (self.threads * 8)).clamp(1, 256);
         self.pool.run(units.div_ceil(per_task), &|task| {
@@ -730,6 +726,7 @@ impl Backend for CpuBackend {
             .collect();
         // Pass 2: each output element is the weighted sum over the experts, in expert order.
         let dst = SharedMut(out.as_mut_ptr());
+        let unit = packed_unit(sel.iter().map(|(e, _)| &e.down));
         let units = h / unit;
         let per_task = (units / (self.threads * 8)).clamp(1, 256);
         self.pool.run(units.div_ceil(per_task), &|task| {
@@ -771,8 +768,29 @@ thread_local! {
     static ACT_Q8K: RefCell<Vec<quant::q8::BlockQ8K>> = const { RefCell::new(Vec::new()) };
 }
 
-/// The packed part of a matmul task, for activation formats that packed weights pair with.
+/// Rows per unit of work for a pass over these matrices: a packed group when all are packed
+/// whole (their row counts are then multiples of 8), else single rows.
+fn packed_unit<'w>(mut ws: impl Iterator<Item = &'w CpuWeight>) -> usize {
+    if ws.all(|w| w.packed.as_ref().is_some_and(|p| p.rows() == w.rows)) {
+        quant::packed::ROWS
+    } else {
+        1
+    }
+}
+
+/// The packed part of a matmul task, per activation format (Q8 for the 32-value layouts,
+/// Q8_K for the K-quant ones).
 trait PackedRows: Sized + 'static {
+    /// Whether `p` takes this activation format.
+    fn pairs_with(p: &quant::packed::Packed) -> bool;
+
+    fn gemm(
+        p: &quant::packed::Packed,
+        group: usize,
+        acts: &[&[Self]],
+        out: &mut [[f32; quant::packed::ROWS]],
+    );
+
     /// Computes the packed rows of `rows` for all `n` tokens; returns the first row left
     /// for the file-layout kernels.
     fn run<'a>(
@@ -781,19 +799,9 @@ trait PackedRows: Sized + 'static {
         n: usize,
         act: &dyn Fn(usize) -> &'a [Self],
         write: &dyn Fn(usize, usize, f32),
-    ) -> usize;
-}
-
-impl PackedRows for quant::q8::BlockQ8 {
-    fn run<'a>(
-        w: &CpuWeight,
-        rows: std::ops::Range<usize>,
-        n: usize,
-        act: &dyn Fn(usize) -> &'a [Self],
-        write: &dyn Fn(usize, usize, f32),
     ) -> usize {
         use quant::packed::ROWS;
-        let Some(p) = &w.packed else {
+        let Some(p) = w.packed.as_ref().filter(|p| Self::pairs_with(p)) else {
             return rows.start;
         };
         let end = rows.end.min(p.rows());
@@ -807,7 +815,7 @@ impl PackedRows for quant::q8::BlockQ8 {
             for t in (0..n).step_by(4) {
                 let c = (n - t).min(4);
                 let acts: [&[Self]; 4] = std::array::from_fn(|i| act((t + i).min(n - 1)));
-                p.gemm(g, &acts[..c], &mut out[..c]);
+                Self::gemm(p, g, &acts[..c], &mut out[..c]);
                 for (i, o) in out[..c].iter().enumerate() {
                     for (r, &v) in o.iter().enumerate() {
                         write(t + i, g * ROWS + r, v);
@@ -819,15 +827,31 @@ impl PackedRows for quant::q8::BlockQ8 {
     }
 }
 
+impl PackedRows for quant::q8::BlockQ8 {
+    fn pairs_with(p: &quant::packed::Packed) -> bool {
+        !p.is_k_quant()
+    }
+    fn gemm(
+        p: &quant::packed::Packed,
+        group: usize,
+        acts: &[&[Self]],
+        out: &mut [[f32; quant::packed::ROWS]],
+    ) {
+        p.gemm(group, acts, out)
+    }
+}
+
 impl PackedRows for quant::q8::BlockQ8K {
-    fn run<'a>(
-        _: &CpuWeight,
-        rows: std::ops::Range<usize>,
-        _: usize,
-        _: &dyn Fn(usize) -> &'a [Self],
-        _: &dyn Fn(usize, usize, f32),
-    ) -> usize {
-        rows.start
+    fn pairs_with(p: &quant::packed::Packed) -> bool {
+        p.is_k_quant()
+    }
+    fn gemm(
+        p: &quant::packed::Packed,
+        group: usize,
+        acts: &[&[Self]],
+        out: &mut [[f32; quant::packed::ROWS]],
+    ) {
+        p.gemm_k(group, acts, out)
     }
 }
 

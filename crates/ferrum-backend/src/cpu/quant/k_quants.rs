@@ -219,7 +219,7 @@ use super::q8::BlockQ8K;
 
 /// All eight (scale, min) pairs of a Q4_K / Q5_K block.
 #[inline(always)]
-fn scales_mins(q: &[u8; K_SCALE_SIZE]) -> ([u8; 8], [u8; 8]) {
+pub(crate) fn scales_mins(q: &[u8; K_SCALE_SIZE]) -> ([u8; 8], [u8; 8]) {
     let mut sc = [0u8; 8];
     let mut mn = [0u8; 8];
     for j in 0..8 {

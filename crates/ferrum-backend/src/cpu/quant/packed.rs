@@ -1,5 +1,5 @@
 //! Eight weight rows interleaved, made once at load for the 32-value block formats (Q4_0,
-//! Q4_1, Q5_0, Q5_1, Q8_0).
+//! Q4_1, Q5_0, Q5_1, Q8_0) and for Q4_K.
 //!
 //! In the file's layout one 256-bit register holds one block of one row, so every
 //! (row, token, block) needs its own convert-and-scale step (`cvtepi32_ps` + `fmadd`) on top of
@@ -26,7 +26,8 @@
 
 use half::f16;
 
-use super::q8::BlockQ8;
+use super::k_quants::{scales_mins, BlockQ4K, QK_K};
+use super::q8::{BlockQ8, BlockQ8K};
 use super::{cast_blocks, q4_0, q4_1, q5_0, q5_1, q8_0};
 use ferrum_core::DType;
 
@@ -76,6 +77,55 @@ pub struct Q5_1x8 {
     pub qs: [u8; 128],
 }
 const _: () = assert!(std::mem::size_of::<Q5_1x8>() == 8 * 24);
+
+/// Q4_K, eight rows of one 256-value super-block. The 6-bit scales and minimums are unpacked
+/// to bytes, `[sub-block][row]` (2.8% more bytes than the file, for no bit twiddling in the
+/// kernel). Chunk `c` (values `64c..64c+64`, 32 packed bytes per row) is interleaved like the
+/// 32-value formats: `qs[256c + 32v + 4r + b]` is byte `4v + b` of row `r`'s chunk, whose low
+/// nibble is value `64c + 4v + b` (sub-block `2c`) and high nibble value `64c + 32 + 4v + b`
+/// (sub-block `2c + 1`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Q4Kx8 {
+    pub d: [f16; ROWS],
+    pub dmin: [f16; ROWS],
+    pub sc: [[u8; ROWS]; 8],
+    pub mn: [[u8; ROWS]; 8],
+    pub qs: [u8; 1024],
+}
+const _: () = assert!(std::mem::size_of::<Q4Kx8>() == 8 * 144 + 32);
+
+impl Q4Kx8 {
+    /// Quant of value `e` (0..256) of row `r`.
+    fn quant(&self, r: usize, e: usize) -> i32 {
+        let (c, l) = (e / 64, e % 64);
+        let i = l % 32;
+        let byte = self.qs[256 * c + 32 * (i / 4) + 4 * r + i % 4];
+        (if l >= 32 { byte >> 4 } else { byte & 0x0f }) as i32
+    }
+}
+
+fn pack_q4k(b: [&BlockQ4K; ROWS]) -> Q4Kx8 {
+    let mut out = Q4Kx8 {
+        d: b.map(|x| x.d),
+        dmin: b.map(|x| x.dmin),
+        sc: [[0; ROWS]; 8],
+        mn: [[0; ROWS]; 8],
+        qs: [0; 1024],
+    };
+    for (r, blk) in b.iter().enumerate() {
+        let (sc, mn) = scales_mins(&blk.scales);
+        for j in 0..8 {
+            out.sc[j][r] = sc[j];
+            out.mn[j][r] = mn[j];
+        }
+        for (i, &byte) in blk.qs.iter().enumerate() {
+            let (c, i) = (i / 32, i % 32);
+            out.qs[256 * c + 32 * (i / 4) + 4 * r + i % 4] = byte;
+        }
+    }
+    out
+}
 
 /// What the kernels need to know of a packed format.
 pub trait BlockX8: Copy + Send + Sync + 'static {
@@ -280,6 +330,7 @@ pub enum Packed {
     Q4_1(Vec<Q4_1x8>, usize),
     Q5_0(Vec<Q5_0x8>, usize),
     Q5_1(Vec<Q5_1x8>, usize),
+    Q4K(Vec<Q4Kx8>, usize),
 }
 
 /// Applies `$body` to the variant's block vector and blocks per row.
@@ -291,6 +342,7 @@ macro_rules! with_blocks {
             Packed::Q4_1($v, $per_row) => $body,
             Packed::Q5_0($v, $per_row) => $body,
             Packed::Q5_1($v, $per_row) => $body,
+            Packed::Q4K(..) => unreachable!("Q4_K has its own arms"),
         }
     };
 }
@@ -311,6 +363,16 @@ impl Packed {
             return None;
         }
         let per_row = cols / 32;
+        if dtype == DType::Q4K {
+            if !cols.is_multiple_of(QK_K) {
+                return None;
+            }
+            let per_row = cols / QK_K;
+            return Some(Packed::Q4K(
+                pack_all(bytes, rows, per_row, pack_q4k, done)?,
+                per_row,
+            ));
+        }
         Some(match dtype {
             DType::Q8_0 => Packed::Q8_0(pack_all(bytes, rows, per_row, pack_q8_0, done)?, per_row),
             DType::Q4_0 => Packed::Q4_0(pack_all(bytes, rows, per_row, pack_q4_0, done)?, per_row),
@@ -323,18 +385,43 @@ impl Packed {
 
     /// Rows covered by the packed groups (a multiple of 8).
     pub fn rows(&self) -> usize {
-        with_blocks!(self, |v, per_row| v.len() / per_row * ROWS)
+        match self {
+            Packed::Q4K(v, per_row) => v.len() / per_row * ROWS,
+            p => with_blocks!(p, |v, per_row| v.len() / per_row * ROWS),
+        }
     }
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        with_blocks!(self, |v, _per_row| std::mem::size_of_val(v.as_slice()))
+        match self {
+            Packed::Q4K(v, _) => std::mem::size_of_val(v.as_slice()),
+            p => with_blocks!(p, |v, _per_row| std::mem::size_of_val(v.as_slice())),
+        }
+    }
+
+    /// Whether the kernels take Q8_K activations ([`gemm_k`](Self::gemm_k)) rather than Q8.
+    pub fn is_k_quant(&self) -> bool {
+        matches!(self, Packed::Q4K(..))
     }
 
     /// Row `j` (below [`rows`](Self::rows)) as f32 into `out` (one row long): bit for bit
     /// what the file layout's dequantiser gives, so an embedding lookup can read a packed
     /// table.
     pub fn dequantize_row(&self, j: usize, out: &mut [f32]) {
+        if let Packed::Q4K(v, per_row) = self {
+            let (g, r) = (j / ROWS, j % ROWS);
+            for (b, y) in v[g * per_row..(g + 1) * per_row]
+                .iter()
+                .zip(out.chunks_exact_mut(QK_K))
+            {
+                let (d, dmin) = (b.d[r].to_f32(), b.dmin[r].to_f32());
+                for (e, y) in y.iter_mut().enumerate() {
+                    let (dl, ml) = (d * b.sc[e / 32][r] as f32, dmin * b.mn[e / 32][r] as f32);
+                    *y = dl * b.quant(r, e) as f32 - ml;
+                }
+            }
+            return;
+        }
         with_blocks!(self, |v, per_row| {
             let (g, r) = (j / ROWS, j % ROWS);
             for (b, y) in v[g * per_row..(g + 1) * per_row]
@@ -353,6 +440,7 @@ impl Packed {
     /// If `group` is out of range, an activation row is shorter than a weight row, or `out`
     /// is shorter than `acts`.
     pub fn gemm(&self, group: usize, acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]) {
+        assert!(!self.is_k_quant(), "Q4_K takes Q8_K activations (gemm_k)");
         #[cfg(target_arch = "x86_64")]
         {
             if super::has_avx2() {
@@ -367,11 +455,63 @@ impl Packed {
         self.gemm_scalar(group, acts, out)
     }
 
+    /// [`gemm`](Self::gemm) for the K-quant layouts, against Q8_K activations.
+    ///
+    /// # Panics
+    /// On a 32-value layout, or as `gemm`.
+    pub fn gemm_k(&self, group: usize, acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
+        let Packed::Q4K(v, per_row) = self else {
+            panic!("gemm_k on a 32-value layout")
+        };
+        let w = &v[group * per_row..(group + 1) * per_row];
+        assert!(acts.iter().all(|a| a.len() >= *per_row) && out.len() >= acts.len());
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::has_avx2() {
+                // SAFETY: AVX2, FMA and F16C detected; lengths checked just above.
+                return unsafe { avx2::gemm_q4k(w, acts, out) };
+            }
+        }
+        gemm_q4k_scalar(w, acts, out)
+    }
+
+    /// The portable twin of [`gemm_k`](Self::gemm_k).
+    pub fn gemm_k_scalar(&self, group: usize, acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
+        let Packed::Q4K(v, per_row) = self else {
+            panic!("gemm_k on a 32-value layout")
+        };
+        gemm_q4k_scalar(&v[group * per_row..(group + 1) * per_row], acts, out)
+    }
+
     /// The portable twin of [`gemm`](Self::gemm), the reference its tests hold it to.
     pub fn gemm_scalar(&self, group: usize, acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]) {
         with_blocks!(self, |v, per_row| {
             gemm_scalar(&v[group * per_row..(group + 1) * per_row], acts, out)
         })
+    }
+}
+
+/// Per (row, token) and super-block: the exact integer sums `Σ_j sc_j·Σ q·y` and
+/// `Σ_j mn_j·Σ y`, then `acc += isum·(d·d_a)` and `acc −= msum·(dmin·d_a)`, each fused.
+fn gemm_q4k_scalar(w: &[Q4Kx8], acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
+    for (a, o) in acts.iter().zip(out.iter_mut()) {
+        for (r, or) in o.iter_mut().enumerate() {
+            let mut acc = 0f32;
+            for (b, q) in w.iter().zip(a.iter()) {
+                let mut isum = 0i32;
+                let mut msum = 0i32;
+                for j in 0..8 {
+                    let s: i32 = (32 * j..32 * j + 32)
+                        .map(|e| b.quant(r, e) * q.qs[e] as i32)
+                        .sum();
+                    isum += b.sc[j][r] as i32 * s;
+                    msum += b.mn[j][r] as i32 * (q.bsums[2 * j] as i32 + q.bsums[2 * j + 1] as i32);
+                }
+                acc = (isum as f32).mul_add(b.d[r].to_f32() * q.d, acc);
+                acc = (-(msum as f32)).mul_add(b.dmin[r].to_f32() * q.d, acc);
+            }
+            *or = acc;
+        }
     }
 }
 
@@ -567,6 +707,99 @@ mod avx2 {
             }
         };
     }
+    /// Q4_K over up to four tokens per pass (see [`gemm`] for the contract).
+    ///
+    /// # Safety
+    /// As [`gemm`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn gemm_q4k(w: &[Q4Kx8], acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
+        let mut t = 0;
+        while t < acts.len() {
+            let o = &mut out[t..];
+            match acts.len() - t {
+                1 => tile_q4k::<1>(w, [acts[t]], o),
+                2 => tile_q4k::<2>(w, [acts[t], acts[t + 1]], o),
+                3 => tile_q4k::<3>(w, [acts[t], acts[t + 1], acts[t + 2]], o),
+                _ => tile_q4k::<4>(w, [acts[t], acts[t + 1], acts[t + 2], acts[t + 3]], o),
+            }
+            t += 4;
+        }
+    }
+
+    /// Four activation quants (values `e..e+4`) of a Q8_K block in every lane.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn word_k(q: &BlockQ8K, e: usize) -> __m256i {
+        _mm256_set1_epi32((q.qs.as_ptr().add(e) as *const i32).read_unaligned())
+    }
+
+    /// Eight rows' bytes `v[r]` as i32 lanes, or `lo[r] | hi[r] << 16` as i16 pairs.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn lanes(lo: &[u8; ROWS], hi: Option<&[u8; ROWS]>) -> __m256i {
+        let l = _mm256_cvtepu8_epi32(_mm_loadl_epi64(lo.as_ptr() as *const __m128i));
+        let h = match hi {
+            Some(h) => _mm256_cvtepu8_epi32(_mm_loadl_epi64(h.as_ptr() as *const __m128i)),
+            None => l,
+        };
+        _mm256_or_si256(l, _mm256_slli_epi32(h, 16))
+    }
+
+    /// A sub-block's 32 sums of two products stay below 2 · 15 · 127 · 8 < 2¹⁵ in i16; `madd`
+    /// with the row's scale in both halves of its lane then gives `sc · Σ q·y` in i32.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile_q4k<const N: usize>(w: &[Q4Kx8], a: [&[BlockQ8K]; N], out: &mut [[f32; ROWS]]) {
+        let low = _mm256_set1_epi8(0x0f);
+        let mut acc = [_mm256_setzero_ps(); N];
+        for (i, b) in w.iter().enumerate() {
+            prefetch(b);
+            let q = a.map(|r| r.get_unchecked(i));
+            let mut isum = [_mm256_setzero_si256(); N];
+            for c in 0..4 {
+                let mut s_lo = [_mm256_setzero_si256(); N];
+                let mut s_hi = [_mm256_setzero_si256(); N];
+                for v in 0..8 {
+                    let raw =
+                        _mm256_loadu_si256(b.qs.as_ptr().add(256 * c + 32 * v) as *const __m256i);
+                    let lo = _mm256_and_si256(raw, low);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                    for t in 0..N {
+                        let e = 64 * c + 4 * v;
+                        s_lo[t] =
+                            _mm256_add_epi16(s_lo[t], _mm256_maddubs_epi16(lo, word_k(q[t], e)));
+                        s_hi[t] = _mm256_add_epi16(
+                            s_hi[t],
+                            _mm256_maddubs_epi16(hi, word_k(q[t], e + 32)),
+                        );
+                    }
+                }
+                let (sc_lo, sc_hi) = (lanes(&b.sc[2 * c], None), lanes(&b.sc[2 * c + 1], None));
+                for t in 0..N {
+                    let p = _mm256_add_epi32(
+                        _mm256_madd_epi16(s_lo[t], sc_lo),
+                        _mm256_madd_epi16(s_hi[t], sc_hi),
+                    );
+                    isum[t] = _mm256_add_epi32(isum[t], p);
+                }
+            }
+            let (dw, dm) = (scales(&b.d), scales(&b.dmin));
+            for t in 0..N {
+                let bs = &q[t].bsums;
+                let mut msum = _mm256_setzero_si256();
+                for p in 0..4 {
+                    let s0 = (bs[4 * p] as i32 + bs[4 * p + 1] as i32) as u16 as u32;
+                    let s1 = (bs[4 * p + 2] as i32 + bs[4 * p + 3] as i32) as u16 as u32;
+                    let m = lanes(&b.mn[2 * p], Some(&b.mn[2 * p + 1]));
+                    let y = _mm256_set1_epi32((s0 | s1 << 16) as i32);
+                    msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m, y));
+                }
+                let da = _mm256_set1_ps(q[t].d);
+                acc[t] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(dw, da), acc[t]);
+                acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dm, da), acc[t]);
+            }
+        }
+        store(acc, out)
+    }
+
     nibble_kernel!(Q4_0x8, |_: &Q4_0x8| None);
     nibble_kernel!(Q4_1x8, |_: &Q4_1x8| None);
     nibble_kernel!(Q5_0x8, |b: &Q5_0x8| Some(&b.qh));
