@@ -258,21 +258,26 @@ fn packed_kernels_equal_scalar_twin_and_file_layout_kernel() {
     }
 }
 
-/// The packed Q4_K layout, held to the same four checks as the 32-value layouts: AVX2 ==
-/// scalar twin bit for bit, batch-independent, rows dequantise exactly as the file's, and
-/// each (row, token) within rounding of the file-layout kernel.
+/// The packed K-quant layouts (Q4_K, Q6_K), held to the same four checks as the 32-value
+/// layouts: AVX2 == scalar twin bit for bit, batch-independent, rows dequantise exactly as
+/// the file's, and each (row, token) within rounding of the file-layout kernel.
 #[test]
-fn packed_q4k_equals_scalar_twin_and_file_layout_kernel() {
+fn packed_k_quants_equal_scalar_twin_and_file_layout_kernel() {
+    for dt in [ferrum_core::DType::Q4K, ferrum_core::DType::Q6K] {
+        check_packed_k_quant(dt);
+    }
+}
+
+fn check_packed_k_quant(dt: ferrum_core::DType) {
     use ferrum_backend::cpu::quant::packed::{Packed, ROWS};
-    use ferrum_core::DType;
     let mut rng = rand::rngs::StdRng::seed_from_u64(4242);
-    let (dt, rows, k) = (DType::Q4K, 3 * ROWS, 512);
+    let (rows, k) = (3 * ROWS, 512);
     let wa = Aligned::new(&random_blocks(&mut rng, dt, rows * k));
     let w = wa.bytes();
     let p = Packed::new(dt, w, rows, k, &mut |_| {}).expect("packs");
     assert!(p.is_k_quant() && p.rows() == rows);
     let Some(Kernel::Q8K { dot, .. }) = scalar_kernel(dt) else {
-        panic!("Q4_K has a Q8_K kernel")
+        panic!("{dt} has a Q8_K kernel")
     };
     let row_bytes = w.len() / rows;
     let mut wf = vec![0f32; rows * k];
@@ -284,7 +289,7 @@ fn packed_q4k_equals_scalar_twin_and_file_layout_kernel() {
             row.iter()
                 .zip(&wf[j * k..(j + 1) * k])
                 .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "packed row {j} dequantises differently"
+            "{dt}: packed row {j} dequantises differently"
         );
     }
     let xs: Vec<(Vec<f32>, Vec<BlockQ8K>)> = (0..7)
@@ -307,8 +312,16 @@ fn packed_q4k_equals_scalar_twin_and_file_layout_kernel() {
                 p.gemm_k(g, &acts[t..t + 1], &mut alone);
                 for r in 0..ROWS {
                     let (f, s, a) = (fast[t][r], slow[t][r], alone[0][r]);
-                    assert_eq!(f.to_bits(), s.to_bits(), "n={n} t={t}: simd {f} scalar {s}");
-                    assert_eq!(f.to_bits(), a.to_bits(), "n={n} t={t}: batch {f} alone {a}");
+                    assert_eq!(
+                        f.to_bits(),
+                        s.to_bits(),
+                        "{dt} n={n} t={t}: simd {f} scalar {s}"
+                    );
+                    assert_eq!(
+                        f.to_bits(),
+                        a.to_bits(),
+                        "{dt} n={n} t={t}: batch {f} alone {a}"
+                    );
                     let j = g * ROWS + r;
                     let e = dot(&w[j * row_bytes..(j + 1) * row_bytes], acts[t]);
                     let mag: f32 = wf[j * k..(j + 1) * k]
@@ -318,7 +331,7 @@ fn packed_q4k_equals_scalar_twin_and_file_layout_kernel() {
                         .sum();
                     assert!(
                         (f - e).abs() <= 1e-5 * mag + 1e-6,
-                        "row {j} token {t}: packed {f} vs file layout {e}"
+                        "{dt} row {j} token {t}: packed {f} vs file layout {e}"
                     );
                 }
             }

@@ -1,5 +1,5 @@
 //! Eight weight rows interleaved, made once at load for the 32-value block formats (Q4_0,
-//! Q4_1, Q5_0, Q5_1, Q8_0) and for Q4_K.
+//! Q4_1, Q5_0, Q5_1, Q8_0) and for Q4_K and Q6_K.
 //!
 //! In the file's layout one 256-bit register holds one block of one row, so every
 //! (row, token, block) needs its own convert-and-scale step (`cvtepi32_ps` + `fmadd`) on top of
@@ -26,7 +26,7 @@
 
 use half::f16;
 
-use super::k_quants::{scales_mins, BlockQ4K, QK_K};
+use super::k_quants::{scales_mins, BlockQ4K, BlockQ6K, QK_K};
 use super::q8::{BlockQ8, BlockQ8K};
 use super::{cast_blocks, q4_0, q4_1, q5_0, q5_1, q8_0};
 use ferrum_core::DType;
@@ -103,6 +103,54 @@ impl Q4Kx8 {
         let byte = self.qs[256 * c + 32 * (i / 4) + 4 * r + i % 4];
         (if l >= 32 { byte >> 4 } else { byte & 0x0f }) as i32
     }
+}
+
+/// Q6_K, eight rows of one super-block, the file's bytes interleaved four at a time:
+/// `ql[32w + 4r + b]` is byte `4w + b` of row `r`'s 128 low-bit bytes, `qh[32w + 4r + b]` byte
+/// `4w + b` of its 64 high-bit bytes; `sc[j][r]` the signed scale of sub-block `j` (16 values).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Q6Kx8 {
+    pub d: [f16; ROWS],
+    pub sc: [[i8; ROWS]; 16],
+    pub ql: [u8; 1024],
+    pub qh: [u8; 512],
+}
+const _: () = assert!(std::mem::size_of::<Q6Kx8>() == 8 * 210);
+
+impl Q6Kx8 {
+    /// The 6-bit quant (0..64, before the −32 offset) of value `e` of row `r`. GGML's order:
+    /// in each half `n` of 128 values, value `32k + i` takes the low (k < 2) or high nibble of
+    /// low-bit byte `64n + 32·(k % 2) + i` and bits `2k, 2k+1` of high-bit byte `32n + i`.
+    fn quant(&self, r: usize, e: usize) -> i32 {
+        let (n, k, i) = (e / 128, e % 128 / 32, e % 32);
+        let at = |x: usize| 32 * (x / 4) + 4 * r + x % 4;
+        let l = self.ql[at(64 * n + 32 * (k % 2) + i)];
+        let h = self.qh[at(32 * n + i)];
+        let low = if k < 2 { l & 0x0f } else { l >> 4 };
+        (low | ((h >> (2 * k)) & 3) << 4) as i32
+    }
+}
+
+fn pack_q6k(b: [&BlockQ6K; ROWS]) -> Q6Kx8 {
+    let mut out = Q6Kx8 {
+        d: b.map(|x| x.d),
+        sc: [[0; ROWS]; 16],
+        ql: [0; 1024],
+        qh: [0; 512],
+    };
+    for (r, blk) in b.iter().enumerate() {
+        for j in 0..16 {
+            out.sc[j][r] = blk.scales[j];
+        }
+        for (i, &byte) in blk.ql.iter().enumerate() {
+            out.ql[32 * (i / 4) + 4 * r + i % 4] = byte;
+        }
+        for (i, &byte) in blk.qh.iter().enumerate() {
+            out.qh[32 * (i / 4) + 4 * r + i % 4] = byte;
+        }
+    }
+    out
 }
 
 fn pack_q4k(b: [&BlockQ4K; ROWS]) -> Q4Kx8 {
@@ -331,6 +379,7 @@ pub enum Packed {
     Q5_0(Vec<Q5_0x8>, usize),
     Q5_1(Vec<Q5_1x8>, usize),
     Q4K(Vec<Q4Kx8>, usize),
+    Q6K(Vec<Q6Kx8>, usize),
 }
 
 /// Applies `$body` to the variant's block vector and blocks per row.
@@ -342,7 +391,7 @@ macro_rules! with_blocks {
             Packed::Q4_1($v, $per_row) => $body,
             Packed::Q5_0($v, $per_row) => $body,
             Packed::Q5_1($v, $per_row) => $body,
-            Packed::Q4K(..) => unreachable!("Q4_K has its own arms"),
+            Packed::Q4K(..) | Packed::Q6K(..) => unreachable!("K-quants have their own arms"),
         }
     };
 }
@@ -363,15 +412,16 @@ impl Packed {
             return None;
         }
         let per_row = cols / 32;
-        if dtype == DType::Q4K {
+        if matches!(dtype, DType::Q4K | DType::Q6K) {
             if !cols.is_multiple_of(QK_K) {
                 return None;
             }
             let per_row = cols / QK_K;
-            return Some(Packed::Q4K(
-                pack_all(bytes, rows, per_row, pack_q4k, done)?,
-                per_row,
-            ));
+            return Some(if dtype == DType::Q4K {
+                Packed::Q4K(pack_all(bytes, rows, per_row, pack_q4k, done)?, per_row)
+            } else {
+                Packed::Q6K(pack_all(bytes, rows, per_row, pack_q6k, done)?, per_row)
+            });
         }
         Some(match dtype {
             DType::Q8_0 => Packed::Q8_0(pack_all(bytes, rows, per_row, pack_q8_0, done)?, per_row),
@@ -387,6 +437,7 @@ impl Packed {
     pub fn rows(&self) -> usize {
         match self {
             Packed::Q4K(v, per_row) => v.len() / per_row * ROWS,
+            Packed::Q6K(v, per_row) => v.len() / per_row * ROWS,
             p => with_blocks!(p, |v, per_row| v.len() / per_row * ROWS),
         }
     }
@@ -395,13 +446,14 @@ impl Packed {
     pub fn bytes(&self) -> usize {
         match self {
             Packed::Q4K(v, _) => std::mem::size_of_val(v.as_slice()),
+            Packed::Q6K(v, _) => std::mem::size_of_val(v.as_slice()),
             p => with_blocks!(p, |v, _per_row| std::mem::size_of_val(v.as_slice())),
         }
     }
 
     /// Whether the kernels take Q8_K activations ([`gemm_k`](Self::gemm_k)) rather than Q8.
     pub fn is_k_quant(&self) -> bool {
-        matches!(self, Packed::Q4K(..))
+        matches!(self, Packed::Q4K(..) | Packed::Q6K(..))
     }
 
     /// Row `j` (below [`rows`](Self::rows)) as f32 into `out` (one row long): bit for bit
@@ -418,6 +470,19 @@ impl Packed {
                 for (e, y) in y.iter_mut().enumerate() {
                     let (dl, ml) = (d * b.sc[e / 32][r] as f32, dmin * b.mn[e / 32][r] as f32);
                     *y = dl * b.quant(r, e) as f32 - ml;
+                }
+            }
+            return;
+        }
+        if let Packed::Q6K(v, per_row) = self {
+            let (g, r) = (j / ROWS, j % ROWS);
+            for (b, y) in v[g * per_row..(g + 1) * per_row]
+                .iter()
+                .zip(out.chunks_exact_mut(QK_K))
+            {
+                let d = b.d[r].to_f32();
+                for (e, y) in y.iter_mut().enumerate() {
+                    *y = d * b.sc[e / 16][r] as f32 * (b.quant(r, e) - 32) as f32;
                 }
             }
             return;
@@ -460,27 +525,35 @@ impl Packed {
     /// # Panics
     /// On a 32-value layout, or as `gemm`.
     pub fn gemm_k(&self, group: usize, acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
-        let Packed::Q4K(v, per_row) = self else {
-            panic!("gemm_k on a 32-value layout")
+        let per_row = match self {
+            Packed::Q4K(_, p) | Packed::Q6K(_, p) => *p,
+            _ => panic!("gemm_k on a 32-value layout"),
         };
-        let w = &v[group * per_row..(group + 1) * per_row];
-        assert!(acts.iter().all(|a| a.len() >= *per_row) && out.len() >= acts.len());
+        assert!(acts.iter().all(|a| a.len() >= per_row) && out.len() >= acts.len());
+        let blocks = group * per_row..(group + 1) * per_row;
         #[cfg(target_arch = "x86_64")]
         {
             if super::has_avx2() {
                 // SAFETY: AVX2, FMA and F16C detected; lengths checked just above.
-                return unsafe { avx2::gemm_q4k(w, acts, out) };
+                return unsafe {
+                    match self {
+                        Packed::Q4K(v, _) => avx2::gemm_k(&v[blocks], acts, out),
+                        Packed::Q6K(v, _) => avx2::gemm_k(&v[blocks], acts, out),
+                        _ => {}
+                    }
+                };
             }
         }
-        gemm_q4k_scalar(w, acts, out)
+        self.gemm_k_scalar(group, acts, out)
     }
 
     /// The portable twin of [`gemm_k`](Self::gemm_k).
     pub fn gemm_k_scalar(&self, group: usize, acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
-        let Packed::Q4K(v, per_row) = self else {
-            panic!("gemm_k on a 32-value layout")
-        };
-        gemm_q4k_scalar(&v[group * per_row..(group + 1) * per_row], acts, out)
+        match self {
+            Packed::Q4K(v, p) => gemm_q4k_scalar(&v[group * p..(group + 1) * p], acts, out),
+            Packed::Q6K(v, p) => gemm_q6k_scalar(&v[group * p..(group + 1) * p], acts, out),
+            _ => panic!("gemm_k on a 32-value layout"),
+        }
     }
 
     /// The portable twin of [`gemm`](Self::gemm), the reference its tests hold it to.
@@ -509,6 +582,28 @@ fn gemm_q4k_scalar(w: &[Q4Kx8], acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
                 }
                 acc = (isum as f32).mul_add(b.d[r].to_f32() * q.d, acc);
                 acc = (-(msum as f32)).mul_add(b.dmin[r].to_f32() * q.d, acc);
+            }
+            *or = acc;
+        }
+    }
+}
+
+/// Per (row, token) and super-block: `isum = Σ_j sc_j·Σ q·y − 32·Σ_j sc_j·Σ_j y` exactly in
+/// integers (`Σ_j y` is the activation's 16-value sum), then `acc += isum·(d·d_a)`, fused.
+fn gemm_q6k_scalar(w: &[Q6Kx8], acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
+    for (a, o) in acts.iter().zip(out.iter_mut()) {
+        for (r, or) in o.iter_mut().enumerate() {
+            let mut acc = 0f32;
+            for (b, q) in w.iter().zip(a.iter()) {
+                let (mut dot, mut offs) = (0i32, 0i32);
+                for j in 0..16 {
+                    let s: i32 = (16 * j..16 * j + 16)
+                        .map(|e| b.quant(r, e) * q.qs[e] as i32)
+                        .sum();
+                    dot += b.sc[j][r] as i32 * s;
+                    offs += b.sc[j][r] as i32 * q.bsums[j] as i32;
+                }
+                acc = ((dot - 32 * offs) as f32).mul_add(b.d[r].to_f32() * q.d, acc);
             }
             *or = acc;
         }
@@ -707,23 +802,132 @@ mod avx2 {
             }
         };
     }
-    /// Q4_K over up to four tokens per pass (see [`gemm`] for the contract).
+    /// The AVX2 pass of a K-quant packed format over up to four tokens.
+    pub trait KernelK: Sized {
+        /// # Safety
+        /// As [`gemm`].
+        unsafe fn tile<const N: usize>(w: &[Self], a: [&[BlockQ8K]; N], out: &mut [[f32; ROWS]]);
+    }
+
+    impl KernelK for Q4Kx8 {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn tile<const N: usize>(w: &[Self], a: [&[BlockQ8K]; N], out: &mut [[f32; ROWS]]) {
+            tile_q4k(w, a, out)
+        }
+    }
+
+    impl KernelK for Q6Kx8 {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn tile<const N: usize>(w: &[Self], a: [&[BlockQ8K]; N], out: &mut [[f32; ROWS]]) {
+            tile_q6k(w, a, out)
+        }
+    }
+
+    /// A K-quant layout over any number of tokens, four per pass (see [`gemm`]).
     ///
     /// # Safety
     /// As [`gemm`].
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn gemm_q4k(w: &[Q4Kx8], acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
+    pub unsafe fn gemm_k<B: KernelK>(w: &[B], acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
         let mut t = 0;
         while t < acts.len() {
             let o = &mut out[t..];
             match acts.len() - t {
-                1 => tile_q4k::<1>(w, [acts[t]], o),
-                2 => tile_q4k::<2>(w, [acts[t], acts[t + 1]], o),
-                3 => tile_q4k::<3>(w, [acts[t], acts[t + 1], acts[t + 2]], o),
-                _ => tile_q4k::<4>(w, [acts[t], acts[t + 1], acts[t + 2], acts[t + 3]], o),
+                1 => B::tile::<1>(w, [acts[t]], o),
+                2 => B::tile::<2>(w, [acts[t], acts[t + 1]], o),
+                3 => B::tile::<3>(w, [acts[t], acts[t + 1], acts[t + 2]], o),
+                _ => B::tile::<4>(w, [acts[t], acts[t + 1], acts[t + 2], acts[t + 3]], o),
             }
             t += 4;
         }
+    }
+
+    /// Eight rows' signed bytes as i16 pairs `lo[r] | hi[r] << 16` per lane (`hi = lo` puts
+    /// the same value in both halves, for `madd` against a lane's two partial sums).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn signed_pairs(lo: &[i8; ROWS], hi: &[i8; ROWS]) -> __m256i {
+        let l = _mm256_cvtepi8_epi32(_mm_loadl_epi64(lo.as_ptr() as *const __m128i));
+        let h = _mm256_cvtepi8_epi32(_mm_loadl_epi64(hi.as_ptr() as *const __m128i));
+        _mm256_or_si256(
+            _mm256_and_si256(l, _mm256_set1_epi32(0xffff)),
+            _mm256_slli_epi32(h, 16),
+        )
+    }
+
+    /// Q6_K: unsigned 6-bit quants into `maddubs` (a pair sum is at most 2 · 63 · 127, so two
+    /// product vectors add in i16), each 16-value sub-block scaled by `madd` with its signed
+    /// scale; the −32 offset comes in once per super-block through the activation's 16-value
+    /// sums.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile_q6k<const N: usize>(w: &[Q6Kx8], a: [&[BlockQ8K]; N], out: &mut [[f32; ROWS]]) {
+        let low = _mm256_set1_epi8(0x0f);
+        let (m03, m30) = (_mm256_set1_epi8(0x03), _mm256_set1_epi8(0x30));
+        let mut acc = [_mm256_setzero_ps(); N];
+        for (i, b) in w.iter().enumerate() {
+            prefetch(b);
+            let q = a.map(|r| r.get_unchecked(i));
+            let mut isum = [_mm256_setzero_si256(); N];
+            for n in 0..2 {
+                for k in 0..4 {
+                    for h in 0..2 {
+                        let sc = signed_pairs(&b.sc[8 * n + 2 * k + h], &b.sc[8 * n + 2 * k + h]);
+                        for pair in 0..2 {
+                            let mut s16 = [_mm256_setzero_si256(); N];
+                            for w4 in 0..2 {
+                                let wi = 4 * h + 2 * pair + w4;
+                                let l = _mm256_loadu_si256(
+                                    b.ql.as_ptr().add(32 * (16 * n + 8 * (k % 2) + wi))
+                                        as *const __m256i,
+                                );
+                                let hb = _mm256_loadu_si256(
+                                    b.qh.as_ptr().add(32 * (8 * n + wi)) as *const __m256i
+                                );
+                                let lo4 = if k < 2 {
+                                    _mm256_and_si256(l, low)
+                                } else {
+                                    _mm256_and_si256(_mm256_srli_epi16(l, 4), low)
+                                };
+                                let hi2 = match k {
+                                    0 => _mm256_slli_epi16(_mm256_and_si256(hb, m03), 4),
+                                    1 => _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30),
+                                    2 => _mm256_and_si256(hb, m30),
+                                    _ => _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30),
+                                };
+                                let v = _mm256_or_si256(lo4, hi2);
+                                let e = 128 * n + 32 * k + 4 * wi;
+                                for t in 0..N {
+                                    let p = _mm256_maddubs_epi16(v, word_k(q[t], e));
+                                    s16[t] = _mm256_add_epi16(s16[t], p);
+                                }
+                            }
+                            for t in 0..N {
+                                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s16[t], sc));
+                            }
+                        }
+                    }
+                }
+            }
+            let dw = scales(&b.d);
+            for t in 0..N {
+                let bs = &q[t].bsums;
+                let mut offs = _mm256_setzero_si256();
+                for p in 0..8 {
+                    let sc = signed_pairs(&b.sc[2 * p], &b.sc[2 * p + 1]);
+                    let word = (bs[2 * p] as u16 as u32) | ((bs[2 * p + 1] as u16 as u32) << 16);
+                    offs = _mm256_add_epi32(
+                        offs,
+                        _mm256_madd_epi16(sc, _mm256_set1_epi32(word as i32)),
+                    );
+                }
+                let isum = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(offs, 5));
+                acc[t] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(isum),
+                    _mm256_mul_ps(dw, _mm256_set1_ps(q[t].d)),
+                    acc[t],
+                );
+            }
+        }
+        store(acc, out)
     }
 
     /// Four activation quants (values `e..e+4`) of a Q8_K block in every lane.
