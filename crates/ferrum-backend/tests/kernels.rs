@@ -170,15 +170,15 @@ fn simd_activation_quantisation_equals_scalar_twin() {
     }
 }
 
-/// The packed (eight-row interleaved) layout of the 32-value formats: the AVX2 kernel equals
-/// its scalar twin bit for bit at every token count; a token's result does not depend on
-/// how many tokens share the pass; and each (row, token) agrees with the file-layout kernel
-/// to float rounding (both compute the same integer sums and scales, summed in another order).
+/// The packed (eight-row interleaved) layouts: the AVX2 kernel equals its scalar twin bit
+/// for bit at every token count; a token's result does not depend on how many tokens share
+/// the pass; rows dequantise exactly as the file's; and each (row, token) agrees with the
+/// file-layout kernel to float rounding (both compute the same integer sums and scales,
+/// summed in another order).
 #[test]
 fn packed_kernels_equal_scalar_twin_and_file_layout_kernel() {
-    use ferrum_backend::cpu::quant::packed::{Packed, ROWS};
+    use ferrum_backend::cpu::quant::packed::Packed;
     use ferrum_core::DType;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(2024);
     for dt in [
         DType::Q4_0,
         DType::Q4_1,
@@ -186,99 +186,46 @@ fn packed_kernels_equal_scalar_twin_and_file_layout_kernel() {
         DType::Q5_1,
         DType::Q8_0,
     ] {
-        let (rows, k) = (3 * ROWS, 256);
-        let wa = Aligned::new(&random_blocks(&mut rng, dt, rows * k));
-        let w = wa.bytes();
-        let p = Packed::new(dt, w, rows, k, &mut |_| {}).expect("packs");
-        assert_eq!(p.rows(), rows);
-        assert_eq!(p.bytes(), w.len(), "{dt}: packing keeps the size");
         let Some(Kernel::Q8 { dot, .. }) = scalar_kernel(dt) else {
             panic!("{dt}: a Q8 kernel")
         };
-        let row_bytes = w.len() / rows;
-        let xs: Vec<(Vec<f32>, Vec<BlockQ8>)> = (0..9)
-            .map(|t| {
-                let scale = [0.5f32, 4.0, 30.0][t % 3];
-                let x: Vec<f32> = (0..k).map(|_| rng.gen_range(-scale..scale)).collect();
-                let mut a = vec![BlockQ8::default(); k / 32];
-                quantize_q8(&x, &mut a);
-                (x, a)
-            })
-            .collect();
-        let mut wf = vec![0f32; rows * k];
-        assert!(dequantize(dt, w, &mut wf));
-        let mut row = vec![0f32; k];
-        for j in 0..rows {
-            p.dequantize_row(j, &mut row);
-            let want = &wf[j * k..(j + 1) * k];
-            assert!(
-                row.iter()
-                    .zip(want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{dt}: packed row {j} dequantises differently"
-            );
-        }
-        for n in 1..=xs.len() {
-            let acts: Vec<&[BlockQ8]> = xs[..n].iter().map(|(_, a)| &a[..]).collect();
-            for g in 0..rows / ROWS {
-                let (mut fast, mut slow) = (vec![[0f32; ROWS]; n], vec![[0f32; ROWS]; n]);
-                p.gemm(g, &acts, &mut fast);
-                p.gemm_scalar(g, &acts, &mut slow);
-                for t in 0..n {
-                    let mut alone = [[0f32; ROWS]];
-                    p.gemm(g, &acts[t..t + 1], &mut alone);
-                    for r in 0..ROWS {
-                        let (f, s, a) = (fast[t][r], slow[t][r], alone[0][r]);
-                        assert_eq!(
-                            f.to_bits(),
-                            s.to_bits(),
-                            "{dt} n={n} t={t}: simd {f} scalar {s}"
-                        );
-                        assert_eq!(
-                            f.to_bits(),
-                            a.to_bits(),
-                            "{dt} n={n} t={t}: batch {f} alone {a}"
-                        );
-                        let j = g * ROWS + r;
-                        let e = dot(&w[j * row_bytes..(j + 1) * row_bytes], acts[t]);
-                        // Magnitude of the sum's terms: rounding is relative to it.
-                        let mag: f32 = wf[j * k..(j + 1) * k]
-                            .iter()
-                            .zip(&xs[t].0)
-                            .map(|(a, b)| (a * b).abs())
-                            .sum();
-                        assert!(
-                            (f - e).abs() <= 1e-5 * mag + 1e-6,
-                            "{dt} row {j} token {t}: packed {f} vs file layout {e}"
-                        );
-                    }
-                }
-            }
-        }
+        let q8 = |x: &[f32]| {
+            let mut a = vec![BlockQ8::default(); x.len() / 32];
+            quantize_q8(x, &mut a);
+            a
+        };
+        check_packed(dt, 256, q8, dot, Packed::gemm, Packed::gemm_scalar);
+    }
+    for dt in [DType::Q4K, DType::Q6K] {
+        let Some(Kernel::Q8K { dot, .. }) = scalar_kernel(dt) else {
+            panic!("{dt}: a Q8_K kernel")
+        };
+        let q8k = |x: &[f32]| {
+            let mut a = vec![BlockQ8K::default(); x.len() / 256];
+            quantize_q8k(x, &mut a);
+            a
+        };
+        check_packed(dt, 512, q8k, dot, Packed::gemm_k, Packed::gemm_k_scalar);
     }
 }
 
-/// The packed K-quant layouts (Q4_K, Q6_K), held to the same four checks as the 32-value
-/// layouts: AVX2 == scalar twin bit for bit, batch-independent, rows dequantise exactly as
-/// the file's, and each (row, token) within rounding of the file-layout kernel.
-#[test]
-fn packed_k_quants_equal_scalar_twin_and_file_layout_kernel() {
-    for dt in [ferrum_core::DType::Q4K, ferrum_core::DType::Q6K] {
-        check_packed_k_quant(dt);
-    }
-}
+type Gemm<A> = fn(&ferrum_backend::cpu::quant::packed::Packed, usize, &[&[A]], &mut [[f32; 8]]);
 
-fn check_packed_k_quant(dt: ferrum_core::DType) {
+fn check_packed<A>(
+    dt: ferrum_core::DType,
+    k: usize,
+    quantize: impl Fn(&[f32]) -> Vec<A>,
+    dot: fn(&[u8], &[A]) -> f32,
+    gemm: Gemm<A>,
+    gemm_scalar: Gemm<A>,
+) {
     use ferrum_backend::cpu::quant::packed::{Packed, ROWS};
-    let mut rng = rand::rngs::StdRng::seed_from_u64(4242);
-    let (rows, k) = (3 * ROWS, 512);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(2024);
+    let rows = 3 * ROWS;
     let wa = Aligned::new(&random_blocks(&mut rng, dt, rows * k));
     let w = wa.bytes();
     let p = Packed::new(dt, w, rows, k, &mut |_| {}).expect("packs");
-    assert!(p.is_k_quant() && p.rows() == rows);
-    let Some(Kernel::Q8K { dot, .. }) = scalar_kernel(dt) else {
-        panic!("{dt} has a Q8_K kernel")
-    };
+    assert_eq!(p.rows(), rows);
     let row_bytes = w.len() / rows;
     let mut wf = vec![0f32; rows * k];
     assert!(dequantize(dt, w, &mut wf));
@@ -292,24 +239,23 @@ fn check_packed_k_quant(dt: ferrum_core::DType) {
             "{dt}: packed row {j} dequantises differently"
         );
     }
-    let xs: Vec<(Vec<f32>, Vec<BlockQ8K>)> = (0..7)
+    let xs: Vec<(Vec<f32>, Vec<A>)> = (0..9)
         .map(|t| {
             let scale = [0.5f32, 4.0, 30.0][t % 3];
             let x: Vec<f32> = (0..k).map(|_| rng.gen_range(-scale..scale)).collect();
-            let mut a = vec![BlockQ8K::default(); k / 256];
-            quantize_q8k(&x, &mut a);
+            let a = quantize(&x);
             (x, a)
         })
         .collect();
     for n in 1..=xs.len() {
-        let acts: Vec<&[BlockQ8K]> = xs[..n].iter().map(|(_, a)| &a[..]).collect();
+        let acts: Vec<&[A]> = xs[..n].iter().map(|(_, a)| &a[..]).collect();
         for g in 0..rows / ROWS {
             let (mut fast, mut slow) = (vec![[0f32; ROWS]; n], vec![[0f32; ROWS]; n]);
-            p.gemm_k(g, &acts, &mut fast);
-            p.gemm_k_scalar(g, &acts, &mut slow);
+            gemm(&p, g, &acts, &mut fast);
+            gemm_scalar(&p, g, &acts, &mut slow);
             for t in 0..n {
                 let mut alone = [[0f32; ROWS]];
-                p.gemm_k(g, &acts[t..t + 1], &mut alone);
+                gemm(&p, g, &acts[t..t + 1], &mut alone);
                 for r in 0..ROWS {
                     let (f, s, a) = (fast[t][r], slow[t][r], alone[0][r]);
                     assert_eq!(
@@ -324,6 +270,7 @@ fn check_packed_k_quant(dt: ferrum_core::DType) {
                     );
                     let j = g * ROWS + r;
                     let e = dot(&w[j * row_bytes..(j + 1) * row_bytes], acts[t]);
+                    // Magnitude of the sum's terms: rounding is relative to it.
                     let mag: f32 = wf[j * k..(j + 1) * k]
                         .iter()
                         .zip(&xs[t].0)
