@@ -797,8 +797,8 @@ trait PackedRows: Sized + 'static {
         w: &CpuWeight,
         rows: std::ops::Range<usize>,
         n: usize,
-        act: &dyn Fn(usize) -> &'a [Self],
-        write: &dyn Fn(usize, usize, f32),
+        act: &impl Fn(usize) -> &'a [Self],
+        write: &impl Fn(usize, usize, f32),
     ) -> usize {
         use quant::packed::ROWS;
         let Some(p) = w.packed.as_ref().filter(|p| Self::pairs_with(p)) else {
