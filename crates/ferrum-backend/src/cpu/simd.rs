@@ -26,44 +26,11 @@ pub fn dot_fn() -> DotFn {
     *DOT.get_or_init(pick_dot)
 }
 
-/// The axpy kernel this CPU uses.
-pub fn axpy_fn() -> AxpyFn {
-    static AXPY: OnceLock<AxpyFn> = OnceLock::new();
-    *AXPY.get_or_init(pick_axpy)
-}
-
 /// `Σ a[i]·b[i]` over the shorter of the two slices' common length (callers pass equal
 /// lengths).
 #[inline]
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     dot_fn()(a, b)
-}
-
-pub type AxpyFn = fn(f32, &[f32], &mut [f32]);
-
-fn pick_axpy() -> AxpyFn {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            return |a, x, y| {
-                // SAFETY: the CPU supports AVX2 and FMA (checked just above).
-                unsafe { avx2::axpy(a, x, y) }
-            };
-        }
-    }
-    axpy_scalar
-}
-
-/// `y += a · x` (attention's weighted sum of values).
-#[inline]
-pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    axpy_fn()(a, x, y)
-}
-
-pub fn axpy_scalar(a: f32, x: &[f32], y: &mut [f32]) {
-    for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += a * xi;
-    }
 }
 
 /// Attention's kernels, over keys and values already converted to f32 (so each cache row is
@@ -317,23 +284,6 @@ mod avx2 {
             *d = h.to_f32();
         }
     }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-        let n = x.len().min(y.len());
-        let main = n - n % 8;
-        let av = _mm256_set1_ps(a);
-        let (px, py) = (x.as_ptr(), y.as_mut_ptr());
-        let mut i = 0;
-        while i < main {
-            let r = _mm256_fmadd_ps(av, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i)));
-            _mm256_storeu_ps(py.add(i), r);
-            i += 8;
-        }
-        for k in main..n {
-            *py.add(k) += a * *px.add(k);
-        }
-    }
 }
 
 #[cfg(test)]
@@ -373,21 +323,6 @@ mod tests {
         let mut f = vec![0f32; 37];
         f16_to_f32(&h, &mut f);
         assert!(f.iter().zip(&h).all(|(a, b)| *a == b.to_f32()));
-    }
-
-    #[test]
-    fn simd_axpy_equals_scalar_twin() {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
-        for n in [0, 3, 8, 64, 77] {
-            let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect();
-            let y0: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect();
-            let (mut a, mut b) = (y0.clone(), y0.clone());
-            axpy(0.37, &x, &mut a);
-            axpy_scalar(0.37, &x, &mut b);
-            for (p, q) in a.iter().zip(&b) {
-                assert!((p - q).abs() <= 1e-6, "n={n}");
-            }
-        }
     }
 
     #[test]
