@@ -537,8 +537,8 @@ impl Packed {
                 // SAFETY: AVX2, FMA and F16C detected; lengths checked just above.
                 return unsafe {
                     match self {
-                        Packed::Q4K(v, _) => avx2::gemm_k(&v[blocks], acts, out),
-                        Packed::Q6K(v, _) => avx2::gemm_k(&v[blocks], acts, out),
+                        Packed::Q4K(v, _) => avx2::gemm(&v[blocks], acts, out),
+                        Packed::Q6K(v, _) => avx2::gemm(&v[blocks], acts, out),
                         _ => {}
                     }
                 };
@@ -647,13 +647,14 @@ mod avx2 {
     use crate::cpu::quant::q8::{bytes_from_bits, prefetch};
     use std::arch::x86_64::*;
 
-    /// Dispatches on the number of tokens, four per pass.
+    /// Any packed layout over any number of tokens, four per pass (activation format `A`:
+    /// Q8 for the 32-value layouts, Q8_K for the K-quants).
     ///
     /// # Safety
     /// AVX2, FMA and F16C; every activation row has at least `w.len()` blocks; `out` is at
     /// least as long as `acts`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn gemm<B: Kernel8>(w: &[B], acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]) {
+    pub unsafe fn gemm<A, B: Tile<A>>(w: &[B], acts: &[&[A]], out: &mut [[f32; ROWS]]) {
         let mut t = 0;
         while t < acts.len() {
             let o = &mut out[t..];
@@ -667,11 +668,11 @@ mod avx2 {
         }
     }
 
-    /// The AVX2 pass of a packed format over up to four tokens.
-    pub trait Kernel8: BlockX8 {
+    /// The AVX2 pass of a packed format over up to four tokens of activation format `A`.
+    pub trait Tile<A>: Sized {
         /// # Safety
         /// As [`gemm`].
-        unsafe fn tile<const N: usize>(w: &[Self], a: [&[BlockQ8]; N], out: &mut [[f32; ROWS]]);
+        unsafe fn tile<const N: usize>(w: &[Self], a: [&[A]; N], out: &mut [[f32; ROWS]]);
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -679,10 +680,11 @@ mod avx2 {
         _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr() as *const __m128i))
     }
 
-    /// Four activation quants (elements `4j..4j+4`) in every lane.
+    /// Four activation quants (`qs[e..e+4]`) in every lane.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn word(q: &BlockQ8, j: usize) -> __m256i {
-        _mm256_set1_epi32((q.qs.as_ptr() as *const i32).add(j).read_unaligned())
+    unsafe fn word(qs: &[i8], e: usize) -> __m256i {
+        debug_assert!(e + 4 <= qs.len());
+        _mm256_set1_epi32((qs.as_ptr().add(e) as *const i32).read_unaligned())
     }
 
     /// `acc += isum · (d_w · d_a)`, then the offset term: the fixed per-block arithmetic.
@@ -712,7 +714,7 @@ mod avx2 {
         }
     }
 
-    impl Kernel8 for Q8_0x8 {
+    impl Tile<BlockQ8> for Q8_0x8 {
         /// Signed weights: `maddubs` takes |w| and moves w's sign onto the activation. The
         /// pair sums can reach 2 · 128 · 127, so each product vector is widened to i32 at once.
         #[target_feature(enable = "avx2,fma,f16c")]
@@ -727,7 +729,7 @@ mod avx2 {
                     let x = _mm256_loadu_si256(b.qs.as_ptr().add(32 * j) as *const __m256i);
                     let ax = _mm256_sign_epi8(x, x);
                     for t in 0..N {
-                        let y = _mm256_sign_epi8(word(q[t], j), x);
+                        let y = _mm256_sign_epi8(word(&q[t].qs, 4 * j), x);
                         let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, y), ones);
                         isum[t] = _mm256_add_epi32(isum[t], p);
                     }
@@ -769,8 +771,8 @@ mod avx2 {
                     hi = _mm256_or_si256(hi, _mm256_and_si256(bytes_from_bits(h[j + 4]), bit4));
                 }
                 for t in 0..N {
-                    let pl = _mm256_maddubs_epi16(lo, word(q[t], j));
-                    let ph = _mm256_maddubs_epi16(hi, word(q[t], j + 4));
+                    let pl = _mm256_maddubs_epi16(lo, word(&q[t].qs, 4 * j));
+                    let ph = _mm256_maddubs_epi16(hi, word(&q[t].qs, 4 * j + 16));
                     s16[t] = _mm256_add_epi16(s16[t], _mm256_add_epi16(pl, ph));
                 }
                 let widen = if qh(b).is_some() { j % 2 == 1 } else { j == 3 };
@@ -790,7 +792,7 @@ mod avx2 {
 
     macro_rules! nibble_kernel {
         ($t:ty, $qh:expr) => {
-            impl Kernel8 for $t {
+            impl Tile<BlockQ8> for $t {
                 #[target_feature(enable = "avx2,fma,f16c")]
                 unsafe fn tile<const N: usize>(
                     w: &[Self],
@@ -802,43 +804,17 @@ mod avx2 {
             }
         };
     }
-    /// The AVX2 pass of a K-quant packed format over up to four tokens.
-    pub trait KernelK: Sized {
-        /// # Safety
-        /// As [`gemm`].
-        unsafe fn tile<const N: usize>(w: &[Self], a: [&[BlockQ8K]; N], out: &mut [[f32; ROWS]]);
-    }
-
-    impl KernelK for Q4Kx8 {
+    impl Tile<BlockQ8K> for Q4Kx8 {
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn tile<const N: usize>(w: &[Self], a: [&[BlockQ8K]; N], out: &mut [[f32; ROWS]]) {
             tile_q4k(w, a, out)
         }
     }
 
-    impl KernelK for Q6Kx8 {
+    impl Tile<BlockQ8K> for Q6Kx8 {
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn tile<const N: usize>(w: &[Self], a: [&[BlockQ8K]; N], out: &mut [[f32; ROWS]]) {
             tile_q6k(w, a, out)
-        }
-    }
-
-    /// A K-quant layout over any number of tokens, four per pass (see [`gemm`]).
-    ///
-    /// # Safety
-    /// As [`gemm`].
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn gemm_k<B: KernelK>(w: &[B], acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
-        let mut t = 0;
-        while t < acts.len() {
-            let o = &mut out[t..];
-            match acts.len() - t {
-                1 => B::tile::<1>(w, [acts[t]], o),
-                2 => B::tile::<2>(w, [acts[t], acts[t + 1]], o),
-                3 => B::tile::<3>(w, [acts[t], acts[t + 1], acts[t + 2]], o),
-                _ => B::tile::<4>(w, [acts[t], acts[t + 1], acts[t + 2], acts[t + 3]], o),
-            }
-            t += 4;
         }
     }
 
@@ -896,7 +872,7 @@ mod avx2 {
                                 let v = _mm256_or_si256(lo4, hi2);
                                 let e = 128 * n + 32 * k + 4 * wi;
                                 for t in 0..N {
-                                    let p = _mm256_maddubs_epi16(v, word_k(q[t], e));
+                                    let p = _mm256_maddubs_epi16(v, word(&q[t].qs, e));
                                     s16[t] = _mm256_add_epi16(s16[t], p);
                                 }
                             }
@@ -928,12 +904,6 @@ mod avx2 {
             }
         }
         store(acc, out)
-    }
-
-    /// Four activation quants (values `e..e+4`) of a Q8_K block in every lane.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn word_k(q: &BlockQ8K, e: usize) -> __m256i {
-        _mm256_set1_epi32((q.qs.as_ptr().add(e) as *const i32).read_unaligned())
     }
 
     /// Eight rows' bytes `v[r]` as i32 lanes, or `lo[r] | hi[r] << 16` as i16 pairs.
@@ -968,10 +938,10 @@ mod avx2 {
                     for t in 0..N {
                         let e = 64 * c + 4 * v;
                         s_lo[t] =
-                            _mm256_add_epi16(s_lo[t], _mm256_maddubs_epi16(lo, word_k(q[t], e)));
+                            _mm256_add_epi16(s_lo[t], _mm256_maddubs_epi16(lo, word(&q[t].qs, e)));
                         s_hi[t] = _mm256_add_epi16(
                             s_hi[t],
-                            _mm256_maddubs_epi16(hi, word_k(q[t], e + 32)),
+                            _mm256_maddubs_epi16(hi, word(&q[t].qs, e + 32)),
                         );
                     }
                 }
