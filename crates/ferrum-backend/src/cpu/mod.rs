@@ -129,8 +129,9 @@ pub struct CpuWeight {
     data: WeightData,
     /// The integer kernel for quantised matrices (absent in exact mode and for floats).
     kernel: Option<quant::Kernel>,
-    /// Rows `0..packed.rows()` interleaved eight at a time (the 32-value block formats with
-    /// AVX2); the matmul reads these instead of the mapped rows. See [`quant::packed`].
+    /// Rows `0..packed.rows()` interleaved eight at a time (the 32-value block formats, Q4_K
+    /// and Q6_K, with AVX2); the matmul reads these instead of the mapped rows. See
+    /// [`quant::packed`].
     packed: Option<quant::packed::Packed>,
 }
 
@@ -358,7 +359,7 @@ impl Backend for CpuBackend {
         let mut w = self.load_mapped(t)?;
         #[cfg(target_arch = "x86_64")]
         // Only plain matrices: a stacked expert tensor is only ever read through its
-        // per-expert row views, which stay in the file's layout.
+        // per-expert row views (`weight_rows`), which are packed one by one here.
         if w.kernel.is_some() && t.shape.len() == 2 && quant::has_avx2() {
             // Each packed stretch of the mapped rows is dropped from memory as soon as it is
             // copied: resident memory holds the weights once, never twice (not even at the
@@ -370,8 +371,8 @@ impl Backend for CpuBackend {
             });
             if w.packed.as_ref().is_some_and(|p| p.rows() == w.rows) {
                 // Nothing reads the file's layout any more. Dropping the tensor matters for
-                // owned bytes (fused projections are concatenated copies), which would
-                // otherwise stay in memory beside their packed copy.
+                // owned bytes (tests, converters), which would otherwise stay in memory
+                // beside their packed copy; mapped pages are already released.
                 w.data = WeightData::Packed;
             }
         }
