@@ -5,6 +5,7 @@
 //! compared with the bytes that remain, so a corrupt header is an error naming the file and
 //! the field, never a panic or a multi-gigabyte allocation.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -162,10 +163,19 @@ pub struct TensorInfo {
     pub n_bytes: usize,
 }
 
+/// A metadata entry as kept after parsing. Arrays stay in the mapped file (checked, not
+/// copied): a vocabulary's 50k–150k token and merge strings as `Value`s would take several
+/// MB of heap for the life of the process, more than the runtime's own buffers.
+#[derive(Debug)]
+enum Entry {
+    Value(Value),
+    Array { elem: u32, count: usize, at: usize },
+}
+
 pub struct GgufFile {
     pub path: PathBuf,
     pub version: u32,
-    metadata: HashMap<String, Value>,
+    metadata: HashMap<String, Entry>,
     /// Keys in file order, for listing.
     pub keys: Vec<String>,
     pub tensor_infos: Vec<TensorInfo>,
@@ -187,7 +197,11 @@ impl GgufFile {
         let path = path.as_ref().to_path_buf();
         let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
         let mmap = crate::tensor::map_file(&file, populate).map_err(|e| Error::io(&path, e))?;
-        Self::parse(path, Arc::new(mmap))
+        let g = Self::parse(path, Arc::new(mmap))?;
+        // The header (mostly the vocabulary) has been read; whoever needs it again (the
+        // tokenizer) faults it back in, and a process that never does keeps ~2 MB less.
+        crate::tensor::release_mapped(&g.mmap, 0..g.data_offset);
+        Ok(g)
     }
 
     fn parse(path: PathBuf, mmap: Arc<Mmap>) -> Result<GgufFile> {
@@ -227,8 +241,17 @@ impl GgufFile {
         for _ in 0..n_kv {
             let key = r.string("metadata key")?;
             let ty = r.u32("metadata value type")?;
-            let value = r.value(ty, &key, 0)?;
-            if metadata.insert(key.clone(), value).is_some() {
+            let entry = if ty == 9 {
+                let (elem, count) = r.array_header(&key)?;
+                let at = r.pos;
+                for _ in 0..count {
+                    r.skip_value(elem, &key)?;
+                }
+                Entry::Array { elem, count, at }
+            } else {
+                Entry::Value(r.value(ty, &key)?)
+            };
+            if metadata.insert(key.clone(), entry).is_some() {
                 return Err(Error::format(
                     &path,
                     format!("duplicate metadata key {key:?}"),
@@ -239,7 +262,10 @@ impl GgufFile {
 
         let alignment = match metadata.get("general.alignment") {
             None => DEFAULT_ALIGNMENT,
-            Some(v) => match v.as_u64() {
+            Some(Entry::Array { .. }) => {
+                return Err(Error::format(&path, "general.alignment is an array"))
+            }
+            Some(Entry::Value(v)) => match v.as_u64() {
                 Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 16 => a as usize,
                 _ => {
                     return Err(Error::format(
@@ -352,24 +378,61 @@ impl GgufFile {
         })
     }
 
-    pub fn get(&self, key: &str) -> Option<&Value> {
-        self.metadata.get(key)
+    /// A metadata value; arrays are decoded from the file on each call.
+    pub fn get(&self, key: &str) -> Option<Cow<'_, Value>> {
+        match self.metadata.get(key)? {
+            Entry::Value(v) => Some(Cow::Borrowed(v)),
+            &Entry::Array { elem, count, at } => {
+                let items = self.array_items(count, at, |r| r.value(elem, key))?;
+                Some(Cow::Owned(Value::Array(items)))
+            }
+        }
+    }
+
+    fn scalar(&self, key: &str) -> Option<&Value> {
+        match self.metadata.get(key)? {
+            Entry::Value(v) => Some(v),
+            Entry::Array { .. } => None,
+        }
+    }
+
+    /// Decodes the `count` elements of an array checked at parse time; `None` only if the
+    /// file changed under the mapping since.
+    fn array_items<'s, T>(
+        &'s self,
+        count: usize,
+        at: usize,
+        mut item: impl FnMut(&mut Reader<'s>) -> Result<T>,
+    ) -> Option<Vec<T>> {
+        let mut r = Reader {
+            buf: &self.mmap[..],
+            pos: at,
+            path: &self.path,
+        };
+        (0..count).map(|_| item(&mut r).ok()).collect()
+    }
+
+    fn array_entry(&self, key: &str) -> Option<(u32, usize, usize)> {
+        match *self.metadata.get(key)? {
+            Entry::Array { elem, count, at } => Some((elem, count, at)),
+            Entry::Value(_) => None,
+        }
     }
 
     pub fn get_str(&self, key: &str) -> Option<&str> {
-        self.get(key).and_then(Value::as_str)
+        self.scalar(key).and_then(Value::as_str)
     }
 
     pub fn get_u64(&self, key: &str) -> Option<u64> {
-        self.get(key).and_then(Value::as_u64)
+        self.scalar(key).and_then(Value::as_u64)
     }
 
     pub fn get_f64(&self, key: &str) -> Option<f64> {
-        self.get(key).and_then(Value::as_f64)
+        self.scalar(key).and_then(Value::as_f64)
     }
 
     pub fn get_bool(&self, key: &str) -> Option<bool> {
-        self.get(key).and_then(Value::as_bool)
+        self.scalar(key).and_then(Value::as_bool)
     }
 
     /// A required integer key, as an error naming the file and key when absent.
@@ -387,26 +450,27 @@ impl GgufFile {
         })
     }
 
-    /// A string array (e.g. `tokenizer.ggml.tokens`); `None` if absent or of another type.
+    /// A string array (e.g. `tokenizer.ggml.tokens`), borrowed from the mapped file; `None`
+    /// if absent or of another type.
     pub fn get_str_array(&self, key: &str) -> Option<Vec<&str>> {
-        self.get(key)?
-            .as_array()?
-            .iter()
-            .map(Value::as_str)
-            .collect()
+        let (elem, count, at) = self.array_entry(key)?;
+        if elem != 8 {
+            return None;
+        }
+        self.array_items(count, at, |r| r.str_ref(key))
     }
 
     pub fn get_f32_array(&self, key: &str) -> Option<Vec<f32>> {
-        self.get(key)?
-            .as_array()?
+        let (elem, count, at) = self.array_entry(key)?;
+        self.array_items(count, at, |r| r.value(elem, key))?
             .iter()
             .map(|v| v.as_f64().map(|x| x as f32))
             .collect()
     }
 
     pub fn get_i64_array(&self, key: &str) -> Option<Vec<i64>> {
-        self.get(key)?
-            .as_array()?
+        let (elem, count, at) = self.array_entry(key)?;
+        self.array_items(count, at, |r| r.value(elem, key))?
             .iter()
             .map(Value::as_i64)
             .collect()
@@ -493,7 +557,7 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
-    fn string(&mut self, what: &str) -> Result<String> {
+    fn str_ref(&mut self, what: &str) -> Result<&'a str> {
         let len = self.u64(what)?;
         if len > self.remaining() as u64 {
             return Err(Error::format(
@@ -506,11 +570,38 @@ impl<'a> Reader<'a> {
             ));
         }
         let bytes = self.take(len as usize, what)?;
-        String::from_utf8(bytes.to_vec())
+        std::str::from_utf8(bytes)
             .map_err(|_| Error::format(self.path, format!("{what}: string is not valid UTF-8")))
     }
 
-    fn value(&mut self, ty: u32, key: &str, depth: u32) -> Result<Value> {
+    fn string(&mut self, what: &str) -> Result<String> {
+        self.str_ref(what).map(str::to_owned)
+    }
+
+    /// An array's element type and length, the length checked against the bytes left.
+    fn array_header(&mut self, key: &str) -> Result<(u32, usize)> {
+        let elem_ty = self.u32(key)?;
+        let count = self.u64(key)?;
+        let min = match elem_ty {
+            0 | 1 | 7 => 1,
+            2 | 3 => 2,
+            4..=6 => 4,
+            8 | 10..=12 => 8,
+            _ => 1,
+        };
+        self.check_count(count, min, &format!("metadata {key:?}: array length"))?;
+        Ok((elem_ty, count as usize))
+    }
+
+    /// Checks one array element and steps over it without allocating.
+    fn skip_value(&mut self, ty: u32, key: &str) -> Result<()> {
+        match ty {
+            8 => self.str_ref(key).map(drop),
+            _ => self.value(ty, key).map(drop),
+        }
+    }
+
+    fn value(&mut self, ty: u32, key: &str) -> Result<Value> {
         Ok(match ty {
             0 => Value::U8(self.array::<1>(key)?[0]),
             1 => Value::I8(self.array::<1>(key)?[0] as i8),
@@ -530,28 +621,12 @@ impl<'a> Reader<'a> {
                 }
             },
             8 => Value::String(self.string(key)?),
+            // Top-level arrays are read by `GgufFile::parse`; here only as an element.
             9 => {
-                if depth > 0 {
-                    return Err(Error::format(
-                        self.path,
-                        format!("metadata {key:?}: nested arrays are not supported"),
-                    ));
-                }
-                let elem_ty = self.u32(key)?;
-                let count = self.u64(key)?;
-                let min = match elem_ty {
-                    0 | 1 | 7 => 1,
-                    2 | 3 => 2,
-                    4..=6 => 4,
-                    8 | 10..=12 => 8,
-                    _ => 1,
-                };
-                self.check_count(count, min, &format!("metadata {key:?}: array length"))?;
-                let mut items = Vec::with_capacity(count as usize);
-                for _ in 0..count {
-                    items.push(self.value(elem_ty, key, depth + 1)?);
-                }
-                Value::Array(items)
+                return Err(Error::format(
+                    self.path,
+                    format!("metadata {key:?}: nested arrays are not supported"),
+                ))
             }
             10 => Value::U64(self.u64(key)?),
             11 => Value::I64(i64::from_le_bytes(self.array(key)?)),

@@ -137,24 +137,10 @@ impl RawTensor {
     /// back from the file, so [`bytes`](Self::bytes) stays valid; only resident memory
     /// changes. Only pages wholly inside the range are dropped. A no-op for owned bytes.
     pub fn release_pages(&self, range: std::ops::Range<usize>) {
-        const PAGE: usize = 4096;
-        let Storage::Mapped(m) = &self.storage else {
-            return;
-        };
-        let end = range.end.min(self.len);
-        let base = m.as_ptr() as usize;
-        // Page-aligned addresses inside the range (the mapping itself starts on a page).
-        let first = (base + self.offset + range.start).next_multiple_of(PAGE) - base;
-        let last = (base + self.offset + end) / PAGE * PAGE - base;
-        if first >= last {
-            return;
+        if let Storage::Mapped(m) = &self.storage {
+            let end = range.end.min(self.len);
+            release_mapped(m, self.offset + range.start..self.offset + end);
         }
-        // SAFETY: the mapping is read-only and file-backed, and nothing ever writes
-        // through it: a dropped page is re-read from the file unchanged on next access.
-        // Failure (not supported) only means the pages stay resident.
-        let _ = unsafe {
-            m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, first, last - first)
-        };
     }
 
     pub fn numel(&self) -> usize {
@@ -169,6 +155,26 @@ impl RawTensor {
     pub fn n_rows(&self) -> usize {
         self.numel() / self.row_len().max(1)
     }
+}
+
+/// Lets the OS drop the pages wholly inside bytes `range` of a read-only file mapping; they
+/// are read back from the file if touched again.
+pub(crate) fn release_mapped(m: &Mmap, range: std::ops::Range<usize>) {
+    const PAGE: usize = 4096;
+    let base = m.as_ptr() as usize;
+    let end = range.end.min(m.len());
+    // Page-aligned addresses inside the range (the mapping itself starts on a page).
+    let first = (base + range.start).next_multiple_of(PAGE) - base;
+    let last = (base + end) / PAGE * PAGE - base;
+    if first >= last {
+        return;
+    }
+    // SAFETY: the mapping is read-only and file-backed, and nothing ever writes through it:
+    // a dropped page is re-read from the file unchanged on next access. Failure (not
+    // supported) only means the pages stay resident.
+    let _ = unsafe {
+        m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, first, last - first)
+    };
 }
 
 /// Every tensor of a model, by the name its file gives it.

@@ -69,6 +69,29 @@ fn valid_file_round_trips() {
 }
 
 #[test]
+fn arrays_are_checked_at_open_and_read_from_the_file() {
+    let g = GgufFile::open(tmp("arrays.gguf", &valid_gguf())).unwrap();
+    assert_eq!(
+        g.get("tokenizer.ggml.tokens").unwrap().into_owned(),
+        Value::Array(vec![Value::String("a".into()), Value::String("b".into())])
+    );
+    assert_eq!(g.get_str("tokenizer.ggml.tokens"), None);
+    assert_eq!(g.get_i64_array("tokenizer.ggml.tokens"), None);
+    // Arrays are kept in the file, not copied, but still checked whole when it is opened.
+    let mut b = valid_gguf();
+    let a = b
+        .windows(9)
+        .position(|w| w == [1, 0, 0, 0, 0, 0, 0, 0, b'a'])
+        .unwrap();
+    b[a + 8] = 0xff;
+    let e = open_err("array-utf8.gguf", &b);
+    assert!(
+        e.contains("tokenizer.ggml.tokens") && e.contains("UTF-8"),
+        "{e}"
+    );
+}
+
+#[test]
 fn wrong_magic() {
     let mut b = valid_gguf();
     b[0] = b'X';

@@ -59,7 +59,7 @@ pub fn quantize_file(input: &Path, output: &Path, ftype: FileType) -> Result<Qua
                 continue;
             }
             if let Some(v) = g.get(k) {
-                md.push((k.clone(), v.clone()));
+                md.push((k.clone(), v.into_owned()));
             }
         }
         let store = g.tensors();
