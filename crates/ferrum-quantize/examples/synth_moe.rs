@@ -200,13 +200,12 @@ fn metadata(o: &Opts, vocab_file: &GgufFile) -> AnyResult<(Vec<(String, Value)>,
         .filter(|k| k.starts_with("tokenizer."))
     {
         if let Some(v) = vocab_file.get(k) {
-            md.push((k.clone(), v.clone()));
+            md.push((k.clone(), v.into_owned()));
         }
     }
     let vocab = vocab_file
-        .get("tokenizer.ggml.tokens")
-        .and_then(Value::as_array)
-        .map(<[Value]>::len)
+        .get_str_array("tokenizer.ggml.tokens")
+        .map(|t| t.len())
         .ok_or_else(|| {
             format!(
                 "{}: no tokenizer.ggml.tokens array",

@@ -91,7 +91,7 @@ fn writer_round_trips_every_value_type() {
     let keys: Vec<&str> = md.iter().map(|(k, _)| k.as_str()).collect();
     assert_eq!(g.keys, keys);
     for (k, v) in &md {
-        assert_eq!(g.get(k), Some(v), "{k}");
+        assert_eq!(g.get(k).as_deref(), Some(v), "{k}");
     }
     let ts = g.tensors();
     assert_eq!(ts.get("a").unwrap().bytes(), &a_q8[..]);
