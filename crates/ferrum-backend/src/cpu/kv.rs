@@ -254,10 +254,10 @@ fn attend<T: Sync>(
     let dst = SharedMut(out.as_mut_ptr());
     let (row_units, head_units) = (lay.width / lay.per, hd / lay.per);
     let kern = simd::attn_kernels();
-    // A job is one head over a block of up to ROWS query rows of one sequence: enough work
-    // to amortise the hand-off in prefill, while a decode batch (one row per sequence) still
-    // spreads sequences × heads over the threads in a single hand-off.
-    const ROWS: usize = 8;
+    // A job covers a block of up to ROWS query rows of one sequence: enough work to amortise
+    // the hand-off and the K/V conversion in prefill, while a decode batch (one row per
+    // sequence) still spreads sequences × heads over the threads in a single hand-off.
+    const ROWS: usize = 16;
     // (sequence, the sequence's first row, the block's first and end rows).
     let mut blocks = Vec::new();
     let mut row = 0;
@@ -270,11 +270,21 @@ fn attend<T: Sync>(
         }
         row += s.rows;
     }
-    pool.run(blocks.len() * qv.heads, &|job| {
-        let (b, h) = (job / qv.heads, job % qv.heads);
+    // In prefill a job takes every query head of one KV head, so the block's keys and values
+    // are converted once for all of them; when that leaves too few jobs to share among the
+    // threads (decode of a few sequences), a job is one query head.
+    let heads_per_job = if blocks.len() * p.n_kv_heads >= 4 * pool.threads() {
+        group
+    } else {
+        1
+    };
+    let jobs_per_block = qv.heads / heads_per_job;
+    pool.run(blocks.len() * jobs_per_block, &|job| {
+        let (b, hj) = (job / jobs_per_block, job % jobs_per_block);
+        let heads = hj * heads_per_job..(hj + 1) * heads_per_job;
         let (si, seq_row, lo_row, hi_row) = blocks[b];
         let (first_pos, table) = (seqs[si].first_pos, seqs[si].table);
-        let kvh = h / group;
+        let kvh = heads.start / group;
         // Keys lo(first row) ..= pos(last row) cover every row of the block.
         let pos_of = |t: usize| first_pos + (t - seq_row);
         let lo_of = |pos: usize| p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
@@ -297,39 +307,35 @@ fn attend<T: Sync>(
                     i += 1;
                 });
                 let mut acc = [0f32; 8];
-                for t in lo_row..hi_row {
-                    let pos = pos_of(t);
-                    let (lo, n) = (lo_of(pos) - klo, pos + 1 - lo_of(pos));
-                    let qo = qv.offset + t * qv.stride + h * hd;
-                    let qh = &q[qo..qo + hd];
-                    scores.clear();
-                    for c in (0..n).step_by(8) {
-                        (kern.dot8)(qh, &kf[(lo + c) * hd..(lo + c + 8) * hd], &mut acc);
-                        scores.extend_from_slice(&acc[..(n - c).min(8)]);
-                    }
-                    let mut max = f32::NEG_INFINITY;
-                    for sc in scores.iter_mut() {
-                        *sc *= p.scale;
-                        if let Some(cap) = p.softcap {
-                            *sc = cap * (*sc / cap).tanh();
+                for h in heads.clone() {
+                    for t in lo_row..hi_row {
+                        let pos = pos_of(t);
+                        let (lo, n) = (lo_of(pos) - klo, pos + 1 - lo_of(pos));
+                        let qo = qv.offset + t * qv.stride + h * hd;
+                        let qh = &q[qo..qo + hd];
+                        scores.clear();
+                        for c in (0..n).step_by(8) {
+                            (kern.dot8)(qh, &kf[(lo + c) * hd..(lo + c + 8) * hd], &mut acc);
+                            scores.extend_from_slice(&acc[..(n - c).min(8)]);
                         }
-                        max = max.max(*sc);
+                        let scale = match p.softcap {
+                            // Gemma 2's cap goes between the scaling and the softmax.
+                            Some(cap) => {
+                                for sc in scores.iter_mut() {
+                                    *sc = cap * (*sc * p.scale / cap).tanh();
+                                }
+                                1.0
+                            }
+                            None => p.scale,
+                        };
+                        (kern.softmax)(&mut scores, scale);
+                        let oo = ov.offset + t * ov.stride + h * hd;
+                        // SAFETY: in bounds (checked by the caller); (t, h) belongs to this
+                        // job alone, and nothing else reads or writes these elements meanwhile.
+                        let o = unsafe { dst.slice(oo, hd) };
+                        o.fill(0.0);
+                        (kern.mix)(&scores, &vf[lo * hd..(lo + n) * hd], o);
                     }
-                    let mut sum = 0f32;
-                    for sc in scores.iter_mut() {
-                        *sc = (*sc - max).exp();
-                        sum += *sc;
-                    }
-                    let inv = 1.0 / sum;
-                    for sc in scores.iter_mut() {
-                        *sc *= inv;
-                    }
-                    let oo = ov.offset + t * ov.stride + h * hd;
-                    // SAFETY: in bounds (checked by the caller); (t, h) belongs to this job
-                    // alone, and nothing else reads or writes these elements meanwhile.
-                    let o = unsafe { dst.slice(oo, hd) };
-                    o.fill(0.0);
-                    (kern.mix)(&scores, &vf[lo * hd..(lo + n) * hd], o);
                 }
             });
         });

@@ -561,10 +561,7 @@ impl Backend for CpuBackend {
         for t in 0..xv.count {
             let xi = xv.offset + t * xv.stride;
             let oi = ov.offset + t * ov.stride;
-            for i in 0..f {
-                let g = x[xi + i];
-                out[oi + i] = g / (1.0 + (-g).exp()) * x[xi + f + i];
-            }
+            simd::silu_mul(&x[xi..xi + f], &x[xi + f..xi + 2 * f], &mut out[oi..oi + f]);
         }
     }
 

@@ -43,10 +43,15 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 ///
 /// `mix(p, v, acc)`: `acc[d] += Σ_j p[j]·v[j·n + d]`, one fused multiply-add per (j, d) in
 /// order of j, `n = acc.len()`.
+///
+/// `softmax(s, scale)`: `s[j] = exp(scale·s[j] − max) / Σ`, with [`exp_f32`]'s polynomial;
+/// the sum taken in eight lanes (element `j` in lane `j % 8`, the tail past the last multiple
+/// of eight in lanes `0..`) reduced as [`hsum8`].
 #[derive(Clone, Copy)]
 pub struct AttnKernels {
     pub dot8: fn(&[f32], &[f32], &mut [f32; 8]),
     pub mix: fn(&[f32], &[f32], &mut [f32]),
+    pub softmax: fn(&mut [f32], f32),
 }
 
 pub fn attn_kernels() -> AttnKernels {
@@ -59,12 +64,14 @@ pub fn attn_kernels() -> AttnKernels {
                     // SAFETY: AVX2 and FMA detected just above.
                     dot8: |q, k, o| unsafe { avx2::dot8(q, k, o) },
                     mix: |p, v, a| unsafe { avx2::mix(p, v, a) },
+                    softmax: |s, scale| unsafe { avx2::softmax(s, scale) },
                 };
             }
         }
         AttnKernels {
             dot8: dot8_scalar,
             mix: mix_scalar,
+            softmax: softmax_scalar,
         }
     })
 }
@@ -95,6 +102,67 @@ pub fn mix_scalar(p: &[f32], v: &[f32], acc: &mut [f32]) {
         for (a, &x) in acc.iter_mut().zip(&v[j * n..(j + 1) * n]) {
             *a = pj.mul_add(x, *a);
         }
+    }
+}
+
+// exp(x) = 2^k · e^r with k = round(x·log2 e) and |r| ≤ ln2/2: r from a two-part ln 2 (the
+// high part exact in few bits, so k·LN2_HI is exact), e^r by a degree-6 Taylor polynomial
+// (error below 2 ulp on that range), 2^k by building the float's exponent bits.
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+const EXP_C: [f32; 6] = [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0];
+/// Below this, e^x is under f32's smallest normal; inputs are clamped to it, so e^x of a
+/// score 87 below the maximum comes out as 1.6e-38 rather than 0 (no effect on a sum ≥ 1).
+const EXP_MIN: f32 = -87.0;
+/// Above this e^x overflows f32; inputs are clamped to it (e^88 = 1.65e38).
+const EXP_MAX: f32 = 88.0;
+
+/// e^x, in the operation order the SIMD kernels use.
+pub fn exp_f32(x: f32) -> f32 {
+    let x = x.clamp(EXP_MIN, EXP_MAX);
+    let k = (x * LOG2E).round_ties_even();
+    let r = k.mul_add(-LN2_LO, k.mul_add(-LN2_HI, x));
+    let mut p = EXP_C[0];
+    for &c in &EXP_C[1..] {
+        p = p.mul_add(r, c);
+    }
+    let p = p.mul_add(r, 1.0);
+    p * f32::from_bits(((k as i32 + 127) << 23) as u32)
+}
+
+pub fn softmax_scalar(s: &mut [f32], scale: f32) {
+    let mut max = f32::NEG_INFINITY;
+    for v in s.iter_mut() {
+        *v *= scale;
+        max = max.max(*v);
+    }
+    let mut lanes = [0f32; 8];
+    for (j, v) in s.iter_mut().enumerate() {
+        *v = exp_f32(*v - max);
+        lanes[j % 8] += *v;
+    }
+    let inv = 1.0 / hsum8(&lanes);
+    for v in s.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// SwiGLU's gate: `out[i] = g[i] / (1 + e^−g[i]) · u[i]` with [`exp_f32`].
+pub fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: AVX2 and FMA detected just above.
+            return unsafe { avx2::silu_mul(g, u, out) };
+        }
+    }
+    silu_mul_scalar(g, u, out)
+}
+
+pub fn silu_mul_scalar(g: &[f32], u: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
+        *o = g / (1.0 + exp_f32(-g)) * u;
     }
 }
 
@@ -267,6 +335,96 @@ mod avx2 {
         }
     }
 
+    /// e^x for eight x; lane for lane the same operations as `super::exp_f32`.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp_f32(x: __m256) -> __m256 {
+        use super::{EXP_C, EXP_MAX, EXP_MIN, LN2_HI, LN2_LO, LOG2E};
+        let x = _mm256_min_ps(
+            _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN)),
+            _mm256_set1_ps(EXP_MAX),
+        );
+        let k = _mm256_round_ps(
+            _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+        );
+        let r = _mm256_fmadd_ps(k, _mm256_set1_ps(-LN2_HI), x);
+        let r = _mm256_fmadd_ps(k, _mm256_set1_ps(-LN2_LO), r);
+        let mut p = _mm256_set1_ps(EXP_C[0]);
+        for &c in &EXP_C[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0));
+        let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(k),
+            _mm256_set1_epi32(127),
+        ));
+        _mm256_mul_ps(p, _mm256_castsi256_ps(e))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
+        let n = out.len().min(g.len()).min(u.len());
+        let main = n - n % 8;
+        let (pg, pu, po) = (g.as_ptr(), u.as_ptr(), out.as_mut_ptr());
+        let one = _mm256_set1_ps(1.0);
+        let mut i = 0;
+        while i < main {
+            let x = _mm256_loadu_ps(pg.add(i));
+            let e = exp_f32(_mm256_sub_ps(_mm256_setzero_ps(), x));
+            let s = _mm256_div_ps(x, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(po.add(i), _mm256_mul_ps(s, _mm256_loadu_ps(pu.add(i))));
+            i += 8;
+        }
+        super::silu_mul_scalar(&g[main..n], &u[main..n], &mut out[main..n]);
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn softmax(s: &mut [f32], scale: f32) {
+        let n = s.len();
+        let main = n - n % 8;
+        let ps = s.as_mut_ptr();
+        let sc = _mm256_set1_ps(scale);
+        let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut i = 0;
+        while i < main {
+            let v = _mm256_mul_ps(_mm256_loadu_ps(ps.add(i)), sc);
+            _mm256_storeu_ps(ps.add(i), v);
+            mx = _mm256_max_ps(mx, v);
+            i += 8;
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), mx);
+        let mut max = lanes.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        for v in &mut s[main..] {
+            *v *= scale;
+            max = max.max(*v);
+        }
+        let m = _mm256_set1_ps(max);
+        let mut sum = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < main {
+            let e = exp_f32(_mm256_sub_ps(_mm256_loadu_ps(ps.add(i)), m));
+            _mm256_storeu_ps(ps.add(i), e);
+            sum = _mm256_add_ps(sum, e);
+            i += 8;
+        }
+        _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
+        for (j, v) in s[main..].iter_mut().enumerate() {
+            *v = super::exp_f32(*v - max);
+            lanes[j] += *v;
+        }
+        let inv = _mm256_set1_ps(1.0 / super::hsum8(&lanes));
+        let mut i = 0;
+        while i < main {
+            _mm256_storeu_ps(ps.add(i), _mm256_mul_ps(_mm256_loadu_ps(ps.add(i)), inv));
+            i += 8;
+        }
+        let inv = 1.0 / super::hsum8(&lanes);
+        for v in &mut s[main..] {
+            *v *= inv;
+        }
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn f16_to_f32(src: &[half::f16], dst: &mut [f32]) {
         let n = src.len().min(dst.len());
@@ -316,6 +474,62 @@ mod tests {
                 y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 "mix n={n}"
             );
+        }
+        for n in [1, 7, 8, 9, 64, 77, 512] {
+            let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-30.0..30.0)).collect();
+            let (mut a, mut b) = (x.clone(), x.clone());
+            (k.softmax)(&mut a, 0.125);
+            softmax_scalar(&mut b, 0.125);
+            assert_eq!(
+                a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                b.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "softmax n={n}"
+            );
+            let m = x
+                .iter()
+                .fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64 * 0.125));
+            let e: Vec<f64> = x.iter().map(|&v| (v as f64 * 0.125 - m).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            for (j, (&got, want)) in a.iter().zip(&e).enumerate() {
+                let want = want / sum;
+                assert!(
+                    (got as f64 - want).abs() <= 1e-6 * want + 1e-30,
+                    "softmax n={n} j={j}"
+                );
+            }
+        }
+        // The polynomial against f64 between the clamps, and tiny (never 0 or NaN) below.
+        for i in -20_000..=17_600 {
+            let x = i as f32 * 0.005;
+            let (got, want) = (exp_f32(x) as f64, (x as f64).exp());
+            if x >= EXP_MIN {
+                assert!(
+                    (got - want).abs() <= 3e-7 * want,
+                    "exp_f32({x}) = {got}, want {want}"
+                );
+            } else {
+                assert!(got > 0.0 && got < 1.7e-38, "exp_f32({x}) = {got}");
+            }
+        }
+        for n in [1, 8, 13, 1536] {
+            let g: Vec<f32> = (0..n).map(|_| rng.gen_range(-20.0..20.0)).collect();
+            let u: Vec<f32> = (0..n).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+            silu_mul(&g, &u, &mut a);
+            silu_mul_scalar(&g, &u, &mut b);
+            assert_eq!(
+                a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                b.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "silu n={n}"
+            );
+            for i in 0..n {
+                let want = g[i] as f64 / (1.0 + (-g[i] as f64).exp()) * u[i] as f64;
+                assert!(
+                    (a[i] as f64 - want).abs() <= 1e-6 * want.abs() + 1e-30,
+                    "silu({})",
+                    g[i]
+                );
+            }
         }
         let h: Vec<half::f16> = (0..37)
             .map(|i| half::f16::from_f32(i as f32 * 0.37 - 5.0))
