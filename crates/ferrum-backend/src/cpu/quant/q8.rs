@@ -115,13 +115,17 @@ pub(crate) unsafe fn fp16(h: half::f16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h.to_bits() as i32)))
 }
 
-/// How far ahead of the current weight block the kernels prefetch. The weight stream is far
-/// larger than the caches, and the hardware prefetchers (which stop at 4 KiB page boundaries)
-/// keep too little of it in flight. Measured on SmolLM2 decode (2 threads): no prefetch
-/// ≈ 58 tok/s (Q4_1), 1 KiB ≈ 110, 2 KiB ≈ 133, 4 KiB ≈ 140.
+/// How far ahead of the current weight block the kernels prefetch (into L2, see
+/// [`prefetch`]). The weight stream is far larger than the caches, and the hardware
+/// prefetchers (which stop at 4 KiB page boundaries) keep too little of it in flight.
+/// Measured on SmolLM2 decode (2 threads, file-layout kernels, L1 hint): no prefetch
+/// ≈ 58 tok/s (Q4_1), 1 KiB ≈ 110, 2 KiB ≈ 133, 4 KiB ≈ 140. With the packed kernels, the
+/// L1 hint 4 KiB ahead held too many lines in flight: the synthetic Qwen3-MoE decode block
+/// took 8.5 ms (Q8_0) and 5.3 ms (Q4_K_M) per token, 6.9 and 4.6 ms with the L2 hint
+/// (8 and 16 KiB ahead: no better), SmolLM2 decode unchanged or faster.
 pub(crate) const PREFETCH_BYTES: usize = 4096;
 
-/// Prefetches the block `PREFETCH_BYTES` past `b`, every cache line of it (K-quant blocks
+/// Prefetches into L2 the block `PREFETCH_BYTES` past `b`, every cache line of it (K-quant blocks
 /// span up to four lines; prefetching only the first left Q6_K stalled on the rest). Past the
 /// end of the tensor is harmless: a prefetch never faults.
 #[cfg(target_arch = "x86_64")]
@@ -132,7 +136,7 @@ pub(crate) fn prefetch<B>(b: &B) {
     let mut off = 0;
     while off < std::mem::size_of::<B>() {
         // SAFETY: prefetching has no architectural effect and never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off)) };
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off)) };
         off += 64;
     }
 }
