@@ -200,7 +200,7 @@ for f in files:
     llama = {"pp": [], "tg": []}
     ferrum = {"pp": [], "tg": []}
     ratios = {"pp": [], "tg": []}
-    rss, bw, wbpt, bound = [], [], [], []
+    rss, bw, wbpt, bound, wsbound = [], [], [], [], []
     fr = None
     for r in range(1, rounds + 1):
         lj = load(f"{out_dir}/{name}.llama.{r}.json")
@@ -227,6 +227,7 @@ for f in files:
         if b is None and bw[-1] and wbpt[-1]:
             b = bw[-1] * 1e9 / wbpt[-1]
         bound.append(b)
+        wsbound.append(fr.get("tg_bound_weight_sized_tok_s"))
     for k, n in (("pp", pp), ("tg", tg)):
         if int(n) == 0:
             continue
@@ -238,10 +239,12 @@ for f in files:
     if size is None:
         size = os.path.getsize(f)
     r = med(rss)
+    wb = med(wsbound)
     memory.append(
         f"| {name} | {gb(size)} | {gb(r)} | {fmt(None if r is None else r / size, '.2f')} "
         f"| {gb(med(wbpt))} | {fmt(med(bw), '.1f')} | {fmt(b, '.1f')} "
-        f"| {fmt(pct(med(ferrum['tg'])), '.0f')}% | {fmt(pct(med(llama['tg'])), '.0f')}% |"
+        f"| {fmt(pct(med(ferrum['tg'])), '.0f')}% | {fmt(pct(med(llama['tg'])), '.0f')}% "
+        f"| {fmt(wb, '.1f')} | {fmt(None if wb is None or med(ferrum['tg']) is None else 100 * med(ferrum['tg']) / wb, '.0f')}% |"
     )
 
 print(f"## bench-vs-llamacpp, {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}")
@@ -259,7 +262,8 @@ print("|---|---|--:|--:|--:|")
 print("\n".join(speed))
 print()
 print("| file | size | ferrum peak RSS | RSS / size | weight bytes / token | measured GB/s "
-      "| tg bound t/s | ferrum tg % of bound | llama.cpp tg % of bound |")
-print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+      "| tg bound t/s | ferrum tg % of bound | llama.cpp tg % of bound "
+      "| bound at a weight-sized buffer t/s | ferrum tg % of it |")
+print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
 print("\n".join(memory))
 EOF
