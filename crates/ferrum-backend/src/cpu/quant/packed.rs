@@ -12,8 +12,9 @@
 //! and Q4_K on x86; the layout here is ours.
 //!
 //! Layout of one packed block (the same block index of eight consecutive rows): the eight
-//! f16 scales, then the eight minimums (Q4_1, Q5_1), then for Q5 the fifth bits as eight
-//! 32-bit masks, then the quants. Quant vector `j` (32 bytes) holds elements `4j..4j+4` of
+//! f16 scales, then the eight minimums (Q4_1, Q5_1), then for Q5 the fifth bits, bit-sliced
+//! (32 bytes: bit `m` of byte `i` is the fifth bit of byte `i` of nibble vector `m`, so a
+//! vector's bits come out with one shift and one mask), then the quants. Quant vector `j` (32 bytes) holds elements `4j..4j+4` of
 //! row 0, then of row 1, ... of row 7. For the 4- and 5-bit formats the bytes are the file's
 //! packed bytes interleaved the same way, so vector `j < 4` is the low nibbles and vector
 //! `j + 4` the high nibbles of the same 32 bytes (GGML keeps elements 16.. in the high nibbles).
@@ -63,7 +64,7 @@ const _: () = assert!(std::mem::size_of::<Q4_1x8>() == 8 * 20);
 #[derive(Clone, Copy)]
 pub struct Q5_0x8 {
     pub d: [f16; ROWS],
-    pub qh: [u32; ROWS],
+    pub qh: [u8; 32],
     pub qs: [u8; 128],
 }
 const _: () = assert!(std::mem::size_of::<Q5_0x8>() == 8 * 22);
@@ -73,7 +74,7 @@ const _: () = assert!(std::mem::size_of::<Q5_0x8>() == 8 * 22);
 pub struct Q5_1x8 {
     pub d: [f16; ROWS],
     pub m: [f16; ROWS],
-    pub qh: [u32; ROWS],
+    pub qh: [u8; 32],
     pub qs: [u8; 128],
 }
 const _: () = assert!(std::mem::size_of::<Q5_1x8>() == 8 * 24);
@@ -210,10 +211,10 @@ fn nibble(qs: &[u8; 128], r: usize, e: usize) -> i32 {
     (if high { qs[i] >> 4 } else { qs[i] & 0x0f }) as i32
 }
 
-/// Element `e`'s fifth bit of row `r`: mask `e / 4`, bit `4r + e % 4`.
+/// Element `e`'s fifth bit of row `r`: byte `4r + e % 4`, bit `e / 4` (the nibble vector).
 #[inline]
-fn fifth_bit(qh: &[u32; ROWS], r: usize, e: usize) -> i32 {
-    (((qh[e / 4] >> (4 * r + e % 4)) & 1) << 4) as i32
+fn fifth_bit(qh: &[u8; 32], r: usize, e: usize) -> i32 {
+    (((qh[4 * r + e % 4] >> (e / 4)) & 1) << 4) as i32
 }
 
 impl BlockX8 for Q8_0x8 {
@@ -283,12 +284,12 @@ fn interleave_nibbles(rows: [&[u8; 16]; ROWS]) -> [u8; 128] {
     qs
 }
 
-/// The fifth bits of eight rows as the masks the kernels expand (see [`fifth_bit`]).
-fn interleave_high_bits(qh: [u32; ROWS]) -> [u32; ROWS] {
-    let mut out = [0u32; ROWS];
+/// The fifth bits of eight rows, bit-sliced as the kernels read them (see [`fifth_bit`]).
+fn interleave_high_bits(qh: [u32; ROWS]) -> [u8; 32] {
+    let mut out = [0u8; 32];
     for (r, &bits) in qh.iter().enumerate() {
         for e in 0..32 {
-            out[e / 4] |= ((bits >> e) & 1) << (4 * r + e % 4);
+            out[4 * r + e % 4] |= (((bits >> e) & 1) as u8) << (e / 4);
         }
     }
     out
@@ -644,7 +645,7 @@ fn gemm_scalar<B: BlockX8>(w: &[B], acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
-    use crate::cpu::quant::q8::{bytes_from_bits, prefetch};
+    use crate::cpu::quant::q8::prefetch;
     use std::arch::x86_64::*;
 
     /// Any packed layout over any number of tokens, four per pass (activation format `A`:
@@ -751,7 +752,7 @@ mod avx2 {
         a: [&[BlockQ8]; N],
         out: &mut [[f32; ROWS]],
         qs: impl Fn(&B) -> &[u8; 128],
-        qh: impl Fn(&B) -> Option<&[u32; ROWS]>,
+        qh: impl Fn(&B) -> Option<&[u8; 32]>,
     ) {
         let ones = _mm256_set1_epi16(1);
         let low = _mm256_set1_epi8(0x0f);
@@ -762,13 +763,22 @@ mod avx2 {
             let q = a.map(|r| r.get_unchecked(i));
             let mut isum = [_mm256_setzero_si256(); N];
             let mut s16 = [_mm256_setzero_si256(); N];
+            let h = qh(b).map(|h| _mm256_loadu_si256(h.as_ptr() as *const __m256i));
             for j in 0..4 {
                 let raw = _mm256_loadu_si256(qs(b).as_ptr().add(32 * j) as *const __m256i);
                 let mut lo = _mm256_and_si256(raw, low);
                 let mut hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                if let Some(h) = qh(b) {
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(bytes_from_bits(h[j]), bit4));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(bytes_from_bits(h[j + 4]), bit4));
+                if let Some(h) = h {
+                    // Bit m of each byte to bit 4: 16-bit shifts are safe, as bit 4 of each
+                    // byte only ever receives a bit of the same byte.
+                    let (hl, hh) = match j {
+                        0 => (_mm256_slli_epi16(h, 4), h),
+                        1 => (_mm256_slli_epi16(h, 3), _mm256_srli_epi16(h, 1)),
+                        2 => (_mm256_slli_epi16(h, 2), _mm256_srli_epi16(h, 2)),
+                        _ => (_mm256_slli_epi16(h, 1), _mm256_srli_epi16(h, 3)),
+                    };
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(hl, bit4));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(hh, bit4));
                 }
                 for t in 0..N {
                     let pl = _mm256_maddubs_epi16(lo, word(&q[t].qs, 4 * j));
