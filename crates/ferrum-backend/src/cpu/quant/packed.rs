@@ -916,15 +916,53 @@ mod avx2 {
         store(acc, out)
     }
 
-    /// Eight rows' bytes `v[r]` as i32 lanes, or `lo[r] | hi[r] << 16` as i16 pairs.
+    /// From two consecutive rows-of-eight byte arrays `p[0..8]`, `p[8..16]` (one 128-bit load
+    /// broadcast to both halves), lane `r` as the i16 pair `(p[lo + r], p[hi + r])`: `lo`, `hi`
+    /// are 0 or 8. One shuffle instead of widening each array on its own.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn lanes(lo: &[u8; ROWS], hi: Option<&[u8; ROWS]>) -> __m256i {
-        let l = _mm256_cvtepu8_epi32(_mm_loadl_epi64(lo.as_ptr() as *const __m128i));
-        let h = match hi {
-            Some(h) => _mm256_cvtepu8_epi32(_mm_loadl_epi64(h.as_ptr() as *const __m128i)),
-            None => l,
-        };
-        _mm256_or_si256(l, _mm256_slli_epi32(h, 16))
+    unsafe fn byte_pairs<const LO: i8, const HI: i8>(p: __m256i) -> __m256i {
+        const Z: i8 = -128; // a set top bit makes `pshufb` write zero
+        let c = _mm256_setr_epi8(
+            LO,
+            Z,
+            HI,
+            Z,
+            LO + 1,
+            Z,
+            HI + 1,
+            Z,
+            LO + 2,
+            Z,
+            HI + 2,
+            Z,
+            LO + 3,
+            Z,
+            HI + 3,
+            Z,
+            LO + 4,
+            Z,
+            HI + 4,
+            Z,
+            LO + 5,
+            Z,
+            HI + 5,
+            Z,
+            LO + 6,
+            Z,
+            HI + 6,
+            Z,
+            LO + 7,
+            Z,
+            HI + 7,
+            Z,
+        );
+        _mm256_shuffle_epi8(p, c)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_pairs(p: &[[u8; ROWS]]) -> __m256i {
+        debug_assert!(p.len() >= 2);
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(p.as_ptr() as *const __m128i))
     }
 
     /// A sub-block's 32 sums of two products stay below 2 · 15 · 127 · 8 < 2¹⁵ in i16; `madd`
@@ -955,7 +993,8 @@ mod avx2 {
                         );
                     }
                 }
-                let (sc_lo, sc_hi) = (lanes(&b.sc[2 * c], None), lanes(&b.sc[2 * c + 1], None));
+                let sc = load_pairs(&b.sc[2 * c..]);
+                let (sc_lo, sc_hi) = (byte_pairs::<0, 0>(sc), byte_pairs::<8, 8>(sc));
                 for t in 0..N {
                     let p = _mm256_add_epi32(
                         _mm256_madd_epi16(s_lo[t], sc_lo),
@@ -971,7 +1010,7 @@ mod avx2 {
                 for p in 0..4 {
                     let s0 = (bs[4 * p] as i32 + bs[4 * p + 1] as i32) as u16 as u32;
                     let s1 = (bs[4 * p + 2] as i32 + bs[4 * p + 3] as i32) as u16 as u32;
-                    let m = lanes(&b.mn[2 * p], Some(&b.mn[2 * p + 1]));
+                    let m = byte_pairs::<0, 8>(load_pairs(&b.mn[2 * p..]));
                     let y = _mm256_set1_epi32((s0 | s1 << 16) as i32);
                     msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m, y));
                 }
