@@ -120,7 +120,10 @@ const EXP_MAX: f32 = 88.0;
 
 /// e^x, in the operation order the SIMD kernels use.
 pub fn exp_f32(x: f32) -> f32 {
-    let x = x.clamp(EXP_MIN, EXP_MAX);
+    // max then min, as the SIMD code does (a NaN input comes out as e^EXP_MIN in both;
+    // `clamp` would keep the NaN).
+    #[allow(clippy::manual_clamp)]
+    let x = x.max(EXP_MIN).min(EXP_MAX);
     let k = (x * LOG2E).round_ties_even();
     let r = k.mul_add(-LN2_LO, k.mul_add(-LN2_HI, x));
     let mut p = EXP_C[0];
@@ -511,6 +514,7 @@ mod tests {
                 assert!(got > 0.0 && got < 1.7e-38, "exp_f32({x}) = {got}");
             }
         }
+        assert_eq!(exp_f32(f32::NAN).to_bits(), exp_f32(EXP_MIN).to_bits());
         for n in [1, 8, 13, 1536] {
             let g: Vec<f32> = (0..n).map(|_| rng.gen_range(-20.0..20.0)).collect();
             let u: Vec<f32> = (0..n).map(|_| rng.gen_range(-2.0..2.0)).collect();
