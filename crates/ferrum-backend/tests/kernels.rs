@@ -224,7 +224,8 @@ fn check_packed<A>(
     let rows = 3 * ROWS;
     let wa = Aligned::new(&random_blocks(&mut rng, dt, rows * k));
     let w = wa.bytes();
-    let p = Packed::new(dt, w, rows, k, &mut |_| {}).expect("packs");
+    let pool = ferrum_backend::cpu::pool::ThreadPool::new(2);
+    let p = Packed::new(dt, w, rows, k, &pool, &|_| {}).expect("packs");
     assert_eq!(p.rows(), rows);
     let row_bytes = w.len() / rows;
     let mut wf = vec![0f32; rows * k];

@@ -364,11 +364,14 @@ impl Backend for CpuBackend {
             // Each packed stretch of the mapped rows is dropped from memory as soon as it is
             // copied: resident memory holds the weights once, never twice (not even at the
             // peak of loading). An embedding lookup of a tied head reads its row back.
-            let mut released = 0;
-            w.packed = quant::packed::Packed::new(t.dtype, t.bytes(), w.rows, w.cols, &mut |n| {
-                t.release_pages(released..n);
-                released = n;
-            });
+            w.packed = quant::packed::Packed::new(
+                t.dtype,
+                t.bytes(),
+                w.rows,
+                w.cols,
+                &self.pool,
+                &|range| t.release_pages(range),
+            );
             if w.packed.as_ref().is_some_and(|p| p.rows() == w.rows) {
                 // Nothing reads the file's layout any more. Dropping the tensor matters for
                 // owned bytes (tests, converters), which would otherwise stay in memory

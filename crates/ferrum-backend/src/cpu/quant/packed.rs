@@ -25,11 +25,14 @@
 //! scalar twin [`Packed::gemm_scalar`] does exactly that, so the two agree bit for bit, and a
 //! row's value does not depend on how many tokens share the pass.
 
+use std::ops::Range;
+
 use half::f16;
 
 use super::k_quants::{scales_mins, BlockQ4K, BlockQ6K, QK_K};
 use super::q8::{BlockQ8, BlockQ8K};
 use super::{cast_blocks, q4_0, q4_1, q5_0, q5_1, q8_0};
+use crate::cpu::pool::ThreadPool;
 use ferrum_core::DType;
 
 /// Rows per packed group.
@@ -341,33 +344,51 @@ fn pack_q5_1(b: [&q5_1::BlockQ5_1; ROWS]) -> Q5_1x8 {
 }
 
 /// Packs the first `groups · 8` rows of a matrix: group `g`'s blocks are
-/// `out[g · per_row .. (g + 1) · per_row]`. `done(bytes)` hears, every megabyte or so, that
-/// the source's first `bytes` bytes are packed.
-fn pack_all<S: Copy, P>(
+/// `out[g · per_row .. (g + 1) · per_row]`. The groups are split into tasks of about a
+/// megabyte of source run on `pool` (most of the time goes in first touches of the new
+/// pages, which the threads then take in parallel); `done(range)` hears once per task that
+/// source bytes `range` are packed.
+fn pack_all<S: Copy + Sync, P: Send>(
     bytes: &[u8],
     rows: usize,
     per_row: usize,
     pack: fn([&S; ROWS]) -> P,
-    done: &mut dyn FnMut(usize),
+    pool: &ThreadPool,
+    done: &(dyn Fn(Range<usize>) + Sync),
 ) -> Option<Vec<P>> {
+    struct Dst<P>(*mut P);
+    // SAFETY: tasks write disjoint elements (below); `P: Send` moves them across threads.
+    unsafe impl<P: Send> Sync for Dst<P> {}
+    impl<P> Dst<P> {
+        /// # Safety
+        /// `i` within the allocation, and written by one thread only.
+        unsafe fn write(&self, i: usize, v: P) {
+            unsafe { self.0.add(i).write(v) }
+        }
+    }
     let src = cast_blocks::<S>(bytes)?;
     if src.len() != rows * per_row {
         return None;
     }
     let groups = rows / ROWS;
-    let mut out = Vec::with_capacity(groups * per_row);
+    let total = groups * per_row;
+    let mut out: Vec<P> = Vec::with_capacity(total);
+    let dst = Dst(out.as_mut_ptr());
     let group_bytes = ROWS * per_row * std::mem::size_of::<S>();
-    let every = (1 << 20) / group_bytes.max(1) + 1;
-    for g in 0..groups {
-        for i in 0..per_row {
-            out.push(pack(std::array::from_fn(|r| {
-                &src[(g * ROWS + r) * per_row + i]
-            })));
+    let per_task = ((1 << 20) / group_bytes.max(1)).max(1);
+    pool.run(groups.div_ceil(per_task), &|task| {
+        let gs = task * per_task..((task + 1) * per_task).min(groups);
+        for g in gs.clone() {
+            for i in 0..per_row {
+                let b = pack(std::array::from_fn(|r| &src[(g * ROWS + r) * per_row + i]));
+                // SAFETY: g · per_row + i < total = capacity; each (g, i) belongs to one task.
+                unsafe { dst.write(g * per_row + i, b) };
+            }
         }
-        if (g + 1) % every == 0 || g + 1 == groups {
-            done((g + 1) * group_bytes);
-        }
-    }
+        done(gs.start * group_bytes..gs.end * group_bytes);
+    });
+    // SAFETY: `run` returns after every task ran once, so all `total` elements are written.
+    unsafe { out.set_len(total) };
     Some(out)
 }
 
@@ -398,16 +419,17 @@ macro_rules! with_blocks {
 }
 
 impl Packed {
-    /// Packs a `[rows, cols]` matrix stored as `bytes`; `None` for other formats, for fewer
-    /// than eight rows, or bytes that are not whole aligned blocks. `done(n)` is told as the
-    /// packing goes that the first `n` bytes are copied (a caller may then drop them from
-    /// memory, so that the matrix is never resident twice).
+    /// Packs a `[rows, cols]` matrix stored as `bytes` on `pool`'s threads; `None` for other
+    /// formats, for fewer than eight rows, or bytes that are not whole aligned blocks.
+    /// `done(range)` is told as the packing goes that source bytes `range` are copied (a
+    /// caller may then drop them from memory, so that the matrix is never resident twice).
     pub fn new(
         dtype: DType,
         bytes: &[u8],
         rows: usize,
         cols: usize,
-        done: &mut dyn FnMut(usize),
+        pool: &ThreadPool,
+        done: &(dyn Fn(Range<usize>) + Sync),
     ) -> Option<Packed> {
         if rows < ROWS || !cols.is_multiple_of(32) {
             return None;
@@ -419,17 +441,38 @@ impl Packed {
             }
             let per_row = cols / QK_K;
             return Some(if dtype == DType::Q4K {
-                Packed::Q4K(pack_all(bytes, rows, per_row, pack_q4k, done)?, per_row)
+                Packed::Q4K(
+                    pack_all(bytes, rows, per_row, pack_q4k, pool, done)?,
+                    per_row,
+                )
             } else {
-                Packed::Q6K(pack_all(bytes, rows, per_row, pack_q6k, done)?, per_row)
+                Packed::Q6K(
+                    pack_all(bytes, rows, per_row, pack_q6k, pool, done)?,
+                    per_row,
+                )
             });
         }
         Some(match dtype {
-            DType::Q8_0 => Packed::Q8_0(pack_all(bytes, rows, per_row, pack_q8_0, done)?, per_row),
-            DType::Q4_0 => Packed::Q4_0(pack_all(bytes, rows, per_row, pack_q4_0, done)?, per_row),
-            DType::Q4_1 => Packed::Q4_1(pack_all(bytes, rows, per_row, pack_q4_1, done)?, per_row),
-            DType::Q5_0 => Packed::Q5_0(pack_all(bytes, rows, per_row, pack_q5_0, done)?, per_row),
-            DType::Q5_1 => Packed::Q5_1(pack_all(bytes, rows, per_row, pack_q5_1, done)?, per_row),
+            DType::Q8_0 => Packed::Q8_0(
+                pack_all(bytes, rows, per_row, pack_q8_0, pool, done)?,
+                per_row,
+            ),
+            DType::Q4_0 => Packed::Q4_0(
+                pack_all(bytes, rows, per_row, pack_q4_0, pool, done)?,
+                per_row,
+            ),
+            DType::Q4_1 => Packed::Q4_1(
+                pack_all(bytes, rows, per_row, pack_q4_1, pool, done)?,
+                per_row,
+            ),
+            DType::Q5_0 => Packed::Q5_0(
+                pack_all(bytes, rows, per_row, pack_q5_0, pool, done)?,
+                per_row,
+            ),
+            DType::Q5_1 => Packed::Q5_1(
+                pack_all(bytes, rows, per_row, pack_q5_1, pool, done)?,
+                per_row,
+            ),
             _ => return None,
         })
     }
