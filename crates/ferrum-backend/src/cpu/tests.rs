@@ -398,3 +398,28 @@ fn packed_matmul_is_batch_invariant_and_covers_tail_rows() {
         }
     }
 }
+
+#[test]
+fn packing_split_over_pool_tasks_keeps_every_row() {
+    // 4096 rows × 256 columns of Q8_0 is ~4.4 MB of source: several ~1 MB packing tasks
+    // shared between the threads. Every row must come back exactly as the file holds it.
+    let be = CpuBackend::new();
+    let mut r = rng();
+    let (m, k) = (4096, 256);
+    let w = rand_vec(&mut r, m * k);
+    let q = RawTensor::from_bytes("w", DType::Q8_0, vec![m, k], q8_0_bytes(&w)).unwrap();
+    let wq = be.load_weight(&q).unwrap();
+    #[cfg(target_arch = "x86_64")]
+    if quant::has_avx2() {
+        let p = wq.packed.as_ref().expect("packed");
+        assert_eq!(p.rows(), m);
+        let mut want = vec![0f32; m * k];
+        assert!(quant::dequantize(DType::Q8_0, q.bytes(), &mut want));
+        let mut row = vec![0f32; k];
+        for j in 0..m {
+            p.dequantize_row(j, &mut row);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&row), bits(&want[j * k..(j + 1) * k]), "row {j}");
+        }
+    }
+}
