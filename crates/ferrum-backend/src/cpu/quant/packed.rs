@@ -434,45 +434,32 @@ impl Packed {
         if rows < ROWS || !cols.is_multiple_of(32) {
             return None;
         }
-        let per_row = cols / 32;
+        // `per_row` blocks per row; the pack function fixes the source and packed types.
+        macro_rules! packed {
+            ($variant:ident, $pack:expr, $per_row:expr) => {
+                Packed::$variant(
+                    pack_all(bytes, rows, $per_row, $pack, pool, done)?,
+                    $per_row,
+                )
+            };
+        }
         if matches!(dtype, DType::Q4K | DType::Q6K) {
             if !cols.is_multiple_of(QK_K) {
                 return None;
             }
-            let per_row = cols / QK_K;
             return Some(if dtype == DType::Q4K {
-                Packed::Q4K(
-                    pack_all(bytes, rows, per_row, pack_q4k, pool, done)?,
-                    per_row,
-                )
+                packed!(Q4K, pack_q4k, cols / QK_K)
             } else {
-                Packed::Q6K(
-                    pack_all(bytes, rows, per_row, pack_q6k, pool, done)?,
-                    per_row,
-                )
+                packed!(Q6K, pack_q6k, cols / QK_K)
             });
         }
+        let per_row = cols / 32;
         Some(match dtype {
-            DType::Q8_0 => Packed::Q8_0(
-                pack_all(bytes, rows, per_row, pack_q8_0, pool, done)?,
-                per_row,
-            ),
-            DType::Q4_0 => Packed::Q4_0(
-                pack_all(bytes, rows, per_row, pack_q4_0, pool, done)?,
-                per_row,
-            ),
-            DType::Q4_1 => Packed::Q4_1(
-                pack_all(bytes, rows, per_row, pack_q4_1, pool, done)?,
-                per_row,
-            ),
-            DType::Q5_0 => Packed::Q5_0(
-                pack_all(bytes, rows, per_row, pack_q5_0, pool, done)?,
-                per_row,
-            ),
-            DType::Q5_1 => Packed::Q5_1(
-                pack_all(bytes, rows, per_row, pack_q5_1, pool, done)?,
-                per_row,
-            ),
+            DType::Q8_0 => packed!(Q8_0, pack_q8_0, per_row),
+            DType::Q4_0 => packed!(Q4_0, pack_q4_0, per_row),
+            DType::Q4_1 => packed!(Q4_1, pack_q4_1, per_row),
+            DType::Q5_0 => packed!(Q5_0, pack_q5_0, per_row),
+            DType::Q5_1 => packed!(Q5_1, pack_q5_1, per_row),
             _ => return None,
         })
     }
