@@ -103,8 +103,7 @@ impl Q4Kx8 {
     /// Quant of value `e` (0..256) of row `r`.
     fn quant(&self, r: usize, e: usize) -> i32 {
         let (c, l) = (e / 64, e % 64);
-        let i = l % 32;
-        let byte = self.qs[256 * c + 32 * (i / 4) + 4 * r + i % 4];
+        let byte = self.qs[at(r, 32 * c + l % 32)];
         (if l >= 32 { byte >> 4 } else { byte & 0x0f }) as i32
     }
 }
@@ -128,55 +127,31 @@ impl Q6Kx8 {
     /// low-bit byte `64n + 32·(k % 2) + i` and bits `2k, 2k+1` of high-bit byte `32n + i`.
     fn quant(&self, r: usize, e: usize) -> i32 {
         let (n, k, i) = (e / 128, e % 128 / 32, e % 32);
-        let at = |x: usize| 32 * (x / 4) + 4 * r + x % 4;
-        let l = self.ql[at(64 * n + 32 * (k % 2) + i)];
-        let h = self.qh[at(32 * n + i)];
+        let l = self.ql[at(r, 64 * n + 32 * (k % 2) + i)];
+        let h = self.qh[at(r, 32 * n + i)];
         let low = if k < 2 { l & 0x0f } else { l >> 4 };
         (low | ((h >> (2 * k)) & 3) << 4) as i32
     }
 }
 
 fn pack_q6k(b: [&BlockQ6K; ROWS]) -> Q6Kx8 {
-    let mut out = Q6Kx8 {
+    Q6Kx8 {
         d: b.map(|x| x.d),
-        sc: [[0; ROWS]; 16],
-        ql: [0; 1024],
-        qh: [0; 512],
-    };
-    for (r, blk) in b.iter().enumerate() {
-        for j in 0..16 {
-            out.sc[j][r] = blk.scales[j];
-        }
-        for (i, &byte) in blk.ql.iter().enumerate() {
-            out.ql[32 * (i / 4) + 4 * r + i % 4] = byte;
-        }
-        for (i, &byte) in blk.qh.iter().enumerate() {
-            out.qh[32 * (i / 4) + 4 * r + i % 4] = byte;
-        }
+        sc: std::array::from_fn(|j| b.map(|x| x.scales[j])),
+        ql: interleave(b.map(|x| &x.ql)),
+        qh: interleave(b.map(|x| &x.qh)),
     }
-    out
 }
 
 fn pack_q4k(b: [&BlockQ4K; ROWS]) -> Q4Kx8 {
-    let mut out = Q4Kx8 {
+    let unpacked = b.map(|x| scales_mins(&x.scales));
+    Q4Kx8 {
         d: b.map(|x| x.d),
         dmin: b.map(|x| x.dmin),
-        sc: [[0; ROWS]; 8],
-        mn: [[0; ROWS]; 8],
-        qs: [0; 1024],
-    };
-    for (r, blk) in b.iter().enumerate() {
-        let (sc, mn) = scales_mins(&blk.scales);
-        for j in 0..8 {
-            out.sc[j][r] = sc[j];
-            out.mn[j][r] = mn[j];
-        }
-        for (i, &byte) in blk.qs.iter().enumerate() {
-            let (c, i) = (i / 32, i % 32);
-            out.qs[256 * c + 32 * (i / 4) + 4 * r + i % 4] = byte;
-        }
+        sc: std::array::from_fn(|j| unpacked.map(|(sc, _)| sc[j])),
+        mn: std::array::from_fn(|j| unpacked.map(|(_, mn)| mn[j])),
+        qs: interleave(b.map(|x| &x.qs)),
     }
-    out
 }
 
 /// What the kernels need to know of a packed format.
@@ -204,8 +179,7 @@ pub enum Offset {
 /// in the high nibble (4- and 5-bit formats: 16 bytes per row).
 #[inline]
 fn nibble_at(r: usize, e: usize) -> (usize, bool) {
-    let (lo, high) = (e % 16, e >= 16);
-    (32 * (lo / 4) + 4 * r + lo % 4, high)
+    (at(r, e % 16), e >= 16)
 }
 
 #[inline]
@@ -226,7 +200,7 @@ impl BlockX8 for Q8_0x8 {
         &self.d
     }
     fn quant(&self, r: usize, e: usize) -> i32 {
-        self.qs[32 * (e / 4) + 4 * r + e % 4] as i32
+        self.qs[at(r, e)] as i32
     }
 }
 
@@ -276,15 +250,23 @@ impl BlockX8 for Q5_1x8 {
     }
 }
 
-/// Interleaves the 16 packed nibble bytes of eight rows (see the module docs).
-fn interleave_nibbles(rows: [&[u8; 16]; ROWS]) -> [u8; 128] {
-    let mut qs = [0u8; 128];
+/// Where byte `i` of row `r` goes when eight rows are interleaved four bytes at a time (see
+/// the module docs): every packed layout's quant bytes follow this one rule.
+#[inline]
+fn at(r: usize, i: usize) -> usize {
+    32 * (i / 4) + 4 * r + i % 4
+}
+
+/// Eight rows of `N` bytes each, interleaved by [`at`] into `M = 8N`.
+fn interleave<T: Copy + Default, const N: usize, const M: usize>(rows: [&[T; N]; ROWS]) -> [T; M] {
+    const { assert!(N * ROWS == M) };
+    let mut out = [T::default(); M];
     for (r, row) in rows.iter().enumerate() {
         for (i, &byte) in row.iter().enumerate() {
-            qs[32 * (i / 4) + 4 * r + i % 4] = byte;
+            out[at(r, i)] = byte;
         }
     }
-    qs
+    out
 }
 
 /// The fifth bits of eight rows, bit-sliced as the kernels read them (see [`fifth_bit`]).
@@ -299,22 +281,16 @@ fn interleave_high_bits(qh: [u32; ROWS]) -> [u8; 32] {
 }
 
 fn pack_q8_0(b: [&q8_0::BlockQ8_0; ROWS]) -> Q8_0x8 {
-    let mut qs = [0i8; 256];
-    for (r, blk) in b.iter().enumerate() {
-        for (e, &q) in blk.qs.iter().enumerate() {
-            qs[32 * (e / 4) + 4 * r + e % 4] = q;
-        }
-    }
     Q8_0x8 {
         d: b.map(|x| x.d),
-        qs,
+        qs: interleave(b.map(|x| &x.qs)),
     }
 }
 
 fn pack_q4_0(b: [&q4_0::BlockQ4_0; ROWS]) -> Q4_0x8 {
     Q4_0x8 {
         d: b.map(|x| x.d),
-        qs: interleave_nibbles(b.map(|x| &x.qs)),
+        qs: interleave(b.map(|x| &x.qs)),
     }
 }
 
@@ -322,7 +298,7 @@ fn pack_q4_1(b: [&q4_1::BlockQ4_1; ROWS]) -> Q4_1x8 {
     Q4_1x8 {
         d: b.map(|x| x.d),
         m: b.map(|x| x.m),
-        qs: interleave_nibbles(b.map(|x| &x.qs)),
+        qs: interleave(b.map(|x| &x.qs)),
     }
 }
 
@@ -330,7 +306,7 @@ fn pack_q5_0(b: [&q5_0::BlockQ5_0; ROWS]) -> Q5_0x8 {
     Q5_0x8 {
         d: b.map(|x| x.d),
         qh: interleave_high_bits(b.map(|x| u32::from_le_bytes(x.qh))),
-        qs: interleave_nibbles(b.map(|x| &x.qs)),
+        qs: interleave(b.map(|x| &x.qs)),
     }
 }
 
@@ -339,7 +315,7 @@ fn pack_q5_1(b: [&q5_1::BlockQ5_1; ROWS]) -> Q5_1x8 {
         d: b.map(|x| x.d),
         m: b.map(|x| x.m),
         qh: interleave_high_bits(b.map(|x| u32::from_le_bytes(x.qh))),
-        qs: interleave_nibbles(b.map(|x| &x.qs)),
+        qs: interleave(b.map(|x| &x.qs)),
     }
 }
 
