@@ -7,10 +7,16 @@ use std::sync::OnceLock;
 
 pub type DotFn = fn(&[f32], &[f32]) -> f32;
 
+/// Whether this CPU runs the AVX2+FMA kernels of this module.
+#[cfg(target_arch = "x86_64")]
+fn avx2_fma() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
 fn pick_dot() -> DotFn {
     #[cfg(target_arch = "x86_64")]
     {
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if avx2_fma() {
             return |a, b| {
                 // SAFETY: the CPU supports AVX2 and FMA (checked just above).
                 unsafe { avx2::dot_f32(a, b) }
@@ -59,7 +65,7 @@ pub fn attn_kernels() -> AttnKernels {
     *K.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            if avx2_fma() {
                 return AttnKernels {
                     // SAFETY: AVX2 and FMA detected just above.
                     dot8: |q, k, o| unsafe { avx2::dot8(q, k, o) },
@@ -155,7 +161,7 @@ pub fn softmax_scalar(s: &mut [f32], scale: f32) {
 pub fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if avx2_fma() {
             // SAFETY: AVX2 and FMA detected just above.
             return unsafe { avx2::silu_mul(g, u, out) };
         }
@@ -187,7 +193,7 @@ pub fn f16_to_f32(src: &[half::f16], dst: &mut [f32]) {
 pub fn simd_name() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     {
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if avx2_fma() {
             return "avx2+fma";
         }
     }
