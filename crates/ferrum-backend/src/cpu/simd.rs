@@ -422,13 +422,13 @@ mod avx2 {
             *v = super::exp_f32(*v - max);
             lanes[j] += *v;
         }
-        let inv = _mm256_set1_ps(1.0 / super::hsum8(&lanes));
+        let inv = 1.0 / super::hsum8(&lanes);
+        let invv = _mm256_set1_ps(inv);
         let mut i = 0;
         while i < main {
-            _mm256_storeu_ps(ps.add(i), _mm256_mul_ps(_mm256_loadu_ps(ps.add(i)), inv));
+            _mm256_storeu_ps(ps.add(i), _mm256_mul_ps(_mm256_loadu_ps(ps.add(i)), invv));
             i += 8;
         }
-        let inv = 1.0 / super::hsum8(&lanes);
         for v in &mut s[main..] {
             *v *= inv;
         }
