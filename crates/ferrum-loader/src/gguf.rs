@@ -378,6 +378,11 @@ impl GgufFile {
         })
     }
 
+    /// Whether the metadata has `key` (of any type; nothing is decoded).
+    pub fn contains(&self, key: &str) -> bool {
+        self.metadata.contains_key(key)
+    }
+
     /// A metadata value; arrays are decoded from the file on each call.
     pub fn get(&self, key: &str) -> Option<Cow<'_, Value>> {
         match self.metadata.get(key)? {

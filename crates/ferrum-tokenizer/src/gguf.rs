@@ -89,27 +89,27 @@ impl Vocab {
                 }
             })
             .collect();
-        let types = match g.get("tokenizer.ggml.token_type") {
-            None => vec![token_type::NORMAL; tokens.len()],
-            Some(_) => {
-                let t = g
-                    .get_i64_array("tokenizer.ggml.token_type")
-                    .ok_or_else(|| {
-                        Error::Tokenizer(format!(
-                            "{}: tokenizer.ggml.token_type is not an integer array",
-                            g.path.display()
-                        ))
-                    })?;
-                if t.len() < tokens.len() {
-                    return Err(Error::Tokenizer(format!(
-                        "{}: tokenizer.ggml.token_type has {} entries for {} tokens",
-                        g.path.display(),
-                        t.len(),
-                        tokens.len()
-                    )));
-                }
-                t
+        // Present but not an integer array is an error; absent means every token is normal.
+        let types = if !g.contains("tokenizer.ggml.token_type") {
+            vec![token_type::NORMAL; tokens.len()]
+        } else {
+            let t = g
+                .get_i64_array("tokenizer.ggml.token_type")
+                .ok_or_else(|| {
+                    Error::Tokenizer(format!(
+                        "{}: tokenizer.ggml.token_type is not an integer array",
+                        g.path.display()
+                    ))
+                })?;
+            if t.len() < tokens.len() {
+                return Err(Error::Tokenizer(format!(
+                    "{}: tokenizer.ggml.token_type has {} entries for {} tokens",
+                    g.path.display(),
+                    t.len(),
+                    tokens.len()
+                )));
             }
+            t
         };
         let ids = tokens
             .iter()
