@@ -388,7 +388,7 @@ impl GgufFile {
         match self.metadata.get(key)? {
             Entry::Value(v) => Some(Cow::Borrowed(v)),
             &Entry::Array { elem, count, at } => {
-                let items = self.array_items(count, at, |r| r.value(elem, key))?;
+                let items = self.array_items(count, at, |r| r.value(elem, key).ok())?;
                 Some(Cow::Owned(Value::Array(items)))
             }
         }
@@ -401,20 +401,21 @@ impl GgufFile {
         }
     }
 
-    /// Decodes the `count` elements of an array checked at parse time; `None` only if the
-    /// file changed under the mapping since.
+    /// Decodes the `count` elements of an array checked at parse time, `None` as soon as
+    /// `item` gives `None` (an element of another type than asked for, or a file changed
+    /// under the mapping since).
     fn array_items<'s, T>(
         &'s self,
         count: usize,
         at: usize,
-        mut item: impl FnMut(&mut Reader<'s>) -> Result<T>,
+        mut item: impl FnMut(&mut Reader<'s>) -> Option<T>,
     ) -> Option<Vec<T>> {
         let mut r = Reader {
             buf: &self.mmap[..],
             pos: at,
             path: &self.path,
         };
-        (0..count).map(|_| item(&mut r).ok()).collect()
+        (0..count).map(|_| item(&mut r)).collect()
     }
 
     fn array_entry(&self, key: &str) -> Option<(u32, usize, usize)> {
@@ -462,23 +463,19 @@ impl GgufFile {
         if elem != 8 {
             return None;
         }
-        self.array_items(count, at, |r| r.str_ref(key))
+        self.array_items(count, at, |r| r.str_ref(key).ok())
     }
 
     pub fn get_f32_array(&self, key: &str) -> Option<Vec<f32>> {
         let (elem, count, at) = self.array_entry(key)?;
-        self.array_items(count, at, |r| r.value(elem, key))?
-            .iter()
-            .map(|v| v.as_f64().map(|x| x as f32))
-            .collect()
+        self.array_items(count, at, |r| {
+            r.value(elem, key).ok()?.as_f64().map(|x| x as f32)
+        })
     }
 
     pub fn get_i64_array(&self, key: &str) -> Option<Vec<i64>> {
         let (elem, count, at) = self.array_entry(key)?;
-        self.array_items(count, at, |r| r.value(elem, key))?
-            .iter()
-            .map(Value::as_i64)
-            .collect()
+        self.array_items(count, at, |r| r.value(elem, key).ok()?.as_i64())
     }
 
     pub fn architecture(&self) -> Result<&str> {
