@@ -16,6 +16,10 @@
 #   LLAMA_BENCH=/path/llama-bench      use this llama-bench, build nothing
 #   LLAMACPP_BIN=/dir                  use llama-bench from this folder (e.g. an existing build)
 #   LLAMACPP_CMAKE_FLAGS="..."         override the CPU flags of the llama.cpp build
+#   AVXVNNI=auto|0|1                   both engines with AVX-VNNI (auto: if the CPU has it);
+#                                      llama.cpp is then built with GGML_AVX_VNNI=ON in its own
+#                                      folder, ferrum run with FERRUM_AVXVNNI=1, else =0. With
+#                                      LLAMACPP_BIN/LLAMA_BENCH, say AVXVNNI to match that build.
 #   LLAMA_BENCH_ARGS="--repack 0"      extra llama-bench options (default: none, its defaults)
 #   MOE_DIR=$FERRUM_CACHE/synth-moe    where the synthetic MoE files live (made if missing)
 #   MOE_LAYERS=4                       layers of the synthetic MoE files
@@ -34,6 +38,13 @@ LLAMACPP_VERSION="0.3.36"
 MOE_DIR="${MOE_DIR:-$CACHE/synth-moe}"
 MOE_LAYERS="${MOE_LAYERS:-4}"
 OUT_DIR="${OUT_DIR:-$ROOT/target/bench-vs-llamacpp/$(date +%Y%m%d-%H%M%S)}"
+AVXVNNI="${AVXVNNI:-auto}"
+if [[ "$AVXVNNI" == auto ]]; then
+    if grep -qw avx_vnni /proc/cpuinfo 2>/dev/null; then AVXVNNI=1; else AVXVNNI=0; fi
+fi
+# The same instruction sets for both engines: ferrum picks AVX-VNNI at run time when the CPU
+# has it, llama.cpp only when built for it.
+export FERRUM_AVXVNNI="$AVXVNNI"
 
 log() { echo "[bench-vs-llamacpp] $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -53,7 +64,9 @@ done
 # Built once from the llama-cpp-python sdist (which vendors llama.cpp) into the cache.
 build_llamacpp() {
     local dir="$CACHE/llamacpp-build"
-    local bin="$dir/build/bin"
+    local build="$dir/build"
+    [[ "$AVXVNNI" == 1 ]] && build="$dir/build-avxvnni"
+    local bin="$build/bin"
     if [[ -x "$bin/llama-bench" && -x "$bin/llama-quantize" ]]; then
         echo "$bin"
         return
@@ -77,16 +90,17 @@ build_llamacpp() {
         cpu_flags="$LLAMACPP_CMAKE_FLAGS"
     elif [[ "$(uname -m)" == x86_64 ]]; then
         cpu_flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+        [[ "$AVXVNNI" == 1 ]] && cpu_flags+=" -DGGML_AVX_VNNI=ON"
     else
         cpu_flags="-DGGML_NATIVE=ON"
     fi
     log "building llama-bench and llama-quantize (about 10 minutes on 2 cores)"
     # shellcheck disable=SC2086 # cpu_flags is a list of flags
-    cmake -S "$src" -B "$dir/build" -G Ninja -DCMAKE_BUILD_TYPE=Release $cpu_flags \
+    cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release $cpu_flags \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >"$dir/cmake.log" 2>&1 \
         || die "cmake configure failed, see $dir/cmake.log"
-    cmake --build "$dir/build" --target llama-bench llama-quantize -j "$(nproc)" \
+    cmake --build "$build" --target llama-bench llama-quantize -j "$(nproc)" \
         >>"$dir/cmake.log" 2>&1 || die "llama.cpp build failed, see $dir/cmake.log"
     echo "$bin"
 }
@@ -252,7 +266,7 @@ print()
 print(f"- machine: {platform.machine()}, {cpu}, {os.cpu_count()} logical CPUs")
 extra = os.environ.get("LLAMA_BENCH_ARGS", "")
 print(f"- llama.cpp: llama-bench -t {threads} -p {pp} -n {tg} -r 1{' ' + extra if extra else ''} "
-      f"(build {llama_build or '?'})")
+      f"(build {llama_build or '?'}, AVX-VNNI {'on' if os.environ.get('FERRUM_AVXVNNI') == '1' else 'off'})")
 print(f"- ferrum: ferrum bench --pp {pp} --tg {tg} --reps 1, {backend or '?'} (git {rev})")
 print(f"- {rounds} alternating rounds per file; medians over rounds; the ratio is the median "
       "of the per-round ratios (ferrum / llama.cpp, > 1 means ferrum is faster)")

@@ -194,7 +194,7 @@ fn packed_kernels_equal_scalar_twin_and_file_layout_kernel() {
             quantize_q8(x, &mut a);
             a
         };
-        check_packed(dt, 256, q8, dot, Packed::gemm, Packed::gemm_scalar);
+        check_packed(dt, 256, q8, dot, Packed::gemm_on, Packed::gemm_scalar);
     }
     for dt in [DType::Q4K, DType::Q6K] {
         let Some(Kernel::Q8K { dot, .. }) = scalar_kernel(dt) else {
@@ -205,21 +205,28 @@ fn packed_kernels_equal_scalar_twin_and_file_layout_kernel() {
             quantize_q8k(x, &mut a);
             a
         };
-        check_packed(dt, 512, q8k, dot, Packed::gemm_k, Packed::gemm_k_scalar);
+        check_packed(dt, 512, q8k, dot, Packed::gemm_k_on, Packed::gemm_k_scalar);
     }
 }
 
 type Gemm<A> = fn(&ferrum_backend::cpu::quant::packed::Packed, usize, &[&[A]], &mut [[f32; 8]]);
+type GemmOn<A> = fn(
+    &ferrum_backend::cpu::quant::packed::Packed,
+    ferrum_backend::cpu::quant::packed::Isa,
+    usize,
+    &[&[A]],
+    &mut [[f32; 8]],
+);
 
 fn check_packed<A>(
     dt: ferrum_core::DType,
     k: usize,
     quantize: impl Fn(&[f32]) -> Vec<A>,
     dot: fn(&[u8], &[A]) -> f32,
-    gemm: Gemm<A>,
+    gemm: GemmOn<A>,
     gemm_scalar: Gemm<A>,
 ) {
-    use ferrum_backend::cpu::quant::packed::{Packed, ROWS};
+    use ferrum_backend::cpu::quant::packed::{Isa, Packed, ROWS};
     let mut rng = rand::rngs::StdRng::seed_from_u64(2024);
     let rows = 3 * ROWS;
     let wa = Aligned::new(&random_blocks(&mut rng, dt, rows * k));
@@ -248,26 +255,32 @@ fn check_packed<A>(
             (x, a)
         })
         .collect();
-    for n in 1..=xs.len() {
+    // Every instruction set this CPU runs (AVX-VNNI, AVX2, scalar where present).
+    let isas = Isa::available();
+    eprintln!("{dt}: packed kernels checked on {isas:?}");
+    for (isa, n) in isas
+        .iter()
+        .flat_map(|&i| (1..=xs.len()).map(move |n| (i, n)))
+    {
         let acts: Vec<&[A]> = xs[..n].iter().map(|(_, a)| &a[..]).collect();
         for g in 0..rows / ROWS {
             let (mut fast, mut slow) = (vec![[0f32; ROWS]; n], vec![[0f32; ROWS]; n]);
-            gemm(&p, g, &acts, &mut fast);
+            gemm(&p, isa, g, &acts, &mut fast);
             gemm_scalar(&p, g, &acts, &mut slow);
             for t in 0..n {
                 let mut alone = [[0f32; ROWS]];
-                gemm(&p, g, &acts[t..t + 1], &mut alone);
+                gemm(&p, isa, g, &acts[t..t + 1], &mut alone);
                 for r in 0..ROWS {
                     let (f, s, a) = (fast[t][r], slow[t][r], alone[0][r]);
                     assert_eq!(
                         f.to_bits(),
                         s.to_bits(),
-                        "{dt} n={n} t={t}: simd {f} scalar {s}"
+                        "{dt} {isa:?} n={n} t={t}: simd {f} scalar {s}"
                     );
                     assert_eq!(
                         f.to_bits(),
                         a.to_bits(),
-                        "{dt} n={n} t={t}: batch {f} alone {a}"
+                        "{dt} {isa:?} n={n} t={t}: batch {f} alone {a}"
                     );
                     let j = g * ROWS + r;
                     let e = dot(&w[j * row_bytes..(j + 1) * row_bytes], acts[t]);

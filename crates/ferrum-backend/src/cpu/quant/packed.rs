@@ -38,6 +38,60 @@ use ferrum_core::DType;
 /// Rows per packed group.
 pub const ROWS: usize = 8;
 
+/// The instruction sets the packed kernels come in. AVX-VNNI (Intel since Alder Lake /
+/// Sapphire Rapids, AMD since Zen 5) adds `vpdpbusd`, which does the work of AVX2's
+/// `maddubs` + `madd` + `add` in one instruction; the integer sums, and so the results, are
+/// the same bit for bit in all three.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    Avx2,
+    AvxVnni,
+}
+
+impl Isa {
+    /// Whether this CPU runs it.
+    pub fn runs(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => super::has_avx2(),
+            #[cfg(target_arch = "x86_64")]
+            Isa::AvxVnni => super::has_avx2() && std::is_x86_feature_detected!("avxvnni"),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// Every one this CPU runs, the portable one first.
+    pub fn available() -> Vec<Isa> {
+        [Isa::Scalar, Isa::Avx2, Isa::AvxVnni]
+            .into_iter()
+            .filter(|i| i.runs())
+            .collect()
+    }
+
+    /// The fastest this CPU runs, fixed at the first call. `FERRUM_AVXVNNI=0` leaves AVX-VNNI
+    /// out, to compare with a build of another engine that does not use it.
+    pub fn best() -> Isa {
+        static BEST: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| {
+            let vnni_allowed = std::env::var("FERRUM_AVXVNNI").map_or(true, |v| v != "0");
+            let mut isas = Isa::available();
+            isas.retain(|&i| i != Isa::AvxVnni || vnni_allowed);
+            isas.last().copied().unwrap_or(Isa::Scalar)
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::AvxVnni => "avx-vnni",
+        }
+    }
+}
+
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct Q8_0x8 {
@@ -512,15 +566,29 @@ impl Packed {
     /// If `group` is out of range, an activation row is shorter than a weight row, or `out`
     /// is shorter than `acts`.
     pub fn gemm(&self, group: usize, acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]) {
+        self.gemm_on(Isa::best(), group, acts, out)
+    }
+
+    /// [`gemm`](Self::gemm) with the kernels of `isa` (tests hold each to the scalar twin).
+    ///
+    /// # Panics
+    /// As `gemm`, or if this CPU does not run `isa`.
+    pub fn gemm_on(&self, isa: Isa, group: usize, acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]) {
         assert!(!self.is_k_quant(), "Q4_K takes Q8_K activations (gemm_k)");
+        assert!(isa.runs(), "this CPU does not run {}", isa.name());
         #[cfg(target_arch = "x86_64")]
         {
-            if super::has_avx2() {
+            if isa != Isa::Scalar {
                 return with_blocks!(self, |v, per_row| {
                     let w = &v[group * per_row..(group + 1) * per_row];
                     assert!(acts.iter().all(|a| a.len() >= *per_row) && out.len() >= acts.len());
-                    // SAFETY: AVX2, FMA and F16C detected; lengths checked just above.
-                    unsafe { avx2::gemm(w, acts, out) }
+                    // SAFETY: the CPU runs `isa` (checked above); lengths checked just above.
+                    unsafe {
+                        match isa {
+                            Isa::AvxVnni => vnni::gemm(w, acts, out),
+                            _ => avx2::gemm(w, acts, out),
+                        }
+                    }
                 });
             }
         }
@@ -532,6 +600,15 @@ impl Packed {
     /// # Panics
     /// On a 32-value layout, or as `gemm`.
     pub fn gemm_k(&self, group: usize, acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
+        self.gemm_k_on(Isa::best(), group, acts, out)
+    }
+
+    /// [`gemm_k`](Self::gemm_k) with the kernels of `isa`.
+    ///
+    /// # Panics
+    /// As `gemm_k`, or if this CPU does not run `isa`.
+    pub fn gemm_k_on(&self, isa: Isa, group: usize, acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
+        assert!(isa.runs(), "this CPU does not run {}", isa.name());
         let per_row = match self {
             Packed::Q4K(_, p) | Packed::Q6K(_, p) => *p,
             _ => panic!("gemm_k on a 32-value layout"),
@@ -540,15 +617,15 @@ impl Packed {
         let blocks = group * per_row..(group + 1) * per_row;
         #[cfg(target_arch = "x86_64")]
         {
-            if super::has_avx2() {
-                // SAFETY: AVX2, FMA and F16C detected; lengths checked just above.
-                return unsafe {
-                    match self {
-                        Packed::Q4K(v, _) => avx2::gemm(&v[blocks], acts, out),
-                        Packed::Q6K(v, _) => avx2::gemm(&v[blocks], acts, out),
-                        _ => {}
-                    }
-                };
+            // SAFETY: the CPU runs `isa` (checked above); lengths checked just above.
+            unsafe {
+                match (isa, self) {
+                    (Isa::Avx2, Packed::Q4K(v, _)) => return avx2::gemm(&v[blocks], acts, out),
+                    (Isa::Avx2, Packed::Q6K(v, _)) => return avx2::gemm(&v[blocks], acts, out),
+                    (Isa::AvxVnni, Packed::Q4K(v, _)) => return vnni::gemm(&v[blocks], acts, out),
+                    (Isa::AvxVnni, Packed::Q6K(v, _)) => return vnni::gemm(&v[blocks], acts, out),
+                    _ => {}
+                }
             }
         }
         self.gemm_k_scalar(group, acts, out)
@@ -649,388 +726,518 @@ fn gemm_scalar<B: BlockX8>(w: &[B], acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::*;
-    use crate::cpu::quant::q8::prefetch;
-    use std::arch::x86_64::*;
-
-    /// Any packed layout over any number of tokens, four per pass (activation format `A`:
-    /// Q8 for the 32-value layouts, Q8_K for the K-quants).
-    ///
-    /// # Safety
-    /// AVX2, FMA and F16C; every activation row has at least `w.len()` blocks; `out` is at
-    /// least as long as `acts`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn gemm<A, B: Tile<A>>(w: &[B], acts: &[&[A]], out: &mut [[f32; ROWS]]) {
-        let mut t = 0;
-        while t < acts.len() {
-            let o = &mut out[t..];
-            match acts.len() - t {
-                1 => B::tile::<1>(w, [acts[t]], o),
-                2 => B::tile::<2>(w, [acts[t], acts[t + 1]], o),
-                3 => B::tile::<3>(w, [acts[t], acts[t + 1], acts[t + 2]], o),
-                _ => B::tile::<4>(w, [acts[t], acts[t + 1], acts[t + 2], acts[t + 3]], o),
+macro_rules! nibble_kernel {
+    ($feat:literal, $t:ty, $qh:expr) => {
+        impl Tile<BlockQ8> for $t {
+            #[target_feature(enable = $feat)]
+            unsafe fn tile<const N: usize>(
+                w: &[Self],
+                a: [&[BlockQ8]; N],
+                out: &mut [[f32; ROWS]],
+            ) {
+                tile_nibbles(w, a, out, |b: &Self| &b.qs, $qh)
             }
-            t += 4;
         }
-    }
+    };
+}
 
-    /// The AVX2 pass of a packed format over up to four tokens of activation format `A`.
-    pub trait Tile<A>: Sized {
-        /// # Safety
-        /// As [`gemm`].
-        unsafe fn tile<const N: usize>(w: &[Self], a: [&[A]; N], out: &mut [[f32; ROWS]]);
-    }
+#[cfg(target_arch = "x86_64")]
+macro_rules! packed_kernels {
+    ($name:ident, $feat:literal, $vnni:expr) => {
+        mod $name {
+            use super::*;
+            use crate::cpu::quant::q8::prefetch;
+            use std::arch::x86_64::*;
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scales(d: &[f16; ROWS]) -> __m256 {
-        _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr() as *const __m128i))
-    }
+            /// Whether this instance of the kernels may use AVX-VNNI's `vpdpbusd` (four u8·i8
+            /// products summed into each i32 lane, no intermediate i16 saturation). Where a kernel
+            /// keeps exact integer sums either way, both instances give bit-equal results.
+            const VNNI: bool = $vnni;
 
-    /// Four activation quants (`qs[e..e+4]`) in every lane.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn word(qs: &[i8], e: usize) -> __m256i {
-        debug_assert!(e + 4 <= qs.len());
-        _mm256_set1_epi32((qs.as_ptr().add(e) as *const i32).read_unaligned())
-    }
+            /// `acc + Σ u·s` over each lane's four byte pairs: one instruction with AVX-VNNI;
+            /// never called in the AVX2 instance (its kernels keep i16 partial sums instead).
+            #[target_feature(enable = $feat)]
+            unsafe fn dp(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+                debug_assert!(VNNI);
+                _mm256_dpbusd_avx_epi32(acc, u, s)
+            }
 
-    /// `acc += isum · (d_w · d_a)`, then the offset term: the fixed per-block arithmetic.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scale_block<B: BlockX8>(acc: __m256, isum: __m256i, b: &B, q: &BlockQ8) -> __m256 {
-        let dw = scales(b.d());
-        let acc = _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(isum),
-            _mm256_mul_ps(dw, _mm256_set1_ps(q.d)),
-            acc,
-        );
-        match B::OFFSET {
-            Offset::None => acc,
-            Offset::Scaled(c) => _mm256_fmadd_ps(
-                _mm256_mul_ps(dw, _mm256_set1_ps(c)),
-                _mm256_set1_ps(q.s),
-                acc,
-            ),
-            Offset::Min => _mm256_fmadd_ps(scales(b.m()), _mm256_set1_ps(q.s), acc),
-        }
-    }
+            /// Eight rows' unsigned bytes, one per i32 lane.
+            #[target_feature(enable = $feat)]
+            unsafe fn widen_u8(s: &[u8; ROWS]) -> __m256i {
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(s.as_ptr() as *const __m128i))
+            }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn store<const N: usize>(acc: [__m256; N], out: &mut [[f32; ROWS]]) {
-        for (a, o) in acc.iter().zip(out.iter_mut()) {
-            _mm256_storeu_ps(o.as_mut_ptr(), *a);
-        }
-    }
-
-    impl Tile<BlockQ8> for Q8_0x8 {
-        /// Signed weights: `maddubs` takes |w| and moves w's sign onto the activation. The
-        /// pair sums can reach 2 · 128 · 127, so each product vector is widened to i32 at once.
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn tile<const N: usize>(w: &[Self], a: [&[BlockQ8]; N], out: &mut [[f32; ROWS]]) {
-            let ones = _mm256_set1_epi16(1);
-            let mut acc = [_mm256_setzero_ps(); N];
-            for (i, b) in w.iter().enumerate() {
-                prefetch(b);
-                let q = a.map(|r| r.get_unchecked(i));
-                let mut isum = [_mm256_setzero_si256(); N];
-                for j in 0..8 {
-                    let x = _mm256_loadu_si256(b.qs.as_ptr().add(32 * j) as *const __m256i);
-                    let ax = _mm256_sign_epi8(x, x);
-                    for t in 0..N {
-                        let y = _mm256_sign_epi8(word(&q[t].qs, 4 * j), x);
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, y), ones);
-                        isum[t] = _mm256_add_epi32(isum[t], p);
+            /// Any packed layout over any number of tokens, four per pass (activation format `A`:
+            /// Q8 for the 32-value layouts, Q8_K for the K-quants).
+            ///
+            /// # Safety
+            /// AVX2, FMA and F16C; every activation row has at least `w.len()` blocks; `out` is at
+            /// least as long as `acts`.
+            #[target_feature(enable = $feat)]
+            pub unsafe fn gemm<A, B: Tile<A>>(w: &[B], acts: &[&[A]], out: &mut [[f32; ROWS]]) {
+                let mut t = 0;
+                while t < acts.len() {
+                    let o = &mut out[t..];
+                    match acts.len() - t {
+                        1 => B::tile::<1>(w, [acts[t]], o),
+                        2 => B::tile::<2>(w, [acts[t], acts[t + 1]], o),
+                        3 => B::tile::<3>(w, [acts[t], acts[t + 1], acts[t + 2]], o),
+                        _ => B::tile::<4>(w, [acts[t], acts[t + 1], acts[t + 2], acts[t + 3]], o),
                     }
-                }
-                for t in 0..N {
-                    acc[t] = scale_block(acc[t], isum[t], b, q[t]);
+                    t += 4;
                 }
             }
-            store(acc, out)
-        }
-    }
 
-    /// The 4- and 5-bit formats: unsigned quants go straight into `maddubs`. A pair sum is at
-    /// most 2 · 31 · 127, so four of them (all eight for 4-bit quants) add up in i16 before one
-    /// widening to i32.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile_nibbles<B: BlockX8, const N: usize>(
-        w: &[B],
-        a: [&[BlockQ8]; N],
-        out: &mut [[f32; ROWS]],
-        qs: impl Fn(&B) -> &[u8; 128],
-        qh: impl Fn(&B) -> Option<&[u8; 32]>,
-    ) {
-        let ones = _mm256_set1_epi16(1);
-        let low = _mm256_set1_epi8(0x0f);
-        let bit4 = _mm256_set1_epi8(0x10);
-        let mut acc = [_mm256_setzero_ps(); N];
-        for (i, b) in w.iter().enumerate() {
-            prefetch(b);
-            let q = a.map(|r| r.get_unchecked(i));
-            let mut isum = [_mm256_setzero_si256(); N];
-            let mut s16 = [_mm256_setzero_si256(); N];
-            let h = qh(b).map(|h| _mm256_loadu_si256(h.as_ptr() as *const __m256i));
-            for j in 0..4 {
-                let raw = _mm256_loadu_si256(qs(b).as_ptr().add(32 * j) as *const __m256i);
-                let mut lo = _mm256_and_si256(raw, low);
-                let mut hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                if let Some(h) = h {
-                    // Bit m of each byte to bit 4: 16-bit shifts are safe, as bit 4 of each
-                    // byte only ever receives a bit of the same byte.
-                    let (hl, hh) = match j {
-                        0 => (_mm256_slli_epi16(h, 4), h),
-                        1 => (_mm256_slli_epi16(h, 3), _mm256_srli_epi16(h, 1)),
-                        2 => (_mm256_slli_epi16(h, 2), _mm256_srli_epi16(h, 2)),
-                        _ => (_mm256_slli_epi16(h, 1), _mm256_srli_epi16(h, 3)),
-                    };
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(hl, bit4));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(hh, bit4));
-                }
-                for t in 0..N {
-                    let pl = _mm256_maddubs_epi16(lo, word(&q[t].qs, 4 * j));
-                    let ph = _mm256_maddubs_epi16(hi, word(&q[t].qs, 4 * j + 16));
-                    s16[t] = _mm256_add_epi16(s16[t], _mm256_add_epi16(pl, ph));
-                }
-                let widen = if qh(b).is_some() { j % 2 == 1 } else { j == 3 };
-                if widen {
-                    for t in 0..N {
-                        isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s16[t], ones));
-                        s16[t] = _mm256_setzero_si256();
-                    }
-                }
+            /// The AVX2 pass of a packed format over up to four tokens of activation format `A`.
+            pub trait Tile<A>: Sized {
+                /// # Safety
+                /// As [`gemm`].
+                unsafe fn tile<const N: usize>(w: &[Self], a: [&[A]; N], out: &mut [[f32; ROWS]]);
             }
-            for t in 0..N {
-                acc[t] = scale_block(acc[t], isum[t], b, q[t]);
-            }
-        }
-        store(acc, out)
-    }
 
-    macro_rules! nibble_kernel {
-        ($t:ty, $qh:expr) => {
-            impl Tile<BlockQ8> for $t {
-                #[target_feature(enable = "avx2,fma,f16c")]
+            #[target_feature(enable = $feat)]
+            unsafe fn scales(d: &[f16; ROWS]) -> __m256 {
+                _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr() as *const __m128i))
+            }
+
+            /// Four activation quants (`qs[e..e+4]`) in every lane.
+            #[target_feature(enable = $feat)]
+            unsafe fn word(qs: &[i8], e: usize) -> __m256i {
+                debug_assert!(e + 4 <= qs.len());
+                _mm256_set1_epi32((qs.as_ptr().add(e) as *const i32).read_unaligned())
+            }
+
+            /// `acc += isum · (d_w · d_a)`, then the offset term: the fixed per-block arithmetic.
+            #[target_feature(enable = $feat)]
+            unsafe fn scale_block<B: BlockX8>(
+                acc: __m256,
+                isum: __m256i,
+                b: &B,
+                q: &BlockQ8,
+            ) -> __m256 {
+                let dw = scales(b.d());
+                let acc = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(isum),
+                    _mm256_mul_ps(dw, _mm256_set1_ps(q.d)),
+                    acc,
+                );
+                match B::OFFSET {
+                    Offset::None => acc,
+                    Offset::Scaled(c) => _mm256_fmadd_ps(
+                        _mm256_mul_ps(dw, _mm256_set1_ps(c)),
+                        _mm256_set1_ps(q.s),
+                        acc,
+                    ),
+                    Offset::Min => _mm256_fmadd_ps(scales(b.m()), _mm256_set1_ps(q.s), acc),
+                }
+            }
+
+            #[target_feature(enable = $feat)]
+            unsafe fn store<const N: usize>(acc: [__m256; N], out: &mut [[f32; ROWS]]) {
+                for (a, o) in acc.iter().zip(out.iter_mut()) {
+                    _mm256_storeu_ps(o.as_mut_ptr(), *a);
+                }
+            }
+
+            impl Tile<BlockQ8> for Q8_0x8 {
+                /// Signed weights: `maddubs` takes |w| and moves w's sign onto the activation. The
+                /// pair sums can reach 2 · 128 · 127, so each product vector is widened to i32 at once.
+                #[target_feature(enable = $feat)]
                 unsafe fn tile<const N: usize>(
                     w: &[Self],
                     a: [&[BlockQ8]; N],
                     out: &mut [[f32; ROWS]],
                 ) {
-                    tile_nibbles(w, a, out, |b: &Self| &b.qs, $qh)
-                }
-            }
-        };
-    }
-    impl Tile<BlockQ8K> for Q4Kx8 {
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn tile<const N: usize>(w: &[Self], a: [&[BlockQ8K]; N], out: &mut [[f32; ROWS]]) {
-            tile_q4k(w, a, out)
-        }
-    }
-
-    impl Tile<BlockQ8K> for Q6Kx8 {
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn tile<const N: usize>(w: &[Self], a: [&[BlockQ8K]; N], out: &mut [[f32; ROWS]]) {
-            tile_q6k(w, a, out)
-        }
-    }
-
-    /// Eight rows' signed bytes as i16 pairs `lo[r] | hi[r] << 16` per lane (`hi = lo` puts
-    /// the same value in both halves, for `madd` against a lane's two partial sums).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn signed_pairs(lo: &[i8; ROWS], hi: &[i8; ROWS]) -> __m256i {
-        let l = _mm256_cvtepi8_epi32(_mm_loadl_epi64(lo.as_ptr() as *const __m128i));
-        let h = _mm256_cvtepi8_epi32(_mm_loadl_epi64(hi.as_ptr() as *const __m128i));
-        _mm256_or_si256(
-            _mm256_and_si256(l, _mm256_set1_epi32(0xffff)),
-            _mm256_slli_epi32(h, 16),
-        )
-    }
-
-    /// Q6_K: unsigned 6-bit quants into `maddubs` (a pair sum is at most 2 · 63 · 127, so two
-    /// product vectors add in i16), each 16-value sub-block scaled by `madd` with its signed
-    /// scale; the −32 offset comes in once per super-block through the activation's 16-value
-    /// sums.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile_q6k<const N: usize>(w: &[Q6Kx8], a: [&[BlockQ8K]; N], out: &mut [[f32; ROWS]]) {
-        let low = _mm256_set1_epi8(0x0f);
-        let (m03, m30) = (_mm256_set1_epi8(0x03), _mm256_set1_epi8(0x30));
-        let mut acc = [_mm256_setzero_ps(); N];
-        for (i, b) in w.iter().enumerate() {
-            prefetch(b);
-            let q = a.map(|r| r.get_unchecked(i));
-            let mut isum = [_mm256_setzero_si256(); N];
-            for n in 0..2 {
-                for k in 0..4 {
-                    for h in 0..2 {
-                        let sc = signed_pairs(&b.sc[8 * n + 2 * k + h], &b.sc[8 * n + 2 * k + h]);
-                        for pair in 0..2 {
-                            let mut s16 = [_mm256_setzero_si256(); N];
-                            for w4 in 0..2 {
-                                let wi = 4 * h + 2 * pair + w4;
-                                let l = _mm256_loadu_si256(
-                                    b.ql.as_ptr().add(32 * (16 * n + 8 * (k % 2) + wi))
-                                        as *const __m256i,
-                                );
-                                let hb = _mm256_loadu_si256(
-                                    b.qh.as_ptr().add(32 * (8 * n + wi)) as *const __m256i
-                                );
-                                let lo4 = if k < 2 {
-                                    _mm256_and_si256(l, low)
+                    let ones = _mm256_set1_epi16(1);
+                    let mut acc = [_mm256_setzero_ps(); N];
+                    for (i, b) in w.iter().enumerate() {
+                        prefetch(b);
+                        let q = a.map(|r| r.get_unchecked(i));
+                        let mut isum = [_mm256_setzero_si256(); N];
+                        let mut isum2 = [[_mm256_setzero_si256(); N]; 2];
+                        for j in 0..8 {
+                            let x = _mm256_loadu_si256(b.qs.as_ptr().add(32 * j) as *const __m256i);
+                            let ax = _mm256_sign_epi8(x, x);
+                            for t in 0..N {
+                                let y = _mm256_sign_epi8(word(&q[t].qs, 4 * j), x);
+                                if VNNI {
+                                    // Two chains, so consecutive `vpdpbusd`s need not wait on
+                                    // each other.
+                                    isum2[j % 2][t] = dp(isum2[j % 2][t], ax, y);
                                 } else {
-                                    _mm256_and_si256(_mm256_srli_epi16(l, 4), low)
-                                };
-                                let hi2 = match k {
-                                    0 => _mm256_slli_epi16(_mm256_and_si256(hb, m03), 4),
-                                    1 => _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30),
-                                    2 => _mm256_and_si256(hb, m30),
-                                    _ => _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30),
-                                };
-                                let v = _mm256_or_si256(lo4, hi2);
-                                let e = 128 * n + 32 * k + 4 * wi;
-                                for t in 0..N {
-                                    let p = _mm256_maddubs_epi16(v, word(&q[t].qs, e));
-                                    s16[t] = _mm256_add_epi16(s16[t], p);
+                                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, y), ones);
+                                    isum[t] = _mm256_add_epi32(isum[t], p);
                                 }
                             }
+                        }
+                        for t in 0..N {
+                            if VNNI {
+                                isum[t] = _mm256_add_epi32(isum2[0][t], isum2[1][t]);
+                            }
+                            acc[t] = scale_block(acc[t], isum[t], b, q[t]);
+                        }
+                    }
+                    store(acc, out)
+                }
+            }
+
+            /// The 4- and 5-bit formats: unsigned quants go straight into `maddubs`. A pair sum is at
+            /// most 2 · 31 · 127, so four of them (all eight for 4-bit quants) add up in i16 before one
+            /// widening to i32.
+            #[target_feature(enable = $feat)]
+            unsafe fn tile_nibbles<B: BlockX8, const N: usize>(
+                w: &[B],
+                a: [&[BlockQ8]; N],
+                out: &mut [[f32; ROWS]],
+                qs: impl Fn(&B) -> &[u8; 128],
+                qh: impl Fn(&B) -> Option<&[u8; 32]>,
+            ) {
+                let ones = _mm256_set1_epi16(1);
+                let low = _mm256_set1_epi8(0x0f);
+                let bit4 = _mm256_set1_epi8(0x10);
+                let mut acc = [_mm256_setzero_ps(); N];
+                for (i, b) in w.iter().enumerate() {
+                    prefetch(b);
+                    let q = a.map(|r| r.get_unchecked(i));
+                    let mut isum = [_mm256_setzero_si256(); N];
+                    let mut s16 = [_mm256_setzero_si256(); N];
+                    let h = qh(b).map(|h| _mm256_loadu_si256(h.as_ptr() as *const __m256i));
+                    for j in 0..4 {
+                        let raw = _mm256_loadu_si256(qs(b).as_ptr().add(32 * j) as *const __m256i);
+                        let mut lo = _mm256_and_si256(raw, low);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                        if let Some(h) = h {
+                            // Bit m of each byte to bit 4: 16-bit shifts are safe, as bit 4 of each
+                            // byte only ever receives a bit of the same byte.
+                            let (hl, hh) = match j {
+                                0 => (_mm256_slli_epi16(h, 4), h),
+                                1 => (_mm256_slli_epi16(h, 3), _mm256_srli_epi16(h, 1)),
+                                2 => (_mm256_slli_epi16(h, 2), _mm256_srli_epi16(h, 2)),
+                                _ => (_mm256_slli_epi16(h, 1), _mm256_srli_epi16(h, 3)),
+                            };
+                            lo = _mm256_or_si256(lo, _mm256_and_si256(hl, bit4));
+                            hi = _mm256_or_si256(hi, _mm256_and_si256(hh, bit4));
+                        }
+                        if VNNI {
+                            // s16 doubles as the second chain of i32 sums.
                             for t in 0..N {
-                                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s16[t], sc));
+                                isum[t] = dp(isum[t], lo, word(&q[t].qs, 4 * j));
+                                s16[t] = dp(s16[t], hi, word(&q[t].qs, 4 * j + 16));
+                            }
+                            continue;
+                        }
+                        for t in 0..N {
+                            let pl = _mm256_maddubs_epi16(lo, word(&q[t].qs, 4 * j));
+                            let ph = _mm256_maddubs_epi16(hi, word(&q[t].qs, 4 * j + 16));
+                            s16[t] = _mm256_add_epi16(s16[t], _mm256_add_epi16(pl, ph));
+                        }
+                        let widen = if qh(b).is_some() { j % 2 == 1 } else { j == 3 };
+                        if widen {
+                            for t in 0..N {
+                                isum[t] =
+                                    _mm256_add_epi32(isum[t], _mm256_madd_epi16(s16[t], ones));
+                                s16[t] = _mm256_setzero_si256();
                             }
                         }
                     }
-                }
-            }
-            let dw = scales(&b.d);
-            for t in 0..N {
-                let bs = &q[t].bsums;
-                let mut offs = _mm256_setzero_si256();
-                for p in 0..8 {
-                    let sc = signed_pairs(&b.sc[2 * p], &b.sc[2 * p + 1]);
-                    let word = (bs[2 * p] as u16 as u32) | ((bs[2 * p + 1] as u16 as u32) << 16);
-                    offs = _mm256_add_epi32(
-                        offs,
-                        _mm256_madd_epi16(sc, _mm256_set1_epi32(word as i32)),
-                    );
-                }
-                let isum = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(offs, 5));
-                acc[t] = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(isum),
-                    _mm256_mul_ps(dw, _mm256_set1_ps(q[t].d)),
-                    acc[t],
-                );
-            }
-        }
-        store(acc, out)
-    }
-
-    /// From two consecutive rows-of-eight byte arrays `p[0..8]`, `p[8..16]` (one 128-bit load
-    /// broadcast to both halves), lane `r` as the i16 pair `(p[lo + r], p[hi + r])`: `lo`, `hi`
-    /// are 0 or 8. One shuffle instead of widening each array on its own.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn byte_pairs<const LO: i8, const HI: i8>(p: __m256i) -> __m256i {
-        const Z: i8 = -128; // a set top bit makes `pshufb` write zero
-        let c = _mm256_setr_epi8(
-            LO,
-            Z,
-            HI,
-            Z,
-            LO + 1,
-            Z,
-            HI + 1,
-            Z,
-            LO + 2,
-            Z,
-            HI + 2,
-            Z,
-            LO + 3,
-            Z,
-            HI + 3,
-            Z,
-            LO + 4,
-            Z,
-            HI + 4,
-            Z,
-            LO + 5,
-            Z,
-            HI + 5,
-            Z,
-            LO + 6,
-            Z,
-            HI + 6,
-            Z,
-            LO + 7,
-            Z,
-            HI + 7,
-            Z,
-        );
-        _mm256_shuffle_epi8(p, c)
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_pairs(p: &[[u8; ROWS]]) -> __m256i {
-        debug_assert!(p.len() >= 2);
-        _mm256_broadcastsi128_si256(_mm_loadu_si128(p.as_ptr() as *const __m128i))
-    }
-
-    /// A sub-block's 32 sums of two products stay below 2 · 15 · 127 · 8 < 2¹⁵ in i16; `madd`
-    /// with the row's scale in both halves of its lane then gives `sc · Σ q·y` in i32.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile_q4k<const N: usize>(w: &[Q4Kx8], a: [&[BlockQ8K]; N], out: &mut [[f32; ROWS]]) {
-        let low = _mm256_set1_epi8(0x0f);
-        let mut acc = [_mm256_setzero_ps(); N];
-        for (i, b) in w.iter().enumerate() {
-            prefetch(b);
-            let q = a.map(|r| r.get_unchecked(i));
-            let mut isum = [_mm256_setzero_si256(); N];
-            for c in 0..4 {
-                let mut s_lo = [_mm256_setzero_si256(); N];
-                let mut s_hi = [_mm256_setzero_si256(); N];
-                for v in 0..8 {
-                    let raw =
-                        _mm256_loadu_si256(b.qs.as_ptr().add(256 * c + 32 * v) as *const __m256i);
-                    let lo = _mm256_and_si256(raw, low);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
                     for t in 0..N {
-                        let e = 64 * c + 4 * v;
-                        s_lo[t] =
-                            _mm256_add_epi16(s_lo[t], _mm256_maddubs_epi16(lo, word(&q[t].qs, e)));
-                        s_hi[t] = _mm256_add_epi16(
-                            s_hi[t],
-                            _mm256_maddubs_epi16(hi, word(&q[t].qs, e + 32)),
+                        if VNNI {
+                            isum[t] = _mm256_add_epi32(isum[t], s16[t]);
+                        }
+                        acc[t] = scale_block(acc[t], isum[t], b, q[t]);
+                    }
+                }
+                store(acc, out)
+            }
+
+            impl Tile<BlockQ8K> for Q4Kx8 {
+                #[target_feature(enable = $feat)]
+                unsafe fn tile<const N: usize>(
+                    w: &[Self],
+                    a: [&[BlockQ8K]; N],
+                    out: &mut [[f32; ROWS]],
+                ) {
+                    tile_q4k(w, a, out)
+                }
+            }
+
+            impl Tile<BlockQ8K> for Q6Kx8 {
+                #[target_feature(enable = $feat)]
+                unsafe fn tile<const N: usize>(
+                    w: &[Self],
+                    a: [&[BlockQ8K]; N],
+                    out: &mut [[f32; ROWS]],
+                ) {
+                    tile_q6k(w, a, out)
+                }
+            }
+
+            /// Eight rows' signed bytes as i16 pairs `lo[r] | hi[r] << 16` per lane (`hi = lo` puts
+            /// the same value in both halves, for `madd` against a lane's two partial sums).
+            #[target_feature(enable = $feat)]
+            unsafe fn signed_pairs(lo: &[i8; ROWS], hi: &[i8; ROWS]) -> __m256i {
+                let l = _mm256_cvtepi8_epi32(_mm_loadl_epi64(lo.as_ptr() as *const __m128i));
+                let h = _mm256_cvtepi8_epi32(_mm_loadl_epi64(hi.as_ptr() as *const __m128i));
+                _mm256_or_si256(
+                    _mm256_and_si256(l, _mm256_set1_epi32(0xffff)),
+                    _mm256_slli_epi32(h, 16),
+                )
+            }
+
+            /// Q6_K: unsigned 6-bit quants into `maddubs` (a pair sum is at most 2 · 63 · 127, so two
+            /// product vectors add in i16), each 16-value sub-block scaled by `madd` with its signed
+            /// scale; the −32 offset comes in once per super-block through the activation's 16-value
+            /// sums.
+            #[target_feature(enable = $feat)]
+            unsafe fn tile_q6k<const N: usize>(
+                w: &[Q6Kx8],
+                a: [&[BlockQ8K]; N],
+                out: &mut [[f32; ROWS]],
+            ) {
+                let low = _mm256_set1_epi8(0x0f);
+                let (m03, m30) = (_mm256_set1_epi8(0x03), _mm256_set1_epi8(0x30));
+                let mut acc = [_mm256_setzero_ps(); N];
+                for (i, b) in w.iter().enumerate() {
+                    prefetch(b);
+                    let q = a.map(|r| r.get_unchecked(i));
+                    let mut isum = [_mm256_setzero_si256(); N];
+                    for n in 0..2 {
+                        for k in 0..4 {
+                            for h in 0..2 {
+                                let si = 8 * n + 2 * k + h;
+                                let sc = signed_pairs(&b.sc[si], &b.sc[si]);
+                                // With VNNI, the sub-block's four vectors sum in i32 and the
+                                // scale multiplies once.
+                                let mut d = [_mm256_setzero_si256(); N];
+                                for pair in 0..2 {
+                                    let mut s16 = [_mm256_setzero_si256(); N];
+                                    for w4 in 0..2 {
+                                        let wi = 4 * h + 2 * pair + w4;
+                                        let l = _mm256_loadu_si256(
+                                            b.ql.as_ptr().add(32 * (16 * n + 8 * (k % 2) + wi))
+                                                as *const __m256i,
+                                        );
+                                        let hb = _mm256_loadu_si256(
+                                            b.qh.as_ptr().add(32 * (8 * n + wi)) as *const __m256i,
+                                        );
+                                        let lo4 = if k < 2 {
+                                            _mm256_and_si256(l, low)
+                                        } else {
+                                            _mm256_and_si256(_mm256_srli_epi16(l, 4), low)
+                                        };
+                                        let hi2 = match k {
+                                            0 => _mm256_slli_epi16(_mm256_and_si256(hb, m03), 4),
+                                            1 => _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30),
+                                            2 => _mm256_and_si256(hb, m30),
+                                            _ => _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30),
+                                        };
+                                        let v = _mm256_or_si256(lo4, hi2);
+                                        let e = 128 * n + 32 * k + 4 * wi;
+                                        for t in 0..N {
+                                            if VNNI {
+                                                d[t] = dp(d[t], v, word(&q[t].qs, e));
+                                            } else {
+                                                let p = _mm256_maddubs_epi16(v, word(&q[t].qs, e));
+                                                s16[t] = _mm256_add_epi16(s16[t], p);
+                                            }
+                                        }
+                                    }
+                                    if !VNNI {
+                                        for t in 0..N {
+                                            isum[t] = _mm256_add_epi32(
+                                                isum[t],
+                                                _mm256_madd_epi16(s16[t], sc),
+                                            );
+                                        }
+                                    }
+                                }
+                                if VNNI {
+                                    let sc32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                        b.sc[si].as_ptr() as *const __m128i,
+                                    ));
+                                    for t in 0..N {
+                                        isum[t] = _mm256_add_epi32(
+                                            isum[t],
+                                            _mm256_mullo_epi32(d[t], sc32),
+                                        );
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    let dw = scales(&b.d);
+                    for t in 0..N {
+                        let bs = &q[t].bsums;
+                        let mut offs = _mm256_setzero_si256();
+                        for p in 0..8 {
+                            let sc = signed_pairs(&b.sc[2 * p], &b.sc[2 * p + 1]);
+                            let word =
+                                (bs[2 * p] as u16 as u32) | ((bs[2 * p + 1] as u16 as u32) << 16);
+                            offs = _mm256_add_epi32(
+                                offs,
+                                _mm256_madd_epi16(sc, _mm256_set1_epi32(word as i32)),
+                            );
+                        }
+                        let isum = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(offs, 5));
+                        acc[t] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(isum),
+                            _mm256_mul_ps(dw, _mm256_set1_ps(q[t].d)),
+                            acc[t],
                         );
                     }
                 }
-                let sc = load_pairs(&b.sc[2 * c..]);
-                let (sc_lo, sc_hi) = (byte_pairs::<0, 0>(sc), byte_pairs::<8, 8>(sc));
-                for t in 0..N {
-                    let p = _mm256_add_epi32(
-                        _mm256_madd_epi16(s_lo[t], sc_lo),
-                        _mm256_madd_epi16(s_hi[t], sc_hi),
-                    );
-                    isum[t] = _mm256_add_epi32(isum[t], p);
-                }
+                store(acc, out)
             }
-            let (dw, dm) = (scales(&b.d), scales(&b.dmin));
-            for t in 0..N {
-                let bs = &q[t].bsums;
-                let mut msum = _mm256_setzero_si256();
-                for p in 0..4 {
-                    let s0 = (bs[4 * p] as i32 + bs[4 * p + 1] as i32) as u16 as u32;
-                    let s1 = (bs[4 * p + 2] as i32 + bs[4 * p + 3] as i32) as u16 as u32;
-                    let m = byte_pairs::<0, 8>(load_pairs(&b.mn[2 * p..]));
-                    let y = _mm256_set1_epi32((s0 | s1 << 16) as i32);
-                    msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m, y));
-                }
-                let da = _mm256_set1_ps(q[t].d);
-                acc[t] =
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(dw, da), acc[t]);
-                acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dm, da), acc[t]);
-            }
-        }
-        store(acc, out)
-    }
 
-    nibble_kernel!(Q4_0x8, |_: &Q4_0x8| None);
-    nibble_kernel!(Q4_1x8, |_: &Q4_1x8| None);
-    nibble_kernel!(Q5_0x8, |b: &Q5_0x8| Some(&b.qh));
-    nibble_kernel!(Q5_1x8, |b: &Q5_1x8| Some(&b.qh));
+            /// From two consecutive rows-of-eight byte arrays `p[0..8]`, `p[8..16]` (one 128-bit load
+            /// broadcast to both halves), lane `r` as the i16 pair `(p[lo + r], p[hi + r])`: `lo`, `hi`
+            /// are 0 or 8. One shuffle instead of widening each array on its own.
+            #[target_feature(enable = $feat)]
+            unsafe fn byte_pairs<const LO: i8, const HI: i8>(p: __m256i) -> __m256i {
+                const Z: i8 = -128; // a set top bit makes `pshufb` write zero
+                let c = _mm256_setr_epi8(
+                    LO,
+                    Z,
+                    HI,
+                    Z,
+                    LO + 1,
+                    Z,
+                    HI + 1,
+                    Z,
+                    LO + 2,
+                    Z,
+                    HI + 2,
+                    Z,
+                    LO + 3,
+                    Z,
+                    HI + 3,
+                    Z,
+                    LO + 4,
+                    Z,
+                    HI + 4,
+                    Z,
+                    LO + 5,
+                    Z,
+                    HI + 5,
+                    Z,
+                    LO + 6,
+                    Z,
+                    HI + 6,
+                    Z,
+                    LO + 7,
+                    Z,
+                    HI + 7,
+                    Z,
+                );
+                _mm256_shuffle_epi8(p, c)
+            }
+
+            #[target_feature(enable = $feat)]
+            unsafe fn load_pairs(p: &[[u8; ROWS]]) -> __m256i {
+                debug_assert!(p.len() >= 2);
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(p.as_ptr() as *const __m128i))
+            }
+
+            /// A sub-block's 32 sums of two products stay below 2 · 15 · 127 · 8 < 2¹⁵ in i16; `madd`
+            /// with the row's scale in both halves of its lane then gives `sc · Σ q·y` in i32.
+            #[target_feature(enable = $feat)]
+            unsafe fn tile_q4k<const N: usize>(
+                w: &[Q4Kx8],
+                a: [&[BlockQ8K]; N],
+                out: &mut [[f32; ROWS]],
+            ) {
+                let low = _mm256_set1_epi8(0x0f);
+                let mut acc = [_mm256_setzero_ps(); N];
+                for (i, b) in w.iter().enumerate() {
+                    prefetch(b);
+                    let q = a.map(|r| r.get_unchecked(i));
+                    let mut isum = [_mm256_setzero_si256(); N];
+                    for c in 0..4 {
+                        let mut s_lo = [_mm256_setzero_si256(); N];
+                        let mut s_hi = [_mm256_setzero_si256(); N];
+                        for v in 0..8 {
+                            let raw = _mm256_loadu_si256(
+                                b.qs.as_ptr().add(256 * c + 32 * v) as *const __m256i
+                            );
+                            let lo = _mm256_and_si256(raw, low);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                            for t in 0..N {
+                                let e = 64 * c + 4 * v;
+                                if VNNI {
+                                    // i32 sums per sub-block, scaled below by one multiply.
+                                    s_lo[t] = dp(s_lo[t], lo, word(&q[t].qs, e));
+                                    s_hi[t] = dp(s_hi[t], hi, word(&q[t].qs, e + 32));
+                                    continue;
+                                }
+                                s_lo[t] = _mm256_add_epi16(
+                                    s_lo[t],
+                                    _mm256_maddubs_epi16(lo, word(&q[t].qs, e)),
+                                );
+                                s_hi[t] = _mm256_add_epi16(
+                                    s_hi[t],
+                                    _mm256_maddubs_epi16(hi, word(&q[t].qs, e + 32)),
+                                );
+                            }
+                        }
+                        if VNNI {
+                            let (sc_lo, sc_hi) =
+                                (widen_u8(&b.sc[2 * c]), widen_u8(&b.sc[2 * c + 1]));
+                            for t in 0..N {
+                                let p = _mm256_add_epi32(
+                                    _mm256_mullo_epi32(s_lo[t], sc_lo),
+                                    _mm256_mullo_epi32(s_hi[t], sc_hi),
+                                );
+                                isum[t] = _mm256_add_epi32(isum[t], p);
+                            }
+                            continue;
+                        }
+                        let sc = load_pairs(&b.sc[2 * c..]);
+                        let (sc_lo, sc_hi) = (byte_pairs::<0, 0>(sc), byte_pairs::<8, 8>(sc));
+                        for t in 0..N {
+                            let p = _mm256_add_epi32(
+                                _mm256_madd_epi16(s_lo[t], sc_lo),
+                                _mm256_madd_epi16(s_hi[t], sc_hi),
+                            );
+                            isum[t] = _mm256_add_epi32(isum[t], p);
+                        }
+                    }
+                    let (dw, dm) = (scales(&b.d), scales(&b.dmin));
+                    for t in 0..N {
+                        let bs = &q[t].bsums;
+                        let mut msum = _mm256_setzero_si256();
+                        for p in 0..4 {
+                            let s0 = (bs[4 * p] as i32 + bs[4 * p + 1] as i32) as u16 as u32;
+                            let s1 = (bs[4 * p + 2] as i32 + bs[4 * p + 3] as i32) as u16 as u32;
+                            let m = byte_pairs::<0, 8>(load_pairs(&b.mn[2 * p..]));
+                            let y = _mm256_set1_epi32((s0 | s1 << 16) as i32);
+                            msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m, y));
+                        }
+                        let da = _mm256_set1_ps(q[t].d);
+                        acc[t] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(isum[t]),
+                            _mm256_mul_ps(dw, da),
+                            acc[t],
+                        );
+                        acc[t] = _mm256_fnmadd_ps(
+                            _mm256_cvtepi32_ps(msum),
+                            _mm256_mul_ps(dm, da),
+                            acc[t],
+                        );
+                    }
+                }
+                store(acc, out)
+            }
+
+            nibble_kernel!($feat, Q4_0x8, |_: &Q4_0x8| None);
+            nibble_kernel!($feat, Q4_1x8, |_: &Q4_1x8| None);
+            nibble_kernel!($feat, Q5_0x8, |b: &Q5_0x8| Some(&b.qh));
+            nibble_kernel!($feat, Q5_1x8, |b: &Q5_1x8| Some(&b.qh));
+        }
+    };
 }
+
+#[cfg(target_arch = "x86_64")]
+packed_kernels!(avx2, "avx2,fma,f16c", false);
+#[cfg(target_arch = "x86_64")]
+packed_kernels!(vnni, "avx2,fma,f16c,avxvnni", true);
