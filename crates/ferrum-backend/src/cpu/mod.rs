@@ -799,7 +799,7 @@ trait PackedRows: Sized + 'static {
         rows: std::ops::Range<usize>,
         n: usize,
         act: &impl Fn(usize) -> &'a [Self],
-        write: &impl Fn(usize, usize, f32),
+        write8: &impl Fn(usize, usize, &[f32; quant::packed::ROWS]),
     ) -> usize {
         use quant::packed::ROWS;
         let Some(p) = w.packed.as_ref().filter(|p| Self::pairs_with(p)) else {
@@ -818,9 +818,7 @@ trait PackedRows: Sized + 'static {
                 let acts: [&[Self]; 4] = std::array::from_fn(|i| act((t + i).min(n - 1)));
                 Self::gemm(p, g, &acts[..c], &mut out[..c]);
                 for (i, o) in out[..c].iter().enumerate() {
-                    for (r, &v) in o.iter().enumerate() {
-                        write(t + i, g * ROWS + r, v);
-                    }
+                    write8(t + i, g * ROWS, o);
                 }
             }
         }
@@ -893,7 +891,21 @@ fn quantized_matmul(
                         // SAFETY: in bounds (checked by the caller); column j is this task's.
                         unsafe { dst.write(ov.offset + t * ov.stride + j, v + b) };
                     };
-                    let mut first = <$block as PackedRows>::run(w, rows.clone(), n, &act, &write);
+                    // A packed group's eight results go out in one copy.
+                    let write8 = |t: usize, j: usize, v: &[f32; quant::packed::ROWS]| {
+                        // SAFETY: in bounds (checked by the caller); columns j..j+8 are this
+                        // task's.
+                        let d = unsafe { dst.slice(ov.offset + t * ov.stride + j, v.len()) };
+                        match bias {
+                            Some(b) => {
+                                for ((d, v), b) in d.iter_mut().zip(v).zip(&b[j..]) {
+                                    *d = v + b;
+                                }
+                            }
+                            None => d.copy_from_slice(v),
+                        }
+                    };
+                    let mut first = <$block as PackedRows>::run(w, rows.clone(), n, &act, &write8);
                     if n < 4 {
                         // Decode: four weight rows per pass keep four memory streams in flight.
                         while first + 4 <= rows.end {
