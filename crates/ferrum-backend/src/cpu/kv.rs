@@ -194,6 +194,9 @@ pub(super) fn attention(
     // The same call for every element format; only the storage and its kernels differ.
     macro_rules! attend_as {
         ($kd:expr, $vd:expr, $per:expr, $to_f32:expr) => {
+            attend_as!($kd, $vd, $per, $to_f32, None)
+        };
+        ($kd:expr, $vd:expr, $per:expr, $to_f32:expr, $direct:expr) => {
             attend(
                 pool,
                 q,
@@ -209,6 +212,7 @@ pub(super) fn attention(
                 ov,
                 p,
                 $to_f32,
+                $direct,
             )
         };
     }
@@ -216,7 +220,14 @@ pub(super) fn attention(
         (KvData::F32(kd), KvData::F32(vd)) => {
             attend_as!(kd, vd, 1, |s: &[f32], d: &mut [f32]| d.copy_from_slice(s))
         }
-        (KvData::F16(kd), KvData::F16(vd)) => attend_as!(kd, vd, 1, simd::f16_to_f32),
+        (KvData::F16(kd), KvData::F16(vd)) => {
+            let kern = simd::attn_kernels();
+            let direct = Direct {
+                dot4: kern.dot4_f16,
+                mix: kern.mix_f16,
+            };
+            attend_as!(kd, vd, 1, simd::f16_to_f32, Some(direct))
+        }
         (KvData::Q8(kd), KvData::Q8(vd)) => {
             assert!(
                 hd.is_multiple_of(QK),
@@ -226,6 +237,26 @@ pub(super) fn attention(
         }
         _ => panic!("attention: keys and values in different formats"),
     }
+}
+
+/// Kernels that read keys and values straight from the cache at the given element offsets,
+/// with the results of converting first (see [`simd::AttnKernels`]).
+struct Direct<T> {
+    dot4: simd::Dot4Rows<T>,
+    mix: simd::MixRows<T>,
+}
+
+// By hand: derived, they would ask `T: Copy`, and function pointers are Copy for any `T`.
+impl<T> Clone for Direct<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Direct<T> {}
+
+thread_local! {
+    /// Cache offsets of a job's key rows (decode).
+    static OFFSETS: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Row width in values, and how many values one storage element holds.
@@ -248,6 +279,7 @@ fn attend<T: Sync>(
     ov: Rows,
     p: AttentionParams,
     to_f32: fn(&[T], &mut [f32]),
+    direct: Option<Direct<T>>,
 ) {
     let hd = qv.head_dim;
     let group = qv.heads / p.n_kv_heads;
@@ -290,6 +322,69 @@ fn attend<T: Sync>(
         let lo_of = |pos: usize| p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let (klo, khi) = (lo_of(pos_of(lo_row)), pos_of(hi_row - 1));
         let span = khi + 1 - klo;
+        let softmax = |scores: &mut [f32]| {
+            let scale = match p.softcap {
+                // Gemma 2's cap goes between the scaling and the softmax.
+                Some(cap) => {
+                    for sc in scores.iter_mut() {
+                        *sc = cap * (*sc * p.scale / cap).tanh();
+                    }
+                    1.0
+                }
+                None => p.scale,
+            };
+            (kern.softmax)(scores, scale);
+        };
+        // Output rows of heads `h..h + g` of query row `t`, zeroed (consecutive heads'
+        // rows are adjacent).
+        let out_rows = |t: usize, h: usize, g: usize| {
+            let oo = ov.offset + t * ov.stride + h * hd;
+            // SAFETY: in bounds (checked by the caller); (t, h) belongs to this job alone,
+            // and nothing else reads or writes these elements meanwhile.
+            let o = unsafe { dst.slice(oo, g * hd) };
+            o.fill(0.0);
+            o
+        };
+        let q_of = |t: usize, h: usize, g: usize| {
+            let qo = qv.offset + t * qv.stride + h * hd;
+            &q[qo..qo + g * hd]
+        };
+        if let (Some(dk), 1) = (direct, hi_row - lo_row) {
+            // One query row (decode): every key serves only this job's heads, so the keys and
+            // values are read from the cache as they are, each converted once for up to
+            // F16_HEADS heads, not copied first.
+            return SCRATCH2.with(|s| {
+                OFFSETS.with(|offs| {
+                    let (mut scores, mut offs) = (s.borrow_mut(), offs.borrow_mut());
+                    offs.clear();
+                    walk(table, klo, khi, row_units, kvh * head_units, |o| {
+                        offs.push(o)
+                    });
+                    scores.resize(simd::F16_HEADS * span, 0.0);
+                    let mut acc = [[0f32; 4]; simd::F16_HEADS];
+                    for h in heads.clone().step_by(simd::F16_HEADS) {
+                        let g = (heads.end - h).min(simd::F16_HEADS);
+                        let qh = q_of(lo_row, h, g);
+                        for c in (0..span).step_by(4) {
+                            let m = (span - c).min(4);
+                            let ahead = (c + simd::PREFETCH_KEYS).min(span);
+                            let ahead_end = (ahead + 4).min(span);
+                            simd::prefetch_rows(k_cache, &offs[ahead..ahead_end], hd);
+                            (dk.dot4)(qh, g, k_cache, &offs[c..c + m], &mut acc);
+                            for (i, a) in acc[..g].iter().enumerate() {
+                                scores[i * span + c..i * span + c + m].copy_from_slice(&a[..m]);
+                            }
+                        }
+                        for i in 0..g {
+                            softmax(&mut scores[i * span..(i + 1) * span]);
+                        }
+                        let o = out_rows(lo_row, h, g);
+                        (dk.mix)(&scores[..g * span], g, v_cache, &offs, o);
+                    }
+                })
+            });
+        }
+        let mut acc = [0f32; 8];
         SCRATCH2.with(|s| {
             SCRATCH.with(|kv| {
                 let (mut scores, mut kv) = (s.borrow_mut(), kv.borrow_mut());
@@ -306,35 +401,18 @@ fn attend<T: Sync>(
                     to_f32(&v_cache[o..o + head_units], &mut vf[i * hd..(i + 1) * hd]);
                     i += 1;
                 });
-                let mut acc = [0f32; 8];
                 for h in heads.clone() {
                     for t in lo_row..hi_row {
                         let pos = pos_of(t);
                         let (lo, n) = (lo_of(pos) - klo, pos + 1 - lo_of(pos));
-                        let qo = qv.offset + t * qv.stride + h * hd;
-                        let qh = &q[qo..qo + hd];
+                        let qh = q_of(t, h, 1);
                         scores.clear();
                         for c in (0..n).step_by(8) {
                             (kern.dot8)(qh, &kf[(lo + c) * hd..(lo + c + 8) * hd], &mut acc);
                             scores.extend_from_slice(&acc[..(n - c).min(8)]);
                         }
-                        let scale = match p.softcap {
-                            // Gemma 2's cap goes between the scaling and the softmax.
-                            Some(cap) => {
-                                for sc in scores.iter_mut() {
-                                    *sc = cap * (*sc * p.scale / cap).tanh();
-                                }
-                                1.0
-                            }
-                            None => p.scale,
-                        };
-                        (kern.softmax)(&mut scores, scale);
-                        let oo = ov.offset + t * ov.stride + h * hd;
-                        // SAFETY: in bounds (checked by the caller); (t, h) belongs to this
-                        // job alone, and nothing else reads or writes these elements meanwhile.
-                        let o = unsafe { dst.slice(oo, hd) };
-                        o.fill(0.0);
-                        (kern.mix)(&scores, &vf[lo * hd..(lo + n) * hd], o);
+                        softmax(&mut scores);
+                        (kern.mix)(&scores, &vf[lo * hd..(lo + n) * hd], out_rows(t, h, 1));
                     }
                 }
             });

@@ -53,24 +53,83 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 /// `softmax(s, scale)`: `s[j] = exp(scale·s[j] − max) / Σ`, with [`exp_f32`]'s polynomial;
 /// the sum taken in eight lanes (element `j` in lane `j % 8`, the tail past the last multiple
 /// of eight in lanes `0..`) reduced as [`hsum8`].
+///
+/// `dot4_f16(q, g, cache, offs, out)` and `mix_f16(p, g, cache, offs, acc)`: the same two
+/// for `g` (1 to [`F16_HEADS`]) query heads at once, reading each key or value row straight
+/// from an f16 cache (row `j` is `cache[offs[j]..][..n]`) instead of from a converted copy,
+/// each row converted once for all the heads. f16 → f32 is exact, so they give the very bits
+/// `dot8` and `mix` give on the converted rows; decode (one query row per sequence) reads the
+/// cache once this way rather than converting it first. `dot4_f16`: `q` holds the heads' rows
+/// one after another, `out[h][r]` is head `h` · key `r` for one to four offsets (the scores
+/// of missing keys are unspecified). `mix_f16`: `p` holds `g` weight rows of equal length,
+/// `acc` the `g` output rows.
 #[derive(Clone, Copy)]
 pub struct AttnKernels {
     pub dot8: fn(&[f32], &[f32], &mut [f32; 8]),
     pub mix: fn(&[f32], &[f32], &mut [f32]),
     pub softmax: fn(&mut [f32], f32),
+    pub dot4_f16: Dot4Rows<half::f16>,
+    pub mix_f16: MixRows<half::f16>,
 }
+
+/// A `dot4_f16`-shaped kernel over cache elements `T` (see [`AttnKernels`]).
+pub type Dot4Rows<T> = fn(&[f32], usize, &[T], &[usize], &mut [[f32; 4]; F16_HEADS]);
+/// A `mix_f16`-shaped kernel over cache elements `T` (see [`AttnKernels`]).
+pub type MixRows<T> = fn(&[f32], usize, &[T], &[usize], &mut [f32]);
+
+/// Asks for the cache lines of rows `cache[o..o + n]` (for `o` in `offs`) ahead of use.
+/// Never faults.
+pub fn prefetch_rows<T>(cache: &[T], offs: &[usize], n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for &o in offs {
+        let p = cache.as_ptr().wrapping_add(o) as *const i8;
+        for b in (0..n * std::mem::size_of::<T>()).step_by(64) {
+            // SAFETY: prefetching has no architectural effect and never faults.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    p.wrapping_add(b),
+                )
+            };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (cache, offs, n);
+}
+
+/// How many keys ahead the decode attention prefetches.
+pub const PREFETCH_KEYS: usize = 16;
+
+/// Most query heads the `_f16` attention kernels take at once (their accumulators must fit
+/// the sixteen vector registers).
+pub const F16_HEADS: usize = 3;
 
 pub fn attn_kernels() -> AttnKernels {
     static K: OnceLock<AttnKernels> = OnceLock::new();
     *K.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if avx2_fma() {
+            if avx2_fma() && super::quant::has_avx2() {
                 return AttnKernels {
                     // SAFETY: AVX2 and FMA detected just above.
                     dot8: |q, k, o| unsafe { avx2::dot8(q, k, o) },
                     mix: |p, v, a| unsafe { avx2::mix(p, v, a) },
                     softmax: |s, scale| unsafe { avx2::softmax(s, scale) },
+                    // SAFETY: AVX2, FMA and F16C detected just above.
+                    dot4_f16: |q, g, c, o, out| unsafe {
+                        match g {
+                            1 => avx2::dot4_f16::<1>(q, c, o, out),
+                            2 => avx2::dot4_f16::<2>(q, c, o, out),
+                            _ => avx2::dot4_f16::<3>(q, c, o, out),
+                        }
+                    },
+                    // SAFETY: as above.
+                    mix_f16: |p, g, c, o, a| unsafe {
+                        match g {
+                            1 => avx2::mix_f16::<1>(p, c, o, a),
+                            2 => avx2::mix_f16::<2>(p, c, o, a),
+                            _ => avx2::mix_f16::<3>(p, c, o, a),
+                        }
+                    },
                 };
             }
         }
@@ -78,8 +137,46 @@ pub fn attn_kernels() -> AttnKernels {
             dot8: dot8_scalar,
             mix: mix_scalar,
             softmax: softmax_scalar,
+            dot4_f16: dot4_f16_scalar,
+            mix_f16: mix_f16_scalar,
         }
     })
+}
+
+/// Rows `offs[j]` of an f16 cache as f32, each `n` long, one after another (the scalar twins
+/// of the `_f16` kernels are `dot8` and `mix` on this).
+fn gather_f16(cache: &[half::f16], offs: &[usize], n: usize) -> Vec<f32> {
+    offs.iter()
+        .flat_map(|&o| cache[o..o + n].iter().map(|h| h.to_f32()))
+        .collect()
+}
+
+pub fn dot4_f16_scalar(
+    q: &[f32],
+    g: usize,
+    cache: &[half::f16],
+    offs: &[usize],
+    out: &mut [[f32; 4]; F16_HEADS],
+) {
+    assert!((1..=F16_HEADS).contains(&g) && q.len().is_multiple_of(g));
+    assert!(!offs.is_empty() && offs.len() <= 4);
+    let n = q.len() / g;
+    let padded: Vec<usize> = (0..8).map(|r| offs[r.min(offs.len() - 1)]).collect();
+    let keys = gather_f16(cache, &padded, n);
+    for (h, o) in out.iter_mut().enumerate().take(g) {
+        let mut s = [0f32; 8];
+        dot8_scalar(&q[h * n..(h + 1) * n], &keys, &mut s);
+        o.copy_from_slice(&s[..4]);
+    }
+}
+
+pub fn mix_f16_scalar(p: &[f32], g: usize, cache: &[half::f16], offs: &[usize], acc: &mut [f32]) {
+    assert!((1..=F16_HEADS).contains(&g) && p.len().is_multiple_of(g));
+    let (m, n) = (p.len() / g, acc.len() / g);
+    let vals = gather_f16(cache, &offs[..m], n);
+    for h in 0..g {
+        mix_scalar(&p[h * m..(h + 1) * m], &vals, &mut acc[h * n..(h + 1) * n]);
+    }
 }
 
 pub fn dot8_scalar(q: &[f32], k: &[f32], out: &mut [f32; 8]) {
@@ -194,7 +291,10 @@ pub fn simd_name() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     {
         if avx2_fma() {
-            return "avx2+fma";
+            return match super::quant::packed::Isa::best() {
+                super::quant::packed::Isa::AvxVnni => "avx2+fma+avx-vnni",
+                _ => "avx2+fma",
+            };
         }
     }
     "scalar"
@@ -344,6 +444,111 @@ mod avx2 {
         }
     }
 
+    /// How many value rows ahead `mix_f16` prefetches.
+    pub const PREFETCH_ROWS: usize = 16;
+
+    /// `dot8` for `G` query heads and up to four keys read from an f16 cache (see
+    /// `AttnKernels`): each key vector converted once, then one fused multiply-add per head.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot4_f16<const G: usize>(
+        q: &[f32],
+        cache: &[half::f16],
+        offs: &[usize],
+        out: &mut [[f32; 4]; super::F16_HEADS],
+    ) {
+        assert!(G <= super::F16_HEADS && q.len().is_multiple_of(G));
+        assert!(!offs.is_empty() && offs.len() <= 4);
+        let n = q.len() / G;
+        let main = n - n % 8;
+        assert!(offs.iter().all(|&o| o + n <= cache.len()));
+        let rows: [*const u16; 4] =
+            std::array::from_fn(|r| cache.as_ptr().add(offs[r.min(offs.len() - 1)]) as *const u16);
+        let pq = q.as_ptr();
+        let mut acc = [[_mm256_setzero_ps(); 4]; G];
+        let mut c = 0;
+        while c < main {
+            for (r, row) in rows.iter().enumerate() {
+                let k = _mm256_cvtph_ps(_mm_loadu_si128(row.add(c) as *const __m128i));
+                for (h, a) in acc.iter_mut().enumerate() {
+                    a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(pq.add(h * n + c)), k, a[r]);
+                }
+            }
+            c += 8;
+        }
+        for (h, (a, o)) in acc.iter().zip(out.iter_mut()).enumerate() {
+            // `dot8`'s reduction: per key ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)).
+            let t0 = _mm256_hadd_ps(a[0], a[1]);
+            let t1 = _mm256_hadd_ps(a[2], a[3]);
+            let u = _mm256_hadd_ps(t0, t1);
+            let sum = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+            _mm_storeu_ps(o.as_mut_ptr(), sum);
+            for d in main..n {
+                for (o, row) in o.iter_mut().zip(rows) {
+                    let k = half::f16::from_bits(*row.add(d)).to_f32();
+                    *o = q[h * n + d].mul_add(k, *o);
+                }
+            }
+        }
+    }
+
+    /// `mix` for `G` heads, the value rows read from an f16 cache (see `AttnKernels`): each
+    /// value vector converted once, then one fused multiply-add per head.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn mix_f16<const G: usize>(
+        p: &[f32],
+        cache: &[half::f16],
+        offs: &[usize],
+        acc: &mut [f32],
+    ) {
+        assert!(G <= super::F16_HEADS && p.len().is_multiple_of(G));
+        assert!(acc.len().is_multiple_of(G));
+        let (m, n) = (p.len() / G, acc.len() / G);
+        assert!(offs.len() >= m && offs[..m].iter().all(|&o| o + n <= cache.len()));
+        let (pc, pa, pp) = (cache.as_ptr() as *const u16, acc.as_mut_ptr(), p.as_ptr());
+        let main = n - n % 8;
+        // Four vectors of each head's output stay in registers across all of p.
+        let mut d = 0;
+        while d < main {
+            let w = ((main - d) / 8).min(4);
+            let mut a = [[_mm256_setzero_ps(); 4]; G];
+            for (h, ah) in a.iter_mut().enumerate() {
+                for (i, ai) in ah.iter_mut().enumerate().take(w) {
+                    *ai = _mm256_loadu_ps(pa.add(h * n + d + 8 * i));
+                }
+            }
+            for (j, &o) in offs[..m].iter().enumerate() {
+                // The rows are scattered over the cache (one head's part of a position's
+                // row): fetch ahead of the hardware prefetcher.
+                if let Some(&ahead) = offs[..m].get(j + PREFETCH_ROWS) {
+                    _mm_prefetch::<_MM_HINT_T0>(pc.add(ahead + d) as *const i8);
+                }
+                let b: [__m256; G] = std::array::from_fn(|h| _mm256_set1_ps(*pp.add(h * m + j)));
+                let row = pc.add(o + d);
+                for i in 0..w {
+                    let v = _mm256_cvtph_ps(_mm_loadu_si128(row.add(8 * i) as *const __m128i));
+                    for (ah, bh) in a.iter_mut().zip(&b) {
+                        ah[i] = _mm256_fmadd_ps(*bh, v, ah[i]);
+                    }
+                }
+            }
+            for (h, ah) in a.iter().enumerate() {
+                for (i, ai) in ah.iter().enumerate().take(w) {
+                    _mm256_storeu_ps(pa.add(h * n + d + 8 * i), *ai);
+                }
+            }
+            d += 8 * w;
+        }
+        for d in main..n {
+            for (j, &o) in offs[..m].iter().enumerate() {
+                let v = half::f16::from_bits(*pc.add(o + d)).to_f32();
+                for h in 0..G {
+                    let x = pa.add(h * n + d);
+                    *x = (*pp.add(h * m + j)).mul_add(v, *x);
+                }
+            }
+        }
+    }
+
     /// e^x for eight x; lane for lane the same operations as `super::exp_f32`.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn exp_f32(x: __m256) -> __m256 {
@@ -483,6 +688,52 @@ mod tests {
                 y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 "mix n={n}"
             );
+            // Straight from an f16 cache, rows scattered and out of order, for one to three
+            // heads: the bits of the f32 kernels on the converted rows, and of the twins.
+            let cache: Vec<half::f16> = (0..12 * n + 5)
+                .map(|_| half::f16::from_f32(rng.gen_range(-1.0..1.0)))
+                .collect();
+            for g in 1..=F16_HEADS {
+                let qs: Vec<f32> = (0..g * n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                for m in [1, 3, 4] {
+                    let offs: Vec<usize> = (0..m).map(|j| ((j * 5 + 3) % 12) * n + j % 5).collect();
+                    let mut keys = gather_f16(&cache, &offs, n);
+                    keys.resize(8 * n, 0.0);
+                    let (mut a, mut c) = ([[0f32; 4]; F16_HEADS], [[0f32; 4]; F16_HEADS]);
+                    (k.dot4_f16)(&qs, g, &cache, &offs, &mut a);
+                    dot4_f16_scalar(&qs, g, &cache, &offs, &mut c);
+                    for h in 0..g {
+                        let mut b = [0f32; 8];
+                        dot8_scalar(&qs[h * n..(h + 1) * n], &keys, &mut b);
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            bits(&a[h][..m]),
+                            bits(&b[..m]),
+                            "dot4_f16 n={n} g={g} m={m}"
+                        );
+                        assert_eq!(bits(&a[h][..m]), bits(&c[h][..m]), "twin n={n} g={g} m={m}");
+                    }
+                    let ps: Vec<f32> = (0..g * m).map(|_| rng.gen_range(0.0..1.0)).collect();
+                    let acc0: Vec<f32> = (0..g * n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                    let (mut x, mut z) = (acc0.clone(), acc0.clone());
+                    (k.mix_f16)(&ps, g, &cache, &offs, &mut x);
+                    mix_f16_scalar(&ps, g, &cache, &offs, &mut z);
+                    let vals = gather_f16(&cache, &offs, n);
+                    for h in 0..g {
+                        let mut y = acc0[h * n..(h + 1) * n].to_vec();
+                        mix_scalar(&ps[h * m..(h + 1) * m], &vals, &mut y);
+                        let got = &x[h * n..(h + 1) * n];
+                        assert!(
+                            got.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "mix_f16 n={n} g={g} m={m}"
+                        );
+                    }
+                    assert!(
+                        x.iter().zip(&z).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "mix_f16 twin n={n} g={g} m={m}"
+                    );
+                }
+            }
         }
         for n in [1, 7, 8, 9, 64, 77, 512] {
             let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-30.0..30.0)).collect();
