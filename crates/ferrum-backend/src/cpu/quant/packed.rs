@@ -746,7 +746,7 @@ macro_rules! packed_kernels {
     ($name:ident, $feat:literal, $vnni:expr) => {
         mod $name {
             use super::*;
-            use crate::cpu::quant::q8::prefetch;
+            use crate::cpu::quant::q8::{prefetch, prefetch_part};
             use std::arch::x86_64::*;
 
             /// Whether this instance of the kernels may use AVX-VNNI's `vpdpbusd` (four u8·i8
@@ -999,13 +999,13 @@ macro_rules! packed_kernels {
                 let (m03, m30) = (_mm256_set1_epi8(0x03), _mm256_set1_epi8(0x30));
                 let mut acc = [_mm256_setzero_ps(); N];
                 for (i, b) in w.iter().enumerate() {
-                    prefetch(b);
                     let q = a.map(|r| r.get_unchecked(i));
                     let mut isum = [_mm256_setzero_si256(); N];
                     for n in 0..2 {
                         for k in 0..4 {
                             for h in 0..2 {
                                 let si = 8 * n + 2 * k + h;
+                                prefetch_part(b, si, 16);
                                 let sc = signed_pairs(&b.sc[si], &b.sc[si]);
                                 // With VNNI, the sub-block's four vectors sum in i32 and the
                                 // scale multiplies once.
@@ -1150,13 +1150,15 @@ macro_rules! packed_kernels {
                 let low = _mm256_set1_epi8(0x0f);
                 let mut acc = [_mm256_setzero_ps(); N];
                 for (i, b) in w.iter().enumerate() {
-                    prefetch(b);
                     let q = a.map(|r| r.get_unchecked(i));
                     let mut isum = [_mm256_setzero_si256(); N];
                     for c in 0..4 {
                         let mut s_lo = [_mm256_setzero_si256(); N];
                         let mut s_hi = [_mm256_setzero_si256(); N];
                         for v in 0..8 {
+                            if v % 2 == 0 {
+                                prefetch_part(b, 4 * c + v / 2, 16);
+                            }
                             let raw = _mm256_loadu_si256(
                                 b.qs.as_ptr().add(256 * c + 32 * v) as *const __m256i
                             );

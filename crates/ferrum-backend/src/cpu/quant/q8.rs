@@ -141,6 +141,21 @@ pub(crate) fn prefetch<B>(b: &B) {
     }
 }
 
+/// Share `part` of `parts` of [`prefetch`]'s lines, for blocks of twenty-odd lines (the
+/// packed K-quants): asked for a few at a time as the block is worked through rather than in
+/// one burst, which can fill the core's miss buffers ahead of the demand loads.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_part<B>(b: &B, part: usize, parts: usize) {
+    use std::arch::x86_64::*;
+    let p = (b as *const B as *const i8).wrapping_add(PREFETCH_BYTES);
+    let lines = std::mem::size_of::<B>().div_ceil(64);
+    for l in part * lines / parts..(part + 1) * lines / parts {
+        // SAFETY: prefetching has no architectural effect and never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(64 * l)) };
+    }
+}
+
 /// Sums eight f32 lanes in a fixed order (shared by the AVX2 kernels).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
