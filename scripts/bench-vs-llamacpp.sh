@@ -38,23 +38,33 @@ LLAMACPP_VERSION="0.3.36"
 MOE_DIR="${MOE_DIR:-$CACHE/synth-moe}"
 MOE_LAYERS="${MOE_LAYERS:-4}"
 OUT_DIR="${OUT_DIR:-$ROOT/target/bench-vs-llamacpp/$(date +%Y%m%d-%H%M%S)}"
-AVXVNNI="${AVXVNNI:-auto}"
-if [[ "$AVXVNNI" == auto ]]; then
-    if grep -qw avx_vnni /proc/cpuinfo 2>/dev/null; then AVXVNNI=1; else AVXVNNI=0; fi
-fi
-# The same instruction sets for both engines: ferrum picks AVX-VNNI at run time when the CPU
-# has it, llama.cpp only when built for it.
-export FERRUM_AVXVNNI="$AVXVNNI"
 
 log() { echo "[bench-vs-llamacpp] $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
+
+# The same instruction sets for both engines: ferrum picks AVX-VNNI at run time when the CPU
+# has it, llama.cpp only when built for it.
+AVXVNNI="${AVXVNNI:-auto}"
+CPU_VNNI=0
+grep -qw avx_vnni /proc/cpuinfo 2>/dev/null && CPU_VNNI=1
+case "$AVXVNNI" in
+    auto)
+        # An existing build's flags are unknown here: the caller must say.
+        [[ -n "${LLAMA_BENCH:-}${LLAMACPP_BIN:-}" && $CPU_VNNI == 1 ]] \
+            && die "with LLAMA_BENCH/LLAMACPP_BIN on an AVX-VNNI CPU, set AVXVNNI=1 or 0 to match that build"
+        AVXVNNI=$CPU_VNNI ;;
+    0) ;;
+    1) [[ $CPU_VNNI == 1 ]] || die "AVXVNNI=1 but this CPU has no AVX-VNNI" ;;
+    *) die "AVXVNNI must be auto, 0 or 1 (got $AVXVNNI)" ;;
+esac
+export FERRUM_AVXVNNI="$AVXVNNI"
 
 MOE=0
 FILES=()
 for a in "$@"; do
     case "$a" in
         --moe) MOE=1 ;;
-        -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         -*) die "unknown option $a (see --help)" ;;
         *) [[ -f "$a" ]] || die "$a: no such file"; FILES+=("$(cd "$(dirname "$a")" && pwd)/$(basename "$a")") ;;
     esac
@@ -88,6 +98,7 @@ build_llamacpp() {
     local cpu_flags
     if [[ -n "${LLAMACPP_CMAKE_FLAGS:-}" ]]; then
         cpu_flags="$LLAMACPP_CMAKE_FLAGS"
+        [[ "$AVXVNNI" == 1 ]] && cpu_flags+=" -DGGML_AVX_VNNI=ON"
     elif [[ "$(uname -m)" == x86_64 ]]; then
         cpu_flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
         [[ "$AVXVNNI" == 1 ]] && cpu_flags+=" -DGGML_AVX_VNNI=ON"

@@ -350,9 +350,10 @@ fn attend<T: Sync>(
             &q[qo..qo + g * hd]
         };
         if let (Some(dk), 1) = (direct, hi_row - lo_row) {
-            // One query row (decode): every key serves only this job's heads, so the keys and
-            // values are read from the cache as they are, each converted once for up to
-            // F16_HEADS heads, not copied first.
+            // One query row (decode): a key serves only this row's heads, so the keys and
+            // values are read from the cache as they are, each vector converted once for up to
+            // F16_HEADS of the job's heads (one head when decode of few sequences splits jobs
+            // per head), not copied first.
             return SCRATCH2.with(|s| {
                 OFFSETS.with(|offs| {
                     let (mut scores, mut offs) = (s.borrow_mut(), offs.borrow_mut());

@@ -898,7 +898,7 @@ fn quantized_matmul(
                         let d = unsafe { dst.slice(ov.offset + t * ov.stride + j, v.len()) };
                         match bias {
                             Some(b) => {
-                                for ((d, v), b) in d.iter_mut().zip(v).zip(&b[j..]) {
+                                for ((d, v), b) in d.iter_mut().zip(v).zip(&b[j..j + v.len()]) {
                                     *d = v + b;
                                 }
                             }

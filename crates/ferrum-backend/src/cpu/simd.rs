@@ -96,6 +96,9 @@ pub fn prefetch_rows<T>(cache: &[T], offs: &[usize], n: usize) {
     let _ = (cache, offs, n);
 }
 
+/// How many value rows ahead `mix_f16` prefetches.
+pub const PREFETCH_ROWS: usize = 16;
+
 /// How many keys ahead the decode attention prefetches.
 pub const PREFETCH_KEYS: usize = 16;
 
@@ -116,6 +119,7 @@ pub fn attn_kernels() -> AttnKernels {
                     softmax: |s, scale| unsafe { avx2::softmax(s, scale) },
                     // SAFETY: AVX2, FMA and F16C detected just above.
                     dot4_f16: |q, g, c, o, out| unsafe {
+                        assert!((1..=F16_HEADS).contains(&g), "1 to {F16_HEADS} heads");
                         match g {
                             1 => avx2::dot4_f16::<1>(q, c, o, out),
                             2 => avx2::dot4_f16::<2>(q, c, o, out),
@@ -124,6 +128,7 @@ pub fn attn_kernels() -> AttnKernels {
                     },
                     // SAFETY: as above.
                     mix_f16: |p, g, c, o, a| unsafe {
+                        assert!((1..=F16_HEADS).contains(&g), "1 to {F16_HEADS} heads");
                         match g {
                             1 => avx2::mix_f16::<1>(p, c, o, a),
                             2 => avx2::mix_f16::<2>(p, c, o, a),
@@ -444,9 +449,6 @@ mod avx2 {
         }
     }
 
-    /// How many value rows ahead `mix_f16` prefetches.
-    pub const PREFETCH_ROWS: usize = 16;
-
     /// `dot8` for `G` query heads and up to four keys read from an f16 cache (see
     /// `AttnKernels`): each key vector converted once, then one fused multiply-add per head.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -519,7 +521,7 @@ mod avx2 {
             for (j, &o) in offs[..m].iter().enumerate() {
                 // The rows are scattered over the cache (one head's part of a position's
                 // row): fetch ahead of the hardware prefetcher.
-                if let Some(&ahead) = offs[..m].get(j + PREFETCH_ROWS) {
+                if let Some(&ahead) = offs[..m].get(j + super::PREFETCH_ROWS) {
                     _mm_prefetch::<_MM_HINT_T0>(pc.add(ahead + d) as *const i8);
                 }
                 let b: [__m256; G] = std::array::from_fn(|h| _mm256_set1_ps(*pp.add(h * m + j)));
@@ -667,7 +669,7 @@ mod tests {
     fn attention_kernels_equal_scalar_twins_bit_for_bit() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         let k = attn_kernels();
-        for n in [8, 13, 64, 128, 200] {
+        for n in [5, 8, 13, 64, 128, 200] {
             let q: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let keys: Vec<f32> = (0..8 * n).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let (mut a, mut b) = ([0f32; 8], [0f32; 8]);
@@ -695,23 +697,29 @@ mod tests {
                 .collect();
             for g in 1..=F16_HEADS {
                 let qs: Vec<f32> = (0..g * n).map(|_| rng.gen_range(-1.0..1.0)).collect();
-                for m in [1, 3, 4] {
+                // 1 to 4 keys for dot4; mix also past its prefetch distance.
+                for m in [1, 2, 3, 4, 2 * PREFETCH_ROWS + 3] {
                     let offs: Vec<usize> = (0..m).map(|j| ((j * 5 + 3) % 12) * n + j % 5).collect();
-                    let mut keys = gather_f16(&cache, &offs, n);
+                    let m4 = m.min(4);
+                    let mut keys = gather_f16(&cache, &offs[..m4], n);
                     keys.resize(8 * n, 0.0);
                     let (mut a, mut c) = ([[0f32; 4]; F16_HEADS], [[0f32; 4]; F16_HEADS]);
-                    (k.dot4_f16)(&qs, g, &cache, &offs, &mut a);
-                    dot4_f16_scalar(&qs, g, &cache, &offs, &mut c);
+                    (k.dot4_f16)(&qs, g, &cache, &offs[..m4], &mut a);
+                    dot4_f16_scalar(&qs, g, &cache, &offs[..m4], &mut c);
                     for h in 0..g {
                         let mut b = [0f32; 8];
                         dot8_scalar(&qs[h * n..(h + 1) * n], &keys, &mut b);
                         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                         assert_eq!(
-                            bits(&a[h][..m]),
-                            bits(&b[..m]),
+                            bits(&a[h][..m4]),
+                            bits(&b[..m4]),
                             "dot4_f16 n={n} g={g} m={m}"
                         );
-                        assert_eq!(bits(&a[h][..m]), bits(&c[h][..m]), "twin n={n} g={g} m={m}");
+                        assert_eq!(
+                            bits(&a[h][..m4]),
+                            bits(&c[h][..m4]),
+                            "twin n={n} g={g} m={m}"
+                        );
                     }
                     let ps: Vec<f32> = (0..g * m).map(|_| rng.gen_range(0.0..1.0)).collect();
                     let acc0: Vec<f32> = (0..g * n).map(|_| rng.gen_range(-1.0..1.0)).collect();

@@ -88,6 +88,80 @@ fn matmul_matches_naive_for_f32_and_q8_0() {
     }
 }
 
+/// Decode (one query row per sequence) reads an f16 cache directly, several query heads per
+/// converted vector; prefill converts rows first. f16 → f32 is exact, so the two must give
+/// the same bits: for group sizes 8, 7, 3 and 2 (chunks of three heads and a remainder), a
+/// head size with a tail past the last multiple of eight, sliding windows and a softcap, with
+/// one thread (a job then takes a whole group) and with two.
+#[test]
+fn decode_attention_on_f16_cache_equals_prefill_rows_bit_for_bit() {
+    let mut r = rng();
+    let (hd, n, bs) = (36, 37, 4);
+    // Ten blocks for the sequence, scrambled among twelve.
+    let blocks = [11u32, 2, 7, 0, 9, 4, 1, 10, 5, 8];
+    let table = KvTable {
+        blocks: &blocks,
+        block_size: bs,
+    };
+    for (heads, kvh) in [(8, 1), (14, 2), (9, 3), (4, 2)] {
+        let kvd = kvh * hd;
+        let q = rand_vec(&mut r, n * heads * hd);
+        let kc = rand_vec(&mut r, n * kvd);
+        let vc = rand_vec(&mut r, n * kvd);
+        for threads in [1, 2] {
+            let be = CpuBackend::with_threads(threads).with_kv(KvDtype::F16);
+            let (mut kb, mut vb) = (be.alloc_kv(12 * bs, kvd), be.alloc_kv(12 * bs, kvd));
+            let rows = Rows::dense(n, kvd);
+            be.write_kv(&kc, rows, &mut kb, table, 0);
+            be.write_kv(&vc, rows, &mut vb, table, 0);
+            let qv = Rows::dense(n, heads * hd).split_heads(hd);
+            for (window, softcap) in [(None, None), (Some(5), None), (None, Some(2.0))] {
+                let p = AttentionParams {
+                    n_kv_heads: kvh,
+                    scale: 0.4,
+                    window,
+                    softcap,
+                };
+                let whole = [AttnSeq {
+                    rows: n,
+                    first_pos: 0,
+                    table,
+                }];
+                let mut out = vec![0.0; n * heads * hd];
+                be.attention(&q, qv, &kb, &vb, &whole, &mut out, qv, p);
+                // Six positions decoded in one batch (six one-row sequences), then one alone.
+                let ts = [n - 1, 3, n - 2, 0, 17, 30];
+                for batch in [&ts[..], &ts[..1]] {
+                    let w = heads * hd;
+                    let qd: Vec<f32> = batch
+                        .iter()
+                        .flat_map(|&t| q[t * w..(t + 1) * w].iter().copied())
+                        .collect();
+                    let seqs: Vec<AttnSeq> = batch
+                        .iter()
+                        .map(|&t| AttnSeq {
+                            rows: 1,
+                            first_pos: t,
+                            table,
+                        })
+                        .collect();
+                    let dv = Rows::dense(batch.len(), w).split_heads(hd);
+                    let mut got = vec![0.0; batch.len() * w];
+                    be.attention(&qd, dv, &kb, &vb, &seqs, &mut got, dv, p);
+                    for (i, &t) in batch.iter().enumerate() {
+                        let (a, b) = (&got[i * w..(i + 1) * w], &out[t * w..(t + 1) * w]);
+                        assert!(
+                            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                            "heads {heads}/{kvh}, {threads} threads, {window:?} {softcap:?}: \
+                             position {t} decoded differs from its prefill row"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Attention through a shuffled block table, in every KV format, against a naive f64
 /// computation on contiguous keys and values; queries split at `first_pos` see the same.
 #[test]

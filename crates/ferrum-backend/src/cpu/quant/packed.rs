@@ -560,7 +560,7 @@ impl Packed {
     }
 
     /// Rows `8g..8g+8` against each activation row: `out[t][r]` is row `8g + r` · token `t`.
-    /// Uses AVX2 when the CPU has it, else the scalar twin (same results).
+    /// Uses the fastest kernels the CPU runs ([`Isa::best`]; all give the same results).
     ///
     /// # Panics
     /// If `group` is out of range, an activation row is shorter than a weight row, or `out`
@@ -772,8 +772,9 @@ macro_rules! packed_kernels {
             /// Q8 for the 32-value layouts, Q8_K for the K-quants).
             ///
             /// # Safety
-            /// AVX2, FMA and F16C; every activation row has at least `w.len()` blocks; `out` is at
-            /// least as long as `acts`.
+            /// The CPU runs this instance's features (AVX2, FMA and F16C; AVX-VNNI too for
+            /// `vnni`); every activation row has at least `w.len()` blocks; `out` is at least as
+            /// long as `acts`.
             #[target_feature(enable = $feat)]
             pub unsafe fn gemm<A, B: Tile<A>>(w: &[B], acts: &[&[A]], out: &mut [[f32; ROWS]]) {
                 let mut t = 0;
@@ -789,7 +790,7 @@ macro_rules! packed_kernels {
                 }
             }
 
-            /// The AVX2 pass of a packed format over up to four tokens of activation format `A`.
+            /// The pass of a packed format over up to four tokens of activation format `A`.
             pub trait Tile<A>: Sized {
                 /// # Safety
                 /// As [`gemm`].
