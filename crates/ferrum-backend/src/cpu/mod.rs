@@ -725,31 +725,42 @@ impl Backend for CpuBackend {
                 )
             })
             .collect();
-        // Pass 2: each output element is the weighted sum over the experts, in expert order.
-        let dst = SharedMut(out.as_mut_ptr());
+        // Pass 2: each selected expert's down rows into scratch.y (k rows of h), each task one
+        // contiguous run of one expert's matrix, as in pass 1; then every output element is
+        // the weighted sum over the experts, in expert order.
         let unit = packed_unit(sel.iter().map(|(e, _)| &e.down));
-        let units = h / unit;
+        let ys = k * h;
+        if scratch.y.len() < ys {
+            scratch.y.resize(ys, 0.0);
+        }
+        let yp = SharedMut(scratch.y.as_mut_ptr());
+        let units = ys / unit;
         let per_task = (units / (self.threads * 8)).clamp(1, 256);
         self.pool.run(units.div_ceil(per_task), &|task| {
             SCRATCH.with(|sc| {
                 let mut sc = sc.borrow_mut();
                 let mut v = [0f32; quant::packed::ROWS];
                 for u in task * per_task..((task + 1) * per_task).min(units) {
-                    let row = u * unit;
-                    let mut acc = [0f32; quant::packed::ROWS];
-                    for ((e, wgt), a) in sel.iter().zip(&acts) {
-                        e.down.dot_rows(row, a, &mut v[..unit], &mut sc);
-                        for (acc, &vi) in acc.iter_mut().zip(&v[..unit]) {
-                            *acc += wgt * vi;
-                        }
-                    }
-                    for (i, &ai) in acc[..unit].iter().enumerate() {
-                        // SAFETY: in bounds (check_view); each row is written by one task.
-                        unsafe { dst.write(ov.offset + row + i, ai) };
+                    let r = u * unit;
+                    let (slot, row) = (r / h, r % h);
+                    sel[slot]
+                        .0
+                        .down
+                        .dot_rows(row, &acts[slot], &mut v[..unit], &mut sc);
+                    for (i, &vi) in v[..unit].iter().enumerate() {
+                        // SAFETY: r + i < ys; each row is written by one task.
+                        unsafe { yp.write(r + i, vi) };
                     }
                 }
             })
         });
+        let o = &mut out[ov.offset..ov.offset + h];
+        o.fill(0.0);
+        for ((_, wgt), y) in sel.iter().zip(scratch.y.chunks_exact(h)) {
+            for (o, &yi) in o.iter_mut().zip(y) {
+                *o += wgt * yi;
+            }
+        }
     }
 
     fn scale_inplace(&self, x: &mut Vec<f32>, xv: Rows, s: f32) {
