@@ -111,7 +111,8 @@ pub fn attn_kernels() -> AttnKernels {
     *K.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if avx2_fma() && super::quant::has_avx2() {
+            // AVX2 and FMA, and F16C for the `_f16` kernels.
+            if super::quant::has_avx2() {
                 return AttnKernels {
                     // SAFETY: AVX2 and FMA detected just above.
                     dot8: |q, k, o| unsafe { avx2::dot8(q, k, o) },

@@ -566,7 +566,9 @@ impl Packed {
     /// If `group` is out of range, an activation row is shorter than a weight row, or `out`
     /// is shorter than `acts`.
     pub fn gemm(&self, group: usize, acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]) {
-        self.gemm_on(Isa::best(), group, acts, out)
+        // SAFETY: `best` only ever names an instruction set the CPU runs, so no check per
+        // call here (a matmul calls this once per group of eight rows).
+        unsafe { self.gemm_isa(Isa::best(), group, acts, out) }
     }
 
     /// [`gemm`](Self::gemm) with the kernels of `isa` (tests hold each to the scalar twin).
@@ -574,15 +576,30 @@ impl Packed {
     /// # Panics
     /// As `gemm`, or if this CPU does not run `isa`.
     pub fn gemm_on(&self, isa: Isa, group: usize, acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]) {
-        assert!(!self.is_k_quant(), "Q4_K takes Q8_K activations (gemm_k)");
         assert!(isa.runs(), "this CPU does not run {}", isa.name());
+        // SAFETY: checked just above.
+        unsafe { self.gemm_isa(isa, group, acts, out) }
+    }
+
+    /// `gemm_on` without the check.
+    ///
+    /// # Safety
+    /// The CPU runs `isa`.
+    unsafe fn gemm_isa(
+        &self,
+        isa: Isa,
+        group: usize,
+        acts: &[&[BlockQ8]],
+        out: &mut [[f32; ROWS]],
+    ) {
+        assert!(!self.is_k_quant(), "Q4_K takes Q8_K activations (gemm_k)");
         #[cfg(target_arch = "x86_64")]
         {
             if isa != Isa::Scalar {
                 return with_blocks!(self, |v, per_row| {
                     let w = &v[group * per_row..(group + 1) * per_row];
                     assert!(acts.iter().all(|a| a.len() >= *per_row) && out.len() >= acts.len());
-                    // SAFETY: the CPU runs `isa` (checked above); lengths checked just above.
+                    // SAFETY: the CPU runs `isa` (the contract); lengths checked just above.
                     unsafe {
                         match isa {
                             Isa::AvxVnni => vnni::gemm(w, acts, out),
@@ -600,7 +617,8 @@ impl Packed {
     /// # Panics
     /// On a 32-value layout, or as `gemm`.
     pub fn gemm_k(&self, group: usize, acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
-        self.gemm_k_on(Isa::best(), group, acts, out)
+        // SAFETY: as in `gemm`.
+        unsafe { self.gemm_k_isa(Isa::best(), group, acts, out) }
     }
 
     /// [`gemm_k`](Self::gemm_k) with the kernels of `isa`.
@@ -609,6 +627,21 @@ impl Packed {
     /// As `gemm_k`, or if this CPU does not run `isa`.
     pub fn gemm_k_on(&self, isa: Isa, group: usize, acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
         assert!(isa.runs(), "this CPU does not run {}", isa.name());
+        // SAFETY: checked just above.
+        unsafe { self.gemm_k_isa(isa, group, acts, out) }
+    }
+
+    /// `gemm_k_on` without the check.
+    ///
+    /// # Safety
+    /// The CPU runs `isa`.
+    unsafe fn gemm_k_isa(
+        &self,
+        isa: Isa,
+        group: usize,
+        acts: &[&[BlockQ8K]],
+        out: &mut [[f32; ROWS]],
+    ) {
         let per_row = match self {
             Packed::Q4K(_, p) | Packed::Q6K(_, p) => *p,
             _ => panic!("gemm_k on a 32-value layout"),
@@ -617,7 +650,7 @@ impl Packed {
         let blocks = group * per_row..(group + 1) * per_row;
         #[cfg(target_arch = "x86_64")]
         {
-            // SAFETY: the CPU runs `isa` (checked above); lengths checked just above.
+            // SAFETY: the CPU runs `isa` (the contract); lengths checked just above.
             unsafe {
                 match (isa, self) {
                     (Isa::Avx2, Packed::Q4K(v, _)) => return avx2::gemm(&v[blocks], acts, out),

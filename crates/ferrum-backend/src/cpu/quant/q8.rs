@@ -131,14 +131,7 @@ pub(crate) const PREFETCH_BYTES: usize = 4096;
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch<B>(b: &B) {
-    use std::arch::x86_64::*;
-    let p = (b as *const B as *const i8).wrapping_add(PREFETCH_BYTES);
-    let mut off = 0;
-    while off < std::mem::size_of::<B>() {
-        // SAFETY: prefetching has no architectural effect and never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off)) };
-        off += 64;
-    }
+    prefetch_part(b, 0, 1)
 }
 
 /// Share `part` of `parts` of [`prefetch`]'s lines, for blocks of twenty-odd lines (the
