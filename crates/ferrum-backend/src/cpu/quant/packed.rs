@@ -96,7 +96,8 @@ impl Isa {
 #[derive(Clone, Copy)]
 pub struct Q8_0x8 {
     pub d: [f16; ROWS],
-    pub qs: [i8; 256],
+    /// The quants plus 128, as unsigned bytes (see [`pack_q8_0`]).
+    pub qs: [u8; 256],
 }
 const _: () = assert!(std::mem::size_of::<Q8_0x8>() == 8 * 34);
 
@@ -254,7 +255,7 @@ impl BlockX8 for Q8_0x8 {
         &self.d
     }
     fn quant(&self, r: usize, e: usize) -> i32 {
-        self.qs[at(r, e)] as i32
+        self.qs[at(r, e)] as i32 - 128
     }
 }
 
@@ -334,10 +335,15 @@ fn interleave_high_bits(qh: [u32; ROWS]) -> [u8; 32] {
     out
 }
 
+/// Stored plus 128 (the sign bit flipped), so AVX-VNNI's `vpdpbusd`, whose left operand is
+/// unsigned, takes the weights as they are: `Σ (w + 128)·a − 128·Σ a` is `Σ w·a` exactly, and
+/// the correction costs one subtraction per token and block where moving the weights' signs
+/// onto the activations cost eight (one per vector, for every token).
 fn pack_q8_0(b: [&q8_0::BlockQ8_0; ROWS]) -> Q8_0x8 {
+    let qs: [i8; 256] = interleave(b.map(|x| &x.qs));
     Q8_0x8 {
         d: b.map(|x| x.d),
-        qs: interleave(b.map(|x| &x.qs)),
+        qs: qs.map(|q| q as u8 ^ 0x80),
     }
 }
 
@@ -875,8 +881,10 @@ macro_rules! packed_kernels {
             }
 
             impl Tile<BlockQ8> for Q8_0x8 {
-                /// Signed weights: `maddubs` takes |w| and moves w's sign onto the activation. The
-                /// pair sums can reach 2 · 128 · 127, so each product vector is widened to i32 at once.
+                /// AVX-VNNI: the stored bytes (w + 128) go straight into `vpdpbusd`, each token's
+                /// chain starting from −128 · Σ a. AVX2: `maddubs` takes |w| and moves w's sign
+                /// onto the activation; the pair sums can reach 2 · 128 · 127, so each product
+                /// vector is widened to i32 at once.
                 #[target_feature(enable = $feat)]
                 unsafe fn tile<const N: usize>(
                     w: &[Self],
@@ -884,25 +892,34 @@ macro_rules! packed_kernels {
                     out: &mut [[f32; ROWS]],
                 ) {
                     let ones = _mm256_set1_epi16(1);
+                    let flip = _mm256_set1_epi8(-128);
                     let mut acc = [_mm256_setzero_ps(); N];
                     for (i, b) in w.iter().enumerate() {
                         prefetch(b);
                         let q = a.map(|r| r.get_unchecked(i));
                         let mut isum = [_mm256_setzero_si256(); N];
                         let mut isum2 = [[_mm256_setzero_si256(); N]; 2];
+                        if VNNI {
+                            for t in 0..N {
+                                isum2[0][t] = _mm256_set1_epi32(-128 * q[t].sum);
+                            }
+                        }
                         for j in 0..8 {
-                            let x = _mm256_loadu_si256(b.qs.as_ptr().add(32 * j) as *const __m256i);
+                            let u = _mm256_loadu_si256(b.qs.as_ptr().add(32 * j) as *const __m256i);
+                            if VNNI {
+                                for t in 0..N {
+                                    // Two chains, so consecutive `vpdpbusd`s need not wait on
+                                    // each other.
+                                    isum2[j % 2][t] = dp(isum2[j % 2][t], u, word(&q[t].qs, 4 * j));
+                                }
+                                continue;
+                            }
+                            let x = _mm256_xor_si256(u, flip);
                             let ax = _mm256_sign_epi8(x, x);
                             for t in 0..N {
                                 let y = _mm256_sign_epi8(word(&q[t].qs, 4 * j), x);
-                                if VNNI {
-                                    // Two chains, so consecutive `vpdpbusd`s need not wait on
-                                    // each other.
-                                    isum2[j % 2][t] = dp(isum2[j % 2][t], ax, y);
-                                } else {
-                                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, y), ones);
-                                    isum[t] = _mm256_add_epi32(isum[t], p);
-                                }
+                                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, y), ones);
+                                isum[t] = _mm256_add_epi32(isum[t], p);
                             }
                         }
                         for t in 0..N {

@@ -14,15 +14,18 @@ pub const QK8: usize = 32;
 pub struct BlockQ8 {
     pub d: f32,
     pub s: f32,
+    /// `Σ qs`, for kernels that need the exact integer (`s` is `d · sum`).
+    pub sum: i32,
     pub qs: [i8; QK8],
 }
-const _: () = assert!(std::mem::size_of::<BlockQ8>() == 40);
+const _: () = assert!(std::mem::size_of::<BlockQ8>() == 44);
 
 impl Default for BlockQ8 {
     fn default() -> Self {
         BlockQ8 {
             d: 0.0,
             s: 0.0,
+            sum: 0,
             qs: [0; QK8],
         }
     }
@@ -72,6 +75,7 @@ pub fn quantize_q8_scalar(x: &[f32], out: &mut [BlockQ8]) {
         }
         o.d = d;
         o.s = d * sum as f32;
+        o.sum = sum;
     }
 }
 
@@ -269,8 +273,10 @@ mod avx2 {
             let d = amax(blk.as_ptr(), QK8) / 127.0;
             let id = if d > 0.0 { 1.0 / d } else { 0.0 };
             let v = round_pack(blk.as_ptr(), id, o.qs.as_mut_ptr());
+            let sum = sum_i8(v);
             o.d = d;
-            o.s = d * sum_i8(v) as f32;
+            o.s = d * sum as f32;
+            o.sum = sum;
         }
     }
 
