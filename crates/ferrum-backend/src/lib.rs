@@ -102,6 +102,27 @@ pub struct RopeParams<'a> {
     pub inv_freq: &'a [f32],
 }
 
+/// The geometry of a paged KV cache (see [`Backend::alloc_kv`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvShape {
+    pub blocks: usize,
+    pub block_size: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+}
+
+impl KvShape {
+    /// Elements per position (all heads).
+    pub fn width(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// Positions the cache holds.
+    pub fn rows(&self) -> usize {
+        self.blocks * self.block_size
+    }
+}
+
 /// Where one sequence's keys and values sit in a paged KV cache: position `p` is cache row
 /// `blocks[p / block_size] * block_size + p % block_size`. The engine's block pool owns the
 /// cache and hands each forward pass the tables of the sequences it carries.
@@ -222,8 +243,10 @@ pub trait Backend: Send + Sync {
     /// Copies rows between views of equal width.
     fn copy_rows(&self, src: &Self::Buf, sv: Rows, dst: &mut Self::Buf, dv: Rows);
 
-    /// A KV cache of `rows` rows of `width` elements.
-    fn alloc_kv(&self, rows: usize, width: usize) -> Self::KvBuf;
+    /// A KV cache of one layer's keys or values: `shape.blocks` blocks of `shape.block_size`
+    /// positions, each position `shape.heads` heads of `shape.head_dim` elements. Block tables
+    /// handed to `write_kv` and `attention` must use the same block size.
+    fn alloc_kv(&self, shape: KvShape) -> Self::KvBuf;
 
     /// Bytes one cache row of `width` elements takes (for sizing the cache to a budget).
     fn kv_row_bytes(&self, width: usize) -> usize;

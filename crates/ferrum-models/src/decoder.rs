@@ -8,7 +8,9 @@
 //! V written into the cache → causal GQA attention → O projection → residual add fused with
 //! the FFN's RMSNorm → SwiGLU FFN → residual add.
 
-use ferrum_backend::{AttentionParams, AttnSeq, Backend, KvTable, MoeScratch, RopeParams, Rows};
+use ferrum_backend::{
+    AttentionParams, AttnSeq, Backend, KvShape, KvTable, MoeScratch, RopeParams, Rows,
+};
 use ferrum_core::{Error, Result};
 use ferrum_loader::TensorStore;
 
@@ -314,12 +316,17 @@ impl<B: Backend> Decoder<B> {
     /// A KV cache of `n_blocks` blocks of `block_size` positions for every layer.
     pub fn alloc_kv(&self, n_blocks: usize, block_size: usize) -> KvCache<B> {
         let block_size = block_size.max(1);
-        let (rows, kvd) = (n_blocks * block_size, self.config.kv_dim());
+        let shape = KvShape {
+            blocks: n_blocks,
+            block_size,
+            heads: self.config.n_kv_heads,
+            head_dim: self.config.head_dim,
+        };
         let be = &self.backend;
         let layers = self.config.n_layers;
         KvCache {
-            k: (0..layers).map(|_| be.alloc_kv(rows, kvd)).collect(),
-            v: (0..layers).map(|_| be.alloc_kv(rows, kvd)).collect(),
+            k: (0..layers).map(|_| be.alloc_kv(shape)).collect(),
+            v: (0..layers).map(|_| be.alloc_kv(shape)).collect(),
             block_size,
             n_blocks,
             identity: (0..n_blocks as u32).collect(),

@@ -1,12 +1,18 @@
-//! The CPU KV cache: rows of keys or values in f32, f16 or Q8_0, and causal attention over
-//! them through a sequence's block table.
+//! The CPU KV cache: keys or values in f32, f16 or Q8_0, and causal attention over them
+//! through a sequence's block table.
+//!
+//! Within a block the cache is head-major: one head's `block_size` positions sit side by side
+//! (`block_size · head_dim` elements), then the next head's. An attention job reads one KV
+//! head, so it streams contiguous runs instead of one head's slice out of every position's
+//! row: decode attention over four sequences of 190 positions (SmolLM2's shape, caches out of
+//! L2) took 11% less time than with position-major rows; one sequence, the same.
 
 use half::f16;
 
 use super::pool::ThreadPool;
 use super::quant::q8_0::{BlockQ8_0, QK};
 use super::{simd, SharedMut, SCRATCH, SCRATCH2};
-use crate::{AttentionParams, AttnSeq, KvTable, Rows};
+use crate::{AttentionParams, AttnSeq, KvShape, KvTable, Rows};
 
 /// Element format of the CPU backend's KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,10 +53,9 @@ impl KvDtype {
     }
 }
 
-/// `rows` rows of `width` keys or values.
+/// One layer's keys or values (see the module docs for the layout).
 pub struct CpuKv {
-    width: usize,
-    rows: usize,
+    shape: KvShape,
     data: KvData,
 }
 
@@ -61,14 +66,16 @@ enum KvData {
 }
 
 impl CpuKv {
-    pub(super) fn new(dtype: KvDtype, rows: usize, width: usize) -> CpuKv {
+    pub(super) fn new(dtype: KvDtype, shape: KvShape) -> CpuKv {
+        assert!(shape.block_size > 0, "KV blocks of at least one position");
+        let (rows, width) = (shape.rows(), shape.width());
         let data = match dtype {
             KvDtype::F32 => KvData::F32(vec![0.0; rows * width]),
             KvDtype::F16 => KvData::F16(vec![f16::ZERO; rows * width]),
             KvDtype::Q8_0 => {
                 assert!(
-                    width.is_multiple_of(QK),
-                    "a q8_0 KV cache needs rows of whole 32-value blocks"
+                    shape.head_dim.is_multiple_of(QK),
+                    "a q8_0 KV cache needs heads of whole 32-value blocks"
                 );
                 let zero = BlockQ8_0 {
                     d: f16::ZERO,
@@ -77,7 +84,7 @@ impl CpuKv {
                 KvData::Q8(vec![zero; rows * width / QK])
             }
         };
-        let mut kv = CpuKv { width, rows, data };
+        let mut kv = CpuKv { shape, data };
         kv.fault_in();
         kv
     }
@@ -111,28 +118,28 @@ impl CpuKv {
     }
 
     pub fn rows(&self) -> usize {
-        self.rows
+        self.shape.rows()
     }
 
-    /// Stores `src` (one row) at cache row `row`.
+    pub fn shape(&self) -> KvShape {
+        self.shape
+    }
+
+    /// Stores `src` (every head of one position) at cache row `row`.
     pub(super) fn write_row(&mut self, row: usize, src: &[f32]) {
-        assert!(row < self.rows, "KV row {row} of {}", self.rows);
-        assert_eq!(src.len(), self.width);
-        let w = self.width;
-        match &mut self.data {
-            KvData::F32(v) => v[row * w..(row + 1) * w].copy_from_slice(src),
-            KvData::F16(v) => {
-                for (o, &x) in v[row * w..(row + 1) * w].iter_mut().zip(src) {
-                    *o = f16::from_f32(x);
-                }
-            }
-            KvData::Q8(v) => {
-                let per = w / QK;
-                for (b, x) in v[row * per..(row + 1) * per]
-                    .iter_mut()
-                    .zip(src.chunks_exact(QK))
-                {
-                    *b = quantize_q8_0(x);
+        assert!(row < self.rows(), "KV row {row} of {}", self.rows());
+        assert_eq!(src.len(), self.shape.width());
+        let hd = self.shape.head_dim;
+        let lay = HeadMajor::of(self.shape, 1);
+        for (h, x) in src.chunks_exact(hd).enumerate() {
+            let o = lay.offset(row, h);
+            match &mut self.data {
+                KvData::F32(v) => v[o..o + hd].copy_from_slice(x),
+                KvData::F16(v) => simd::f32_to_f16(x, &mut v[o..o + hd]),
+                KvData::Q8(v) => {
+                    for (b, x) in v[o / QK..(o + hd) / QK].iter_mut().zip(x.chunks_exact(QK)) {
+                        *b = quantize_q8_0(x);
+                    }
                 }
             }
         }
@@ -176,20 +183,28 @@ pub(super) fn attention(
     p: AttentionParams,
 ) {
     let hd = qv.head_dim;
-    assert!(p.n_kv_heads * hd <= k.width && k.width == v.width);
+    assert!(k.shape == v.shape, "keys and values of different shapes");
+    assert!(
+        p.n_kv_heads == k.shape.heads && hd == k.shape.head_dim,
+        "attention: {} KV heads of {hd} against a cache of {} of {}",
+        p.n_kv_heads,
+        k.shape.heads,
+        k.shape.head_dim
+    );
     for s in seqs {
         let kv_len = s.first_pos + s.rows;
         let t = s.table;
+        assert_eq!(
+            t.block_size, k.shape.block_size,
+            "block table of another block size"
+        );
         assert!(kv_len <= t.capacity(), "attention past the block table");
         let max_row = t.blocks[..kv_len.div_ceil(t.block_size)]
             .iter()
             .map(|&b| (b as usize + 1) * t.block_size)
             .max()
             .unwrap_or(0);
-        assert!(
-            max_row <= k.rows && max_row <= v.rows,
-            "block table past the cache"
-        );
+        assert!(max_row <= k.rows(), "block table past the cache");
     }
     // The same call for every element format; only the storage and its kernels differ.
     macro_rules! attend_as {
@@ -203,10 +218,7 @@ pub(super) fn attention(
                 qv,
                 $kd,
                 $vd,
-                Layout {
-                    width: k.width,
-                    per: $per,
-                },
+                HeadMajor::of(k.shape, $per),
                 seqs,
                 out,
                 ov,
@@ -259,11 +271,29 @@ thread_local! {
     static OFFSETS: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Row width in values, and how many values one storage element holds.
+/// Offsets into the head-major block layout, in storage elements (`per` values each: 1, or
+/// 32 for Q8_0 blocks).
 #[derive(Clone, Copy)]
-struct Layout {
-    width: usize,
-    per: usize,
+struct HeadMajor {
+    block_size: usize,
+    heads: usize,
+    head_units: usize,
+}
+
+impl HeadMajor {
+    fn of(shape: KvShape, per: usize) -> HeadMajor {
+        HeadMajor {
+            block_size: shape.block_size,
+            heads: shape.heads,
+            head_units: shape.head_dim / per,
+        }
+    }
+
+    /// Where head `h` of cache row `row` starts.
+    fn offset(&self, row: usize, h: usize) -> usize {
+        let bs = self.block_size;
+        ((row / bs * self.heads + h) * bs + row % bs) * self.head_units
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -273,7 +303,7 @@ fn attend<T: Sync>(
     qv: Rows,
     k_cache: &[T],
     v_cache: &[T],
-    lay: Layout,
+    lay: HeadMajor,
     seqs: &[AttnSeq],
     out: &mut [f32],
     ov: Rows,
@@ -284,7 +314,7 @@ fn attend<T: Sync>(
     let hd = qv.head_dim;
     let group = qv.heads / p.n_kv_heads;
     let dst = SharedMut(out.as_mut_ptr());
-    let (row_units, head_units) = (lay.width / lay.per, hd / lay.per);
+    let head_units = lay.head_units;
     let kern = simd::attn_kernels();
     // A job covers a block of up to ROWS query rows of one sequence: enough work to amortise
     // the hand-off and the K/V conversion in prefill, while a decode batch (one row per
@@ -358,9 +388,7 @@ fn attend<T: Sync>(
                 OFFSETS.with(|offs| {
                     let (mut scores, mut offs) = (s.borrow_mut(), offs.borrow_mut());
                     offs.clear();
-                    walk(table, klo, khi, row_units, kvh * head_units, |o| {
-                        offs.push(o)
-                    });
+                    walk(table, klo, khi, lay, kvh, |o| offs.push(o));
                     scores.resize(simd::F16_HEADS * span, 0.0);
                     let mut acc = [[0f32; 4]; simd::F16_HEADS];
                     for h in heads.clone().step_by(simd::F16_HEADS) {
@@ -397,7 +425,7 @@ fn attend<T: Sync>(
                 let (kf, vf) = kv.split_at_mut((span + 7) * hd);
                 kf[span * hd..].fill(0.0);
                 let mut i = 0;
-                walk(table, klo, khi, row_units, kvh * head_units, |o| {
+                walk(table, klo, khi, lay, kvh, |o| {
                     to_f32(&k_cache[o..o + head_units], &mut kf[i * hd..(i + 1) * hd]);
                     to_f32(&v_cache[o..o + head_units], &mut vf[i * hd..(i + 1) * hd]);
                     i += 1;
@@ -421,25 +449,19 @@ fn attend<T: Sync>(
     });
 }
 
-/// Calls `f` with the storage offset of column `col` in the cache row of each position
-/// `lo..=pos`, in order. The table is looked up once per block, not once per key.
+/// Calls `f` with the storage offset of KV head `h` at each position `lo..=pos`, in order.
+/// The table is looked up once per block, not once per key; within a block the offsets are
+/// consecutive runs (the head-major layout).
 #[inline]
-fn walk(
-    table: KvTable,
-    lo: usize,
-    pos: usize,
-    row_units: usize,
-    col: usize,
-    mut f: impl FnMut(usize),
-) {
+fn walk(table: KvTable, lo: usize, pos: usize, lay: HeadMajor, h: usize, mut f: impl FnMut(usize)) {
     let bs = table.block_size;
     let mut j = lo;
     while j <= pos {
         let in_blk = j % bs;
         let run = (bs - in_blk).min(pos + 1 - j);
-        let first = table.blocks[j / bs] as usize * bs + in_blk;
+        let first = lay.offset(table.blocks[j / bs] as usize * bs + in_blk, h);
         for r in 0..run {
-            f((first + r) * row_units + col);
+            f(first + r * lay.head_units);
         }
         j += run;
     }

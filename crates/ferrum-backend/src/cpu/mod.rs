@@ -19,8 +19,8 @@ pub use kv::{CpuKv, KvDtype};
 use pool::ThreadPool;
 
 use crate::{
-    moe_ffn_default, AttentionParams, AttnSeq, Backend, ExpertBatch, ExpertWeights, KvTable,
-    MoeScratch, RopeLayout, RopeParams, Rows,
+    moe_ffn_default, AttentionParams, AttnSeq, Backend, ExpertBatch, ExpertWeights, KvShape,
+    KvTable, MoeScratch, RopeLayout, RopeParams, Rows,
 };
 
 pub struct CpuBackend {
@@ -31,6 +31,18 @@ pub struct CpuBackend {
     /// Keep activations in f32 for quantised weights (dequantise the weight row instead of
     /// quantising the activations): slower, and exactly the math of the reference.
     exact: bool,
+    /// The last pass's rotary cos/sin: every layer rotates queries and keys at the same
+    /// positions, so they are computed once per pass rather than twice per layer (in f64,
+    /// they cost more per token than the rotation itself).
+    rope_cache: Arc<std::sync::Mutex<RopeCache>>,
+}
+
+#[derive(Default)]
+struct RopeCache {
+    positions: Vec<u32>,
+    inv_freq: Vec<f32>,
+    /// `(cos, sin)` of position `positions[t]` and pair `i` at `t * inv_freq.len() + i`.
+    cs: Vec<(f32, f32)>,
 }
 
 impl Default for CpuBackend {
@@ -54,6 +66,7 @@ impl CpuBackend {
             pool: Arc::new(ThreadPool::new(threads)),
             kv: KvDtype::F16,
             exact: false,
+            rope_cache: Arc::default(),
         }
     }
 
@@ -313,8 +326,8 @@ impl Backend for CpuBackend {
         )
     }
 
-    fn alloc_kv(&self, rows: usize, width: usize) -> CpuKv {
-        CpuKv::new(self.kv, rows, width)
+    fn alloc_kv(&self, shape: KvShape) -> CpuKv {
+        CpuKv::new(self.kv, shape)
     }
 
     fn kv_row_bytes(&self, width: usize) -> usize {
@@ -330,6 +343,11 @@ impl Backend for CpuBackend {
         first_pos: usize,
     ) {
         check_view("kv src", sv, src.len());
+        assert_eq!(
+            table.block_size,
+            dst.shape().block_size,
+            "block table of another block size"
+        );
         let w = sv.width();
         for t in 0..sv.count {
             let row = table.slot(first_pos + t).unwrap_or_else(|| {
@@ -499,13 +517,25 @@ impl Backend for CpuBackend {
         assert_eq!(positions.len(), xv.count);
         let half = p.inv_freq.len();
         assert!(2 * half <= xv.head_dim);
-        let mut cs = vec![(0f32, 0f32); half];
-        for (t, &pos) in positions.iter().enumerate() {
-            for (c, &f) in cs.iter_mut().zip(p.inv_freq) {
+        // The key is written last, so a fill cut short (a poisoned lock) is never reused.
+        let mut cache = self.rope_cache.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.positions != positions || cache.inv_freq != p.inv_freq {
+            let c = &mut *cache;
+            c.positions.clear();
+            c.cs.clear();
+            for &pos in positions {
                 // Hugging Face forms the angle in f32 and takes cos/sin of that f32 value.
-                let angle = (pos as f32 * f) as f64;
-                *c = (angle.cos() as f32, angle.sin() as f32);
+                c.cs.extend(p.inv_freq.iter().map(|&f| {
+                    let angle = (pos as f32 * f) as f64;
+                    (angle.cos() as f32, angle.sin() as f32)
+                }));
             }
+            c.inv_freq.clear();
+            c.inv_freq.extend_from_slice(p.inv_freq);
+            c.positions.extend_from_slice(positions);
+        }
+        for t in 0..positions.len() {
+            let cs = &cache.cs[t * half..(t + 1) * half];
             for h in 0..xv.heads {
                 let base = xv.offset + t * xv.stride + h * xv.head_dim;
                 for (i, &(cos, sin)) in cs.iter().enumerate() {
@@ -1003,7 +1033,7 @@ fn quantized_matmul(
 
 /// `1 / sqrt(mean(x²) + eps)`, accumulated in f64 so long rows lose nothing to rounding.
 fn rms_inv(x: &[f32], eps: f32) -> f32 {
-    let ss: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
+    let ss = simd::sum_sq_f64(x);
     let mean = (ss / x.len() as f64) as f32;
     1.0 / (mean + eps).sqrt()
 }

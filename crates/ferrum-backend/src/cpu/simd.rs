@@ -292,6 +292,56 @@ pub fn f16_to_f32(src: &[half::f16], dst: &mut [f32]) {
     }
 }
 
+/// `Σ x²` in f64 (RMSNorm: long rows lose nothing to rounding). Eight lane sums, lane `l`
+/// taking the elements `≡ l (mod 8)` in order, combined pairwise, then the tail: the order
+/// the SIMD kernel keeps, so both give the same bits. Each square is exact in f64, so a
+/// fused multiply-add and a multiply then add round alike.
+pub fn sum_sq_f64(x: &[f32]) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx2_fma() {
+            // SAFETY: AVX2 and FMA detected just above.
+            return unsafe { avx2::sum_sq_f64(x) };
+        }
+    }
+    sum_sq_f64_scalar(x)
+}
+
+pub fn sum_sq_f64_scalar(x: &[f32]) -> f64 {
+    let main = x.len() - x.len() % 8;
+    let mut lanes = [0f64; 8];
+    for c in x[..main].chunks_exact(8) {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            *l += v as f64 * v as f64;
+        }
+    }
+    let mut sum = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
+        + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+    for &v in &x[main..] {
+        sum += v as f64 * v as f64;
+    }
+    sum
+}
+
+/// f32 → f16 for a slice (KV rows as they are written), rounding to nearest even: F16C's
+/// conversion and `half`'s software one give the same bits.
+pub fn f32_to_f16(src: &[f32], dst: &mut [half::f16]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if super::quant::has_avx2() {
+            // SAFETY: AVX2, FMA and F16C detected.
+            return unsafe { avx2::f32_to_f16(src, dst) };
+        }
+    }
+    f32_to_f16_scalar(src, dst)
+}
+
+pub fn f32_to_f16_scalar(src: &[f32], dst: &mut [half::f16]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = half::f16::from_f32(s);
+    }
+}
+
 /// Whether the SIMD path is in use (for the load summary).
 pub fn simd_name() -> &'static str {
     #[cfg(target_arch = "x86_64")]
@@ -509,25 +559,31 @@ mod avx2 {
         assert!(offs.len() >= m && offs[..m].iter().all(|&o| o + n <= cache.len()));
         let (pc, pa, pp) = (cache.as_ptr() as *const u16, acc.as_mut_ptr(), p.as_ptr());
         let main = n - n % 8;
-        // Four vectors of each head's output stay in registers across all of p.
-        let mut d = 0;
-        while d < main {
-            let w = ((main - d) / 8).min(4);
-            let mut a = [[_mm256_setzero_ps(); 4]; G];
+        // W vectors of each head's output stay in registers across all of p: W is a constant,
+        // so the accumulators can be registers (with a run-time count they lived on the
+        // stack, a store and a reload around every multiply-add).
+        #[inline(always)]
+        unsafe fn pass<const G: usize, const W: usize>(
+            d: usize,
+            (m, n): (usize, usize),
+            offs: &[usize],
+            (pc, pa, pp): (*const u16, *mut f32, *const f32),
+        ) {
+            let mut a = [[_mm256_setzero_ps(); W]; G];
             for (h, ah) in a.iter_mut().enumerate() {
-                for (i, ai) in ah.iter_mut().enumerate().take(w) {
+                for (i, ai) in ah.iter_mut().enumerate() {
                     *ai = _mm256_loadu_ps(pa.add(h * n + d + 8 * i));
                 }
             }
             for (j, &o) in offs[..m].iter().enumerate() {
-                // The rows are scattered over the cache (one head's part of a position's
-                // row): fetch ahead of the hardware prefetcher.
+                // The rows come in runs of one block, the blocks scattered over the cache:
+                // fetch ahead of the hardware prefetcher.
                 if let Some(&ahead) = offs[..m].get(j + super::PREFETCH_ROWS) {
                     _mm_prefetch::<_MM_HINT_T0>(pc.add(ahead + d) as *const i8);
                 }
                 let b: [__m256; G] = std::array::from_fn(|h| _mm256_set1_ps(*pp.add(h * m + j)));
                 let row = pc.add(o + d);
-                for i in 0..w {
+                for i in 0..W {
                     let v = _mm256_cvtph_ps(_mm_loadu_si128(row.add(8 * i) as *const __m128i));
                     for (ah, bh) in a.iter_mut().zip(&b) {
                         ah[i] = _mm256_fmadd_ps(*bh, v, ah[i]);
@@ -535,11 +591,25 @@ mod avx2 {
                 }
             }
             for (h, ah) in a.iter().enumerate() {
-                for (i, ai) in ah.iter().enumerate().take(w) {
+                for (i, ai) in ah.iter().enumerate() {
                     _mm256_storeu_ps(pa.add(h * n + d + 8 * i), *ai);
                 }
             }
-            d += 8 * w;
+        }
+        let ptrs = (pc, pa, pp);
+        let mut d = 0;
+        // One head: eight vectors, so eight independent chains of multiply-adds per value row.
+        while G == 1 && d + 64 <= main {
+            pass::<G, 8>(d, (m, n), offs, ptrs);
+            d += 64;
+        }
+        while d + 32 <= main {
+            pass::<G, 4>(d, (m, n), offs, ptrs);
+            d += 32;
+        }
+        while d < main {
+            pass::<G, 1>(d, (m, n), offs, ptrs);
+            d += 8;
         }
         for d in main..n {
             for (j, &o) in offs[..m].iter().enumerate() {
@@ -659,6 +729,44 @@ mod avx2 {
             *d = h.to_f32();
         }
     }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn sum_sq_f64(x: &[f32]) -> f64 {
+        let main = x.len() - x.len() % 8;
+        let p = x.as_ptr();
+        // Lanes 0–3 and 4–7 of the scalar twin.
+        let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+        let mut i = 0;
+        while i < main {
+            let a = _mm256_cvtps_pd(_mm_loadu_ps(p.add(i)));
+            let b = _mm256_cvtps_pd(_mm_loadu_ps(p.add(i + 4)));
+            lo = _mm256_fmadd_pd(a, a, lo);
+            hi = _mm256_fmadd_pd(b, b, hi);
+            i += 8;
+        }
+        // (l0 + l4, l1 + l5, l2 + l6, l3 + l7), then (·0 + ·2, ·1 + ·3), then their sum.
+        let q = _mm256_add_pd(lo, hi);
+        let h = _mm_add_pd(_mm256_castpd256_pd128(q), _mm256_extractf128_pd(q, 1));
+        let mut sum = _mm_cvtsd_f64(h) + _mm_cvtsd_f64(_mm_unpackhi_pd(h, h));
+        for &v in &x[main..] {
+            sum += v as f64 * v as f64;
+        }
+        sum
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn f32_to_f16(src: &[f32], dst: &mut [half::f16]) {
+        let n = src.len().min(dst.len());
+        let main = n - n % 8;
+        let (ps, pd) = (src.as_ptr(), dst.as_mut_ptr() as *mut u16);
+        let mut i = 0;
+        while i < main {
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(ps.add(i)));
+            _mm_storeu_si128(pd.add(i) as *mut __m128i, h);
+            i += 8;
+        }
+        super::f32_to_f16_scalar(&src[main..n], &mut dst[main..n]);
+    }
 }
 
 #[cfg(test)]
@@ -667,10 +775,49 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     #[test]
+    fn sum_of_squares_equals_scalar_twin_bit_for_bit() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(6);
+        // Magnitudes far apart, so a different summation order would show in the low bits.
+        let x: Vec<f32> = (0..3000)
+            .map(|i| rng.gen_range(-1.0f32..1.0) * 10f32.powi(i % 9 - 4))
+            .collect();
+        for n in [0, 1, 7, 8, 9, 64, 576, 1001, x.len()] {
+            let (a, b) = (sum_sq_f64(&x[..n]), sum_sq_f64_scalar(&x[..n]));
+            assert_eq!(a.to_bits(), b.to_bits(), "n = {n}");
+            let plain: f64 = x[..n].iter().map(|&v| v as f64 * v as f64).sum();
+            assert!((a - plain).abs() <= 1e-12 * plain.max(1e-300), "n = {n}");
+        }
+    }
+
+    #[test]
+    fn f16_conversion_equals_scalar_twin_bit_for_bit() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        // Normal values, values that round to subnormals and to infinity, ties, zeros.
+        let mut x: Vec<f32> = (0..1000)
+            .map(|i| match i % 5 {
+                0 => rng.gen_range(-70000.0..70000.0),
+                1 => rng.gen_range(-1e-6..1e-6),
+                2 => half::f16::from_bits(rng.gen()).to_f32() * (1.0 + f32::EPSILON * 4096.0),
+                _ => rng.gen_range(-4.0..4.0),
+            })
+            .collect();
+        x.extend([0.0, -0.0, 65504.0, 65520.0, -65520.0, 1.0 + 1.0 / 2048.0]);
+        x.retain(|v| !v.is_nan());
+        for n in [0, 1, 7, 8, 9, 200, x.len()] {
+            let mut a = vec![half::f16::ZERO; n];
+            let mut b = vec![half::f16::ZERO; n];
+            f32_to_f16(&x[..n], &mut a);
+            f32_to_f16_scalar(&x[..n], &mut b);
+            let bits = |v: &[half::f16]| v.iter().map(|h| h.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "n = {n}");
+        }
+    }
+
+    #[test]
     fn attention_kernels_equal_scalar_twins_bit_for_bit() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         let k = attn_kernels();
-        for n in [5, 8, 13, 64, 128, 200] {
+        for n in [5, 8, 13, 64, 96, 104, 128, 200] {
             let q: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let keys: Vec<f32> = (0..8 * n).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let (mut a, mut b) = ([0f32; 8], [0f32; 8]);

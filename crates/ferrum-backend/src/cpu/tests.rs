@@ -110,7 +110,13 @@ fn decode_attention_on_f16_cache_equals_prefill_rows_bit_for_bit() {
         let vc = rand_vec(&mut r, n * kvd);
         for threads in [1, 2] {
             let be = CpuBackend::with_threads(threads).with_kv(KvDtype::F16);
-            let (mut kb, mut vb) = (be.alloc_kv(12 * bs, kvd), be.alloc_kv(12 * bs, kvd));
+            let shape = KvShape {
+                blocks: 12,
+                block_size: bs,
+                heads: kvh,
+                head_dim: hd,
+            };
+            let (mut kb, mut vb) = (be.alloc_kv(shape), be.alloc_kv(shape));
             let rows = Rows::dense(n, kvd);
             be.write_kv(&kc, rows, &mut kb, table, 0);
             be.write_kv(&vc, rows, &mut vb, table, 0);
@@ -185,7 +191,13 @@ fn paged_attention_matches_naive_causal_gqa_with_window() {
         (KvDtype::Q8_0, 3e-2),
     ] {
         let be = CpuBackend::new().with_kv(kv);
-        let (mut kb, mut vb) = (be.alloc_kv(8 * bs, kvd), be.alloc_kv(8 * bs, kvd));
+        let shape = KvShape {
+            blocks: 8,
+            block_size: bs,
+            heads: kvh,
+            head_dim: hd,
+        };
+        let (mut kb, mut vb) = (be.alloc_kv(shape), be.alloc_kv(shape));
         assert_eq!(kb.dtype(), kv);
         // Written in two pieces, as a chunked prefill would.
         let rows = Rows::dense(n, kvd);
