@@ -102,6 +102,15 @@ pub struct RopeParams<'a> {
     pub inv_freq: &'a [f32],
 }
 
+/// One weight of a [`Backend::matmul_many`]: `out[t, j] = Σ_k x[t, k] · weight[j, k] (+ bias[j])`
+/// into the view `out`.
+#[derive(Debug)]
+pub struct MatmulPart<'a, W> {
+    pub weight: &'a W,
+    pub bias: Option<&'a W>,
+    pub out: Rows,
+}
+
 /// The geometry of a paged KV cache (see [`Backend::alloc_kv`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvShape {
@@ -221,6 +230,21 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Buf,
         ov: Rows,
     );
+
+    /// Several weights applied to the same input rows, each into its own columns of `out` (a
+    /// layer's Q, K and V projections; gate and up): a backend may prepare the input once for
+    /// all of them and hand out the work in one go. Same results as one `matmul` per part.
+    fn matmul_many(
+        &self,
+        x: &Self::Buf,
+        xv: Rows,
+        parts: &[MatmulPart<'_, Self::Weight>],
+        out: &mut Self::Buf,
+    ) {
+        for p in parts {
+            self.matmul(x, xv, p.weight, p.bias, out, p.out);
+        }
+    }
 
     /// RMSNorm of each head of `xv` (the whole row when `heads == 1`) into `ov`,
     /// multiplied by `weight` (length `head_dim`).

@@ -299,3 +299,64 @@ fn check_packed<A>(
         }
     }
 }
+
+/// `matmul_many` over parts of both activation formats (Q4_0 and Q8_0 with 8-bit activations,
+/// Q4_K with Q8_K ones), packed and tail rows, with and without a bias, writing side by side
+/// into one buffer: the same bits as one `matmul` per part, whatever the token count.
+#[test]
+fn matmul_many_equals_one_matmul_per_part() {
+    use ferrum_backend::{Backend, CpuBackend, MatmulPart, Rows};
+    use ferrum_core::DType;
+    use ferrum_loader::RawTensor;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+    let k = 512;
+    let shapes = [(DType::Q4_0, 40), (DType::Q4K, 24), (DType::Q8_0, 13)];
+    for threads in [1, 2] {
+        let be = CpuBackend::with_threads(threads);
+        let ws: Vec<_> = shapes
+            .iter()
+            .map(|&(dt, m)| {
+                let bytes = random_blocks(&mut rng, dt, m * k);
+                let t = RawTensor::from_bytes("w", dt, vec![m, k], bytes).expect("sizes match");
+                be.load_weight(&t).expect("weight loads")
+            })
+            .collect();
+        let bias: Vec<f32> = (0..13).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let bias_bytes: Vec<u8> = bias.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let bias = be
+            .load_weight(
+                &RawTensor::from_bytes("b", DType::F32, vec![13], bias_bytes).expect("f32"),
+            )
+            .expect("bias loads");
+        let width: usize = shapes.iter().map(|s| s.1).sum();
+        for n in [1, 3, 4, 6] {
+            let x: Vec<f32> = (0..n * k).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let xv = Rows::dense(n, k);
+            let mut starts = Vec::new();
+            let mut at = 0;
+            for &(_, m) in &shapes {
+                starts.push(at);
+                at += m;
+            }
+            let parts: Vec<MatmulPart<_>> = ws
+                .iter()
+                .zip(&shapes)
+                .zip(&starts)
+                .map(|((w, &(dt, m)), &s)| MatmulPart {
+                    weight: w,
+                    bias: (dt == DType::Q8_0).then_some(&bias),
+                    out: Rows::columns(n, width, s, m),
+                })
+                .collect();
+            let mut fused = vec![0f32; n * width];
+            be.matmul_many(&x, xv, &parts, &mut fused);
+            let mut one_by_one = vec![0f32; n * width];
+            for p in &parts {
+                be.matmul(&x, xv, p.weight, p.bias, &mut one_by_one, p.out);
+            }
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fused), bits(&one_by_one), "threads {threads}, n {n}");
+            assert!(fused.iter().all(|v| v.is_finite() && *v != 0.0));
+        }
+    }
+}

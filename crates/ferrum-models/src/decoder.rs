@@ -9,7 +9,7 @@
 //! the FFN's RMSNorm → SwiGLU FFN → residual add.
 
 use ferrum_backend::{
-    AttentionParams, AttnSeq, Backend, KvShape, KvTable, MoeScratch, RopeParams, Rows,
+    AttentionParams, AttnSeq, Backend, KvShape, KvTable, MatmulPart, MoeScratch, RopeParams, Rows,
 };
 use ferrum_core::{Error, Result};
 use ferrum_loader::TensorStore;
@@ -529,29 +529,27 @@ impl<B: Backend> Decoder<B> {
                 be.rms_norm(&s.x, hidden, &layer.attn_norm, c.rms_eps, &mut s.xn, hidden);
             }
             let bias = layer.qkv_bias.as_ref();
-            be.matmul(
+            be.matmul_many(
                 &s.xn,
                 hidden,
-                &layer.q,
-                bias.map(|b| &b[0]),
+                &[
+                    MatmulPart {
+                        weight: &layer.q,
+                        bias: bias.map(|b| &b[0]),
+                        out: Rows::columns(n, qkv_w, 0, qd),
+                    },
+                    MatmulPart {
+                        weight: &layer.k,
+                        bias: bias.map(|b| &b[1]),
+                        out: Rows::columns(n, qkv_w, qd, kvd),
+                    },
+                    MatmulPart {
+                        weight: &layer.v,
+                        bias: bias.map(|b| &b[2]),
+                        out: v_view,
+                    },
+                ],
                 &mut s.qkv,
-                Rows::columns(n, qkv_w, 0, qd),
-            );
-            be.matmul(
-                &s.xn,
-                hidden,
-                &layer.k,
-                bias.map(|b| &b[1]),
-                &mut s.qkv,
-                Rows::columns(n, qkv_w, qd, kvd),
-            );
-            be.matmul(
-                &s.xn,
-                hidden,
-                &layer.v,
-                bias.map(|b| &b[2]),
-                &mut s.qkv,
-                v_view,
             );
             if let Some([qn, kn]) = &layer.qk_norm {
                 be.rms_norm_inplace(&mut s.qkv, q_view, qn, c.rms_eps);
@@ -602,21 +600,22 @@ impl<B: Backend> Decoder<B> {
             );
             match &layer.ffn {
                 Ffn::Dense { gate, up, down } => {
-                    be.matmul(
+                    be.matmul_many(
                         &s.xn,
                         hidden,
-                        gate,
-                        None,
+                        &[
+                            MatmulPart {
+                                weight: gate,
+                                bias: None,
+                                out: Rows::columns(n, 2 * f, 0, f),
+                            },
+                            MatmulPart {
+                                weight: up,
+                                bias: None,
+                                out: Rows::columns(n, 2 * f, f, f),
+                            },
+                        ],
                         &mut s.gu,
-                        Rows::columns(n, 2 * f, 0, f),
-                    );
-                    be.matmul(
-                        &s.xn,
-                        hidden,
-                        up,
-                        None,
-                        &mut s.gu,
-                        Rows::columns(n, 2 * f, f, f),
                     );
                     be.silu_mul(&s.gu, Rows::dense(n, 2 * f), &mut s.act, Rows::dense(n, f));
                     be.matmul(&s.act, Rows::dense(n, f), down, None, &mut s.tmp, hidden);

@@ -20,7 +20,7 @@ use pool::ThreadPool;
 
 use crate::{
     moe_ffn_default, AttentionParams, AttnSeq, Backend, ExpertBatch, ExpertWeights, KvShape,
-    KvTable, MoeScratch, RopeLayout, RopeParams, Rows,
+    KvTable, MatmulPart, MoeScratch, RopeLayout, RopeParams, Rows,
 };
 
 pub struct CpuBackend {
@@ -52,6 +52,17 @@ impl Default for CpuBackend {
 }
 
 impl CpuBackend {
+    /// Rows per task and tasks for a matmul over `w`: enough tasks to balance the cores, few
+    /// enough that each amortises its start; packed weights' tasks start on a packed group.
+    fn tasks_for(&self, w: &CpuWeight) -> (usize, usize) {
+        let m = w.rows;
+        let mut per_task = (m / (self.threads * 8)).clamp(4, 256);
+        if w.packed.is_some() {
+            per_task = per_task.next_multiple_of(quant::packed::ROWS);
+        }
+        (per_task, m.div_ceil(per_task))
+    }
+
     /// The fast backend: quantised weights meet 8-bit quantised activations in integer
     /// dot products, as in llama.cpp.
     pub fn new() -> Self {
@@ -437,17 +448,17 @@ impl Backend for CpuBackend {
         }
         let n = xv.count;
         let dst = SharedMut(out.as_mut_ptr());
-        // Enough tasks to balance the cores, few enough that each amortises its start.
-        let mut per_task = (m / (self.threads * 8)).clamp(4, 256);
-        if w.packed.is_some() {
-            // Tasks start on a packed group.
-            per_task = per_task.next_multiple_of(quant::packed::ROWS);
-        }
-        let n_tasks = m.div_ceil(per_task);
+        let (per_task, n_tasks) = self.tasks_for(w);
         if let Some(kernel) = w.kernel {
-            return quantized_matmul(
-                &self.pool, kernel, x, xv, w, bias, dst, ov, per_task, n_tasks,
-            );
+            let part = QuantPart {
+                w,
+                kernel,
+                bias,
+                ov,
+                per_task,
+                n_tasks,
+            };
+            return quantized_matmuls(&self.pool, x, xv, &[part], dst);
         }
         self.pool.run(n_tasks, &|task| {
             SCRATCH.with(|s| {
@@ -464,6 +475,69 @@ impl Backend for CpuBackend {
                 }
             })
         });
+    }
+
+    /// All parts on the integer path and writing disjoint columns of the same rows: the input
+    /// quantised once, every part's tasks in one hand-off. Otherwise one `matmul` each.
+    fn matmul_many(
+        &self,
+        x: &Vec<f32>,
+        xv: Rows,
+        parts: &[MatmulPart<'_, CpuWeight>],
+        out: &mut Vec<f32>,
+    ) {
+        let (lo, hi) = parts.iter().fold((usize::MAX, 0), |(lo, hi), p| {
+            (lo.min(p.out.offset), hi.max(p.out.offset + p.out.width()))
+        });
+        let disjoint = parts.iter().enumerate().all(|(i, a)| {
+            parts[i + 1..].iter().all(|b| {
+                a.out.offset + a.out.width() <= b.out.offset
+                    || b.out.offset + b.out.width() <= a.out.offset
+            })
+        });
+        let same_rows = parts
+            .iter()
+            .all(|p| p.out.stride == parts[0].out.stride && p.out.count == xv.count);
+        let quant_parts = parts
+            .iter()
+            .map(|p| {
+                let w = p.weight;
+                let kernel = w.kernel?;
+                assert_eq!(xv.width(), w.cols, "matmul: input width vs weight columns");
+                assert_eq!(p.out.width(), w.rows, "matmul: output width vs weight rows");
+                check_view("matmul out", p.out, out.len());
+                let bias = p.bias.map(|b| b.as_f32());
+                if let Some(b) = bias {
+                    assert_eq!(b.len(), w.rows);
+                }
+                let (per_task, n_tasks) = self.tasks_for(w);
+                Some(QuantPart {
+                    w,
+                    kernel,
+                    bias,
+                    ov: p.out,
+                    per_task,
+                    n_tasks,
+                })
+            })
+            .collect::<Option<Vec<_>>>();
+        match quant_parts {
+            Some(qp)
+                if parts.len() > 1
+                    && disjoint
+                    && same_rows
+                    && (xv.count <= 1 || hi - lo <= parts[0].out.stride) =>
+            {
+                check_view("matmul x", xv, x.len());
+                let dst = SharedMut(out.as_mut_ptr());
+                quantized_matmuls(&self.pool, x, xv, &qp, dst)
+            }
+            _ => {
+                for p in parts {
+                    self.matmul(x, xv, p.weight, p.bias, out, p.out);
+                }
+            }
+        }
     }
 
     fn rms_norm(
@@ -895,139 +969,162 @@ impl PackedRows for quant::q8::BlockQ8K {
     }
 }
 
-/// Quantises each activation row once, then runs the weight format's integer kernel for
-/// every (row, token) pair. Rows are split across tasks; each task reads its weight rows
-/// once for all tokens.
-#[allow(clippy::too_many_arguments)]
-fn quantized_matmul(
-    pool: &ThreadPool,
+/// One weight of a quantised matmul pass: its rows, split into tasks, written (plus the bias)
+/// to the columns of `ov`.
+struct QuantPart<'a> {
+    w: &'a CpuWeight,
     kernel: quant::Kernel,
-    x: &[f32],
-    xv: Rows,
-    w: &CpuWeight,
-    bias: Option<&[f32]>,
-    dst: SharedMut,
+    bias: Option<&'a [f32]>,
     ov: Rows,
     per_task: usize,
     n_tasks: usize,
-) {
-    let (m, k, n) = (w.rows, w.cols, xv.count);
+}
+
+/// Quantises each activation row once (to each activation format the parts need), then runs
+/// every part's integer kernel for every (row, token) pair, all parts' tasks in one hand-off
+/// to the threads. Rows are split across tasks; each task reads its weight rows once for all
+/// tokens. Results do not depend on how many parts share the pass.
+fn quantized_matmuls(pool: &ThreadPool, x: &[f32], xv: Rows, parts: &[QuantPart], dst: SharedMut) {
+    use quant::q8::{BlockQ8, BlockQ8K, QK8};
+    let (k, n) = (xv.width(), xv.count);
     let row = |t: usize| &x[xv.offset + t * xv.stride..xv.offset + t * xv.stride + k];
-    macro_rules! run {
-        ($buf:ident, $block:ty, $block_len:expr, $qfn:path, $dot:expr, $dot4:expr, $rows4:expr, $dot2x4:expr) => {
-            $buf.with(|buf| {
-                let mut buf = buf.borrow_mut();
-                let per_row = k / $block_len;
-                buf.clear();
-                buf.resize(n * per_row, <$block>::default());
+    let needs_k = |q8k: bool| {
+        parts
+            .iter()
+            .any(|p| matches!(p.kernel, quant::Kernel::Q8K { .. }) == q8k)
+    };
+    ACT_Q8.with(|a8| {
+        ACT_Q8K.with(|ak| {
+            let (mut a8, mut ak) = (a8.borrow_mut(), ak.borrow_mut());
+            let (per8, perk) = (k / QK8, k / quant::k_quants::QK_K);
+            if needs_k(false) {
+                a8.clear();
+                a8.resize(n * per8, BlockQ8::default());
                 for t in 0..n {
-                    $qfn(row(t), &mut buf[t * per_row..(t + 1) * per_row]);
+                    quant::q8::quantize_q8(row(t), &mut a8[t * per8..(t + 1) * per8]);
                 }
-                let acts = &buf[..];
-                let act = |t: usize| &acts[t * per_row..(t + 1) * per_row];
-                pool.run(n_tasks, &|task| {
-                    let rows = task * per_task..((task + 1) * per_task).min(m);
-                    let write = |t: usize, j: usize, v: f32| {
-                        let b = bias.map_or(0.0, |b| b[j]);
-                        // SAFETY: in bounds (checked by the caller); column j is this task's.
-                        unsafe { dst.write(ov.offset + t * ov.stride + j, v + b) };
-                    };
-                    // A packed group's eight results go out in one copy.
-                    let write8 = |t: usize, j: usize, v: &[f32; quant::packed::ROWS]| {
-                        // SAFETY: in bounds (checked by the caller); columns j..j+8 are this
-                        // task's.
-                        let d = unsafe { dst.slice(ov.offset + t * ov.stride + j, v.len()) };
-                        match bias {
-                            Some(b) => {
-                                for ((d, v), b) in d.iter_mut().zip(v).zip(&b[j..j + v.len()]) {
-                                    *d = v + b;
-                                }
-                            }
-                            None => d.copy_from_slice(v),
-                        }
-                    };
-                    let mut first = <$block as PackedRows>::run(w, rows.clone(), n, &act, &write8);
-                    if n < 4 {
-                        // Decode: four weight rows per pass keep four memory streams in flight.
-                        while first + 4 <= rows.end {
-                            let wr = [0, 1, 2, 3].map(|r| w.row_bytes_of(first + r));
-                            for t in 0..n {
-                                let v = $rows4(wr, act(t));
-                                for (r, vr) in v.iter().enumerate() {
-                                    write(t, first + r, *vr);
-                                }
-                            }
-                            first += 4;
-                        }
-                    }
-                    // Prefill: two weight rows × four tokens per pass where possible (each
-                    // activation block loaded once for both rows), then single rows. Every
-                    // kernel shape gives a (row, token) pair the same arithmetic, so results do
-                    // not depend on how rows or tokens are grouped.
-                    let mut j = first;
-                    while j < rows.end {
-                        let pair = j + 1 < rows.end;
-                        let mut t = 0;
-                        while t + 4 <= n {
-                            let a4 = [act(t), act(t + 1), act(t + 2), act(t + 3)];
-                            if pair {
-                                let v = $dot2x4([w.row_bytes_of(j), w.row_bytes_of(j + 1)], a4);
-                                for (r, vr) in v.iter().enumerate() {
-                                    for (i, vi) in vr.iter().enumerate() {
-                                        write(t + i, j + r, *vi);
-                                    }
-                                }
-                            } else {
-                                let v = $dot4(w.row_bytes_of(j), a4);
-                                for (i, vi) in v.iter().enumerate() {
-                                    write(t + i, j, *vi);
-                                }
-                            }
-                            t += 4;
-                        }
-                        for t in t..n {
-                            write(t, j, $dot(w.row_bytes_of(j), act(t)));
-                            if pair {
-                                write(t, j + 1, $dot(w.row_bytes_of(j + 1), act(t)));
-                            }
-                        }
-                        j += if pair { 2 } else { 1 };
-                    }
-                });
-            })
-        };
+            }
+            if needs_k(true) {
+                ak.clear();
+                ak.resize(n * perk, BlockQ8K::default());
+                for t in 0..n {
+                    quant::q8::quantize_q8k(row(t), &mut ak[t * perk..(t + 1) * perk]);
+                }
+            }
+            let (a8, ak) = (&a8[..], &ak[..]);
+            let act8 = |t: usize| &a8[t * per8..(t + 1) * per8];
+            let actk = |t: usize| &ak[t * perk..(t + 1) * perk];
+            // Each part's first task.
+            let starts: Vec<usize> = parts
+                .iter()
+                .scan(0, |next, p| {
+                    let first = *next;
+                    *next += p.n_tasks;
+                    Some(first)
+                })
+                .collect();
+            let total = parts.iter().map(|p| p.n_tasks).sum();
+            pool.run(total, &|task| {
+                let pi = starts.partition_point(|&s| s <= task) - 1;
+                let p = &parts[pi];
+                let local = task - starts[pi];
+                let rows = local * p.per_task..((local + 1) * p.per_task).min(p.w.rows);
+                match p.kernel {
+                    quant::Kernel::Q8 {
+                        dot,
+                        dot4,
+                        rows4,
+                        dot2x4,
+                    } => quantized_rows(p, rows, n, &act8, dst, dot, dot4, rows4, dot2x4),
+                    quant::Kernel::Q8K {
+                        dot,
+                        dot4,
+                        rows4,
+                        dot2x4,
+                    } => quantized_rows(p, rows, n, &actk, dst, dot, dot4, rows4, dot2x4),
+                }
+            });
+        })
+    })
+}
+
+/// One task of [`quantized_matmuls`]: rows `rows` of part `p` for all `n` tokens.
+#[allow(clippy::too_many_arguments)]
+fn quantized_rows<'a, B: PackedRows>(
+    p: &QuantPart,
+    rows: std::ops::Range<usize>,
+    n: usize,
+    act: &impl Fn(usize) -> &'a [B],
+    dst: SharedMut,
+    dot: fn(&[u8], &[B]) -> f32,
+    dot4: fn(&[u8], [&[B]; 4]) -> [f32; 4],
+    rows4: fn([&[u8]; 4], &[B]) -> [f32; 4],
+    dot2x4: quant::Dot2x4<B>,
+) {
+    let (w, bias, ov) = (p.w, p.bias, p.ov);
+    let write = |t: usize, j: usize, v: f32| {
+        let b = bias.map_or(0.0, |b| b[j]);
+        // SAFETY: in bounds (checked by the caller); column j is this task's.
+        unsafe { dst.write(ov.offset + t * ov.stride + j, v + b) };
+    };
+    // A packed group's eight results go out in one copy.
+    let write8 = |t: usize, j: usize, v: &[f32; quant::packed::ROWS]| {
+        // SAFETY: in bounds (checked by the caller); columns j..j+8 are this task's.
+        let d = unsafe { dst.slice(ov.offset + t * ov.stride + j, v.len()) };
+        match bias {
+            Some(b) => {
+                for ((d, v), b) in d.iter_mut().zip(v).zip(&b[j..j + v.len()]) {
+                    *d = v + b;
+                }
+            }
+            None => d.copy_from_slice(v),
+        }
+    };
+    let mut first = B::run(w, rows.clone(), n, act, &write8);
+    if n < 4 {
+        // Decode: four weight rows per pass keep four memory streams in flight.
+        while first + 4 <= rows.end {
+            let wr = [0, 1, 2, 3].map(|r| w.row_bytes_of(first + r));
+            for t in 0..n {
+                let v = rows4(wr, act(t));
+                for (r, vr) in v.iter().enumerate() {
+                    write(t, first + r, *vr);
+                }
+            }
+            first += 4;
+        }
     }
-    match kernel {
-        quant::Kernel::Q8 {
-            dot,
-            dot4,
-            rows4,
-            dot2x4,
-        } => run!(
-            ACT_Q8,
-            quant::q8::BlockQ8,
-            quant::q8::QK8,
-            quant::q8::quantize_q8,
-            dot,
-            dot4,
-            rows4,
-            dot2x4
-        ),
-        quant::Kernel::Q8K {
-            dot,
-            dot4,
-            rows4,
-            dot2x4,
-        } => run!(
-            ACT_Q8K,
-            quant::q8::BlockQ8K,
-            quant::k_quants::QK_K,
-            quant::q8::quantize_q8k,
-            dot,
-            dot4,
-            rows4,
-            dot2x4
-        ),
+    // Prefill: two weight rows × four tokens per pass where possible (each activation block
+    // loaded once for both rows), then single rows. Every kernel shape gives a (row, token)
+    // pair the same arithmetic, so results do not depend on how rows or tokens are grouped.
+    let mut j = first;
+    while j < rows.end {
+        let pair = j + 1 < rows.end;
+        let mut t = 0;
+        while t + 4 <= n {
+            let a4 = [act(t), act(t + 1), act(t + 2), act(t + 3)];
+            if pair {
+                let v = dot2x4([w.row_bytes_of(j), w.row_bytes_of(j + 1)], a4);
+                for (r, vr) in v.iter().enumerate() {
+                    for (i, vi) in vr.iter().enumerate() {
+                        write(t + i, j + r, *vi);
+                    }
+                }
+            } else {
+                let v = dot4(w.row_bytes_of(j), a4);
+                for (i, vi) in v.iter().enumerate() {
+                    write(t + i, j, *vi);
+                }
+            }
+            t += 4;
+        }
+        for t in t..n {
+            write(t, j, dot(w.row_bytes_of(j), act(t)));
+            if pair {
+                write(t, j + 1, dot(w.row_bytes_of(j + 1), act(t)));
+            }
+        }
+        j += if pair { 2 } else { 1 };
     }
 }
 
