@@ -401,7 +401,13 @@ fn attend<T: Sync>(
                             simd::prefetch_rows(k_cache, &offs[ahead..ahead_end], hd);
                             (dk.dot4)(qh, g, k_cache, &offs[c..c + m], &mut acc);
                             for (i, a) in acc[..g].iter().enumerate() {
-                                scores[i * span + c..i * span + c + m].copy_from_slice(&a[..m]);
+                                let row = &mut scores[i * span + c..i * span + c + m];
+                                // Four at a time as one fixed-size move: a copy of a run-time
+                                // length is a call to `memcpy`, three per four keys.
+                                match <&mut [f32; 4]>::try_from(&mut *row) {
+                                    Ok(four) => *four = *a,
+                                    Err(_) => row.copy_from_slice(&a[..m]),
+                                }
                             }
                         }
                         for i in 0..g {
