@@ -159,7 +159,8 @@ fn simd_activation_quantisation_equals_scalar_twin() {
         quantize_q8(&x, &mut a);
         quantize_q8_scalar(&x, &mut b);
         for (p, q) in a.iter().zip(&b) {
-            assert_eq!((p.d, p.s, p.qs), (q.d, q.s, q.qs));
+            assert_eq!((p.d, p.s, p.sum, p.qs), (q.d, q.s, q.sum, q.qs));
+            assert_eq!(p.sum, p.qs.iter().map(|&v| v as i32).sum::<i32>());
         }
         let (mut a, mut b) = (vec![BlockQ8K::default(); 4], vec![BlockQ8K::default(); 4]);
         quantize_q8k(&x, &mut a);
@@ -357,6 +358,38 @@ fn matmul_many_equals_one_matmul_per_part() {
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&fused), bits(&one_by_one), "threads {threads}, n {n}");
             assert!(fused.iter().all(|v| v.is_finite() && *v != 0.0));
+            // Views the one-pass path must refuse (they would race): the first two parts on
+            // overlapping columns, and rows narrower than the parts' span. Then the parts run
+            // one after another, so the later part's values win where they overlap.
+            let overlapping: Vec<MatmulPart<_>> = parts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| MatmulPart {
+                    out: Rows::columns(
+                        n,
+                        width,
+                        if i == 1 { 2 } else { p.out.offset },
+                        p.out.head_dim,
+                    ),
+                    ..*p
+                })
+                .collect();
+            let narrow: Vec<MatmulPart<_>> = parts
+                .iter()
+                .map(|p| MatmulPart {
+                    out: Rows::columns(n, width - 10, p.out.offset, p.out.head_dim),
+                    ..*p
+                })
+                .collect();
+            for refused in [&overlapping, &narrow] {
+                let len = n * width + 16;
+                let (mut a, mut b) = (vec![0f32; len], vec![0f32; len]);
+                be.matmul_many(&x, xv, refused, &mut a);
+                for p in refused.iter() {
+                    be.matmul(&x, xv, p.weight, p.bias, &mut b, p.out);
+                }
+                assert_eq!(bits(&a), bits(&b), "threads {threads}, n {n}");
+            }
         }
     }
 }

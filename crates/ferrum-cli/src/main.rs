@@ -403,6 +403,13 @@ pub(crate) fn load_model(
         s.finish_and_clear();
     }
     let model = model.with_context(|| format!("loading {}", path.display()))?;
+    // Every caller (run, serve, bench) allocates a KV cache next; refuse here, not there.
+    if be.kv == Some(KvDtype::Q8_0) && !model.decoder.config.head_dim.is_multiple_of(32) {
+        bail!(
+            "--kv-dtype q8_0 needs a head size divisible by 32 (this model's is {})",
+            model.decoder.config.head_dim
+        );
+    }
     let i = &model.info;
     eprintln!(
         "ferrum: {}: {}, {:.1}M params, {}, {:.0} MB, loaded in {:.2}s, context {}, {}",
@@ -427,9 +434,6 @@ fn run(a: RunArgs) -> Result<()> {
         kv: a.kv_dtype,
     };
     let (model, tokenizer) = load(&path, a.ctx, be)?;
-    if be.kv == Some(KvDtype::Q8_0) && !model.decoder.config.head_dim.is_multiple_of(32) {
-        bail!("--kv-dtype q8_0 needs a head size divisible by 32");
-    }
     let mut session = Session::new(model, tokenizer)?;
     let e = &session.engine;
     eprintln!(

@@ -442,6 +442,11 @@ impl Backend for CpuBackend {
         assert_eq!(xv.count, ov.count);
         check_view("matmul x", xv, x.len());
         check_view("matmul out", ov, out.len());
+        // Tasks write different columns of every row: rows must not overlap.
+        assert!(
+            ov.count <= 1 || ov.stride >= ov.width(),
+            "matmul: output rows overlap"
+        );
         let bias = bias.map(|b| b.as_f32());
         if let Some(b) = bias {
             assert_eq!(b.len(), m);
@@ -486,18 +491,7 @@ impl Backend for CpuBackend {
         parts: &[MatmulPart<'_, CpuWeight>],
         out: &mut Vec<f32>,
     ) {
-        let (lo, hi) = parts.iter().fold((usize::MAX, 0), |(lo, hi), p| {
-            (lo.min(p.out.offset), hi.max(p.out.offset + p.out.width()))
-        });
-        let disjoint = parts.iter().enumerate().all(|(i, a)| {
-            parts[i + 1..].iter().all(|b| {
-                a.out.offset + a.out.width() <= b.out.offset
-                    || b.out.offset + b.out.width() <= a.out.offset
-            })
-        });
-        let same_rows = parts
-            .iter()
-            .all(|p| p.out.stride == parts[0].out.stride && p.out.count == xv.count);
+        let views: Vec<Rows> = parts.iter().map(|p| p.out).collect();
         let quant_parts = parts
             .iter()
             .map(|p| {
@@ -522,12 +516,7 @@ impl Backend for CpuBackend {
             })
             .collect::<Option<Vec<_>>>();
         match quant_parts {
-            Some(qp)
-                if parts.len() > 1
-                    && disjoint
-                    && same_rows
-                    && (xv.count <= 1 || hi - lo <= parts[0].out.stride) =>
-            {
+            Some(qp) if parts.len() > 1 && side_by_side(&views, xv.count) => {
                 check_view("matmul x", xv, x.len());
                 let dst = SharedMut(out.as_mut_ptr());
                 quantized_matmuls(&self.pool, x, xv, &qp, dst)
@@ -593,7 +582,14 @@ impl Backend for CpuBackend {
         assert!(2 * half <= xv.head_dim);
         // The key is written last, so a fill cut short (a poisoned lock) is never reused.
         let mut cache = self.rope_cache.lock().unwrap_or_else(|e| e.into_inner());
-        if cache.positions != positions || cache.inv_freq != p.inv_freq {
+        // By bits: equal floats of different bits (0.0 and -0.0) give sines of other signs.
+        let same_freqs = cache.inv_freq.len() == p.inv_freq.len()
+            && cache
+                .inv_freq
+                .iter()
+                .zip(p.inv_freq)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+        if cache.positions != positions || !same_freqs {
             let c = &mut *cache;
             c.positions.clear();
             c.cs.clear();
@@ -967,6 +963,27 @@ impl PackedRows for quant::q8::BlockQ8K {
     ) {
         p.gemm_k(group, acts, out)
     }
+}
+
+/// Whether `views` are column windows of the same `count` rows that no two share: then tasks
+/// of different views never write the same element, in any order.
+fn side_by_side(views: &[Rows], count: usize) -> bool {
+    let Some(first) = views.first() else {
+        return true;
+    };
+    let (lo, hi) = views.iter().fold((usize::MAX, 0), |(lo, hi), v| {
+        (lo.min(v.offset), hi.max(v.offset + v.width()))
+    });
+    let disjoint = views.iter().enumerate().all(|(i, a)| {
+        views[i + 1..]
+            .iter()
+            .all(|b| a.offset + a.width() <= b.offset || b.offset + b.width() <= a.offset)
+    });
+    let same_rows = views
+        .iter()
+        .all(|v| v.stride == first.stride && v.count == count);
+    // Row t of the last window must end before row t + 1 of the first begins.
+    disjoint && same_rows && (count <= 1 || hi - lo <= first.stride)
 }
 
 /// One weight of a quantised matmul pass: its rows, split into tasks, written (plus the bias)

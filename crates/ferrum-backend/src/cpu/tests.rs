@@ -509,3 +509,23 @@ fn packing_split_over_pool_tasks_keeps_every_row() {
         }
     }
 }
+
+/// `matmul_many` takes its one-pass path only for views no two tasks could both write.
+#[test]
+fn matmul_many_one_pass_only_for_side_by_side_views() {
+    let cols = |n, stride, start, width| Rows::columns(n, stride, start, width);
+    // Q, K, V side by side.
+    assert!(side_by_side(
+        &[cols(4, 96, 0, 64), cols(4, 96, 64, 16), cols(4, 96, 80, 16)],
+        4
+    ));
+    // Overlapping columns.
+    assert!(!side_by_side(&[cols(4, 96, 0, 64), cols(4, 96, 60, 16)], 4));
+    // Rows narrower than the windows' span: row t's last window runs into row t + 1.
+    assert!(!side_by_side(&[cols(4, 70, 0, 64), cols(4, 70, 64, 16)], 4));
+    // ... which is harmless with one row.
+    assert!(side_by_side(&[cols(1, 70, 0, 64), cols(1, 70, 64, 16)], 1));
+    // Different strides or row counts.
+    assert!(!side_by_side(&[cols(4, 96, 0, 64), cols(4, 97, 64, 16)], 4));
+    assert!(!side_by_side(&[cols(4, 96, 0, 64), cols(3, 96, 64, 16)], 4));
+}
