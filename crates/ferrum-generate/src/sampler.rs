@@ -95,6 +95,14 @@ impl Default for SamplingExtras {
 }
 
 impl SamplingExtras {
+    /// Whether no bias or penalty changes the logits (min-p only cuts the candidates).
+    pub fn leaves_logits(&self) -> bool {
+        self.logit_bias.is_empty()
+            && self.repetition_penalty == 1.0
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+    }
+
     pub fn with_min_p(mut self, min_p: f32) -> Self {
         self.min_p = min_p;
         self
@@ -271,6 +279,11 @@ impl Sampler {
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        // Greedy on the logits as they are: no vocabulary-sized working copy (per stream and
+        // step, it cost about as much as the argmax).
+        if self.params.temperature <= 0.0 && self.extras.leaves_logits() {
+            return argmax(logits);
+        }
         self.work.clear();
         self.work.extend_from_slice(logits);
         apply_logit_bias(&mut self.work, &self.extras.logit_bias);
@@ -391,18 +404,83 @@ fn top_n_logprobs(logits: &[f32], n: usize, lse: f32) -> Vec<(u32, f32)> {
 
 /// Index of the largest logit; the lowest index wins a tie.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
+    // The answer of the plain scan (`best` moves only to a strictly greater value, so NaNs
+    // never win and ties go to the lower id) in two passes that vectorise: the greatest value
+    // under that rule, eight lanes at a time, then its first position.
+    let Some(&first) = logits.first() else {
+        return 0;
+    };
+    if first.is_nan() {
+        // Nothing compares greater than the starting NaN: the scan stays at 0.
+        return 0;
+    }
+    let chunks = logits.chunks_exact(8);
+    let rest = chunks.remainder();
+    let mut lanes = [first; 8];
+    for c in chunks {
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            *m = if x > *m { x } else { *m };
         }
     }
-    best as u32
+    let mut max = first;
+    for &x in lanes.iter().chain(rest) {
+        if x > max {
+            max = x;
+        }
+    }
+    // `==` also matches -0.0 for 0.0, as the scan (never moving between them) does. Whole
+    // chunks are tested without an early exit (so the test vectorises), then the one found.
+    let chunk = logits
+        .chunks(64)
+        .position(|c| c.iter().fold(false, |hit, &x| hit | (x == max)))
+        .unwrap_or(0);
+    let at = logits[chunk * 64..]
+        .iter()
+        .position(|&x| x == max)
+        .unwrap_or(0);
+    (chunk * 64 + at) as u32
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The vectorised argmax gives the plain scan's answer: ties to the lower id, NaNs never
+    /// chosen (unless first), signed zeros, every length around the eight-lane chunks.
+    #[test]
+    fn argmax_equals_the_plain_scan() {
+        fn scan(l: &[f32]) -> u32 {
+            let mut best = 0;
+            for (i, &v) in l.iter().enumerate() {
+                if v > l[best] {
+                    best = i;
+                }
+            }
+            best as u32
+        }
+        let mut rng = StdRng::seed_from_u64(3);
+        for len in [0, 1, 2, 7, 8, 9, 15, 16, 17, 100, 49_152] {
+            for trial in 0..20 {
+                let mut l: Vec<f32> = (0..len)
+                    .map(|_| (rng.gen_range(-4i32..4) as f32) * 0.5)
+                    .collect();
+                if len > 0 {
+                    match trial % 5 {
+                        1 => l[rng.gen_range(0..len)] = f32::NAN,
+                        2 => l[0] = f32::NAN,
+                        3 => {
+                            for v in l.iter_mut() {
+                                *v = if rng.gen_bool(0.5) { 0.0 } else { -0.0 };
+                            }
+                        }
+                        4 => l[len - 1] = 9.0,
+                        _ => {}
+                    }
+                }
+                assert_eq!(argmax(&l), scan(&l), "len {len}, trial {trial}");
+            }
+        }
+    }
 
     fn params(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> SamplingParams {
         SamplingParams {
