@@ -185,6 +185,8 @@ pub struct Engine<B: Backend> {
     grammar: Option<GrammarCompiler>,
     /// Masked logits of the sequence being sampled.
     scratch: Vec<f32>,
+    /// The last step's logits rows, kept for the next step's.
+    logits: Vec<f32>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -216,6 +218,7 @@ impl<B: Backend> Engine<B> {
             stats: EngineStats::default(),
             grammar: None,
             scratch: Vec::new(),
+            logits: Vec::new(),
         })
     }
 
@@ -367,7 +370,8 @@ impl<B: Backend> Engine<B> {
         }
         self.stats.steps += 1;
         // Logits come back in batch order for the sequences that asked.
-        let logits = {
+        let mut logits = std::mem::take(&mut self.logits);
+        {
             let seqs: Vec<SeqChunk> = plan
                 .iter()
                 .map(|&(i, n)| {
@@ -384,8 +388,10 @@ impl<B: Backend> Engine<B> {
                     }
                 })
                 .collect();
-            self.model.decoder.forward_batch(&mut self.kv, &seqs)?
-        };
+            self.model
+                .decoder
+                .forward_batch_into(&mut self.kv, &seqs, &mut logits)?;
+        }
         let vocab = self.model.decoder.config.vocab_size;
         let mut rows = logits.chunks_exact(vocab);
         let mut finished = Vec::new();
@@ -405,6 +411,7 @@ impl<B: Backend> Engine<B> {
                 finished.push((i, reason));
             }
         }
+        self.logits = logits;
         // Remove from the back so the indices stay valid.
         finished.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
         for (i, reason) in finished {

@@ -428,6 +428,20 @@ impl<B: Backend> Decoder<B> {
     /// sequence asked for. A sequence's numbers do not depend on what else is in the batch:
     /// every op works row by row, and attention sequence by sequence.
     pub fn forward_batch(&mut self, kv: &mut KvCache<B>, seqs: &[SeqChunk]) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        self.forward_batch_into(kv, seqs, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`forward_batch`](Self::forward_batch) into `out` (its contents replaced), for a caller
+    /// that keeps one buffer across steps: the logits rows are vocabulary-sized, and a fresh
+    /// allocation per step is zeroed and faulted in each time.
+    pub fn forward_batch_into(
+        &mut self,
+        kv: &mut KvCache<B>,
+        seqs: &[SeqChunk],
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
         let vocab = self.config.vocab_size;
         let n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         if n > CHUNK {
@@ -474,14 +488,12 @@ impl<B: Backend> Decoder<B> {
             positions.extend((s.start..end).map(|p| p as u32));
         }
         if n == 0 {
-            return Ok(Vec::new());
+            out.clear();
+            return Ok(());
         }
         self.run_layers(kv, &tokens, &positions, seqs)?;
-        let mut out = Vec::new();
-        if !want_rows.is_empty() {
-            self.logits_rows(n, &want_rows, &mut out);
-        }
-        Ok(out)
+        self.logits_rows(n, &want_rows, out);
+        Ok(())
     }
 
     fn run_layers(
@@ -672,8 +684,13 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Final norm and output head for the residual rows `rows` of an `n`-row pass (gathered
-    /// first, so the head's weights are read once for all of them); appends to `out`.
+    /// first, so the head's weights are read once for all of them) into `out`, which is
+    /// resized to fit them (the part it already has is overwritten, not zeroed first).
     fn logits_rows(&mut self, n: usize, rows: &[u32], out: &mut Vec<f32>) {
+        out.truncate(rows.len() * self.config.vocab_size);
+        if rows.is_empty() {
+            return;
+        }
         let c = &self.config;
         let be = &self.backend;
         let s = &mut self.state;
@@ -693,8 +710,7 @@ impl<B: Backend> Decoder<B> {
             &mut s.logits,
             Rows::dense(count, vocab),
         );
-        let at = out.len();
-        out.resize(at + count * vocab, 0.0);
-        be.read(&s.logits, 0, &mut out[at..]);
+        out.resize(count * vocab, 0.0);
+        be.read(&s.logits, 0, out);
     }
 }
