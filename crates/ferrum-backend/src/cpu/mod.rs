@@ -52,15 +52,38 @@ impl Default for CpuBackend {
 }
 
 impl CpuBackend {
-    /// Rows per task and tasks for a matmul over `w`: enough tasks to balance the cores, few
-    /// enough that each amortises its start; packed weights' tasks start on a packed group.
-    fn tasks_for(&self, w: &CpuWeight) -> (usize, usize) {
+    /// The checks of one weight's matmul from input rows `xv` into the view `ov` of an
+    /// output buffer of `out_len` (shapes agree, the view fits, its rows do not overlap, the
+    /// bias fits), then its bias values, rows per task and tasks: enough tasks to balance the
+    /// cores, few enough that each amortises its start; packed weights' tasks start on a
+    /// packed group. `matmul` and `matmul_many` share it.
+    fn checked_part<'a>(
+        &self,
+        xv: Rows,
+        w: &'a CpuWeight,
+        bias: Option<&'a CpuWeight>,
+        ov: Rows,
+        out_len: usize,
+    ) -> (Option<&'a [f32]>, usize, usize) {
         let m = w.rows;
+        assert_eq!(xv.width(), w.cols, "matmul: input width vs weight columns");
+        assert_eq!(ov.width(), m, "matmul: output width vs weight rows");
+        assert_eq!(xv.count, ov.count);
+        check_view("matmul out", ov, out_len);
+        // Tasks write different columns of every row: rows must not overlap.
+        assert!(
+            ov.count <= 1 || ov.stride >= ov.width(),
+            "matmul: output rows overlap"
+        );
+        let bias = bias.map(|b| b.as_f32());
+        if let Some(b) = bias {
+            assert_eq!(b.len(), m);
+        }
         let mut per_task = (m / (self.threads * 8)).clamp(4, 256);
         if w.packed.is_some() {
             per_task = per_task.next_multiple_of(quant::packed::ROWS);
         }
-        (per_task, m.div_ceil(per_task))
+        (bias, per_task, m.div_ceil(per_task))
     }
 
     /// The fast backend: quantised weights meet 8-bit quantised activations in integer
@@ -437,23 +460,10 @@ impl Backend for CpuBackend {
         ov: Rows,
     ) {
         let (m, k) = (w.rows, w.cols);
-        assert_eq!(xv.width(), k, "matmul: input width vs weight columns");
-        assert_eq!(ov.width(), m, "matmul: output width vs weight rows");
-        assert_eq!(xv.count, ov.count);
         check_view("matmul x", xv, x.len());
-        check_view("matmul out", ov, out.len());
-        // Tasks write different columns of every row: rows must not overlap.
-        assert!(
-            ov.count <= 1 || ov.stride >= ov.width(),
-            "matmul: output rows overlap"
-        );
-        let bias = bias.map(|b| b.as_f32());
-        if let Some(b) = bias {
-            assert_eq!(b.len(), m);
-        }
+        let (bias, per_task, n_tasks) = self.checked_part(xv, w, bias, ov, out.len());
         let n = xv.count;
         let dst = SharedMut(out.as_mut_ptr());
-        let (per_task, n_tasks) = self.tasks_for(w);
         if let Some(kernel) = w.kernel {
             let part = QuantPart {
                 w,
@@ -491,23 +501,16 @@ impl Backend for CpuBackend {
         parts: &[MatmulPart<'_, CpuWeight>],
         out: &mut Vec<f32>,
     ) {
+        check_view("matmul x", xv, x.len());
         let views: Vec<Rows> = parts.iter().map(|p| p.out).collect();
         let quant_parts = parts
             .iter()
             .map(|p| {
-                let w = p.weight;
-                let kernel = w.kernel?;
-                assert_eq!(xv.width(), w.cols, "matmul: input width vs weight columns");
-                assert_eq!(p.out.width(), w.rows, "matmul: output width vs weight rows");
-                check_view("matmul out", p.out, out.len());
-                let bias = p.bias.map(|b| b.as_f32());
-                if let Some(b) = bias {
-                    assert_eq!(b.len(), w.rows);
-                }
-                let (per_task, n_tasks) = self.tasks_for(w);
+                let (bias, per_task, n_tasks) =
+                    self.checked_part(xv, p.weight, p.bias, p.out, out.len());
                 Some(QuantPart {
-                    w,
-                    kernel,
+                    w: p.weight,
+                    kernel: p.weight.kernel?,
                     bias,
                     ov: p.out,
                     per_task,
@@ -517,7 +520,6 @@ impl Backend for CpuBackend {
             .collect::<Option<Vec<_>>>();
         match quant_parts {
             Some(qp) if parts.len() > 1 && side_by_side(&views, xv.count) => {
-                check_view("matmul x", xv, x.len());
                 let dst = SharedMut(out.as_mut_ptr());
                 quantized_matmuls(&self.pool, x, xv, &qp, dst)
             }
@@ -1005,7 +1007,7 @@ fn quantized_matmuls(pool: &ThreadPool, x: &[f32], xv: Rows, parts: &[QuantPart]
     use quant::q8::{BlockQ8, BlockQ8K, QK8};
     let (k, n) = (xv.width(), xv.count);
     let row = |t: usize| &x[xv.offset + t * xv.stride..xv.offset + t * xv.stride + k];
-    let needs_k = |q8k: bool| {
+    let needs = |q8k: bool| {
         parts
             .iter()
             .any(|p| matches!(p.kernel, quant::Kernel::Q8K { .. }) == q8k)
@@ -1014,14 +1016,14 @@ fn quantized_matmuls(pool: &ThreadPool, x: &[f32], xv: Rows, parts: &[QuantPart]
         ACT_Q8K.with(|ak| {
             let (mut a8, mut ak) = (a8.borrow_mut(), ak.borrow_mut());
             let (per8, perk) = (k / QK8, k / quant::k_quants::QK_K);
-            if needs_k(false) {
+            if needs(false) {
                 a8.clear();
                 a8.resize(n * per8, BlockQ8::default());
                 for t in 0..n {
                     quant::q8::quantize_q8(row(t), &mut a8[t * per8..(t + 1) * per8]);
                 }
             }
-            if needs_k(true) {
+            if needs(true) {
                 ak.clear();
                 ak.resize(n * perk, BlockQ8K::default());
                 for t in 0..n {
