@@ -20,7 +20,8 @@ pub struct BenchArgs {
     /// Tokens for the generation test (0 skips it).
     #[arg(long, default_value_t = 128)]
     tg: usize,
-    /// Runs of each test; the median is reported.
+    /// Runs of each test (with `--concurrency`: rounds over all the levels); the median is
+    /// reported.
     #[arg(long, default_value_t = 5)]
     reps: usize,
     /// Print one JSON object instead of a table.
@@ -84,7 +85,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
         kv: a.kv_dtype,
     };
     if !a.concurrency.is_empty() {
-        return crate::bench_engine::run(&a.model, &file, be, &a.concurrency, a.pp, a.tg, a.json);
+        return crate::bench_engine::run(
+            &a.model,
+            &file,
+            be,
+            &a.concurrency,
+            a.pp,
+            a.tg,
+            a.reps,
+            a.json,
+        );
     }
     let mut model = crate::load_model(&a.model, &file, Some(ctx), be)?;
     let vocab = model.decoder.config.vocab_size as u32;
