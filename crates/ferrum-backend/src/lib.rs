@@ -211,6 +211,13 @@ pub trait Backend: Send + Sync {
     fn buf_len(&self, buf: &Self::Buf) -> usize;
     fn write(&self, buf: &mut Self::Buf, offset: usize, data: &[f32]);
     fn read(&self, buf: &Self::Buf, offset: usize, out: &mut [f32]);
+    /// `len` values of the buffer from `offset`, in place, where the backend keeps its
+    /// buffers in host memory (the CPU): a caller reads results without [`read`](Self::read)'s
+    /// copy. `None` where they must be copied out (a device's memory).
+    fn host_view<'a>(&self, buf: &'a Self::Buf, offset: usize, len: usize) -> Option<&'a [f32]> {
+        let _ = (buf, offset, len);
+        None
+    }
 
     /// Takes a tensor from a model file; matrices keep their format.
     fn load_weight(&self, t: &RawTensor) -> Result<Self::Weight>;

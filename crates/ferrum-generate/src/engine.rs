@@ -185,7 +185,8 @@ pub struct Engine<B: Backend> {
     grammar: Option<GrammarCompiler>,
     /// Masked logits of the sequence being sampled.
     scratch: Vec<f32>,
-    /// The last step's logits rows, kept for the next step's.
+    /// Where a step's logits rows are copied when the backend's buffers are not host
+    /// memory; kept across steps (vocabulary-sized rows, faulted in once).
     logits: Vec<f32>,
 }
 
@@ -369,9 +370,11 @@ impl<B: Backend> Engine<B> {
             return Ok(out);
         }
         self.stats.steps += 1;
-        // Logits come back in batch order for the sequences that asked.
-        let mut logits = std::mem::take(&mut self.logits);
-        {
+        let max_seq = self.max_sequence();
+        let vocab = self.model.decoder.config.vocab_size;
+        // Logits come back in batch order for the sequences that asked: read where the
+        // backend left them (no copy on the CPU), so they borrow the model until sampled.
+        let logits = {
             let seqs: Vec<SeqChunk> = plan
                 .iter()
                 .map(|&(i, n)| {
@@ -390,9 +393,8 @@ impl<B: Backend> Engine<B> {
                 .collect();
             self.model
                 .decoder
-                .forward_batch_into(&mut self.kv, &seqs, &mut logits)?;
-        }
-        let vocab = self.model.decoder.config.vocab_size;
+                .forward_batch_view(&mut self.kv, &seqs, &mut self.logits)?
+        };
         let mut rows = logits.chunks_exact(vocab);
         let mut finished = Vec::new();
         for &(i, n) in &plan {
@@ -407,11 +409,16 @@ impl<B: Backend> Engine<B> {
                     "forward returned too few logits".into(),
                 ));
             };
-            if let Some(reason) = self.emit_token(i, row, &mut out)? {
+            let mut ctx = EmitCtx {
+                scratch: &mut self.scratch,
+                tokenizer: &self.tokenizer,
+                stats: &mut self.stats,
+                max_seq,
+            };
+            if let Some(reason) = emit_token(s, row, &mut ctx, &mut out)? {
                 finished.push((i, reason));
             }
         }
-        self.logits = logits;
         // Remove from the back so the indices stay valid.
         finished.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
         for (i, reason) in finished {
@@ -419,67 +426,6 @@ impl<B: Backend> Engine<B> {
             self.finish(s, reason, &mut out);
         }
         Ok(out)
-    }
-
-    /// Samples the next token of running sequence `i` and reports it; returns why the
-    /// sequence ends, if it does.
-    fn emit_token(
-        &mut self,
-        i: usize,
-        logits: &[f32],
-        out: &mut Vec<Output>,
-    ) -> Result<Option<FinishReason>> {
-        let max_seq = self.max_sequence();
-        let s = &mut self.running[i];
-        // A constraint masks what may be sampled; log-probabilities stay the model's own.
-        let sample_from = match &mut s.mask {
-            Some(m) => {
-                self.scratch.clear();
-                self.scratch.extend_from_slice(logits);
-                // A constraint that fails (or allows nothing) ends this request only.
-                if m.apply(&mut self.scratch).is_err()
-                    || self.scratch.iter().all(|l| *l == f32::NEG_INFINITY)
-                {
-                    return Ok(Some(FinishReason::Stop));
-                }
-                &self.scratch[..]
-            }
-            None => logits,
-        };
-        let token = s.sampler.sample(sample_from);
-        let logprob = s.logprobs.map(|n| {
-            let (lp, top) = crate::sampler::logprobs(logits, token, n);
-            TokenLogprob { logprob: lp, top }
-        });
-        if s.stop_ids.contains(&token) {
-            return Ok(Some(FinishReason::Stop));
-        }
-        if let Some(m) = &mut s.mask {
-            if m.commit(token).is_err() {
-                return Ok(Some(FinishReason::Stop));
-            }
-        }
-        s.tokens.push(token);
-        s.sampler.observe(token);
-        self.stats.generated_tokens += 1;
-        let text = s.detok.push(&self.tokenizer, token)?;
-        let outcome = s.stops.push(&text);
-        out.push(Output {
-            id: s.id,
-            kind: OutputKind::Token {
-                token,
-                text: outcome.emit,
-                logprob,
-            },
-        });
-        let complete = s.mask.as_ref().is_some_and(|m| m.is_stopped());
-        Ok(if outcome.stopped || complete {
-            Some(FinishReason::Stop)
-        } else if s.generated() >= s.max_tokens || s.tokens.len() >= max_seq {
-            Some(FinishReason::Length)
-        } else {
-            None
-        })
     }
 
     fn finish(&mut self, mut s: Seq, reason: FinishReason, out: &mut Vec<Output>) {
@@ -637,4 +583,73 @@ fn register_full_blocks(pool: &mut BlockPool, s: &mut Seq) {
         let h = pool.register(s.blocks[k], parent, &s.tokens[k * bs..(k + 1) * bs]);
         s.hashes.push(h);
     }
+}
+
+/// What sampling a token needs of the engine besides the sequence: disjoint from the model,
+/// whose buffer the logits may still be.
+struct EmitCtx<'a> {
+    /// Masked logits of the sequence being sampled.
+    scratch: &'a mut Vec<f32>,
+    tokenizer: &'a Tokenizer,
+    stats: &'a mut EngineStats,
+    max_seq: usize,
+}
+
+/// Samples the next token of `s` and reports it; returns why the sequence ends, if it does.
+fn emit_token(
+    s: &mut Seq,
+    logits: &[f32],
+    cx: &mut EmitCtx,
+    out: &mut Vec<Output>,
+) -> Result<Option<FinishReason>> {
+    let max_seq = cx.max_seq;
+    // A constraint masks what may be sampled; log-probabilities stay the model's own.
+    let sample_from = match &mut s.mask {
+        Some(m) => {
+            cx.scratch.clear();
+            cx.scratch.extend_from_slice(logits);
+            // A constraint that fails (or allows nothing) ends this request only.
+            if m.apply(cx.scratch).is_err()
+                || cx.scratch.iter().all(|l| *l == f32::NEG_INFINITY)
+            {
+                return Ok(Some(FinishReason::Stop));
+            }
+            &cx.scratch[..]
+        }
+        None => logits,
+    };
+    let token = s.sampler.sample(sample_from);
+    let logprob = s.logprobs.map(|n| {
+        let (lp, top) = crate::sampler::logprobs(logits, token, n);
+        TokenLogprob { logprob: lp, top }
+    });
+    if s.stop_ids.contains(&token) {
+        return Ok(Some(FinishReason::Stop));
+    }
+    if let Some(m) = &mut s.mask {
+        if m.commit(token).is_err() {
+            return Ok(Some(FinishReason::Stop));
+        }
+    }
+    s.tokens.push(token);
+    s.sampler.observe(token);
+    cx.stats.generated_tokens += 1;
+    let text = s.detok.push(cx.tokenizer, token)?;
+    let outcome = s.stops.push(&text);
+    out.push(Output {
+        id: s.id,
+        kind: OutputKind::Token {
+            token,
+            text: outcome.emit,
+            logprob,
+        },
+    });
+    let complete = s.mask.as_ref().is_some_and(|m| m.is_stopped());
+    Ok(if outcome.stopped || complete {
+        Some(FinishReason::Stop)
+    } else if s.generated() >= s.max_tokens || s.tokens.len() >= max_seq {
+        Some(FinishReason::Length)
+    } else {
+        None
+    })
 }

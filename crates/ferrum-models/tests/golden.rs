@@ -208,3 +208,55 @@ fn context_overflow_and_bad_token_are_errors() {
     // The model is still usable afterwards.
     assert!(m.decoder.forward(&mut kv, &[1, 2], 0, Logits::Last).is_ok());
 }
+
+#[test]
+fn batch_logits_read_in_place_equal_the_copied_ones() {
+    use ferrum_models::decoder::SeqChunk;
+    let r = reference("qwen3");
+    let path = dir("qwen3").join("model-f32.gguf");
+    let mut m = Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(64) }).unwrap();
+    let v = m.decoder.config.vocab_size;
+    let (a, b) = (&r.tokens[..5], &r.tokens[2..9]);
+    let (ta, tb) = ([0u32, 1], [2u32, 3]);
+    let mut copied_kv = m.decoder.alloc_kv(4, 16);
+    let mut viewed_kv = m.decoder.alloc_kv(4, 16);
+    let mut spare = Vec::new();
+    // A prefill pass (one sequence's last row, the other's every row), then a decode pass.
+    for (sa, sb, la, lb, start) in [
+        (a, b, Logits::Last, Logits::All, (0, 0)),
+        (
+            &a[..1],
+            &b[..1],
+            Logits::Last,
+            Logits::Last,
+            (a.len(), b.len()),
+        ),
+    ] {
+        let seqs = [
+            SeqChunk {
+                tokens: sa,
+                start: start.0,
+                blocks: &ta,
+                logits: la,
+            },
+            SeqChunk {
+                tokens: sb,
+                start: start.1,
+                blocks: &tb,
+                logits: lb,
+            },
+        ];
+        let copied = m.decoder.forward_batch(&mut copied_kv, &seqs).unwrap();
+        let viewed = m
+            .decoder
+            .forward_batch_view(&mut viewed_kv, &seqs, &mut spare)
+            .unwrap()
+            .to_vec();
+        assert_eq!(copied.len() % v, 0);
+        assert!(!copied.is_empty());
+        assert_eq!(
+            copied.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            viewed.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+    }
+}

@@ -407,6 +407,10 @@ impl Backend for CpuBackend {
         out.copy_from_slice(&buf[offset..offset + out.len()]);
     }
 
+    fn host_view<'a>(&self, buf: &'a Vec<f32>, offset: usize, len: usize) -> Option<&'a [f32]> {
+        Some(&buf[offset..offset + len])
+    }
+
     fn load_weight(&self, t: &RawTensor) -> Result<CpuWeight> {
         let mut w = self.load_mapped(t)?;
         #[cfg(target_arch = "x86_64")]
