@@ -80,7 +80,8 @@ fn bench_dot_f32(c: &mut Criterion) {
 fn bench_matmul(c: &mut Criterion) {
     let be = CpuBackend::new();
     let mut rng = StdRng::seed_from_u64(3);
-    for n in [1usize, 64] {
+    // One token (decode), four (a decode batch of four streams), 64 (a prefill chunk).
+    for n in [1usize, 4, 64] {
         let mut g = c.benchmark_group(format!("matmul_n{n}"));
         let x_data = activations(&mut rng, n * K);
         let mut x = be.alloc(n * K);

@@ -159,8 +159,8 @@ fn simd_activation_quantisation_equals_scalar_twin() {
         quantize_q8(&x, &mut a);
         quantize_q8_scalar(&x, &mut b);
         for (p, q) in a.iter().zip(&b) {
-            assert_eq!((p.d, p.s, p.sum, p.qs), (q.d, q.s, q.sum, q.qs));
-            assert_eq!(p.sum, p.qs.iter().map(|&v| v as i32).sum::<i32>());
+            assert_eq!((p.d, p.s, p.offset, p.qs), (q.d, q.s, q.offset, q.qs));
+            assert_eq!(p.offset, -128 * p.qs.iter().map(|&v| v as i32).sum::<i32>());
         }
         let (mut a, mut b) = (vec![BlockQ8K::default(); 4], vec![BlockQ8K::default(); 4]);
         quantize_q8k(&x, &mut a);

@@ -609,9 +609,7 @@ fn emit_token(
             cx.scratch.clear();
             cx.scratch.extend_from_slice(logits);
             // A constraint that fails (or allows nothing) ends this request only.
-            if m.apply(cx.scratch).is_err()
-                || cx.scratch.iter().all(|l| *l == f32::NEG_INFINITY)
-            {
+            if m.apply(cx.scratch).is_err() || cx.scratch.iter().all(|l| *l == f32::NEG_INFINITY) {
                 return Ok(Some(FinishReason::Stop));
             }
             &cx.scratch[..]

@@ -901,7 +901,7 @@ macro_rules! packed_kernels {
                         let mut isum2 = [[_mm256_setzero_si256(); N]; 2];
                         if VNNI {
                             for t in 0..N {
-                                isum2[0][t] = _mm256_set1_epi32(-128 * q[t].sum);
+                                isum2[0][t] = _mm256_set1_epi32(q[t].offset);
                             }
                         }
                         for j in 0..8 {
