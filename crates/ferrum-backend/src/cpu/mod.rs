@@ -13,6 +13,7 @@ use std::cell::RefCell;
 
 use ferrum_core::{DType, Error, Result};
 use ferrum_loader::RawTensor;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 pub use kv::{CpuKv, KvDtype};
@@ -1016,27 +1017,44 @@ fn quantized_matmuls(pool: &ThreadPool, x: &[f32], xv: Rows, parts: &[QuantPart]
             .iter()
             .any(|p| matches!(p.kernel, quant::Kernel::Q8K { .. }) == q8k)
     };
+    let (need8, needk) = (needs(false), needs(true));
     ACT_Q8.with(|a8| {
         ACT_Q8K.with(|ak| {
             let (mut a8, mut ak) = (a8.borrow_mut(), ak.borrow_mut());
             let (per8, perk) = (k / QK8, k / quant::k_quants::QK_K);
-            if needs(false) {
-                a8.clear();
-                a8.resize(n * per8, BlockQ8::default());
+            let quantize = |t: usize, q8: &mut [BlockQ8], qk: &mut [BlockQ8K]| {
+                if need8 {
+                    quant::q8::quantize_q8(row(t), q8);
+                }
+                if needk {
+                    quant::q8::quantize_q8k(row(t), qk);
+                }
+            };
+            a8.clear();
+            a8.resize(if need8 { n * per8 } else { 0 }, BlockQ8::default());
+            ak.clear();
+            ak.resize(if needk { n * perk } else { 0 }, BlockQ8K::default());
+            // Several tokens are quantised in the same hand-off as the matmul, one task per
+            // token ahead of the matmul's tasks (a decode batch would otherwise leave the
+            // other threads waiting while one quantises every stream's row); one token is
+            // quantised here, as a task would cost more than it saves.
+            let pre = if n > 1 && pool.threads() > 1 { n } else { 0 };
+            if pre == 0 {
                 for t in 0..n {
-                    quant::q8::quantize_q8(row(t), &mut a8[t * per8..(t + 1) * per8]);
+                    let q8 = a8.get_mut(t * per8..(t + 1) * per8).unwrap_or_default();
+                    let qk = ak.get_mut(t * perk..(t + 1) * perk).unwrap_or_default();
+                    quantize(t, q8, qk);
                 }
             }
-            if needs(true) {
-                ak.clear();
-                ak.resize(n * perk, BlockQ8K::default());
-                for t in 0..n {
-                    quant::q8::quantize_q8k(row(t), &mut ak[t * perk..(t + 1) * perk]);
-                }
-            }
-            let (a8, ak) = (&a8[..], &ak[..]);
-            let act8 = |t: usize| &a8[t * per8..(t + 1) * per8];
-            let actk = |t: usize| &ak[t * perk..(t + 1) * perk];
+            let (p8, pk) = (SyncPtr(a8.as_mut_ptr()), SyncPtr(ak.as_mut_ptr()));
+            let (len8, lenk) = (if need8 { per8 } else { 0 }, if needk { perk } else { 0 });
+            // Tokens quantised so far (Release by each prologue task; a matmul task reads the
+            // blocks only after seeing all of them, with Acquire).
+            let ready = AtomicUsize::new(0);
+            // SAFETY (both): the blocks of every token are written (by the prologue tasks or
+            // above) before any matmul task gets here, and not written again in this call.
+            let act8 = |t: usize| unsafe { std::slice::from_raw_parts(p8.at(t * len8), len8) };
+            let actk = |t: usize| unsafe { std::slice::from_raw_parts(pk.at(t * lenk), lenk) };
             // Each part's first task.
             let starts: Vec<usize> = parts
                 .iter()
@@ -1046,8 +1064,27 @@ fn quantized_matmuls(pool: &ThreadPool, x: &[f32], xv: Rows, parts: &[QuantPart]
                     Some(first)
                 })
                 .collect();
-            let total = parts.iter().map(|p| p.n_tasks).sum();
-            pool.run(total, &|task| {
+            let total: usize = parts.iter().map(|p| p.n_tasks).sum();
+            pool.run(pre + total, &|task| {
+                if task < pre {
+                    // SAFETY: token `task`'s blocks, which this task alone writes; no slice of
+                    // them exists until `ready` counts this token.
+                    let (q8, qk) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(p8.at(task * len8), len8),
+                            std::slice::from_raw_parts_mut(pk.at(task * lenk), lenk),
+                        )
+                    };
+                    quantize(task, q8, qk);
+                    ready.fetch_add(1, Ordering::Release);
+                    return;
+                }
+                // Tasks are claimed in order, so every prologue task is already running on
+                // some thread that does not wait: this ends.
+                while ready.load(Ordering::Acquire) < pre {
+                    std::hint::spin_loop();
+                }
+                let task = task - pre;
                 let pi = starts.partition_point(|&s| s <= task) - 1;
                 let p = &parts[pi];
                 let local = task - starts[pi];
@@ -1069,6 +1106,22 @@ fn quantized_matmuls(pool: &ThreadPool, x: &[f32], xv: Rows, parts: &[QuantPart]
             });
         })
     })
+}
+
+/// A pointer that tasks share, each touching only its own elements.
+struct SyncPtr<T>(*mut T);
+// SAFETY: used only for disjoint writes from parallel tasks and reads after them, ordered by an
+// atomic, while the buffer is exclusively borrowed by the op that made the pointer.
+unsafe impl<T> Send for SyncPtr<T> {}
+unsafe impl<T> Sync for SyncPtr<T> {}
+
+impl<T> SyncPtr<T> {
+    /// # Safety
+    /// `i` is within the buffer (or one past its end).
+    #[inline]
+    unsafe fn at(&self, i: usize) -> *mut T {
+        self.0.add(i)
+    }
 }
 
 /// One task of [`quantized_matmuls`]: rows `rows` of part `p` for all `n` tokens.
