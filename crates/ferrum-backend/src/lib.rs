@@ -312,6 +312,24 @@ pub trait Backend: Send + Sync {
     /// `out[t, i] = silu(x[t, i]) · x[t, i + width]` where `xv` is `2 · width` wide.
     fn silu_mul(&self, x: &Self::Buf, xv: Rows, out: &mut Self::Buf, ov: Rows);
 
+    /// A dense FFN's tail: `act = silu_mul(gu)`, then `out = act · wᵀ`. A fused op: the
+    /// default body is those two ops; a backend may compute each token's `act` row inside the
+    /// matmul's own hand-off to its threads (`act` is then written, with the same values).
+    #[allow(clippy::too_many_arguments)]
+    fn swiglu_matmul(
+        &self,
+        gu: &Self::Buf,
+        gv: Rows,
+        act: &mut Self::Buf,
+        av: Rows,
+        w: &Self::Weight,
+        out: &mut Self::Buf,
+        ov: Rows,
+    ) {
+        self.silu_mul(gu, gv, act, av);
+        self.matmul(act, av, w, None, out, ov);
+    }
+
     /// `x[v] += y[yv]`.
     fn add_inplace(&self, x: &mut Self::Buf, xv: Rows, y: &Self::Buf, yv: Rows);
 

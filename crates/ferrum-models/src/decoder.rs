@@ -656,8 +656,15 @@ impl<B: Backend> Decoder<B> {
                         ],
                         &mut s.gu,
                     );
-                    be.silu_mul(&s.gu, Rows::dense(n, 2 * f), &mut s.act, Rows::dense(n, f));
-                    be.matmul(&s.act, Rows::dense(n, f), down, None, &mut s.tmp, hidden);
+                    be.swiglu_matmul(
+                        &s.gu,
+                        Rows::dense(n, 2 * f),
+                        &mut s.act,
+                        Rows::dense(n, f),
+                        down,
+                        &mut s.tmp,
+                        hidden,
+                    );
                 }
                 Ffn::Moe(moe) => {
                     let ms = s

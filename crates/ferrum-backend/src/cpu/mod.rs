@@ -478,7 +478,8 @@ impl Backend for CpuBackend {
                 per_task,
                 n_tasks,
             };
-            return quantized_matmuls(&self.pool, x, xv, &[part], dst);
+            let row = |t: usize| &x[xv.offset + t * xv.stride..][..k];
+            return quantized_matmuls(&self.pool, &row, n, k, &[part], dst);
         }
         self.pool.run(n_tasks, &|task| {
             SCRATCH.with(|s| {
@@ -526,7 +527,8 @@ impl Backend for CpuBackend {
         match quant_parts {
             Some(qp) if parts.len() > 1 && side_by_side(&views, xv.count) => {
                 let dst = SharedMut(out.as_mut_ptr());
-                quantized_matmuls(&self.pool, x, xv, &qp, dst)
+                let row = |t: usize| &x[xv.offset + t * xv.stride..][..xv.width()];
+                quantized_matmuls(&self.pool, &row, xv.count, xv.width(), &qp, dst)
             }
             _ => {
                 for p in parts {
@@ -673,6 +675,60 @@ impl Backend for CpuBackend {
             let oi = ov.offset + t * ov.stride;
             simd::silu_mul(&x[xi..xi + f], &x[xi + f..xi + 2 * f], &mut out[oi..oi + f]);
         }
+    }
+
+    /// On the integer path, each token's SwiGLU row is computed by the task that quantises it,
+    /// in the matmul's hand-off: a decode batch's rows no longer wait for one thread.
+    fn swiglu_matmul(
+        &self,
+        gu: &Vec<f32>,
+        gv: Rows,
+        act: &mut Vec<f32>,
+        av: Rows,
+        w: &CpuWeight,
+        out: &mut Vec<f32>,
+        ov: Rows,
+    ) {
+        let Some(kernel) = w.kernel else {
+            self.silu_mul(gu, gv, act, av);
+            return self.matmul(act, av, w, None, out, ov);
+        };
+        let f = av.width();
+        assert_eq!(gv.width(), 2 * f);
+        assert_eq!(gv.count, av.count);
+        check_view("swiglu gate/up", gv, gu.len());
+        check_view("swiglu act", av, act.len());
+        assert!(
+            av.count <= 1 || av.stride >= f,
+            "swiglu: activation rows overlap"
+        );
+        let (bias, per_task, n_tasks) = self.checked_part(av, w, None, ov, out.len());
+        let part = QuantPart {
+            w,
+            kernel,
+            bias,
+            ov,
+            per_task,
+            n_tasks,
+        };
+        let a = SharedMut(act.as_mut_ptr());
+        let row = |t: usize| -> &[f32] {
+            let gi = gv.offset + t * gv.stride;
+            // SAFETY: in bounds (check_view above); rows do not overlap, and `quantized_matmuls`
+            // calls this once per token, so row t is written by this call alone and read only
+            // through the returned slice.
+            let o = unsafe { a.slice(av.offset + t * av.stride, f) };
+            simd::silu_mul(&gu[gi..gi + f], &gu[gi + f..gi + 2 * f], o);
+            o
+        };
+        quantized_matmuls(
+            &self.pool,
+            &row,
+            av.count,
+            f,
+            &[part],
+            SharedMut(out.as_mut_ptr()),
+        );
     }
 
     fn add_inplace(&self, x: &mut Vec<f32>, xv: Rows, y: &Vec<f32>, yv: Rows) {
@@ -1008,10 +1064,17 @@ struct QuantPart<'a> {
 /// every part's integer kernel for every (row, token) pair, all parts' tasks in one hand-off
 /// to the threads. Rows are split across tasks; each task reads its weight rows once for all
 /// tokens. Results do not depend on how many parts share the pass.
-fn quantized_matmuls(pool: &ThreadPool, x: &[f32], xv: Rows, parts: &[QuantPart], dst: SharedMut) {
+/// `input(t)` gives token `t`'s row of `k` values; it is called once per token, before any
+/// matmul task starts (so it may compute the row: [`Backend::swiglu_matmul`]).
+fn quantized_matmuls<'x>(
+    pool: &ThreadPool,
+    input: &(dyn Fn(usize) -> &'x [f32] + Sync),
+    n: usize,
+    k: usize,
+    parts: &[QuantPart],
+    dst: SharedMut,
+) {
     use quant::q8::{BlockQ8, BlockQ8K, QK8};
-    let (k, n) = (xv.width(), xv.count);
-    let row = |t: usize| &x[xv.offset + t * xv.stride..xv.offset + t * xv.stride + k];
     let needs = |q8k: bool| {
         parts
             .iter()
@@ -1023,11 +1086,13 @@ fn quantized_matmuls(pool: &ThreadPool, x: &[f32], xv: Rows, parts: &[QuantPart]
             let (mut a8, mut ak) = (a8.borrow_mut(), ak.borrow_mut());
             let (per8, perk) = (k / QK8, k / quant::k_quants::QK_K);
             let quantize = |t: usize, q8: &mut [BlockQ8], qk: &mut [BlockQ8K]| {
+                let row = input(t);
+                debug_assert_eq!(row.len(), k);
                 if need8 {
-                    quant::q8::quantize_q8(row(t), q8);
+                    quant::q8::quantize_q8(row, q8);
                 }
                 if needk {
-                    quant::q8::quantize_q8k(row(t), qk);
+                    quant::q8::quantize_q8k(row, qk);
                 }
             };
             a8.clear();
