@@ -87,6 +87,28 @@ impl CpuBackend {
         (bias, per_task, m.div_ceil(per_task))
     }
 
+    /// [`checked_part`](Self::checked_part) as a part of a quantised pass; `None` for a weight
+    /// off the integer path.
+    fn quant_part<'a>(
+        &self,
+        xv: Rows,
+        w: &'a CpuWeight,
+        bias: Option<&'a CpuWeight>,
+        ov: Rows,
+        out_len: usize,
+    ) -> Option<QuantPart<'a>> {
+        let kernel = w.kernel?;
+        let (bias, per_task, n_tasks) = self.checked_part(xv, w, bias, ov, out_len);
+        Some(QuantPart {
+            w,
+            kernel,
+            bias,
+            ov,
+            per_task,
+            n_tasks,
+        })
+    }
+
     /// The fast backend: quantised weights meet 8-bit quantised activations in integer
     /// dot products, as in llama.cpp.
     pub fn new() -> Self {
@@ -466,21 +488,13 @@ impl Backend for CpuBackend {
     ) {
         let (m, k) = (w.rows, w.cols);
         check_view("matmul x", xv, x.len());
-        let (bias, per_task, n_tasks) = self.checked_part(xv, w, bias, ov, out.len());
         let n = xv.count;
         let dst = SharedMut(out.as_mut_ptr());
-        if let Some(kernel) = w.kernel {
-            let part = QuantPart {
-                w,
-                kernel,
-                bias,
-                ov,
-                per_task,
-                n_tasks,
-            };
+        if let Some(part) = self.quant_part(xv, w, bias, ov, out.len()) {
             let row = |t: usize| &x[xv.offset + t * xv.stride..][..k];
             return quantized_matmuls(&self.pool, &row, n, k, &[part], dst);
         }
+        let (bias, per_task, n_tasks) = self.checked_part(xv, w, bias, ov, out.len());
         self.pool.run(n_tasks, &|task| {
             SCRATCH.with(|s| {
                 let mut scratch = s.borrow_mut();
@@ -511,18 +525,7 @@ impl Backend for CpuBackend {
         let views: Vec<Rows> = parts.iter().map(|p| p.out).collect();
         let quant_parts = parts
             .iter()
-            .map(|p| {
-                let (bias, per_task, n_tasks) =
-                    self.checked_part(xv, p.weight, p.bias, p.out, out.len());
-                Some(QuantPart {
-                    w: p.weight,
-                    kernel: p.weight.kernel?,
-                    bias,
-                    ov: p.out,
-                    per_task,
-                    n_tasks,
-                })
-            })
+            .map(|p| self.quant_part(xv, p.weight, p.bias, p.out, out.len()))
             .collect::<Option<Vec<_>>>();
         match quant_parts {
             Some(qp) if parts.len() > 1 && side_by_side(&views, xv.count) => {
@@ -689,7 +692,7 @@ impl Backend for CpuBackend {
         out: &mut Vec<f32>,
         ov: Rows,
     ) {
-        let Some(kernel) = w.kernel else {
+        let Some(part) = self.quant_part(av, w, None, ov, out.len()) else {
             self.silu_mul(gu, gv, act, av);
             return self.matmul(act, av, w, None, out, ov);
         };
@@ -702,15 +705,6 @@ impl Backend for CpuBackend {
             av.count <= 1 || av.stride >= f,
             "swiglu: activation rows overlap"
         );
-        let (bias, per_task, n_tasks) = self.checked_part(av, w, None, ov, out.len());
-        let part = QuantPart {
-            w,
-            kernel,
-            bias,
-            ov,
-            per_task,
-            n_tasks,
-        };
         let a = SharedMut(act.as_mut_ptr());
         let row = |t: usize| -> &[f32] {
             let gi = gv.offset + t * gv.stride;
