@@ -4,7 +4,8 @@
 //! is this rate), the same rate carried on to the last token (the streams that got their
 //! first token earlier finish earlier, so the end decodes fewer streams at a time), time to
 //! first token and inter-token latency percentiles. With `--reps R` the levels run R times
-//! in turn and the medians are reported, `× one` being the median of the per-round ratios.
+//! in turn and the medians are reported, `× one` being the median of the per-round ratios
+//! (a level with no step in which all its streams decode reports NaN, `null` in JSON).
 
 use std::path::Path;
 use std::time::Instant;
@@ -51,10 +52,12 @@ fn percentiles(mut v: Vec<f64>) -> [f64; 3] {
     [at(0.5), at(0.9), at(0.99)]
 }
 
-/// The middle value (the upper of the two middle ones for an even count); 0 for none.
-fn median(mut v: Vec<f64>) -> f64 {
+/// The middle of the finite values (the upper of the two middle ones for an even count); NaN
+/// for none.
+fn median(v: Vec<f64>) -> f64 {
+    let mut v: Vec<f64> = v.into_iter().filter(|x| x.is_finite()).collect();
     v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -70,6 +73,10 @@ pub fn run(
 ) -> Result<()> {
     if levels.contains(&0) || prompt_len == 0 || gen == 0 || reps == 0 {
         bail!("--concurrency, --pp, --tg and --reps must be positive");
+    }
+    let budget = ferrum_models::decoder::CHUNK;
+    if let Some(&c) = levels.iter().find(|&&c| c > budget) {
+        bail!("--concurrency {c}: a step carries at most {budget} tokens, so more streams never decode together");
     }
     let max_c = levels.iter().copied().max().unwrap_or(1);
     let per_seq = prompt_len + gen + 1;
@@ -133,7 +140,7 @@ pub fn run(
                     "total_tok_s": r.total_tok_s,
                     "ttft_ms_p50_p90_p99": r.ttft_ms,
                     "itl_ms_p50_p90_p99": r.itl_ms,
-                    "preemptions": r.preemptions,
+                    "preemptions_all_rounds": r.preemptions,
                     "decode_tok_s_per_round": r.per_round,
                 })
             })
@@ -266,8 +273,20 @@ fn measure(
         .map(|f| (*f - t0).as_secs_f64() * 1e3)
         .collect();
     let total: usize = produced.iter().sum();
+    // No step with every stream decoding: the first streams finished before the last one
+    // started (prefill staggered over more steps than the generation lasts).
+    let decode_tok_s = match steady_end {
+        Some(e) if steady_tokens > 0 => steady_tokens as f64 / secs(e),
+        _ => {
+            eprintln!(
+                "{c} streams: no step had all of them decoding (a longer --tg is needed); \
+                 see the to-end rate"
+            );
+            f64::NAN
+        }
+    };
     let sample = Sample {
-        decode_tok_s: steady_tokens as f64 / secs(steady_end.unwrap_or(all_decoding)),
+        decode_tok_s,
         to_end_tok_s: late as f64 / secs(end),
         total_tok_s: total as f64 / (end - t0).as_secs_f64(),
         ttft_ms: ttft,

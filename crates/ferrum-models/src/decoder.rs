@@ -718,9 +718,7 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Final norm and output head for the residual rows `rows` of an `n`-row pass (gathered
-    /// first, so the head's weights are read once for all of them) into `out`, which is
-    /// resized to fit them (the part it already has is overwritten, not zeroed first).
-    /// Final norm and output head for rows `rows` of the pass's `n`, into `state.logits`.
+    /// first, so the head's weights are read once for all of them), into `state.logits`.
     fn head(&mut self, n: usize, rows: &[u32]) {
         if rows.is_empty() {
             return;
