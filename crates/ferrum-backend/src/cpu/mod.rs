@@ -1134,8 +1134,10 @@ fn quantized_matmuls<'x>(
                             std::slice::from_raw_parts_mut(pk.at(task * lenk), lenk),
                         )
                     };
+                    // Counted even if quantising panics, so the tasks waiting below end and the
+                    // pool can hand the panic to the caller.
+                    let _counted = Count(&ready);
                     quantize(task, q8, qk);
-                    ready.fetch_add(1, Ordering::Release);
                     return;
                 }
                 // Tasks are claimed in order, so every prologue task is already running on
@@ -1165,6 +1167,15 @@ fn quantized_matmuls<'x>(
             });
         })
     })
+}
+
+/// Adds one (Release) when dropped, on return or unwind.
+struct Count<'a>(&'a AtomicUsize);
+
+impl Drop for Count<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::Release);
+    }
 }
 
 /// A pointer that tasks share, each touching only its own elements.

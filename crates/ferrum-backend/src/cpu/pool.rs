@@ -26,6 +26,9 @@ struct Shared {
     next: AtomicUsize,
     /// Workers that have not finished the current op yet.
     pending: AtomicUsize,
+    /// A task of the current op panicked on a worker; `run` panics in turn once the op is
+    /// over, rather than the caller waiting forever for a worker that died.
+    panicked: AtomicBool,
     stop: AtomicBool,
     sleeping: Vec<AtomicBool>,
 }
@@ -50,6 +53,7 @@ impl ThreadPool {
             n_tasks: AtomicUsize::new(0),
             next: AtomicUsize::new(0),
             pending: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             sleeping: (0..n_workers).map(|_| AtomicBool::new(false)).collect(),
         });
@@ -97,9 +101,16 @@ impl ThreadPool {
                 t.unpark();
             }
         }
-        work(s, job);
+        // Even if a task panics here, wait for the workers: they still hold `f`.
+        let mine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(s, job)));
         while s.pending.load(Ordering::Acquire) != 0 {
             std::hint::spin_loop();
+        }
+        if let Err(e) = mine {
+            std::panic::resume_unwind(e);
+        }
+        if s.panicked.swap(false, Ordering::Relaxed) {
+            panic!("a thread pool task panicked on a worker thread");
         }
     }
 }
@@ -144,7 +155,10 @@ fn worker(s: Arc<Shared>, me: usize) {
         seen = gen;
         // SAFETY: written before the generation bump we just observed (Acquire).
         if let Some(job) = unsafe { *s.job.get() } {
-            work(&s, job);
+            let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(&s, job)));
+            if done.is_err() {
+                s.panicked.store(true, Ordering::Relaxed);
+            }
         }
         s.pending.fetch_sub(1, Ordering::Release);
     }
@@ -177,6 +191,31 @@ mod tests {
             }
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 200));
         }
+    }
+
+    #[test]
+    fn a_task_panic_reaches_the_caller_and_the_pool_goes_on() {
+        let pool = ThreadPool::new(2);
+        // Whichever thread takes task 5 (the caller or the worker), `run` panics once every
+        // other task is done, instead of waiting forever for a dead worker.
+        for _ in 0..20 {
+            let count = AtomicUsize::new(0);
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                pool.run(8, &|i| {
+                    if i == 5 {
+                        panic!("task 5");
+                    }
+                    count.fetch_add(1, Ordering::Relaxed);
+                })
+            }));
+            assert!(r.is_err());
+            assert_eq!(count.load(Ordering::Relaxed), 7);
+        }
+        let count = AtomicUsize::new(0);
+        pool.run(8, &|_| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 8);
     }
 
     #[test]
