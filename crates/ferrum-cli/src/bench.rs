@@ -39,9 +39,12 @@ pub struct BenchArgs {
     concurrency: Vec<usize>,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The middle of the finite values (the upper of the two middle ones for an even count); NaN
+/// for none (a `--concurrency` level that had no step with all its streams decoding).
+pub(crate) fn median(v: Vec<f64>) -> f64 {
+    let mut v: Vec<f64> = v.into_iter().filter(|x| x.is_finite()).collect();
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// Read bandwidth in GB/s, measured here and now: the best of five passes summing a buffer

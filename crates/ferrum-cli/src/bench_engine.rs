@@ -17,6 +17,7 @@ use ferrum_loader::ModelFile;
 use ferrum_models::Model;
 use ferrum_tokenizer::Tokenizer;
 
+use crate::bench::median;
 use crate::BackendOpts;
 
 /// One level run once.
@@ -50,14 +51,6 @@ fn percentiles(mut v: Vec<f64>) -> [f64; 3] {
     v.sort_by(f64::total_cmp);
     let at = |p: f64| v[((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
     [at(0.5), at(0.9), at(0.99)]
-}
-
-/// The middle of the finite values (the upper of the two middle ones for an even count); NaN
-/// for none.
-fn median(v: Vec<f64>) -> f64 {
-    let mut v: Vec<f64> = v.into_iter().filter(|x| x.is_finite()).collect();
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -428,28 +428,16 @@ impl<B: Backend> Decoder<B> {
     /// sequence asked for. A sequence's numbers do not depend on what else is in the batch:
     /// every op works row by row, and attention sequence by sequence.
     pub fn forward_batch(&mut self, kv: &mut KvCache<B>, seqs: &[SeqChunk]) -> Result<Vec<f32>> {
-        let mut out = Vec::new();
-        self.forward_batch_into(kv, seqs, &mut out)?;
-        Ok(out)
-    }
-
-    /// [`forward_batch`](Self::forward_batch) into `out` (its contents replaced), for a caller
-    /// that keeps one buffer across steps: the logits rows are vocabulary-sized, and a fresh
-    /// allocation per step is zeroed and faulted in each time.
-    pub fn forward_batch_into(
-        &mut self,
-        kv: &mut KvCache<B>,
-        seqs: &[SeqChunk],
-        out: &mut Vec<f32>,
-    ) -> Result<()> {
         let rows = self.forward_rows(kv, seqs)?;
-        self.logits_rows(rows, out);
-        Ok(())
+        let mut out = Vec::new();
+        self.logits_rows(rows, &mut out);
+        Ok(out)
     }
 
     /// [`forward_batch`](Self::forward_batch)'s logits where they lie: in the backend's own
     /// buffer when it is host memory (no copy of the vocabulary-sized rows, which costs a
-    /// decode step about 13 µs per sequence on the CPU), else copied into `spare`.
+    /// decode step about 13 µs per sequence on the CPU), else copied into `spare` (a caller's
+    /// buffer kept across steps: the rows are vocabulary-sized).
     pub fn forward_batch_view<'a>(
         &'a mut self,
         kv: &mut KvCache<B>,

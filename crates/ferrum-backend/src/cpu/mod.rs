@@ -331,18 +331,26 @@ impl ActRow {
 }
 
 /// A raw pointer that pool tasks may share. Each task writes a disjoint set of elements.
-#[derive(Clone, Copy)]
-struct SharedMut(*mut f32);
-// SAFETY: used only to write disjoint elements from parallel tasks, while the owning buffer is
-// exclusively borrowed by the op that created the pointer.
-unsafe impl Send for SharedMut {}
-unsafe impl Sync for SharedMut {}
+struct SharedMut<T = f32>(*mut T);
+// SAFETY: used only to write disjoint elements from parallel tasks (and to read them after
+// those writes, ordered by the pool or an atomic), while the owning buffer is exclusively
+// borrowed by the op that created the pointer.
+unsafe impl<T> Send for SharedMut<T> {}
+unsafe impl<T> Sync for SharedMut<T> {}
 
-impl SharedMut {
+// By hand: derived, they would ask `T: Copy`, and a pointer is Copy for any `T`.
+impl<T> Clone for SharedMut<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedMut<T> {}
+
+impl<T> SharedMut<T> {
     /// # Safety
     /// `i` is in bounds of the buffer and no other task writes element `i`.
     #[inline]
-    unsafe fn write(self, i: usize, v: f32) {
+    unsafe fn write(self, i: usize, v: T) {
         *self.0.add(i) = v;
     }
 
@@ -350,8 +358,16 @@ impl SharedMut {
     /// `offset..offset + len` is in bounds of the buffer and no other task touches it while
     /// the slice lives.
     #[inline]
-    unsafe fn slice<'a>(self, offset: usize, len: usize) -> &'a mut [f32] {
+    unsafe fn slice<'a>(self, offset: usize, len: usize) -> &'a mut [T] {
         std::slice::from_raw_parts_mut(self.0.add(offset), len)
+    }
+
+    /// # Safety
+    /// `offset..offset + len` is in bounds of the buffer and no task writes it while the
+    /// slice lives.
+    #[inline]
+    unsafe fn slice_ref<'a>(self, offset: usize, len: usize) -> &'a [T] {
+        std::slice::from_raw_parts(self.0.add(offset), len)
     }
 }
 
@@ -668,11 +684,7 @@ impl Backend for CpuBackend {
     }
 
     fn silu_mul(&self, x: &Vec<f32>, xv: Rows, out: &mut Vec<f32>, ov: Rows) {
-        let f = ov.width();
-        assert_eq!(xv.width(), 2 * f);
-        assert_eq!(xv.count, ov.count);
-        check_view("silu_mul x", xv, x.len());
-        check_view("silu_mul out", ov, out.len());
+        let f = check_silu_mul(xv, x.len(), ov, out.len());
         for t in 0..xv.count {
             let xi = xv.offset + t * xv.stride;
             let oi = ov.offset + t * ov.stride;
@@ -696,11 +708,7 @@ impl Backend for CpuBackend {
             self.silu_mul(gu, gv, act, av);
             return self.matmul(act, av, w, None, out, ov);
         };
-        let f = av.width();
-        assert_eq!(gv.width(), 2 * f);
-        assert_eq!(gv.count, av.count);
-        check_view("swiglu gate/up", gv, gu.len());
-        check_view("swiglu act", av, act.len());
+        let f = check_silu_mul(gv, gu.len(), av, act.len());
         assert!(
             av.count <= 1 || av.stride >= f,
             "swiglu: activation rows overlap"
@@ -1098,22 +1106,25 @@ fn quantized_matmuls<'x>(
             // other threads waiting while one quantises every stream's row); one token is
             // quantised here, as a task would cost more than it saves.
             let pre = if n > 1 && pool.threads() > 1 { n } else { 0 };
-            if pre == 0 {
-                for t in 0..n {
-                    let q8 = a8.get_mut(t * per8..(t + 1) * per8).unwrap_or_default();
-                    let qk = ak.get_mut(t * perk..(t + 1) * perk).unwrap_or_default();
-                    quantize(t, q8, qk);
-                }
-            }
-            let (p8, pk) = (SyncPtr(a8.as_mut_ptr()), SyncPtr(ak.as_mut_ptr()));
+            let (p8, pk) = (SharedMut(a8.as_mut_ptr()), SharedMut(ak.as_mut_ptr()));
             let (len8, lenk) = (if need8 { per8 } else { 0 }, if needk { perk } else { 0 });
+            // Token t's blocks, which only its quantisation writes.
+            // SAFETY: in bounds (the buffers were sized for n tokens, or are empty with a
+            // length of zero); the caller quantises token t once, before any slice of its
+            // blocks is read.
+            let quantize_token = |t: usize| unsafe {
+                quantize(t, p8.slice(t * len8, len8), pk.slice(t * lenk, lenk))
+            };
+            if pre == 0 {
+                (0..n).for_each(quantize_token);
+            }
             // Tokens quantised so far (Release by each prologue task; a matmul task reads the
             // blocks only after seeing all of them, with Acquire).
             let ready = AtomicUsize::new(0);
             // SAFETY (both): the blocks of every token are written (by the prologue tasks or
             // above) before any matmul task gets here, and not written again in this call.
-            let act8 = |t: usize| unsafe { std::slice::from_raw_parts(p8.at(t * len8), len8) };
-            let actk = |t: usize| unsafe { std::slice::from_raw_parts(pk.at(t * lenk), lenk) };
+            let act8 = |t: usize| unsafe { p8.slice_ref(t * len8, len8) };
+            let actk = |t: usize| unsafe { pk.slice_ref(t * lenk, lenk) };
             // Each part's first task.
             let starts: Vec<usize> = parts
                 .iter()
@@ -1126,18 +1137,11 @@ fn quantized_matmuls<'x>(
             let total: usize = parts.iter().map(|p| p.n_tasks).sum();
             pool.run(pre + total, &|task| {
                 if task < pre {
-                    // SAFETY: token `task`'s blocks, which this task alone writes; no slice of
-                    // them exists until `ready` counts this token.
-                    let (q8, qk) = unsafe {
-                        (
-                            std::slice::from_raw_parts_mut(p8.at(task * len8), len8),
-                            std::slice::from_raw_parts_mut(pk.at(task * lenk), lenk),
-                        )
-                    };
                     // Counted even if quantising panics, so the tasks waiting below end and the
-                    // pool can hand the panic to the caller.
+                    // pool can hand the panic to the caller. No slice of this token's blocks
+                    // is read until then.
                     let _counted = Count(&ready);
-                    quantize(task, q8, qk);
+                    quantize_token(task);
                     return;
                 }
                 // Tasks are claimed in order, so every prologue task is already running on
@@ -1175,22 +1179,6 @@ struct Count<'a>(&'a AtomicUsize);
 impl Drop for Count<'_> {
     fn drop(&mut self) {
         self.0.fetch_add(1, Ordering::Release);
-    }
-}
-
-/// A pointer that tasks share, each touching only its own elements.
-struct SyncPtr<T>(*mut T);
-// SAFETY: used only for disjoint writes from parallel tasks and reads after them, ordered by an
-// atomic, while the buffer is exclusively borrowed by the op that made the pointer.
-unsafe impl<T> Send for SyncPtr<T> {}
-unsafe impl<T> Sync for SyncPtr<T> {}
-
-impl<T> SyncPtr<T> {
-    /// # Safety
-    /// `i` is within the buffer (or one past its end).
-    #[inline]
-    unsafe fn at(&self, i: usize) -> *mut T {
-        self.0.add(i)
     }
 }
 
@@ -1272,6 +1260,17 @@ fn quantized_rows<'a, B: PackedRows>(
         }
         j += if pair { 2 } else { 1 };
     }
+}
+
+/// `silu_mul`'s shape checks (gate/up rows `xv` of a buffer of `x_len`, output rows `ov` of one
+/// of `out_len`); returns the output width.
+fn check_silu_mul(xv: Rows, x_len: usize, ov: Rows, out_len: usize) -> usize {
+    let f = ov.width();
+    assert_eq!(xv.width(), 2 * f);
+    assert_eq!(xv.count, ov.count);
+    check_view("silu_mul x", xv, x_len);
+    check_view("silu_mul out", ov, out_len);
+    f
 }
 
 /// `1 / sqrt(mean(x²) + eps)`, accumulated in f64 so long rows lose nothing to rounding.

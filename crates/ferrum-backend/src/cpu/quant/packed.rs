@@ -337,8 +337,8 @@ fn interleave_high_bits(qh: [u32; ROWS]) -> [u8; 32] {
 
 /// Stored plus 128 (the sign bit flipped), so AVX-VNNI's `vpdpbusd`, whose left operand is
 /// unsigned, takes the weights as they are: `Σ (w + 128)·a − 128·Σ a` is `Σ w·a` exactly, and
-/// the correction costs one subtraction per token and block where moving the weights' signs
-/// onto the activations cost eight (one per vector, for every token).
+/// the correction is each token's chain's starting value (`BlockQ8::offset`), where moving the
+/// weights' signs onto the activations cost eight instructions (one per vector, every token).
 fn pack_q8_0(b: [&q8_0::BlockQ8_0; ROWS]) -> Q8_0x8 {
     let qs: [i8; 256] = interleave(b.map(|x| &x.qs));
     Q8_0x8 {

@@ -1,8 +1,8 @@
 //! 8-bit activation formats. Before a quantised matmul, each activation row is quantised
 //! once, so the dot products run on integers (AVX2 `maddubs`/`madd`):
 //! - [`BlockQ8`]: 32 values, f32 scale, the scaled sum `s = d·Σq` (the sum lets Q4_1 and
-//!   Q5_1 fold in their minimums without touching the values) and the integer sum `Σq` (the
-//!   AVX-VNNI Q8_0 kernel's correction for weights stored plus 128). Paired with Q4_0/Q4_1/
+//!   Q5_1 fold in their minimums without touching the values) and `−128·Σq` (the AVX-VNNI
+//!   Q8_0 kernel's correction for weights stored plus 128). Paired with Q4_0/Q4_1/
 //!   Q5_0/Q5_1/Q8_0 weights. Our own layout (GGML's Q8_1 keeps d and s in f16); f32 loses less.
 //! - [`BlockQ8K`]: GGML's Q8_K, 256 values with sums of each 16 (for the K-quants).
 
