@@ -42,8 +42,10 @@ pub struct CpuBackend {
 struct RopeCache {
     positions: Vec<u32>,
     inv_freq: Vec<f32>,
-    /// `(cos, sin)` of position `positions[t]` and pair `i` at `t * inv_freq.len() + i`.
-    cs: Vec<(f32, f32)>,
+    /// cos and sin of position `positions[t]` and pair `i`, each at `t * inv_freq.len() + i`
+    /// (two arrays, so that a head's rotation is element-wise over slices and vectorises).
+    cos: Vec<f32>,
+    sin: Vec<f32>,
 }
 
 impl Default for CpuBackend {
@@ -578,9 +580,10 @@ impl Backend for CpuBackend {
             for h in 0..xv.heads {
                 let xi = xv.offset + t * xv.stride + h * d;
                 let oi = ov.offset + t * ov.stride + h * d;
-                let inv = rms_inv(&x[xi..xi + d], eps);
-                for i in 0..d {
-                    out[oi + i] = w[i] * (x[xi + i] * inv);
+                let xr = &x[xi..xi + d];
+                let inv = rms_inv(xr, eps);
+                for ((o, &xv), &wi) in out[oi..oi + d].iter_mut().zip(xr).zip(w) {
+                    *o = wi * (xv * inv);
                 }
             }
         }
@@ -620,30 +623,42 @@ impl Backend for CpuBackend {
         if cache.positions != positions || !same_freqs {
             let c = &mut *cache;
             c.positions.clear();
-            c.cs.clear();
+            c.cos.clear();
+            c.sin.clear();
             for &pos in positions {
-                // Hugging Face forms the angle in f32 and takes cos/sin of that f32 value.
-                c.cs.extend(p.inv_freq.iter().map(|&f| {
+                for &f in p.inv_freq {
+                    // Hugging Face forms the angle in f32 and takes cos/sin of that f32 value.
                     let angle = (pos as f32 * f) as f64;
-                    (angle.cos() as f32, angle.sin() as f32)
-                }));
+                    c.cos.push(angle.cos() as f32);
+                    c.sin.push(angle.sin() as f32);
+                }
             }
             c.inv_freq.clear();
             c.inv_freq.extend_from_slice(p.inv_freq);
             c.positions.extend_from_slice(positions);
         }
         for t in 0..positions.len() {
-            let cs = &cache.cs[t * half..(t + 1) * half];
+            let cos = &cache.cos[t * half..(t + 1) * half];
+            let sin = &cache.sin[t * half..(t + 1) * half];
             for h in 0..xv.heads {
                 let base = xv.offset + t * xv.stride + h * xv.head_dim;
-                for (i, &(cos, sin)) in cs.iter().enumerate() {
-                    let (a, b) = match p.layout {
-                        RopeLayout::Neox => (base + i, base + i + half),
-                        RopeLayout::Interleaved => (base + 2 * i, base + 2 * i + 1),
-                    };
-                    let (x0, x1) = (x[a], x[b]);
-                    x[a] = x0 * cos - x1 * sin;
-                    x[b] = x1 * cos + x0 * sin;
+                let head = &mut x[base..base + 2 * half];
+                // Plain products and sums, no fused multiply-add: the same bits as the scalar
+                // loop, whether or not the compiler vectorises it.
+                match p.layout {
+                    RopeLayout::Neox => {
+                        let (a, b) = head.split_at_mut(half);
+                        for (((x0, x1), &c), &s) in a.iter_mut().zip(b).zip(cos).zip(sin) {
+                            (*x0, *x1) = (*x0 * c - *x1 * s, *x1 * c + *x0 * s);
+                        }
+                    }
+                    RopeLayout::Interleaved => {
+                        for ((pair, &c), &s) in head.chunks_exact_mut(2).zip(cos).zip(sin) {
+                            let (x0, x1) = (pair[0], pair[1]);
+                            pair[0] = x0 * c - x1 * s;
+                            pair[1] = x1 * c + x0 * s;
+                        }
+                    }
                 }
             }
         }
@@ -742,8 +757,8 @@ impl Backend for CpuBackend {
         for t in 0..xv.count {
             let xi = xv.offset + t * xv.stride;
             let yi = yv.offset + t * yv.stride;
-            for i in 0..w {
-                x[xi + i] += y[yi + i];
+            for (a, &b) in x[xi..xi + w].iter_mut().zip(&y[yi..yi + w]) {
+                *a += b;
             }
         }
     }
