@@ -233,7 +233,8 @@ fn check_packed<A>(
     let wa = Aligned::new(&random_blocks(&mut rng, dt, rows * k));
     let w = wa.bytes();
     let pool = ferrum_backend::cpu::pool::ThreadPool::new(2);
-    let p = Packed::new(dt, w, rows, k, &pool, &|_| {}).expect("packs");
+    let arena = ferrum_backend::cpu::arena::Arena::default();
+    let p = Packed::new(dt, w, rows, k, &pool, &arena, &|_| {}).expect("packs");
     assert_eq!(p.rows(), rows);
     let row_bytes = w.len() / rows;
     let mut wf = vec![0f32; rows * k];

@@ -12,6 +12,7 @@
 
 use half::f16;
 
+use super::arena::{Arena, ArenaVec};
 use super::pool::ThreadPool;
 use super::quant::q8_0::{BlockQ8_0, QK};
 use super::{simd, SharedMut, SCRATCH, SCRATCH2};
@@ -63,18 +64,20 @@ pub struct CpuKv {
 }
 
 enum KvData {
-    F32(Vec<f32>),
-    F16(Vec<f16>),
-    Q8(Vec<BlockQ8_0>),
+    F32(ArenaVec<f32>),
+    F16(ArenaVec<f16>),
+    Q8(ArenaVec<BlockQ8_0>),
 }
 
 impl CpuKv {
-    pub(super) fn new(dtype: KvDtype, shape: KvShape) -> CpuKv {
+    /// A zeroed cache in `arena`, every page written now, so that it is resident from the
+    /// start (what `ferrum plan` predicts, and no page faults while serving).
+    pub(super) fn new(dtype: KvDtype, shape: KvShape, arena: &Arena) -> CpuKv {
         assert!(shape.block_size > 0, "KV blocks of at least one position");
         let (rows, width) = (shape.rows(), shape.width());
         let data = match dtype {
-            KvDtype::F32 => KvData::F32(vec![0.0; rows * width]),
-            KvDtype::F16 => KvData::F16(vec![f16::ZERO; rows * width]),
+            KvDtype::F32 => KvData::F32(ArenaVec::filled(arena, rows * width, 0.0)),
+            KvDtype::F16 => KvData::F16(ArenaVec::filled(arena, rows * width, f16::ZERO)),
             KvDtype::Q8_0 => {
                 assert!(
                     shape.head_dim.is_multiple_of(QK),
@@ -84,32 +87,10 @@ impl CpuKv {
                     d: f16::ZERO,
                     qs: [0; QK],
                 };
-                KvData::Q8(vec![zero; rows * width / QK])
+                KvData::Q8(ArenaVec::filled(arena, rows * width / QK, zero))
             }
         };
-        let mut kv = CpuKv { shape, data };
-        kv.fault_in();
-        kv
-    }
-
-    /// Zeroed allocations are mapped lazily; touch every page now so the cache is resident
-    /// from the start (what `ferrum plan` predicts, and no page faults while serving).
-    fn fault_in(&mut self) {
-        fn touch<T>(v: &mut [T]) {
-            let step = (4096 / std::mem::size_of::<T>().max(1)).max(1);
-            let p = v.as_mut_ptr() as *mut u8;
-            let bytes = std::mem::size_of_val(v);
-            for off in (0..bytes).step_by(step * std::mem::size_of::<T>().max(1)) {
-                // SAFETY: `off` is inside the slice; a volatile write of the zero byte that is
-                // already there cannot be optimised away and changes nothing.
-                unsafe { std::ptr::write_volatile(p.add(off), 0) };
-            }
-        }
-        match &mut self.data {
-            KvData::F32(v) => touch(v),
-            KvData::F16(v) => touch(v),
-            KvData::Q8(v) => touch(v),
-        }
+        CpuKv { shape, data }
     }
 
     pub fn dtype(&self) -> KvDtype {

@@ -4,6 +4,7 @@
 //! Reduction order never depends on how many rows or tokens a call carries (each output is
 //! one dot product computed the same way), which keeps results batch-invariant.
 
+pub mod arena;
 pub mod kv;
 pub mod pool;
 pub mod quant;
@@ -36,6 +37,9 @@ pub struct CpuBackend {
     /// positions, so they are computed once per pass rather than twice per layer (in f64,
     /// they cost more per token than the rotation itself).
     rope_cache: Arc<std::sync::Mutex<RopeCache>>,
+    /// Where packed weights and KV caches live: on huge pages, several matrices to a page
+    /// (see [`arena`]).
+    arena: Arc<arena::Arena>,
 }
 
 #[derive(Default)]
@@ -126,6 +130,7 @@ impl CpuBackend {
             kv: KvDtype::F16,
             exact: false,
             rope_cache: Arc::default(),
+            arena: Arc::default(),
         }
     }
 
@@ -402,7 +407,7 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_kv(&self, shape: KvShape) -> CpuKv {
-        CpuKv::new(self.kv, shape)
+        CpuKv::new(self.kv, shape, &self.arena)
     }
 
     fn kv_row_bytes(&self, width: usize) -> usize {
@@ -467,6 +472,7 @@ impl Backend for CpuBackend {
                 w.rows,
                 w.cols,
                 &self.pool,
+                &self.arena,
                 &|range| t.release_pages(range),
             );
             if w.packed.as_ref().is_some_and(|p| p.rows() == w.rows) {

@@ -32,6 +32,7 @@ use half::f16;
 use super::k_quants::{scales_mins, BlockQ4K, BlockQ6K, QK_K};
 use super::q8::{BlockQ8, BlockQ8K};
 use super::{cast_blocks, q4_0, q4_1, q5_0, q5_1, q8_0};
+use crate::cpu::arena::{Arena, ArenaVec};
 use crate::cpu::pool::ThreadPool;
 use ferrum_core::DType;
 
@@ -384,14 +385,15 @@ fn pack_q5_1(b: [&q5_1::BlockQ5_1; ROWS]) -> Q5_1x8 {
 /// megabyte of source run on `pool` (most of the time goes in first touches of the new
 /// pages, which the threads then take in parallel); `done(range)` hears once per task that
 /// source bytes `range` are packed.
-fn pack_all<S: Copy + Sync, P: Send>(
+fn pack_all<S: Copy + Sync, P: Copy + Send>(
     bytes: &[u8],
     rows: usize,
     per_row: usize,
     pack: fn([&S; ROWS]) -> P,
     pool: &ThreadPool,
+    arena: &Arena,
     done: &(dyn Fn(Range<usize>) + Sync),
-) -> Option<Vec<P>> {
+) -> Option<ArenaVec<P>> {
     struct Dst<P>(*mut P);
     // SAFETY: tasks write disjoint elements (below); `P: Send` moves them across threads.
     unsafe impl<P: Send> Sync for Dst<P> {}
@@ -408,36 +410,38 @@ fn pack_all<S: Copy + Sync, P: Send>(
     }
     let groups = rows / ROWS;
     let total = groups * per_row;
-    let mut out: Vec<P> = Vec::with_capacity(total);
-    let dst = Dst(out.as_mut_ptr());
     let group_bytes = ROWS * per_row * std::mem::size_of::<S>();
     let per_task = ((1 << 20) / group_bytes.max(1)).max(1);
-    pool.run(groups.div_ceil(per_task), &|task| {
-        let gs = task * per_task..((task + 1) * per_task).min(groups);
-        for g in gs.clone() {
-            for i in 0..per_row {
-                let b = pack(std::array::from_fn(|r| &src[(g * ROWS + r) * per_row + i]));
-                // SAFETY: g · per_row + i < total = capacity; each (g, i) belongs to one task.
-                unsafe { dst.write(g * per_row + i, b) };
+    let fill = |p: *mut P| {
+        let dst = Dst(p);
+        pool.run(groups.div_ceil(per_task), &|task| {
+            let gs = task * per_task..((task + 1) * per_task).min(groups);
+            for g in gs.clone() {
+                for i in 0..per_row {
+                    let b = pack(std::array::from_fn(|r| &src[(g * ROWS + r) * per_row + i]));
+                    // SAFETY: g · per_row + i < total; each (g, i) belongs to one task.
+                    unsafe { dst.write(g * per_row + i, b) };
+                }
             }
-        }
-        done(gs.start * group_bytes..gs.end * group_bytes);
-    });
-    // SAFETY: `run` returns after every task ran once, so all `total` elements are written.
-    unsafe { out.set_len(total) };
+            done(gs.start * group_bytes..gs.end * group_bytes);
+        });
+    };
+    // SAFETY: `run` returns after every task ran once, so `fill` writes all `total`
+    // elements; a task that panics makes `run` panic, and no half-written array is returned.
+    let out = unsafe { ArenaVec::from_fn(arena, total, fill) };
     Some(out)
 }
 
 /// The packed groups of a weight matrix (its first `rows / 8 · 8` rows; the rest stay in
 /// the file's layout).
 pub enum Packed {
-    Q8_0(Vec<Q8_0x8>, usize),
-    Q4_0(Vec<Q4_0x8>, usize),
-    Q4_1(Vec<Q4_1x8>, usize),
-    Q5_0(Vec<Q5_0x8>, usize),
-    Q5_1(Vec<Q5_1x8>, usize),
-    Q4K(Vec<Q4Kx8>, usize),
-    Q6K(Vec<Q6Kx8>, usize),
+    Q8_0(ArenaVec<Q8_0x8>, usize),
+    Q4_0(ArenaVec<Q4_0x8>, usize),
+    Q4_1(ArenaVec<Q4_1x8>, usize),
+    Q5_0(ArenaVec<Q5_0x8>, usize),
+    Q5_1(ArenaVec<Q5_1x8>, usize),
+    Q4K(ArenaVec<Q4Kx8>, usize),
+    Q6K(ArenaVec<Q6Kx8>, usize),
 }
 
 /// Applies `$body` to the variant's block vector and blocks per row.
@@ -455,16 +459,18 @@ macro_rules! with_blocks {
 }
 
 impl Packed {
-    /// Packs a `[rows, cols]` matrix stored as `bytes` on `pool`'s threads; `None` for other
-    /// formats, for fewer than eight rows, or bytes that are not whole aligned blocks.
-    /// `done(range)` is told as the packing goes that source bytes `range` are copied (a
-    /// caller may then drop them from memory, so that the matrix is never resident twice).
+    /// Packs a `[rows, cols]` matrix stored as `bytes` on `pool`'s threads into `arena`;
+    /// `None` for other formats, for fewer than eight rows, or bytes that are not whole
+    /// aligned blocks. `done(range)` is told as the packing goes that source bytes `range` are
+    /// copied (a caller may then drop them from memory, so that the matrix is never resident
+    /// twice).
     pub fn new(
         dtype: DType,
         bytes: &[u8],
         rows: usize,
         cols: usize,
         pool: &ThreadPool,
+        arena: &Arena,
         done: &(dyn Fn(Range<usize>) + Sync),
     ) -> Option<Packed> {
         if rows < ROWS || !cols.is_multiple_of(32) {
@@ -474,7 +480,7 @@ impl Packed {
         macro_rules! packed {
             ($variant:ident, $pack:expr, $per_row:expr) => {
                 Packed::$variant(
-                    pack_all(bytes, rows, $per_row, $pack, pool, done)?,
+                    pack_all(bytes, rows, $per_row, $pack, pool, arena, done)?,
                     $per_row,
                 )
             };
@@ -512,9 +518,9 @@ impl Packed {
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         match self {
-            Packed::Q4K(v, _) => std::mem::size_of_val(v.as_slice()),
-            Packed::Q6K(v, _) => std::mem::size_of_val(v.as_slice()),
-            p => with_blocks!(p, |v, _per_row| std::mem::size_of_val(v.as_slice())),
+            Packed::Q4K(v, _) => std::mem::size_of_val(&v[..]),
+            Packed::Q6K(v, _) => std::mem::size_of_val(&v[..]),
+            p => with_blocks!(p, |v, _per_row| std::mem::size_of_val(&v[..])),
         }
     }
 
