@@ -52,7 +52,10 @@ pub(crate) fn median(v: Vec<f64>) -> f64 {
 /// memory); a buffer the size of the weights read per token gives the rate at which decode
 /// could re-read them, caches included, on a machine whose last-level cache holds a share.
 fn memory_bandwidth(threads: usize, bytes: usize) -> f64 {
-    let buf: Vec<u64> = (0..bytes / 8).map(|i| i as u64).collect();
+    // On huge pages like the packed weights (the backend's arena): on 4 KiB pages the sum
+    // pays a TLB miss per page, and decode, which does not, ran past the "bound".
+    let arena = ferrum_backend::cpu::arena::Arena::default();
+    let buf = ferrum_backend::cpu::arena::ArenaVec::filled(&arena, bytes / 8, 1u64);
     let mut best = 0f64;
     for _ in 0..5 {
         let t = Instant::now();

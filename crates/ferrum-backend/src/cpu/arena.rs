@@ -66,12 +66,14 @@ fn advise_huge_pages(ptr: *mut u8, bytes: usize) {
 #[cfg(not(target_os = "linux"))]
 fn advise_huge_pages(_: *mut u8, _: usize) {}
 
-/// Hands out ranges of shared, huge-page-backed chunks. Memory is given back when every
-/// range of a chunk is dropped (and the arena has moved on to another chunk or is dropped).
+/// Hands out ranges of shared, huge-page-backed chunks, each in the first chunk with room
+/// for it (so a chunk's tail that a large matrix did not fit still takes smaller ones: an
+/// unused huge page is never faulted in, a partly used one is resident whole). Memory is
+/// given back when every range of a chunk is dropped and the arena is dropped.
 #[derive(Default)]
 pub struct Arena {
-    /// The chunk being filled and how many of its bytes are handed out.
-    current: Mutex<Option<(Arc<Chunk>, usize)>>,
+    /// The shared chunks and how many of each one's bytes are handed out.
+    chunks: Mutex<Vec<(Arc<Chunk>, usize)>>,
 }
 
 impl Arena {
@@ -87,17 +89,21 @@ impl Arena {
             let p = c.ptr.cast();
             return (c, p);
         }
-        let mut cur = self.current.lock().unwrap_or_else(|e| e.into_inner());
-        let fits = cur
-            .as_ref()
-            .is_some_and(|(c, used)| used.next_multiple_of(ALIGN) + bytes <= c.layout.size());
-        if !fits {
-            *cur = Some((Arc::new(Chunk::new(CHUNK)), 0));
-        }
-        let (c, used) = cur.as_mut().expect("a chunk was just made");
+        let mut chunks = self.chunks.lock().unwrap_or_else(|e| e.into_inner());
+        let fits = |(c, used): &(Arc<Chunk>, usize)| {
+            used.next_multiple_of(ALIGN) + bytes <= c.layout.size()
+        };
+        let i = match chunks.iter().position(fits) {
+            Some(i) => i,
+            None => {
+                chunks.push((Arc::new(Chunk::new(CHUNK)), 0));
+                chunks.len() - 1
+            }
+        };
+        let (c, used) = &mut chunks[i];
         let start = used.next_multiple_of(ALIGN);
         *used = start + bytes;
-        // SAFETY: `start + bytes` is within the chunk (checked or fresh chunk above).
+        // SAFETY: `start + bytes` is within the chunk (it fits, or the chunk is new).
         let p = unsafe { c.ptr.add(start) }.cast();
         (c.clone(), p)
     }
@@ -214,20 +220,21 @@ mod tests {
     }
 
     #[test]
-    fn a_full_chunk_makes_way_for_a_new_one() {
+    fn a_full_chunk_makes_way_for_a_new_one_and_tails_are_filled() {
         let arena = Arena::default();
-        let n = CHUNK / 4 / 4; // a quarter chunk of u32: shared
-        let vs: Vec<_> = (0..6).map(|i| filled(&arena, n, i)).collect();
-        let chunks: std::collections::HashSet<usize> =
-            vs.iter().map(|v| Arc::as_ptr(&v._chunk) as usize).collect();
-        assert_eq!(
-            chunks.len(),
-            2,
-            "four quarters fill a chunk, the fifth starts another"
-        );
-        assert!(vs
+        let quarter = CHUNK / 4 / 4; // a quarter chunk of u32: shared
+        let chunk_of = |v: &ArenaVec<u32>| Arc::as_ptr(&v._chunk) as usize;
+        let big: Vec<_> = (0..5).map(|i| filled(&arena, quarter - 16, i)).collect();
+        // Four nearly fill the first chunk; the fifth starts another; a small one still
+        // fits the first one's tail.
+        let small = filled(&arena, 8, 99);
+        assert_ne!(chunk_of(&big[3]), chunk_of(&big[4]));
+        assert!(big[..4].iter().all(|v| chunk_of(v) == chunk_of(&big[0])));
+        assert_eq!(chunk_of(&small), chunk_of(&big[0]));
+        assert!(big
             .iter()
             .enumerate()
-            .all(|(i, v)| v[n - 1] == (i + n - 1) as u32));
+            .all(|(i, v)| v[quarter - 17] == (i + quarter - 17) as u32));
+        assert_eq!(small[7], 106);
     }
 }
