@@ -17,6 +17,7 @@ use ferrum_loader::RawTensor;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use arena::ArenaVec;
 pub use kv::{CpuKv, KvDtype};
 use pool::ThreadPool;
 
@@ -181,6 +182,26 @@ impl CpuBackend {
         })
     }
 
+    /// `t`'s bytes on the arena's huge pages, copied on the pool in stretches of a megabyte,
+    /// each stretch's mapped pages dropped once copied (as packing does: resident once).
+    fn copy_to_arena(&self, t: &RawTensor) -> ArenaVec<u8> {
+        const STRETCH: usize = 1 << 20;
+        let src = t.bytes();
+        let fill = |p: *mut u8| {
+            let dst = SharedMut(p);
+            self.pool.run(src.len().div_ceil(STRETCH), &|task| {
+                let r = task * STRETCH..((task + 1) * STRETCH).min(src.len());
+                // SAFETY: `r` is within the `src.len()` bytes at `p`, and each task has its
+                // own stretch.
+                unsafe { dst.slice(r.start, r.len()) }.copy_from_slice(&src[r.clone()]);
+                t.release_pages(r);
+            });
+        };
+        // SAFETY: the tasks cover every byte of `0..src.len()` (`run` runs each once, and
+        // panics on the caller if one panics).
+        unsafe { ArenaVec::from_fn(&self.arena, src.len(), fill) }
+    }
+
     /// The same backend with another KV-cache format.
     pub fn with_kv(self, kv: KvDtype) -> Self {
         CpuBackend { kv, ..self }
@@ -214,6 +235,9 @@ pub struct CpuWeight {
 
 enum WeightData {
     Mapped(RawTensor),
+    /// A matrix no packed layout covers, copied in the file's layout onto the arena's huge
+    /// pages (its mapped pages dropped), read like `Mapped`.
+    Owned(ArenaVec<u8>),
     F32(Vec<f32>),
     /// Every row is in [`CpuWeight::packed`].
     Packed,
@@ -241,9 +265,8 @@ impl CpuWeight {
         match &self.data {
             WeightData::F32(v) => &v[j * self.cols..(j + 1) * self.cols],
             WeightData::Packed => panic!("row {j} of a {}-row weight", self.rows),
-            WeightData::Mapped(t) => {
-                let rb = self.row_bytes();
-                let bytes = &t.bytes()[j * rb..(j + 1) * rb];
+            WeightData::Mapped(_) | WeightData::Owned(_) => {
+                let bytes = self.row_bytes_of(j);
                 if self.dtype == DType::F32 {
                     if let Some(f) = quant::cast_blocks::<f32>(bytes) {
                         return f;
@@ -287,11 +310,10 @@ impl CpuWeight {
     }
 
     fn row_bytes_of(&self, j: usize) -> &[u8] {
+        let rb = self.row_bytes();
         match &self.data {
-            WeightData::Mapped(t) => {
-                let rb = self.row_bytes();
-                &t.bytes()[j * rb..(j + 1) * rb]
-            }
+            WeightData::Mapped(t) => &t.bytes()[j * rb..(j + 1) * rb],
+            WeightData::Owned(v) => &v[j * rb..(j + 1) * rb],
             WeightData::F32(_) | WeightData::Packed => &[],
         }
     }
@@ -300,7 +322,7 @@ impl CpuWeight {
     fn as_f32(&self) -> &[f32] {
         match &self.data {
             WeightData::F32(v) => v,
-            WeightData::Mapped(_) | WeightData::Packed => &[],
+            WeightData::Mapped(_) | WeightData::Owned(_) | WeightData::Packed => &[],
         }
     }
 }
@@ -481,6 +503,9 @@ impl Backend for CpuBackend {
                 // beside their packed copy; mapped pages are already released.
                 w.data = WeightData::Packed;
             }
+        }
+        if let (WeightData::Mapped(_), None, 2) = (&w.data, &w.packed, t.shape.len()) {
+            w.data = WeightData::Owned(self.copy_to_arena(t));
         }
         Ok(w)
     }
@@ -819,7 +844,9 @@ impl Backend for CpuBackend {
 
     fn weight_rows(&self, w: &CpuWeight, first: usize, count: usize) -> Result<CpuWeight> {
         let WeightData::Mapped(t) = &w.data else {
-            return Err(Error::Weights("row views need a matrix weight".into()));
+            return Err(Error::Weights(
+                "row views need a stacked weight as the file maps it".into(),
+            ));
         };
         let view = t.rows(first, count).ok_or_else(|| {
             Error::Weights(format!(
