@@ -120,6 +120,31 @@ fn simd_equals_scalar_and_both_approximate_f32() {
     }
 }
 
+/// Every f16 and bf16 bit pattern, aligned (F16C / the vectorised loop) and one byte off
+/// (the byte-at-a-time path), converts to the bits the `half` crate gives.
+#[test]
+fn f16_and_bf16_rows_convert_like_the_half_crate() {
+    let bytes: Vec<u8> = (0..=u16::MAX).flat_map(|b| b.to_le_bytes()).collect();
+    let aligned = Aligned::new(&bytes);
+    let mut shifted = vec![0u8];
+    shifted.extend_from_slice(&bytes);
+    type Widen = fn(u16) -> f32;
+    let f16: Widen = |b| half::f16::from_bits(b).to_f32();
+    let bf16: Widen = |b| half::bf16::from_bits(b).to_f32();
+    for (dt, want) in [
+        (ferrum_core::DType::F16, f16),
+        (ferrum_core::DType::BF16, bf16),
+    ] {
+        for src in [aligned.bytes(), &shifted[1..]] {
+            let mut out = vec![0f32; 1 << 16];
+            assert!(dequantize(dt, src, &mut out));
+            for (b, o) in (0..=u16::MAX).zip(&out) {
+                assert_eq!(o.to_bits(), want(b).to_bits(), "{dt} {b:#06x}");
+            }
+        }
+    }
+}
+
 #[test]
 fn activation_quantisation_round_trips_within_half_a_step() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);

@@ -309,6 +309,33 @@ impl CpuWeight {
         }
     }
 
+    /// Asks for the stored bytes [`quant::q8::PREFETCH_BYTES`] past row `j`'s start, a row's
+    /// worth (into L2, as the quantised kernels do for their blocks): the rows of a task are
+    /// read in order, and without it a row's conversion waited on memory.
+    fn prefetch_ahead(&self, j: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let rb = self.row_bytes();
+            let base = match &self.data {
+                WeightData::Mapped(t) => t.bytes().as_ptr(),
+                WeightData::Owned(v) => v.as_ptr(),
+                WeightData::F32(v) => v.as_ptr() as *const u8,
+                WeightData::Packed => return,
+            };
+            let p = base.wrapping_add(j * rb + quant::q8::PREFETCH_BYTES);
+            for off in (0..rb).step_by(64) {
+                // SAFETY: prefetching has no architectural effect and never faults.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                        p.wrapping_add(off) as *const i8,
+                    )
+                };
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = j;
+    }
+
     fn row_bytes_of(&self, j: usize) -> &[u8] {
         let rb = self.row_bytes();
         match &self.data {
@@ -548,6 +575,7 @@ impl Backend for CpuBackend {
             SCRATCH.with(|s| {
                 let mut scratch = s.borrow_mut();
                 for j in task * per_task..((task + 1) * per_task).min(m) {
+                    w.prefetch_ahead(j);
                     let wr = w.row(j, &mut scratch);
                     let b = bias.map_or(0.0, |b| b[j]);
                     for t in 0..n {

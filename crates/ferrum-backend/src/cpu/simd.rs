@@ -278,6 +278,26 @@ pub fn silu_mul_scalar(g: &[f32], u: &[f32], out: &mut [f32]) {
     }
 }
 
+/// bf16 (as its bits) → f32 for a slice (rows of bf16 weights), as `half::bf16::to_f32`:
+/// the bits moved up sixteen, a NaN's quiet bit set.
+pub fn bf16_to_f32(src: &[u16], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx2_fma() {
+            // SAFETY: AVX2 detected just above.
+            return unsafe { avx2::bf16_to_f32(src, dst) };
+        }
+    }
+    bf16_to_f32_scalar(src, dst)
+}
+
+pub fn bf16_to_f32_scalar(src: &[u16], dst: &mut [f32]) {
+    for (d, &b) in dst.iter_mut().zip(src) {
+        let b = if b & 0x7fff > 0x7f80 { b | 0x0040 } else { b };
+        *d = f32::from_bits((b as u32) << 16);
+    }
+}
+
 /// f16 → f32 for a slice (KV rows before attention); exact either way.
 pub fn f16_to_f32(src: &[half::f16], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
@@ -730,6 +750,31 @@ mod avx2 {
         for (d, h) in dst[main..n].iter_mut().zip(&src[main..n]) {
             *d = h.to_f32();
         }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn bf16_to_f32(src: &[u16], dst: &mut [f32]) {
+        let n = src.len().min(dst.len());
+        let main = n - n % 8;
+        let (ps, pd) = (src.as_ptr(), dst.as_mut_ptr());
+        let (abs, inf, quiet) = (
+            _mm256_set1_epi32(0x7fff_0000),
+            _mm256_set1_epi32(0x7f80_0000),
+            _mm256_set1_epi32(0x0040_0000),
+        );
+        let mut i = 0;
+        while i < main {
+            let w = _mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128(ps.add(i) as *const __m128i)),
+                16,
+            );
+            // |w| > inf as signed compares (both are positive): a NaN.
+            let nan = _mm256_cmpgt_epi32(_mm256_and_si256(w, abs), inf);
+            let w = _mm256_or_si256(w, _mm256_and_si256(nan, quiet));
+            _mm256_storeu_ps(pd.add(i), _mm256_castsi256_ps(w));
+            i += 8;
+        }
+        super::bf16_to_f32_scalar(&src[main..n], &mut dst[main..n]);
     }
 
     #[target_feature(enable = "avx2,fma")]

@@ -12,7 +12,7 @@ pub mod q8;
 pub mod q8_0;
 
 use ferrum_core::DType;
-use half::{bf16, f16};
+use half::f16;
 
 /// Reinterprets bytes as blocks. `None` when the length is not a whole number of blocks or
 /// the bytes are not aligned for `B` (GGUF aligns tensor data to 32 bytes, so mapped
@@ -43,14 +43,28 @@ pub fn dequantize(dtype: DType, bytes: &[u8], out: &mut [f32]) -> bool {
             true
         }
         DType::F16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            // F16C where the bytes are aligned (always, on the arena): a matmul over f16
+            // weights converts every row it reads, and one value at a time was most of it.
+            match cast_blocks::<f16>(bytes).filter(|_| cfg!(target_endian = "little")) {
+                Some(h) => crate::cpu::simd::f16_to_f32(h, out),
+                None => {
+                    for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                        *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+                    }
+                }
             }
             true
         }
         DType::BF16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            // As `bf16::to_f32`; with AVX2 where the bytes are aligned (always, on the arena).
+            match cast_blocks::<u16>(bytes).filter(|_| cfg!(target_endian = "little")) {
+                Some(h) => crate::cpu::simd::bf16_to_f32(h, out),
+                None => {
+                    for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                        let b = u16::from_le_bytes([c[0], c[1]]);
+                        crate::cpu::simd::bf16_to_f32_scalar(&[b], std::slice::from_mut(o));
+                    }
+                }
             }
             true
         }
