@@ -15,10 +15,39 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ferrum-quantize-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+/// A path in the system's temporary folder, unique to this process and `name`, removed (file
+/// or folder) when dropped, so test runs leave nothing behind.
+struct Tmp(PathBuf);
+
+impl Tmp {
+    fn new(prefix: &str, name: &str) -> Tmp {
+        Tmp(std::env::temp_dir().join(format!("{prefix}-{}-{name}", std::process::id())))
+    }
+}
+
+impl Drop for Tmp {
+    fn drop(&mut self) {
+        if std::fs::remove_file(&self.0).is_err() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+impl std::ops::Deref for Tmp {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Tmp {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+fn tmp(name: &str) -> Tmp {
+    Tmp::new("ferrum-quantize", name)
 }
 
 fn to_f32(t: &RawTensor) -> Vec<f32> {
@@ -387,7 +416,7 @@ fn same_bytes_as_llama_quantize() {
     let status = std::process::Command::new(lq)
         .args(["--allow-requantize"])
         .arg(&src)
-        .arg(&theirs)
+        .arg(theirs.as_os_str())
         .arg(&qtype)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())

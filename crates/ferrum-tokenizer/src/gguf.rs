@@ -422,11 +422,15 @@ mod tests {
 
     /// Writes `meta` as a tensor-less GGUF to a fresh temporary file and opens it.
     fn gguf(name: &str, meta: &[(&str, Value)]) -> GgufFile {
-        let dir = std::env::temp_dir().join(format!("ferrum-tokenizer-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(format!("{name}.gguf"));
+        let path = std::env::temp_dir().join(format!(
+            "ferrum-tokenizer-{}-{name}.gguf",
+            std::process::id()
+        ));
         std::fs::write(&path, writer::write(meta, &[])).unwrap();
-        GgufFile::open(&path).unwrap()
+        let g = GgufFile::open(&path).unwrap();
+        // The file is mapped: removing its name leaves the mapping readable.
+        let _ = std::fs::remove_file(&path);
+        g
     }
 
     fn tiny_bpe(merges: &[&str]) -> Vec<(&'static str, Value)> {

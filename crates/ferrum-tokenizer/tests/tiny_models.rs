@@ -93,5 +93,7 @@ fn hf_dir_reads_chat_template_jinja() {
 fn hf_dir_without_tokenizer_json_is_an_error() {
     let dir = std::env::temp_dir().join(format!("ferrum-tok-empty-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    assert!(Tokenizer::from_hf_dir(&dir).is_err());
+    let r = Tokenizer::from_hf_dir(&dir);
+    let _ = std::fs::remove_dir(&dir);
+    assert!(r.is_err());
 }
