@@ -354,8 +354,9 @@ pub trait Backend: Send + Sync {
         dv: Rows,
     );
 
-    /// Rows `[first, first + count)` of a loaded weight, as a weight of its own (one expert of
-    /// a stacked expert tensor), sharing the storage.
+    /// Rows `[first, first + count)` of a loaded stacked expert tensor, as a weight of its own
+    /// (one expert). A backend may read them from the tensor's storage or copy them (the CPU
+    /// copies them onto its arena, packed; it refuses matrices it has already copied).
     fn weight_rows(&self, w: &Self::Weight, first: usize, count: usize) -> Result<Self::Weight>;
 
     /// Mixture-of-experts SwiGLU: `out[t] = Σ_e w_{t,e} · expert_e(x[t])` over the batches,

@@ -3,6 +3,7 @@
 
 mod dtype;
 mod error;
+pub mod temp;
 
 pub use dtype::DType;
 pub use error::{Error, Result};

@@ -1,42 +1,11 @@
 //! Corrupt model files must give an error naming the problem — never a panic, and never an
 //! attempt to allocate what a lying header asks for.
 
-use std::path::{Path, PathBuf};
-
 use ferrum_loader::gguf::writer::{write, WTensor};
 use ferrum_loader::{GgufFile, HfFolder, ModelFile, Value};
 use rand::{Rng, SeedableRng};
 
-/// A path in the system's temporary folder, unique to this process and `name`, removed (file
-/// or folder) when dropped, so test runs leave nothing behind.
-struct Tmp(PathBuf);
-
-impl Tmp {
-    fn new(prefix: &str, name: &str) -> Tmp {
-        Tmp(std::env::temp_dir().join(format!("{prefix}-{}-{name}", std::process::id())))
-    }
-}
-
-impl Drop for Tmp {
-    fn drop(&mut self) {
-        if std::fs::remove_file(&self.0).is_err() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
-
-impl std::ops::Deref for Tmp {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl AsRef<Path> for Tmp {
-    fn as_ref(&self) -> &Path {
-        &self.0
-    }
-}
+use ferrum_core::temp::TempPath as Tmp;
 
 fn tmp(name: &str, bytes: &[u8]) -> Tmp {
     let p = Tmp::new("ferrum-loader", name);

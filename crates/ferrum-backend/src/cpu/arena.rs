@@ -1,4 +1,4 @@
-//! Packed weights on transparent huge pages.
+//! Weights and KV caches on transparent huge pages.
 //!
 //! Decode streams every weight once per step. On 4 KiB pages that is one TLB miss, and a
 //! page walk, every 4 KiB: about 25,000 per step for a 100 MB model, each on the path of a
@@ -33,8 +33,11 @@ unsafe impl Sync for Chunk {}
 
 impl Chunk {
     fn new(bytes: usize) -> Chunk {
-        let layout = Layout::from_size_align(bytes.next_multiple_of(HUGE), HUGE)
-            .expect("an arena chunk fits the address space");
+        // `from_size_align` refuses sizes past `isize::MAX`; the rounding is checked first.
+        let layout = bytes
+            .checked_next_multiple_of(HUGE)
+            .and_then(|size| Layout::from_size_align(size, HUGE).ok())
+            .expect("capacity overflow");
         // SAFETY: the layout has a non-zero size (callers ask for at least one byte).
         let ptr = unsafe { alloc(layout) };
         if ptr.is_null() {
@@ -68,8 +71,9 @@ fn advise_huge_pages(_: *mut u8, _: usize) {}
 
 /// Hands out ranges of shared, huge-page-backed chunks, each in the first chunk with room
 /// for it (so a chunk's tail that a large matrix did not fit still takes smaller ones: an
-/// unused huge page is never faulted in, a partly used one is resident whole). Memory is
-/// given back when every range of a chunk is dropped and the arena is dropped.
+/// unused huge page is never faulted in, a partly used one is resident whole). A chunk's
+/// space is not reused while any range of it lives; once none does, it is freed at the
+/// arena's next allocation or with the arena (a chunk of its own, with its one range).
 #[derive(Default)]
 pub struct Arena {
     /// The shared chunks and how many of each one's bytes are handed out.
@@ -79,7 +83,10 @@ pub struct Arena {
 impl Arena {
     /// Room for `n` values of `T`, not yet written: see [`ArenaVec::from_fn`].
     fn take<T>(&self, n: usize) -> (Arc<Chunk>, *mut T) {
-        let bytes = (n * std::mem::size_of::<T>()).max(1);
+        let bytes = n
+            .checked_mul(std::mem::size_of::<T>())
+            .expect("capacity overflow")
+            .max(1);
         assert!(
             std::mem::align_of::<T>() <= ALIGN,
             "arena values align to at most 64"
@@ -90,6 +97,9 @@ impl Arena {
             return (c, p);
         }
         let mut chunks = self.chunks.lock().unwrap_or_else(|e| e.into_inner());
+        // Chunks no range holds any more (only the arena's own count is left) go back to the
+        // system. Counts only grow under this lock, so one seen at 1 stays there.
+        chunks.retain(|(c, _)| Arc::strong_count(c) > 1);
         let fits = |(c, used): &(Arc<Chunk>, usize)| {
             used.next_multiple_of(ALIGN) + bytes <= c.layout.size()
         };
@@ -217,6 +227,27 @@ mod tests {
                 .enumerate()
                 .all(|(j, &x)| x == 1000 * i as u32 + j as u32));
         }
+    }
+
+    #[test]
+    fn a_chunk_no_range_holds_is_freed_at_the_next_allocation() {
+        let arena = Arena::default();
+        let a = filled(&arena, 10, 0);
+        let weak = Arc::downgrade(&a._chunk);
+        drop(a);
+        assert!(
+            weak.upgrade().is_some(),
+            "kept until the arena allocates again"
+        );
+        let b = filled(&arena, 10, 0);
+        assert!(weak.upgrade().is_none(), "freed");
+        assert_eq!(b[9], 9);
+    }
+
+    #[test]
+    #[should_panic(expected = "capacity overflow")]
+    fn a_size_past_the_address_space_is_refused() {
+        let _ = ArenaVec::<u32>::filled(&Arena::default(), (usize::MAX >> 2) + 16, 0);
     }
 
     #[test]

@@ -38,9 +38,11 @@ pub struct CpuBackend {
     /// positions, so they are computed once per pass rather than twice per layer (in f64,
     /// they cost more per token than the rotation itself).
     rope_cache: Arc<std::sync::Mutex<RopeCache>>,
-    /// Where packed weights and KV caches live: on huge pages, several matrices to a page
-    /// (see [`arena`]).
+    /// Where weight matrices live: on huge pages, several to a page (see [`arena`]).
     arena: Arc<arena::Arena>,
+    /// The same for KV caches, apart: a short-lived cache (an embedding request's) then never
+    /// takes the tail of a chunk of weights, where its space would stay lost with the model.
+    kv_arena: Arc<arena::Arena>,
 }
 
 #[derive(Default)]
@@ -132,6 +134,7 @@ impl CpuBackend {
             exact: false,
             rope_cache: Arc::default(),
             arena: Arc::default(),
+            kv_arena: Arc::default(),
         }
     }
 
@@ -191,15 +194,18 @@ impl CpuBackend {
             let dst = SharedMut(p);
             self.pool.run(src.len().div_ceil(STRETCH), &|task| {
                 let r = task * STRETCH..((task + 1) * STRETCH).min(src.len());
-                // SAFETY: `r` is within the `src.len()` bytes at `p`, and each task has its
-                // own stretch.
-                unsafe { dst.slice(r.start, r.len()) }.copy_from_slice(&src[r.clone()]);
+                // SAFETY: `r` is within the `src.len()` bytes at `p` (not yet initialised,
+                // hence a raw copy rather than a slice), and each task has its own stretch.
+                unsafe { dst.copy_from(r.start, &src[r.clone()]) };
                 t.release_pages(r);
             });
         };
         // SAFETY: the tasks cover every byte of `0..src.len()` (`run` runs each once, and
         // panics on the caller if one panics).
-        unsafe { ArenaVec::from_fn(&self.arena, src.len(), fill) }
+        let v = unsafe { ArenaVec::from_fn(&self.arena, src.len(), fill) };
+        // The pages that straddle two stretches were inside neither.
+        t.release_pages(0..src.len());
+        v
     }
 
     /// The same backend with another KV-cache format.
@@ -219,7 +225,9 @@ impl CpuBackend {
 }
 
 /// A weight in its stored format. Vectors (norm weights, biases) and unaligned f32 matrices
-/// are converted to owned f32 at load; everything else points into the mapped file.
+/// are converted to owned f32 at load; matrices are copied onto the arena (packed where a
+/// layout exists, else as the file stores them); stacked expert tensors, and the rows of a
+/// matrix past its last multiple of eight, are read from the mapped file.
 pub struct CpuWeight {
     dtype: DType,
     rows: usize,
@@ -410,6 +418,15 @@ impl<T> SharedMut<T> {
         *self.0.add(i) = v;
     }
 
+    /// Copies `src` to elements `offset..offset + src.len()`, which need not hold values yet.
+    ///
+    /// # Safety
+    /// Those elements are in bounds of the buffer and no other task touches them meanwhile.
+    #[inline]
+    unsafe fn copy_from(self, offset: usize, src: &[T]) {
+        std::ptr::copy_nonoverlapping(src.as_ptr(), self.0.add(offset), src.len())
+    }
+
     /// # Safety
     /// `offset..offset + len` is in bounds of the buffer and no other task touches it while
     /// the slice lives.
@@ -456,7 +473,7 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_kv(&self, shape: KvShape) -> CpuKv {
-        CpuKv::new(self.kv, shape, &self.arena)
+        CpuKv::new(self.kv, shape, &self.kv_arena)
     }
 
     fn kv_row_bytes(&self, width: usize) -> usize {
