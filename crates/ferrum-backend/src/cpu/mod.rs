@@ -330,15 +330,7 @@ impl CpuWeight {
                 WeightData::F32(v) => v.as_ptr() as *const u8,
                 WeightData::Packed => return,
             };
-            let p = base.wrapping_add(j * rb + quant::q8::PREFETCH_BYTES);
-            for off in (0..rb).step_by(64) {
-                // SAFETY: prefetching has no architectural effect and never faults.
-                unsafe {
-                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                        p.wrapping_add(off) as *const i8,
-                    )
-                };
-            }
+            quant::q8::prefetch_lines_ahead(base.wrapping_add(j * rb), 0..rb.div_ceil(64));
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = j;
@@ -399,8 +391,8 @@ struct SharedMut<T = f32>(*mut T);
 // SAFETY: used only to write disjoint elements from parallel tasks (and to read them after
 // those writes, ordered by the pool or an atomic), while the owning buffer is exclusively
 // borrowed by the op that created the pointer.
-unsafe impl<T> Send for SharedMut<T> {}
-unsafe impl<T> Sync for SharedMut<T> {}
+unsafe impl<T: Send> Send for SharedMut<T> {}
+unsafe impl<T: Send> Sync for SharedMut<T> {}
 
 // By hand: derived, they would ask `T: Copy`, and a pointer is Copy for any `T`.
 impl<T> Clone for SharedMut<T> {
@@ -411,11 +403,13 @@ impl<T> Clone for SharedMut<T> {
 impl<T> Copy for SharedMut<T> {}
 
 impl<T> SharedMut<T> {
+    /// Writes element `i`, which need not hold a value yet (nothing is read or dropped).
+    ///
     /// # Safety
     /// `i` is in bounds of the buffer and no other task writes element `i`.
     #[inline]
     unsafe fn write(self, i: usize, v: T) {
-        *self.0.add(i) = v;
+        self.0.add(i).write(v);
     }
 
     /// Copies `src` to elements `offset..offset + src.len()`, which need not hold values yet.

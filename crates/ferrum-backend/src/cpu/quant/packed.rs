@@ -34,6 +34,7 @@ use super::q8::{BlockQ8, BlockQ8K};
 use super::{cast_blocks, q4_0, q4_1, q5_0, q5_1, q8_0};
 use crate::cpu::arena::{Arena, ArenaVec};
 use crate::cpu::pool::ThreadPool;
+use crate::cpu::SharedMut;
 use ferrum_core::DType;
 
 /// Rows per packed group.
@@ -394,16 +395,6 @@ fn pack_all<S: Copy + Sync, P: Copy + Send>(
     arena: &Arena,
     done: &(dyn Fn(Range<usize>) + Sync),
 ) -> Option<ArenaVec<P>> {
-    struct Dst<P>(*mut P);
-    // SAFETY: tasks write disjoint elements (below); `P: Send` moves them across threads.
-    unsafe impl<P: Send> Sync for Dst<P> {}
-    impl<P> Dst<P> {
-        /// # Safety
-        /// `i` within the allocation, and written by one thread only.
-        unsafe fn write(&self, i: usize, v: P) {
-            unsafe { self.0.add(i).write(v) }
-        }
-    }
     let src = cast_blocks::<S>(bytes)?;
     if src.len() != rows * per_row {
         return None;
@@ -413,7 +404,7 @@ fn pack_all<S: Copy + Sync, P: Copy + Send>(
     let group_bytes = ROWS * per_row * std::mem::size_of::<S>();
     let per_task = ((1 << 20) / group_bytes.max(1)).max(1);
     let fill = |p: *mut P| {
-        let dst = Dst(p);
+        let dst = SharedMut(p);
         pool.run(groups.div_ceil(per_task), &|task| {
             let gs = task * per_task..((task + 1) * per_task).min(groups);
             for g in gs.clone() {

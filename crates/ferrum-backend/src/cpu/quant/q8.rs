@@ -147,10 +147,22 @@ pub(crate) fn prefetch<B>(b: &B) {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_part<B>(b: &B, part: usize, parts: usize) {
-    use std::arch::x86_64::*;
-    let p = (b as *const B as *const i8).wrapping_add(PREFETCH_BYTES);
     let lines = std::mem::size_of::<B>().div_ceil(64);
-    for l in part * lines / parts..(part + 1) * lines / parts {
+    prefetch_lines_ahead(
+        b as *const B as *const u8,
+        part * lines / parts..(part + 1) * lines / parts,
+    );
+}
+
+/// Prefetches into L2 cache lines `lines` of the bytes `PREFETCH_BYTES` past `at` (any
+/// address: a prefetch never faults). What [`prefetch_part`] does for a block; the f32
+/// matmul path does it for a weight row of any length.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_lines_ahead(at: *const u8, lines: std::ops::Range<usize>) {
+    use std::arch::x86_64::*;
+    let p = at.wrapping_add(PREFETCH_BYTES) as *const i8;
+    for l in lines {
         // SAFETY: prefetching has no architectural effect and never faults.
         unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(64 * l)) };
     }
