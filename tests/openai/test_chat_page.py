@@ -1,6 +1,9 @@
 """The chat page at `/`, in headless Chromium (Debian's chromium + chromedriver, driven by
 Selenium): type a question, see the answer stream in."""
 
+import os
+import shutil
+import tempfile
 import time
 
 from selenium import webdriver
@@ -12,16 +15,25 @@ from selenium.webdriver.support.ui import WebDriverWait
 from conftest import API_KEY
 
 
-def browser():
+def browser(tmp):
+    """Chromium with its profile and its singleton-socket folder (which it makes in $TMPDIR
+    and leaves behind) both inside `tmp`, so a run leaves nothing in /tmp."""
     opts = webdriver.ChromeOptions()
     opts.binary_location = "/usr/bin/chromium"
-    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+              f"--user-data-dir={tmp}/profile"):
         opts.add_argument(a)
-    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+    env = dict(os.environ, TMPDIR=tmp)
+    return webdriver.Chrome(service=Service("/usr/bin/chromedriver", env=env), options=opts)
 
 
 def test_chat_page_streams_an_answer(server):
-    d = browser()
+    tmp = tempfile.mkdtemp(prefix="ferrum-chromium-")
+    try:
+        d = browser(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         d.get(server.base + "/")
         key = d.find_element(By.ID, "apikey")
@@ -58,3 +70,4 @@ def test_chat_page_streams_an_answer(server):
         WebDriverWait(d, 10).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg")) >= 2)
     finally:
         d.quit()
+        shutil.rmtree(tmp, ignore_errors=True)
