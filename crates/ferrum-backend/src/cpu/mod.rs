@@ -261,6 +261,18 @@ impl CpuWeight {
         self.dtype.bytes_for(self.cols).unwrap_or(0)
     }
 
+    /// Row `j` as stored, when that is f16 or bf16 (aligned, as on the arena) and not packed.
+    fn half_row(&self, j: usize) -> Option<simd::HalfRow<'_>> {
+        if self.packed.is_some() || !cfg!(target_endian = "little") {
+            return None;
+        }
+        match self.dtype {
+            DType::F16 => quant::cast_blocks(self.row_bytes_of(j)).map(simd::HalfRow::F16),
+            DType::BF16 => quant::cast_blocks(self.row_bytes_of(j)).map(simd::HalfRow::Bf16),
+            _ => None,
+        }
+    }
+
     /// Row `j` as f32: borrowed when stored as f32, else dequantised into `scratch`.
     fn row<'a>(&'a self, j: usize, scratch: &'a mut Vec<f32>) -> &'a [f32] {
         if let Some(p) = self.packed.as_ref().filter(|p| j < p.rows()) {
@@ -582,18 +594,32 @@ impl Backend for CpuBackend {
             return quantized_matmuls(&self.pool, &row, n, k, &[part], dst);
         }
         let (bias, per_task, n_tasks) = self.checked_part(xv, w, bias, ov, out.len());
+        // An f16/bf16 row read by one or two tokens is converted as it is dotted; more tokens
+        // share one conversion into the scratch row. Same bits either way (`dot_half`).
+        let fused = n <= 2 && w.half_row(0).is_some();
         self.pool.run(n_tasks, &|task| {
             SCRATCH.with(|s| {
                 let mut scratch = s.borrow_mut();
                 for j in task * per_task..((task + 1) * per_task).min(m) {
                     w.prefetch_ahead(j);
-                    let wr = w.row(j, &mut scratch);
                     let b = bias.map_or(0.0, |b| b[j]);
-                    for t in 0..n {
-                        let xo = xv.offset + t * xv.stride;
-                        let v = simd::dot_f32(&x[xo..xo + k], wr) + b;
-                        // SAFETY: in bounds (check_view above); column j belongs to this task only.
-                        unsafe { dst.write(ov.offset + t * ov.stride + j, v) };
+                    let x_t = |t: usize| &x[xv.offset + t * xv.stride..][..k];
+                    // SAFETY (both writes): in bounds (check_view above); column j belongs to
+                    // this task only.
+                    match w.half_row(j).filter(|_| fused) {
+                        Some(wr) => {
+                            for t in 0..n {
+                                let v = simd::dot_half(x_t(t), wr) + b;
+                                unsafe { dst.write(ov.offset + t * ov.stride + j, v) };
+                            }
+                        }
+                        None => {
+                            let wr = w.row(j, &mut scratch);
+                            for t in 0..n {
+                                let v = simd::dot_f32(x_t(t), wr) + b;
+                                unsafe { dst.write(ov.offset + t * ov.stride + j, v) };
+                            }
+                        }
                     }
                 }
             })

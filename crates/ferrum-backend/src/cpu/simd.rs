@@ -312,6 +312,60 @@ pub fn f16_to_f32(src: &[half::f16], dst: &mut [f32]) {
     }
 }
 
+/// A weight row of 16-bit floats, as stored.
+#[derive(Clone, Copy)]
+pub enum HalfRow<'a> {
+    F16(&'a [half::f16]),
+    /// bf16 bit patterns.
+    Bf16(&'a [u16]),
+}
+
+impl HalfRow<'_> {
+    fn len(self) -> usize {
+        match self {
+            HalfRow::F16(h) => h.len(),
+            HalfRow::Bf16(h) => h.len(),
+        }
+    }
+
+    fn to_f32(self, out: &mut [f32]) {
+        match self {
+            HalfRow::F16(h) => f16_to_f32(h, out),
+            HalfRow::Bf16(h) => bf16_to_f32(h, out),
+        }
+    }
+}
+
+/// `dot_f32(a, b)` with `b` converted to f32 element by element as it is read, instead of into
+/// a buffer first: the conversion is exact, and the lanes, accumulators and reduction are
+/// `dot_f32`'s, so the result has the same bits (a NaN in `b` gives a NaN either way). For a
+/// decode step, which reads each row of an f16/bf16 matrix once, the buffer's store and reload
+/// were a third of the work.
+pub fn dot_half(a: &[f32], b: HalfRow) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if super::quant::has_avx2() {
+            // SAFETY: AVX2, FMA and F16C detected.
+            return unsafe {
+                match b {
+                    HalfRow::F16(h) => {
+                        avx2::dot_half::<false>(a, h.as_ptr() as *const u16, h.len())
+                    }
+                    HalfRow::Bf16(h) => avx2::dot_half::<true>(a, h.as_ptr(), h.len()),
+                }
+            };
+        }
+    }
+    dot_half_scalar(a, b)
+}
+
+/// [`dot_half`]'s scalar twin: convert, then [`dot_f32_scalar`].
+pub fn dot_half_scalar(a: &[f32], b: HalfRow) -> f32 {
+    let mut f = vec![0f32; b.len()];
+    b.to_f32(&mut f);
+    dot_f32_scalar(a, &f)
+}
+
 /// `Σ x²` in f64 (RMSNorm: long rows lose nothing to rounding). Eight lane sums, lane `l`
 /// taking the elements `≡ l (mod 8)` in order, combined pairwise, then the tail: the order
 /// the SIMD kernel keeps, so both give the same bits. Each square is exact in f64, so a
@@ -452,6 +506,51 @@ mod avx2 {
         let mut sum = _mm_cvtss_f32(s);
         for k in main..n {
             sum = (*pa.add(k)).mul_add(*pb.add(k), sum);
+        }
+        sum
+    }
+
+    /// Eight 16-bit floats from `p` as f32: F16C for f16, a 16-bit shift for bf16.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn half8<const BF: bool>(p: *const u16) -> __m256 {
+        let h = _mm_loadu_si128(p as *const __m128i);
+        if BF {
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+        } else {
+            _mm256_cvtph_ps(h)
+        }
+    }
+
+    /// `dot_f32`'s loop and reduction with `b` (`n` 16-bit floats, bf16 if `BF`) converted as
+    /// it is loaded. A bf16 NaN is not quietened as `bf16_to_f32` does: the sum is a NaN either
+    /// way.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_half<const BF: bool>(a: &[f32], pb: *const u16, n: usize) -> f32 {
+        let n = a.len().min(n);
+        let main = n - n % 32;
+        let pa = a.as_ptr();
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i < main {
+            for (r, ar) in acc.iter_mut().enumerate() {
+                let o = i + 8 * r;
+                *ar = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(o)), half8::<BF>(pb.add(o)), *ar);
+            }
+            i += 32;
+        }
+        let acc = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let q = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        let h = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        let s = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+        let mut sum = _mm_cvtss_f32(s);
+        for k in main..n {
+            let b = *pb.add(k);
+            let b = if BF {
+                f32::from_bits((b as u32) << 16)
+            } else {
+                half::f16::from_bits(b).to_f32()
+            };
+            sum = (*pa.add(k)).mul_add(b, sum);
         }
         sum
     }
@@ -1026,6 +1125,39 @@ mod tests {
                 (scalar as f64 - exact).abs() <= 1e-5 * (n as f64).sqrt().max(1.0),
                 "n={n}"
             );
+        }
+    }
+
+    /// The fused f16/bf16 dot gives the bits of converting the row and taking `dot_f32`, as
+    /// does its scalar twin, for every length shape (main loop, tail) and finite values of
+    /// every exponent range, subnormals included.
+    #[test]
+    fn half_row_dot_equals_convert_then_dot_bit_for_bit() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+        for n in [0, 1, 7, 31, 32, 33, 64, 100, 576, 1536, 4099] {
+            let a: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            // Random bit patterns below the all-ones exponent: every finite value.
+            let f16: Vec<half::f16> = (0..n)
+                .map(|_| {
+                    half::f16::from_bits(rng.gen_range(0..0x7c00u16) | rng.gen::<u16>() & 0x8000)
+                })
+                .collect();
+            let bf16: Vec<u16> = (0..n)
+                .map(|_| rng.gen_range(0..0x7f80u16) | rng.gen::<u16>() & 0x8000)
+                .collect();
+            for row in [HalfRow::F16(&f16), HalfRow::Bf16(&bf16)] {
+                let mut conv = vec![0f32; n];
+                row.to_f32(&mut conv);
+                let want = dot_f32(&a, &conv);
+                let fused = dot_half(&a, row);
+                let scalar = dot_half_scalar(&a, row);
+                assert_eq!(fused.to_bits(), want.to_bits(), "n={n}: {fused} vs {want}");
+                assert_eq!(
+                    scalar.to_bits(),
+                    want.to_bits(),
+                    "n={n}: scalar {scalar} vs {want}"
+                );
+            }
         }
     }
 }
