@@ -122,6 +122,36 @@ fn simd_equals_scalar_and_both_approximate_f32() {
 
 /// Every f16 and bf16 bit pattern, aligned (F16C / the vectorised loop) and one byte off
 /// (the byte-at-a-time path), converts to the bits the `half` crate gives.
+/// Q2_K and Q3_K's AVX2 kernels keep exact integer sums and the scalar kernel's per-block
+/// float arithmetic, so they give its very bits (a stronger check than the shared tolerance
+/// above), over activations large and small.
+#[test]
+fn q2k_and_q3k_simd_give_the_scalar_bits() {
+    use ferrum_core::DType;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(23);
+    for dt in [DType::Q2K, DType::Q3K] {
+        let (Some(Kernel::Q8K { dot: s, .. }), Some(Kernel::Q8K { dot: f, .. })) =
+            (scalar_kernel(dt), best_kernel(dt))
+        else {
+            panic!("{dt}: Q8_K kernels")
+        };
+        for trial in 0..50 {
+            let n = 256 * (1 + trial % 6);
+            let wa = Aligned::new(&random_blocks(&mut rng, dt, n));
+            let scale = [0.01, 1.0, 100.0][trial % 3];
+            let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-scale..scale)).collect();
+            let mut a = vec![BlockQ8K::default(); n / 256];
+            quantize_q8k(&x, &mut a);
+            let (want, got) = (s(wa.bytes(), &a), f(wa.bytes(), &a));
+            assert_eq!(
+                want.to_bits(),
+                got.to_bits(),
+                "{dt} trial {trial}: {got} vs {want}"
+            );
+        }
+    }
+}
+
 #[test]
 fn f16_and_bf16_rows_convert_like_the_half_crate() {
     let bytes: Vec<u8> = (0..=u16::MAX).flat_map(|b| b.to_le_bytes()).collect();

@@ -373,6 +373,105 @@ pub mod avx2 {
     use crate::cpu::quant::q8::{fp16, hsum_ps, prefetch};
     use std::arch::x86_64::*;
 
+    /// Sum of the eight i32 lanes (exact: the caller's sums fit in i32).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum_epi32(v: __m256i) -> i32 {
+        let q = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let h = _mm_add_epi32(q, _mm_shuffle_epi32(q, 0b01_00_11_10));
+        _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0b10_11_00_01)))
+    }
+
+    /// Sub-block scales `s[i]` (low 128 bits) and `s[i + 1]` (high) as sixteen i16, to `madd`
+    /// the two 16-weight sub-blocks of a 32-byte vector by their own scale.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scale_pair(s: &[i16; 16], i: usize) -> __m256i {
+        _mm256_set_m128i(_mm_set1_epi16(s[i + 1]), _mm_set1_epi16(s[i]))
+    }
+
+    /// Q2_K: each 2-bit vector (one shift of 32 stored bytes) is two sub-blocks of sixteen,
+    /// multiplied in `maddubs` and scaled in `madd`. The sums are exact integers and the
+    /// per-block float arithmetic is `vec_dot_q2k`'s, so the result has its bits.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot_q2k(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
+        let m3 = _mm256_set1_epi8(3);
+        let m4 = _mm_set1_epi8(0x0f);
+        let mut sum = 0f32;
+        for (b, q) in w.iter().zip(a) {
+            prefetch(b);
+            let packed = _mm_loadu_si128(b.scales.as_ptr() as *const __m128i);
+            // Minimums (high nibbles) against the activation's sixteen-value sums.
+            let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), m4));
+            let bsums = _mm256_loadu_si256(q.bsums.as_ptr() as *const __m256i);
+            let summs = hsum_epi32(_mm256_madd_epi16(mins, bsums));
+            let mut sc = [0i16; 16];
+            _mm256_storeu_si256(
+                sc.as_mut_ptr() as *mut __m256i,
+                _mm256_cvtepu8_epi16(_mm_and_si128(packed, m4)),
+            );
+            let mut isum = _mm256_setzero_si256();
+            for half in 0..2 {
+                let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * half) as *const __m256i);
+                for j in 0..4 {
+                    let v = _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(2 * j)), m3);
+                    let y = _mm256_loadu_si256(
+                        q.qs.as_ptr().add(128 * half + 32 * j as usize) as *const __m256i
+                    );
+                    let p = _mm256_maddubs_epi16(v, y);
+                    let is = 8 * half + 2 * j as usize;
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, scale_pair(&sc, is)));
+                }
+            }
+            let isum = hsum_epi32(isum);
+            sum += q.d * b.d.to_f32() * isum as f32 - q.d * b.dmin.to_f32() * summs as f32;
+        }
+        sum
+    }
+
+    /// Q3_K: a weight is its two low bits minus 4 where its hmask bit is clear; both parts
+    /// go through `maddubs` unsigned and are subtracted in i16 (at most 2 · 7 · 128 per
+    /// pair), then each sub-block is scaled in `madd` by its signed scale. Exact integer sums
+    /// and `vec_dot_q3k`'s per-block float arithmetic: the result has its bits.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot_q3k(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
+        let m3 = _mm256_set1_epi8(3);
+        let four = _mm256_set1_epi8(4);
+        let mut sum = 0f32;
+        for (b, q) in w.iter().zip(a) {
+            prefetch(b);
+            let sc = q3k_scales(&b.scales).map(|s| s as i16);
+            let hmask = _mm256_loadu_si256(b.hmask.as_ptr() as *const __m256i);
+            let mut isum = _mm256_setzero_si256();
+            for half in 0..2 {
+                let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * half) as *const __m256i);
+                for j in 0..4 {
+                    let low = _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(2 * j)), m3);
+                    let bit = _mm256_set1_epi8((1u8 << (4 * half + j as usize)) as i8);
+                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(hmask, bit), bit);
+                    // 4 where the bit is clear.
+                    let high = _mm256_andnot_si256(set, four);
+                    let y = _mm256_loadu_si256(
+                        q.qs.as_ptr().add(128 * half + 32 * j as usize) as *const __m256i
+                    );
+                    let p = _mm256_sub_epi16(
+                        _mm256_maddubs_epi16(low, y),
+                        _mm256_maddubs_epi16(high, y),
+                    );
+                    let is = 8 * half + 2 * j as usize;
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, scale_pair(&sc, is)));
+                }
+            }
+            let isum = hsum_epi32(isum);
+            sum += q.d * b.d.to_f32() * isum as f32;
+        }
+        sum
+    }
+
     /// # Safety
     /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
