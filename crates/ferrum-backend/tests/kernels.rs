@@ -130,24 +130,43 @@ fn q2k_and_q3k_simd_give_the_scalar_bits() {
     use ferrum_core::DType;
     let mut rng = rand::rngs::StdRng::seed_from_u64(23);
     for dt in [DType::Q2K, DType::Q3K] {
-        let (Some(Kernel::Q8K { dot: s, .. }), Some(Kernel::Q8K { dot: f, .. })) =
-            (scalar_kernel(dt), best_kernel(dt))
+        let (
+            Some(Kernel::Q8K { dot: s, .. }),
+            Some(Kernel::Q8K {
+                dot: f, dot4: f4, ..
+            }),
+        ) = (scalar_kernel(dt), best_kernel(dt))
         else {
             panic!("{dt}: Q8_K kernels")
         };
         for trial in 0..50 {
             let n = 256 * (1 + trial % 6);
             let wa = Aligned::new(&random_blocks(&mut rng, dt, n));
-            let scale = [0.01, 1.0, 100.0][trial % 3];
-            let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-scale..scale)).collect();
-            let mut a = vec![BlockQ8K::default(); n / 256];
-            quantize_q8k(&x, &mut a);
-            let (want, got) = (s(wa.bytes(), &a), f(wa.bytes(), &a));
-            assert_eq!(
-                want.to_bits(),
-                got.to_bits(),
-                "{dt} trial {trial}: {got} vs {want}"
-            );
+            // Four different tokens, of magnitudes small and large.
+            let acts: Vec<Vec<BlockQ8K>> = (0..4)
+                .map(|t| {
+                    let scale = [0.01, 1.0, 100.0][(trial + t) % 3];
+                    let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-scale..scale)).collect();
+                    let mut a = vec![BlockQ8K::default(); n / 256];
+                    quantize_q8k(&x, &mut a);
+                    a
+                })
+                .collect();
+            let w = wa.bytes();
+            let four = f4(w, [&acts[0], &acts[1], &acts[2], &acts[3]]);
+            for (t, a) in acts.iter().enumerate() {
+                let (want, got) = (s(w, a), f(w, a));
+                assert_eq!(
+                    want.to_bits(),
+                    got.to_bits(),
+                    "{dt} trial {trial}: {got} vs {want}"
+                );
+                assert_eq!(
+                    want.to_bits(),
+                    four[t].to_bits(),
+                    "{dt} trial {trial} dot4 token {t}"
+                );
+            }
         }
     }
 }

@@ -381,95 +381,195 @@ pub mod avx2 {
         _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0b10_11_00_01)))
     }
 
-    /// Sub-block scales `s[i]` (low 128 bits) and `s[i + 1]` (high) as sixteen i16, to `madd`
-    /// the two 16-weight sub-blocks of a 32-byte vector by their own scale.
+    /// Scales `s[8h + 2j]` (low 128 bits) and `s[8h + 2j + 1]` (high) in every i16 lane, from
+    /// `half`, the sixteen i16 scales' half `h` in both 128-bit lanes: `madd` then scales the
+    /// two sixteen-weight sub-blocks of the 32-byte vector `j` of half `h` by their own scale.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scale_pair(s: &[i16; 16], i: usize) -> __m256i {
-        _mm256_set_m128i(_mm_set1_epi16(s[i + 1]), _mm_set1_epi16(s[i]))
+    unsafe fn scale_pair(half: __m256i, j: usize) -> __m256i {
+        let (a, b) = (4 * j as i8, 4 * j as i8 + 2);
+        let lo = _mm_setr_epi8(
+            a,
+            a + 1,
+            a,
+            a + 1,
+            a,
+            a + 1,
+            a,
+            a + 1,
+            a,
+            a + 1,
+            a,
+            a + 1,
+            a,
+            a + 1,
+            a,
+            a + 1,
+        );
+        let hi = _mm_setr_epi8(
+            b,
+            b + 1,
+            b,
+            b + 1,
+            b,
+            b + 1,
+            b,
+            b + 1,
+            b,
+            b + 1,
+            b,
+            b + 1,
+            b,
+            b + 1,
+            b,
+            b + 1,
+        );
+        _mm256_shuffle_epi8(half, _mm256_set_m128i(hi, lo))
     }
 
-    /// Q2_K: each 2-bit vector (one shift of 32 stored bytes) is two sub-blocks of sixteen,
-    /// multiplied in `maddubs` and scaled in `madd`. The sums are exact integers and the
-    /// per-block float arithmetic is `vec_dot_q2k`'s, so the result has its bits.
-    ///
+    /// Half `h` (sub-blocks 8h..8h+8) of sixteen i16 scales, in both 128-bit lanes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales_half(s: __m256i, h: usize) -> __m256i {
+        if h == 0 {
+            _mm256_permute2x128_si256(s, s, 0x00)
+        } else {
+            _mm256_permute2x128_si256(s, s, 0x11)
+        }
+    }
+
+    /// Q2_K for `N` tokens, each block's 2-bit vectors unpacked once for all of them: each
+    /// vector (one shift of 32 stored bytes) is two sub-blocks of sixteen, multiplied in
+    /// `maddubs` and scaled in `madd`. The sums are exact integers and the per-block float
+    /// arithmetic is `vec_dot_q2k`'s, so every token gets its bits.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn q2k_n<const N: usize>(w: &[BlockQ2K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+        let m3 = _mm256_set1_epi8(3);
+        let m4 = _mm_set1_epi8(0x0f);
+        let mut sum = [0f32; N];
+        for (i, b) in w.iter().enumerate() {
+            prefetch(b);
+            let q = a.map(|r| r.get_unchecked(i));
+            let packed = _mm_loadu_si128(b.scales.as_ptr() as *const __m128i);
+            let sc = _mm256_cvtepu8_epi16(_mm_and_si128(packed, m4));
+            // Minimums (high nibbles) against each token's sixteen-value sums.
+            let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), m4));
+            let summs = q.map(|q| {
+                let bsums = _mm256_loadu_si256(q.bsums.as_ptr() as *const __m256i);
+                hsum_epi32(_mm256_madd_epi16(mins, bsums))
+            });
+            let mut isum = [_mm256_setzero_si256(); N];
+            for h in 0..2 {
+                let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * h) as *const __m256i);
+                let sch = scales_half(sc, h);
+                for j in 0..4 {
+                    let v = _mm256_and_si256(
+                        _mm256_srl_epi16(raw, _mm_cvtsi32_si128(2 * j as i32)),
+                        m3,
+                    );
+                    let scj = scale_pair(sch, j);
+                    for t in 0..N {
+                        let y = _mm256_loadu_si256(
+                            q[t].qs.as_ptr().add(128 * h + 32 * j) as *const __m256i
+                        );
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(v, y), scj);
+                        isum[t] = _mm256_add_epi32(isum[t], p);
+                    }
+                }
+            }
+            for t in 0..N {
+                let isum = hsum_epi32(isum[t]);
+                let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+                sum[t] += q[t].d * d * isum as f32 - q[t].d * dmin * summs[t] as f32;
+            }
+        }
+        sum
+    }
+
     /// # Safety
     /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot_q2k(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
+        q2k_n(w, [a])[0]
+    }
+
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot_q2k_x4(w: &[BlockQ2K], a: [&[BlockQ8K]; 4]) -> [f32; 4] {
+        q2k_n(w, a)
+    }
+
+    /// Q3_K for `N` tokens. A weight is `low + 4·hbit − 4` (two low bits, hmask bit): the
+    /// unsigned `low + 4·hbit` (0..7) goes through `maddubs` and `madd` with the sub-block's
+    /// signed scale, and the −4 comes out once per block as `4 · Σ scale · (sixteen-value
+    /// activation sum)`. Exact integer sums and `vec_dot_q3k`'s per-block float arithmetic:
+    /// every token gets its bits.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn q3k_n<const N: usize>(w: &[BlockQ3K], a: [&[BlockQ8K]; N]) -> [f32; N] {
         let m3 = _mm256_set1_epi8(3);
-        let m4 = _mm_set1_epi8(0x0f);
-        let mut sum = 0f32;
-        for (b, q) in w.iter().zip(a) {
+        let four = _mm256_set1_epi8(4);
+        let mut sum = [0f32; N];
+        for (i, b) in w.iter().enumerate() {
             prefetch(b);
-            let packed = _mm_loadu_si128(b.scales.as_ptr() as *const __m128i);
-            // Minimums (high nibbles) against the activation's sixteen-value sums.
-            let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), m4));
-            let bsums = _mm256_loadu_si256(q.bsums.as_ptr() as *const __m256i);
-            let summs = hsum_epi32(_mm256_madd_epi16(mins, bsums));
-            let mut sc = [0i16; 16];
-            _mm256_storeu_si256(
-                sc.as_mut_ptr() as *mut __m256i,
-                _mm256_cvtepu8_epi16(_mm_and_si128(packed, m4)),
-            );
-            let mut isum = _mm256_setzero_si256();
-            for half in 0..2 {
-                let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * half) as *const __m256i);
+            let q = a.map(|r| r.get_unchecked(i));
+            let s8 = q3k_scales(&b.scales);
+            let sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(s8.as_ptr() as *const __m128i));
+            let hmask = _mm256_loadu_si256(b.hmask.as_ptr() as *const __m256i);
+            let mut isum: [__m256i; N] = std::array::from_fn(|t| {
+                let bsums = _mm256_loadu_si256(q[t].bsums.as_ptr() as *const __m256i);
+                _mm256_sub_epi32(
+                    _mm256_setzero_si256(),
+                    _mm256_slli_epi32(_mm256_madd_epi16(sc, bsums), 2),
+                )
+            });
+            for h in 0..2 {
+                let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * h) as *const __m256i);
+                let sch = scales_half(sc, h);
                 for j in 0..4 {
-                    let v = _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(2 * j)), m3);
-                    let y = _mm256_loadu_si256(
-                        q.qs.as_ptr().add(128 * half + 32 * j as usize) as *const __m256i
+                    let low = _mm256_and_si256(
+                        _mm256_srl_epi16(raw, _mm_cvtsi32_si128(2 * j as i32)),
+                        m3,
                     );
-                    let p = _mm256_maddubs_epi16(v, y);
-                    let is = 8 * half + 2 * j as usize;
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, scale_pair(&sc, is)));
+                    // Bit 4h + j of each hmask byte to bit 2 (16-bit shifts: what crosses from
+                    // the neighbouring byte lands outside bit 2).
+                    let sh = 4 * h + j;
+                    let hb = if sh >= 2 {
+                        _mm256_srl_epi16(hmask, _mm_cvtsi32_si128(sh as i32 - 2))
+                    } else {
+                        _mm256_sll_epi16(hmask, _mm_cvtsi32_si128(2 - sh as i32))
+                    };
+                    let u = _mm256_or_si256(low, _mm256_and_si256(hb, four));
+                    let scj = scale_pair(sch, j);
+                    for t in 0..N {
+                        let y = _mm256_loadu_si256(
+                            q[t].qs.as_ptr().add(128 * h + 32 * j) as *const __m256i
+                        );
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), scj);
+                        isum[t] = _mm256_add_epi32(isum[t], p);
+                    }
                 }
             }
-            let isum = hsum_epi32(isum);
-            sum += q.d * b.d.to_f32() * isum as f32 - q.d * b.dmin.to_f32() * summs as f32;
+            for t in 0..N {
+                let isum = hsum_epi32(isum[t]);
+                sum[t] += q[t].d * b.d.to_f32() * isum as f32;
+            }
         }
         sum
     }
 
-    /// Q3_K: a weight is its two low bits minus 4 where its hmask bit is clear; both parts
-    /// go through `maddubs` unsigned and are subtracted in i16 (at most 2 · 7 · 128 per
-    /// pair), then each sub-block is scaled in `madd` by its signed scale. Exact integer sums
-    /// and `vec_dot_q3k`'s per-block float arithmetic: the result has its bits.
-    ///
     /// # Safety
     /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot_q3k(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
-        let m3 = _mm256_set1_epi8(3);
-        let four = _mm256_set1_epi8(4);
-        let mut sum = 0f32;
-        for (b, q) in w.iter().zip(a) {
-            prefetch(b);
-            let sc = q3k_scales(&b.scales).map(|s| s as i16);
-            let hmask = _mm256_loadu_si256(b.hmask.as_ptr() as *const __m256i);
-            let mut isum = _mm256_setzero_si256();
-            for half in 0..2 {
-                let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * half) as *const __m256i);
-                for j in 0..4 {
-                    let low = _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(2 * j)), m3);
-                    let bit = _mm256_set1_epi8((1u8 << (4 * half + j as usize)) as i8);
-                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(hmask, bit), bit);
-                    // 4 where the bit is clear.
-                    let high = _mm256_andnot_si256(set, four);
-                    let y = _mm256_loadu_si256(
-                        q.qs.as_ptr().add(128 * half + 32 * j as usize) as *const __m256i
-                    );
-                    let p = _mm256_sub_epi16(
-                        _mm256_maddubs_epi16(low, y),
-                        _mm256_maddubs_epi16(high, y),
-                    );
-                    let is = 8 * half + 2 * j as usize;
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, scale_pair(&sc, is)));
-                }
-            }
-            let isum = hsum_epi32(isum);
-            sum += q.d * b.d.to_f32() * isum as f32;
-        }
-        sum
+        q3k_n(w, [a])[0]
+    }
+
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot_q3k_x4(w: &[BlockQ3K], a: [&[BlockQ8K]; 4]) -> [f32; 4] {
+        q3k_n(w, a)
     }
 
     /// # Safety

@@ -255,12 +255,18 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
                     none,
                     q8_0::avx2::vec_dot_2x4
                 )),
-                DType::Q2K => {
-                    Some(kernel!(unsafe Q8K, k_quants::BlockQ2K, k_quants::avx2::vec_dot_q2k))
-                }
-                DType::Q3K => {
-                    Some(kernel!(unsafe Q8K, k_quants::BlockQ3K, k_quants::avx2::vec_dot_q3k))
-                }
+                DType::Q2K => Some(kernel!(
+                    unsafe Q8K,
+                    k_quants::BlockQ2K,
+                    k_quants::avx2::vec_dot_q2k,
+                    k_quants::avx2::vec_dot_q2k_x4
+                )),
+                DType::Q3K => Some(kernel!(
+                    unsafe Q8K,
+                    k_quants::BlockQ3K,
+                    k_quants::avx2::vec_dot_q3k,
+                    k_quants::avx2::vec_dot_q3k_x4
+                )),
                 DType::Q4K => Some(kernel!(
                     unsafe Q8K,
                     k_quants::BlockQ4K,
