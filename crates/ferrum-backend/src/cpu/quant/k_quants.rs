@@ -499,6 +499,30 @@ pub mod avx2 {
         q2k_n(w, a)
     }
 
+    /// `q3k_scales` as sixteen i16: the same bit moves on four 32-bit words at once (it was a
+    /// sixth of the Q3_K kernel's time as a scalar call per block).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn q3k_scales_i16(packed: &[u8; 12]) -> __m256i {
+        let a01 = _mm_loadl_epi64(packed.as_ptr() as *const __m128i);
+        let tmp = (packed.as_ptr().add(8) as *const i32).read_unaligned();
+        // [a0, a1, a0 >> 4, a1 >> 4] & 0x0f0f0f0f: the low four bits of each scale.
+        let low = _mm_and_si128(
+            _mm_unpacklo_epi64(a01, _mm_srli_epi16(a01, 4)),
+            _mm_set1_epi8(0x0f),
+        );
+        // [tmp, tmp >> 2, tmp >> 4, tmp >> 6] & 0x03030303, to bits 4 and 5.
+        let high = _mm_slli_epi32(
+            _mm_and_si128(
+                _mm_srlv_epi32(_mm_set1_epi32(tmp), _mm_setr_epi32(0, 2, 4, 6)),
+                _mm_set1_epi8(3),
+            ),
+            4,
+        );
+        let biased = _mm_sub_epi8(_mm_or_si128(low, high), _mm_set1_epi8(32));
+        _mm256_cvtepi8_epi16(biased)
+    }
+
     /// Q3_K for `N` tokens. A weight is `low + 4·hbit − 4` (two low bits, hmask bit): the
     /// unsigned `low + 4·hbit` (0..7) goes through `maddubs` and `madd` with the sub-block's
     /// signed scale, and the −4 comes out once per block as `4 · Σ scale · (sixteen-value
@@ -513,8 +537,7 @@ pub mod avx2 {
         for (i, b) in w.iter().enumerate() {
             prefetch(b);
             let q = a.map(|r| r.get_unchecked(i));
-            let s8 = q3k_scales(&b.scales);
-            let sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(s8.as_ptr() as *const __m128i));
+            let sc = q3k_scales_i16(&b.scales);
             let hmask = _mm256_loadu_si256(b.hmask.as_ptr() as *const __m256i);
             let mut isum: [__m256i; N] = std::array::from_fn(|t| {
                 let bsums = _mm256_loadu_si256(q[t].bsums.as_ptr() as *const __m256i);
