@@ -681,6 +681,58 @@ pub mod avx2 {
         hsum_ps(acc) - mins
     }
 
+    /// `vec_dot_q5k` for four tokens, each block's 5-bit values assembled once for all of
+    /// them; per token the same integer sums and the same float steps, so the same bits.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot_q5k_x4(w: &[BlockQ5K], a: [&[BlockQ8K]; 4]) -> [f32; 4] {
+        let m4 = _mm256_set1_epi8(0x0f);
+        let one = _mm256_set1_epi8(1);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut mins = [0f32; 4];
+        for (i, b) in w.iter().enumerate() {
+            prefetch(b);
+            let (sc, mn) = scales_mins(&b.scales);
+            let qh = _mm256_loadu_si256(b.qh.as_ptr() as *const __m256i);
+            let mut x = [_mm256_setzero_si256(); 8];
+            let mut s = [_mm256_setzero_si256(); 8];
+            for c in 0..4 {
+                let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * c) as *const __m256i);
+                let hlo =
+                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c as i32)), one);
+                let hhi = _mm256_and_si256(
+                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c as i32 + 1)),
+                    one,
+                );
+                x[2 * c] = _mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_slli_epi16(hlo, 4));
+                x[2 * c + 1] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
+                    _mm256_slli_epi16(hhi, 4),
+                );
+                s[2 * c] = _mm256_set1_epi16(sc[2 * c] as i16);
+                s[2 * c + 1] = _mm256_set1_epi16(sc[2 * c + 1] as i16);
+            }
+            let (d, dmin) = (fp16(b.d), fp16(b.dmin));
+            for r in 0..4 {
+                let q = a[r].get_unchecked(i);
+                let mut isum = _mm256_setzero_si256();
+                for c in 0..4 {
+                    let ylo = _mm256_loadu_si256(q.qs.as_ptr().add(64 * c) as *const __m256i);
+                    let yhi = _mm256_loadu_si256(q.qs.as_ptr().add(64 * c + 32) as *const __m256i);
+                    let plo = _mm256_madd_epi16(_mm256_maddubs_epi16(x[2 * c], ylo), s[2 * c]);
+                    let phi =
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(x[2 * c + 1], yhi), s[2 * c + 1]);
+                    isum = _mm256_add_epi32(isum, _mm256_add_epi32(plo, phi));
+                }
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(q.d * d), _mm256_cvtepi32_ps(isum), acc[r]);
+                mins[r] += q.d * dmin * mins_dot(&mn, &q.bsums) as f32;
+            }
+        }
+        std::array::from_fn(|r| hsum_ps(acc[r]) - mins[r])
+    }
+
     /// Q6_K: the 6-bit values are used unsigned (0..63) in `maddubs`, and the offset of 32
     /// is taken back out through the activation group sums.
     ///

@@ -273,9 +273,12 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
                     k_quants::avx2::vec_dot_q4k,
                     k_quants::avx2::vec_dot_q4k_x4
                 )),
-                DType::Q5K => {
-                    Some(kernel!(unsafe Q8K, k_quants::BlockQ5K, k_quants::avx2::vec_dot_q5k))
-                }
+                DType::Q5K => Some(kernel!(
+                    unsafe Q8K,
+                    k_quants::BlockQ5K,
+                    k_quants::avx2::vec_dot_q5k,
+                    k_quants::avx2::vec_dot_q5k_x4
+                )),
                 DType::Q6K => {
                     Some(kernel!(unsafe Q8K, k_quants::BlockQ6K, k_quants::avx2::vec_dot_q6k))
                 }
