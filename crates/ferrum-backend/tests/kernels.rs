@@ -276,7 +276,7 @@ fn packed_kernels_equal_scalar_twin_and_file_layout_kernel() {
         };
         check_packed(dt, 256, q8, dot, Packed::gemm_on, Packed::gemm_scalar);
     }
-    for dt in [DType::Q4K, DType::Q6K] {
+    for dt in [DType::Q4K, DType::Q5K, DType::Q6K] {
         let Some(Kernel::Q8K { dot, .. }) = scalar_kernel(dt) else {
             panic!("{dt}: a Q8_K kernel")
         };
@@ -286,6 +286,41 @@ fn packed_kernels_equal_scalar_twin_and_file_layout_kernel() {
             a
         };
         check_packed(dt, 512, q8k, dot, Packed::gemm_k_on, Packed::gemm_k_scalar);
+    }
+}
+
+/// The packed Q5_K kernels at the top of their range: every quant 31 against activations of
+/// 127, where sums of eight vectors would overflow the AVX2 kernel's 16-bit lanes. Each
+/// instruction set gives the scalar twin's bits.
+#[test]
+fn packed_q5k_at_full_scale_equals_scalar_twin() {
+    use ferrum_backend::cpu::quant::packed::{Isa, Packed, ROWS};
+    use ferrum_core::DType;
+    let (rows, k) = (ROWS, 512);
+    let mut block = Vec::with_capacity(176);
+    block.extend_from_slice(&half::f16::from_f32(0.01).to_bits().to_le_bytes()); // d
+    block.extend_from_slice(&0u16.to_le_bytes()); // dmin
+    block.extend_from_slice(&[0x3f; 12]); // scales and minimums, 63 where 6 bits are stored
+    block.extend_from_slice(&[0xff; 32]); // fifth bits
+    block.extend_from_slice(&[0xff; 128]); // low nibbles
+    let bytes: Vec<u8> = (0..rows * k / 256).flat_map(|_| block.clone()).collect();
+    let wa = Aligned::new(&bytes);
+    let pool = ferrum_backend::cpu::pool::ThreadPool::new(2);
+    let arena = ferrum_backend::cpu::arena::Arena::default();
+    let p = Packed::new(DType::Q5K, wa.bytes(), rows, k, &pool, &arena, &|_| {}).expect("packs");
+    let x = vec![1.0f32; k];
+    let mut a = vec![BlockQ8K::default(); k / 256];
+    quantize_q8k(&x, &mut a);
+    let acts: Vec<&[BlockQ8K]> = vec![&a; 4];
+    let mut want = vec![[0f32; ROWS]; 4];
+    p.gemm_k_scalar(0, &acts, &mut want);
+    assert!(want[0][0] > 0.0);
+    for isa in Isa::available() {
+        let mut got = vec![[0f32; ROWS]; 4];
+        p.gemm_k_on(isa, 0, &acts, &mut got);
+        for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+            assert_eq!(g.to_bits(), w.to_bits(), "{isa:?}: {g} vs scalar {w}");
+        }
     }
 }
 

@@ -29,7 +29,7 @@ use std::ops::Range;
 
 use half::f16;
 
-use super::k_quants::{scales_mins, BlockQ4K, BlockQ6K, QK_K};
+use super::k_quants::{scales_mins, BlockQ4K, BlockQ5K, BlockQ6K, QK_K};
 use super::q8::{BlockQ8, BlockQ8K};
 use super::{cast_blocks, q4_0, q4_1, q5_0, q5_1, q8_0};
 use crate::cpu::arena::{Arena, ArenaVec};
@@ -165,6 +165,53 @@ impl Q4Kx8 {
     }
 }
 
+/// Q5_K: Q4_K's layout for the low four bits, and the fifth bits in the file's 32 bytes per
+/// row interleaved the same way (`qh[32v + 4r + b]` is byte `4v + b` of row `r`): bit `2c` of
+/// it belongs to value `64c + 4v + b` (the low nibble of chunk `c`'s vector `v`), bit `2c + 1`
+/// to value `64c + 32 + 4v + b` (the high nibble).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Q5Kx8 {
+    pub k4: Q4Kx8,
+    pub qh: [u8; 256],
+}
+const _: () = assert!(std::mem::size_of::<Q5Kx8>() == 8 * 176 + 32);
+
+/// The super-block layouts with Q4_K's scales and minimums: Q4_K and Q5_K.
+pub trait K4x8: Copy + Send + Sync + 'static {
+    fn k4(&self) -> &Q4Kx8;
+    /// Quant of value `e` (0..256) of row `r` (0..16 or 0..32).
+    fn quant(&self, r: usize, e: usize) -> i32;
+    /// The fifth bits, for Q5_K.
+    fn qh(&self) -> Option<&[u8; 256]>;
+}
+
+impl K4x8 for Q4Kx8 {
+    fn k4(&self) -> &Q4Kx8 {
+        self
+    }
+    fn quant(&self, r: usize, e: usize) -> i32 {
+        Q4Kx8::quant(self, r, e)
+    }
+    fn qh(&self) -> Option<&[u8; 256]> {
+        None
+    }
+}
+
+impl K4x8 for Q5Kx8 {
+    fn k4(&self) -> &Q4Kx8 {
+        &self.k4
+    }
+    fn quant(&self, r: usize, e: usize) -> i32 {
+        let (c, l) = (e / 64, e % 64);
+        let h = self.qh[at(r, l % 32)] >> (2 * c + usize::from(l >= 32));
+        self.k4.quant(r, e) | ((h & 1) as i32) << 4
+    }
+    fn qh(&self) -> Option<&[u8; 256]> {
+        Some(&self.qh)
+    }
+}
+
 /// Q6_K, eight rows of one super-block, the file's bytes interleaved four at a time:
 /// `ql[32w + 4r + b]` is byte `4w + b` of row `r`'s 128 low-bit bytes, `qh[32w + 4r + b]` byte
 /// `4w + b` of its 64 high-bit bytes; `sc[j][r]` the signed scale of sub-block `j` (16 values).
@@ -196,6 +243,20 @@ fn pack_q6k(b: [&BlockQ6K; ROWS]) -> Q6Kx8 {
         d: b.map(|x| x.d),
         sc: std::array::from_fn(|j| b.map(|x| x.scales[j])),
         ql: interleave(b.map(|x| &x.ql)),
+        qh: interleave(b.map(|x| &x.qh)),
+    }
+}
+
+fn pack_q5k(b: [&BlockQ5K; ROWS]) -> Q5Kx8 {
+    let unpacked = b.map(|x| scales_mins(&x.scales));
+    Q5Kx8 {
+        k4: Q4Kx8 {
+            d: b.map(|x| x.d),
+            dmin: b.map(|x| x.dmin),
+            sc: std::array::from_fn(|j| unpacked.map(|(sc, _)| sc[j])),
+            mn: std::array::from_fn(|j| unpacked.map(|(_, mn)| mn[j])),
+            qs: interleave(b.map(|x| &x.qs)),
+        },
         qh: interleave(b.map(|x| &x.qh)),
     }
 }
@@ -432,6 +493,7 @@ pub enum Packed {
     Q5_0(ArenaVec<Q5_0x8>, usize),
     Q5_1(ArenaVec<Q5_1x8>, usize),
     Q4K(ArenaVec<Q4Kx8>, usize),
+    Q5K(ArenaVec<Q5Kx8>, usize),
     Q6K(ArenaVec<Q6Kx8>, usize),
 }
 
@@ -444,7 +506,9 @@ macro_rules! with_blocks {
             Packed::Q4_1($v, $per_row) => $body,
             Packed::Q5_0($v, $per_row) => $body,
             Packed::Q5_1($v, $per_row) => $body,
-            Packed::Q4K(..) | Packed::Q6K(..) => unreachable!("K-quants have their own arms"),
+            Packed::Q4K(..) | Packed::Q5K(..) | Packed::Q6K(..) => {
+                unreachable!("K-quants have their own arms")
+            }
         }
     };
 }
@@ -476,14 +540,14 @@ impl Packed {
                 )
             };
         }
-        if matches!(dtype, DType::Q4K | DType::Q6K) {
+        if matches!(dtype, DType::Q4K | DType::Q5K | DType::Q6K) {
             if !cols.is_multiple_of(QK_K) {
                 return None;
             }
-            return Some(if dtype == DType::Q4K {
-                packed!(Q4K, pack_q4k, cols / QK_K)
-            } else {
-                packed!(Q6K, pack_q6k, cols / QK_K)
+            return Some(match dtype {
+                DType::Q4K => packed!(Q4K, pack_q4k, cols / QK_K),
+                DType::Q5K => packed!(Q5K, pack_q5k, cols / QK_K),
+                _ => packed!(Q6K, pack_q6k, cols / QK_K),
             });
         }
         let per_row = cols / 32;
@@ -501,6 +565,7 @@ impl Packed {
     pub fn rows(&self) -> usize {
         match self {
             Packed::Q4K(v, per_row) => v.len() / per_row * ROWS,
+            Packed::Q5K(v, per_row) => v.len() / per_row * ROWS,
             Packed::Q6K(v, per_row) => v.len() / per_row * ROWS,
             p => with_blocks!(p, |v, per_row| v.len() / per_row * ROWS),
         }
@@ -510,6 +575,7 @@ impl Packed {
     pub fn bytes(&self) -> usize {
         match self {
             Packed::Q4K(v, _) => std::mem::size_of_val(&v[..]),
+            Packed::Q5K(v, _) => std::mem::size_of_val(&v[..]),
             Packed::Q6K(v, _) => std::mem::size_of_val(&v[..]),
             p => with_blocks!(p, |v, _per_row| std::mem::size_of_val(&v[..])),
         }
@@ -517,26 +583,31 @@ impl Packed {
 
     /// Whether the kernels take Q8_K activations ([`gemm_k`](Self::gemm_k)) rather than Q8.
     pub fn is_k_quant(&self) -> bool {
-        matches!(self, Packed::Q4K(..) | Packed::Q6K(..))
+        matches!(self, Packed::Q4K(..) | Packed::Q5K(..) | Packed::Q6K(..))
     }
 
     /// Row `j` (below [`rows`](Self::rows)) as f32 into `out` (one row long): bit for bit
     /// what the file layout's dequantiser gives, so an embedding lookup can read a packed
     /// table.
     pub fn dequantize_row(&self, j: usize, out: &mut [f32]) {
-        if let Packed::Q4K(v, per_row) = self {
+        fn k4_row<B: K4x8>(v: &[B], per_row: usize, j: usize, out: &mut [f32]) {
             let (g, r) = (j / ROWS, j % ROWS);
             for (b, y) in v[g * per_row..(g + 1) * per_row]
                 .iter()
                 .zip(out.chunks_exact_mut(QK_K))
             {
-                let (d, dmin) = (b.d[r].to_f32(), b.dmin[r].to_f32());
+                let k = b.k4();
+                let (d, dmin) = (k.d[r].to_f32(), k.dmin[r].to_f32());
                 for (e, y) in y.iter_mut().enumerate() {
-                    let (dl, ml) = (d * b.sc[e / 32][r] as f32, dmin * b.mn[e / 32][r] as f32);
+                    let (dl, ml) = (d * k.sc[e / 32][r] as f32, dmin * k.mn[e / 32][r] as f32);
                     *y = dl * b.quant(r, e) as f32 - ml;
                 }
             }
-            return;
+        }
+        match self {
+            Packed::Q4K(v, per_row) => return k4_row(v, *per_row, j, out),
+            Packed::Q5K(v, per_row) => return k4_row(v, *per_row, j, out),
+            _ => {}
         }
         if let Packed::Q6K(v, per_row) = self {
             let (g, r) = (j / ROWS, j % ROWS);
@@ -646,7 +717,7 @@ impl Packed {
         out: &mut [[f32; ROWS]],
     ) {
         let per_row = match self {
-            Packed::Q4K(_, p) | Packed::Q6K(_, p) => *p,
+            Packed::Q4K(_, p) | Packed::Q5K(_, p) | Packed::Q6K(_, p) => *p,
             _ => panic!("gemm_k on a 32-value layout"),
         };
         assert!(acts.iter().all(|a| a.len() >= per_row) && out.len() >= acts.len());
@@ -657,8 +728,10 @@ impl Packed {
             unsafe {
                 match (isa, self) {
                     (Isa::Avx2, Packed::Q4K(v, _)) => return avx2::gemm(&v[blocks], acts, out),
+                    (Isa::Avx2, Packed::Q5K(v, _)) => return avx2::gemm(&v[blocks], acts, out),
                     (Isa::Avx2, Packed::Q6K(v, _)) => return avx2::gemm(&v[blocks], acts, out),
                     (Isa::AvxVnni, Packed::Q4K(v, _)) => return vnni::gemm(&v[blocks], acts, out),
+                    (Isa::AvxVnni, Packed::Q5K(v, _)) => return vnni::gemm(&v[blocks], acts, out),
                     (Isa::AvxVnni, Packed::Q6K(v, _)) => return vnni::gemm(&v[blocks], acts, out),
                     _ => {}
                 }
@@ -671,6 +744,7 @@ impl Packed {
     pub fn gemm_k_scalar(&self, group: usize, acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
         match self {
             Packed::Q4K(v, p) => gemm_q4k_scalar(&v[group * p..(group + 1) * p], acts, out),
+            Packed::Q5K(v, p) => gemm_q4k_scalar(&v[group * p..(group + 1) * p], acts, out),
             Packed::Q6K(v, p) => gemm_q6k_scalar(&v[group * p..(group + 1) * p], acts, out),
             _ => panic!("gemm_k on a 32-value layout"),
         }
@@ -686,16 +760,17 @@ impl Packed {
 
 /// Per (row, token) and super-block: the exact integer sums `Σ_j sc_j·Σ q·y` and
 /// `Σ_j mn_j·Σ y`, then `acc += isum·(d·d_a)` and `acc −= msum·(dmin·d_a)`, each fused.
-fn gemm_q4k_scalar(w: &[Q4Kx8], acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
+fn gemm_q4k_scalar<B: K4x8>(w: &[B], acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
     for (a, o) in acts.iter().zip(out.iter_mut()) {
         for (r, or) in o.iter_mut().enumerate() {
             let mut acc = 0f32;
-            for (b, q) in w.iter().zip(a.iter()) {
+            for (bq, q) in w.iter().zip(a.iter()) {
+                let b = bq.k4();
                 let mut isum = 0i32;
                 let mut msum = 0i32;
                 for j in 0..8 {
                     let s: i32 = (32 * j..32 * j + 32)
-                        .map(|e| b.quant(r, e) * q.qs[e] as i32)
+                        .map(|e| bq.quant(r, e) * q.qs[e] as i32)
                         .sum();
                     isum += b.sc[j][r] as i32 * s;
                     msum += b.mn[j][r] as i32 * (q.bsums[2 * j] as i32 + q.bsums[2 * j + 1] as i32);
@@ -1010,6 +1085,17 @@ macro_rules! packed_kernels {
                 }
             }
 
+            impl Tile<BlockQ8K> for Q5Kx8 {
+                #[target_feature(enable = $feat)]
+                unsafe fn tile<const N: usize>(
+                    w: &[Self],
+                    a: [&[BlockQ8K]; N],
+                    out: &mut [[f32; ROWS]],
+                ) {
+                    tile_q4k(w, a, out)
+                }
+            }
+
             impl Tile<BlockQ8K> for Q6Kx8 {
                 #[target_feature(enable = $feat)]
                 unsafe fn tile<const N: usize>(
@@ -1188,30 +1274,49 @@ macro_rules! packed_kernels {
             }
 
             /// A sub-block's 32 sums of two products stay below 2 · 15 · 127 · 8 < 2¹⁵ in i16; `madd`
-            /// with the row's scale in both halves of its lane then gives `sc · Σ q·y` in i32.
+            /// with the row's scale in both halves of its lane then gives `sc · Σ q·y` in i32. With
+            /// Q5_K's fifth bit a quant reaches 31, so without VNNI the i16 sums are scaled and
+            /// widened every four vectors instead (2 · 31 · 127 · 4 < 2¹⁵).
             #[target_feature(enable = $feat)]
-            unsafe fn tile_q4k<const N: usize>(
-                w: &[Q4Kx8],
+            unsafe fn tile_q4k<B: K4x8, const N: usize>(
+                w: &[B],
                 a: [&[BlockQ8K]; N],
                 out: &mut [[f32; ROWS]],
             ) {
                 let low = _mm256_set1_epi8(0x0f);
+                let bit4 = _mm256_set1_epi8(0x10);
                 let mut acc = [_mm256_setzero_ps(); N];
-                for (i, b) in w.iter().enumerate() {
+                for (i, bq) in w.iter().enumerate() {
+                    let b = bq.k4();
                     let q = a.map(|r| r.get_unchecked(i));
                     let mut isum = [_mm256_setzero_si256(); N];
+                    let flush_every = if bq.qh().is_some() { 4 } else { 8 };
                     for c in 0..4 {
                         let mut s_lo = [_mm256_setzero_si256(); N];
                         let mut s_hi = [_mm256_setzero_si256(); N];
                         for v in 0..8 {
                             if v % 2 == 0 {
-                                prefetch_part(b, 4 * c + v / 2, 16);
+                                prefetch_part(bq, 4 * c + v / 2, 16);
                             }
                             let raw = _mm256_loadu_si256(
                                 b.qs.as_ptr().add(256 * c + 32 * v) as *const __m256i
                             );
-                            let lo = _mm256_and_si256(raw, low);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                            let mut lo = _mm256_and_si256(raw, low);
+                            let mut hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                            if let Some(qh) = bq.qh() {
+                                // Bits 2c and 2c + 1 of each byte to bit 4 (16-bit shifts: bit 4
+                                // of a byte only receives bits of the same byte).
+                                let h =
+                                    _mm256_loadu_si256(qh.as_ptr().add(32 * v) as *const __m256i);
+                                let (hl, hh) = match c {
+                                    0 => (_mm256_slli_epi16(h, 4), _mm256_slli_epi16(h, 3)),
+                                    1 => (_mm256_slli_epi16(h, 2), _mm256_slli_epi16(h, 1)),
+                                    2 => (h, _mm256_srli_epi16(h, 1)),
+                                    _ => (_mm256_srli_epi16(h, 2), _mm256_srli_epi16(h, 3)),
+                                };
+                                lo = _mm256_or_si256(lo, _mm256_and_si256(hl, bit4));
+                                hi = _mm256_or_si256(hi, _mm256_and_si256(hh, bit4));
+                            }
                             for t in 0..N {
                                 let e = 64 * c + 4 * v;
                                 if VNNI {
@@ -1229,6 +1334,20 @@ macro_rules! packed_kernels {
                                     _mm256_maddubs_epi16(hi, word(&q[t].qs, e + 32)),
                                 );
                             }
+                            if VNNI || (v + 1) % flush_every != 0 {
+                                continue;
+                            }
+                            let sc = load_pairs(&b.sc[2 * c..]);
+                            let (sc_lo, sc_hi) = (byte_pairs::<0, 0>(sc), byte_pairs::<8, 8>(sc));
+                            for t in 0..N {
+                                let p = _mm256_add_epi32(
+                                    _mm256_madd_epi16(s_lo[t], sc_lo),
+                                    _mm256_madd_epi16(s_hi[t], sc_hi),
+                                );
+                                isum[t] = _mm256_add_epi32(isum[t], p);
+                                s_lo[t] = _mm256_setzero_si256();
+                                s_hi[t] = _mm256_setzero_si256();
+                            }
                         }
                         if VNNI {
                             let (sc_lo, sc_hi) =
@@ -1240,16 +1359,6 @@ macro_rules! packed_kernels {
                                 );
                                 isum[t] = _mm256_add_epi32(isum[t], p);
                             }
-                            continue;
-                        }
-                        let sc = load_pairs(&b.sc[2 * c..]);
-                        let (sc_lo, sc_hi) = (byte_pairs::<0, 0>(sc), byte_pairs::<8, 8>(sc));
-                        for t in 0..N {
-                            let p = _mm256_add_epi32(
-                                _mm256_madd_epi16(s_lo[t], sc_lo),
-                                _mm256_madd_epi16(s_hi[t], sc_hi),
-                            );
-                            isum[t] = _mm256_add_epi32(isum[t], p);
                         }
                     }
                     let (dw, dm) = (scales(&b.d), scales(&b.dmin));
