@@ -604,7 +604,7 @@ impl Backend for CpuBackend {
                     w.prefetch_ahead(j);
                     let b = bias.map_or(0.0, |b| b[j]);
                     let x_t = |t: usize| &x[xv.offset + t * xv.stride..][..k];
-                    // SAFETY (both writes): in bounds (check_view above); column j belongs to
+                    // SAFETY (every write): in bounds (check_view above); column j belongs to
                     // this task only.
                     match w.half_row(j).filter(|_| fused) {
                         Some(wr) => {
@@ -615,7 +615,17 @@ impl Backend for CpuBackend {
                         }
                         None => {
                             let wr = w.row(j, &mut scratch);
-                            for t in 0..n {
+                            let mut t = 0;
+                            while t + 3 <= n {
+                                let v = simd::dot_f32_x3(wr, [x_t(t), x_t(t + 1), x_t(t + 2)]);
+                                for (i, v) in v.iter().enumerate() {
+                                    unsafe {
+                                        dst.write(ov.offset + (t + i) * ov.stride + j, v + b)
+                                    };
+                                }
+                                t += 3;
+                            }
+                            for t in t..n {
                                 let v = simd::dot_f32(x_t(t), wr) + b;
                                 unsafe { dst.write(ov.offset + t * ov.stride + j, v) };
                             }

@@ -312,6 +312,25 @@ pub fn f16_to_f32(src: &[half::f16], dst: &mut [f32]) {
     }
 }
 
+/// `[dot_f32(x[0], w), dot_f32(x[1], w), dot_f32(x[2], w)]`, bit for bit, each weight vector
+/// loaded once for the three tokens (a prefill's row against its tokens: `dot_f32` per token
+/// was bound by its two loads per multiply-add).
+pub fn dot_f32_x3(w: &[f32], x: [&[f32]; 3]) -> [f32; 3] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx2_fma() {
+            // SAFETY: AVX2 and FMA detected.
+            return unsafe { avx2::dot_f32_x3(w, x) };
+        }
+    }
+    dot_f32_x3_scalar(w, x)
+}
+
+/// [`dot_f32_x3`]'s scalar twin.
+pub fn dot_f32_x3_scalar(w: &[f32], x: [&[f32]; 3]) -> [f32; 3] {
+    x.map(|x| dot_f32_scalar(x, w))
+}
+
 /// A weight row of 16-bit floats, as stored.
 #[derive(Clone, Copy)]
 pub enum HalfRow<'a> {
@@ -508,6 +527,39 @@ mod avx2 {
             sum = (*pa.add(k)).mul_add(*pb.add(k), sum);
         }
         sum
+    }
+
+    /// `dot_f32` for three activation rows against one weight row: per token the same four
+    /// accumulators, the same order and the same reduction; the weight vectors are loaded once.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_f32_x3(w: &[f32], x: [&[f32]; 3]) -> [f32; 3] {
+        let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+        let main = n - n % 32;
+        let pw = w.as_ptr();
+        let px = x.map(|x| x.as_ptr());
+        let mut acc = [[_mm256_setzero_ps(); 4]; 3];
+        let mut i = 0;
+        while i < main {
+            for r in 0..4 {
+                let wv = _mm256_loadu_ps(pw.add(i + 8 * r));
+                for (a, p) in acc.iter_mut().zip(&px) {
+                    a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(p.add(i + 8 * r)), wv, a[r]);
+                }
+            }
+            i += 32;
+        }
+        std::array::from_fn(|t| {
+            let a = &acc[t];
+            let acc = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+            let q = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+            let h = _mm_add_ps(q, _mm_movehl_ps(q, q));
+            let s = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+            let mut sum = _mm_cvtss_f32(s);
+            for k in main..n {
+                sum = (*px[t].add(k)).mul_add(*pw.add(k), sum);
+            }
+            sum
+        })
     }
 
     /// Eight 16-bit floats from `p` as f32: F16C for f16, a 16-bit shift for bf16.
@@ -1125,6 +1177,33 @@ mod tests {
                 (scalar as f64 - exact).abs() <= 1e-5 * (n as f64).sqrt().max(1.0),
                 "n={n}"
             );
+        }
+    }
+
+    /// Three tokens against one row give `dot_f32`'s bits per token, as does the scalar twin.
+    #[test]
+    fn three_token_dot_equals_dot_per_token_bit_for_bit() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        for n in [0, 1, 7, 31, 32, 33, 64, 100, 576, 1536, 4099] {
+            let w: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let xs: Vec<Vec<f32>> = (0..3)
+                .map(|t| {
+                    (0..n)
+                        .map(|_| rng.gen_range(-1.0..1.0) * [0.01, 1.0, 100.0][t])
+                        .collect()
+                })
+                .collect();
+            let x = [&xs[0][..], &xs[1][..], &xs[2][..]];
+            let (fast, scalar) = (dot_f32_x3(&w, x), dot_f32_x3_scalar(&w, x));
+            for t in 0..3 {
+                let want = dot_f32(x[t], &w);
+                assert_eq!(fast[t].to_bits(), want.to_bits(), "n={n} token {t}");
+                assert_eq!(
+                    scalar[t].to_bits(),
+                    want.to_bits(),
+                    "n={n} token {t} (scalar)"
+                );
+            }
         }
     }
 
