@@ -436,6 +436,39 @@ pub mod avx2 {
         }
     }
 
+    /// The shared part of Q2_K and Q3_K: each of a block's eight 32-byte vectors (half `h`,
+    /// shift `j`: two low bits a byte, ORed with `high(h, j)`, Q3_K's third bit) against each
+    /// token's activations, the two sixteen-weight sub-blocks scaled by their own scale from
+    /// `sc` (sixteen i16); added into `isum`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn two_bit_sums<const N: usize>(
+        qs: &[u8; 64],
+        sc: __m256i,
+        q: [&BlockQ8K; N],
+        isum: &mut [__m256i; N],
+        high: impl Fn(usize, usize) -> __m256i,
+    ) {
+        let m3 = _mm256_set1_epi8(3);
+        for h in 0..2 {
+            let raw = _mm256_loadu_si256(qs.as_ptr().add(32 * h) as *const __m256i);
+            let sch = scales_half(sc, h);
+            for j in 0..4 {
+                let low =
+                    _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(2 * j as i32)), m3);
+                let u = _mm256_or_si256(low, high(h, j));
+                let scj = scale_pair(sch, j);
+                for t in 0..N {
+                    let y = _mm256_loadu_si256(
+                        q[t].qs.as_ptr().add(128 * h + 32 * j) as *const __m256i
+                    );
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), scj);
+                    isum[t] = _mm256_add_epi32(isum[t], p);
+                }
+            }
+        }
+    }
+
     /// Q2_K for `N` tokens, each block's 2-bit vectors unpacked once for all of them: each
     /// vector (one shift of 32 stored bytes) is two sub-blocks of sixteen, multiplied in
     /// `maddubs` and scaled in `madd`. The sums are exact integers and the per-block float
@@ -443,7 +476,6 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn q2k_n<const N: usize>(w: &[BlockQ2K], a: [&[BlockQ8K]; N]) -> [f32; N] {
-        let m3 = _mm256_set1_epi8(3);
         let m4 = _mm_set1_epi8(0x0f);
         let mut sum = [0f32; N];
         for (i, b) in w.iter().enumerate() {
@@ -458,24 +490,7 @@ pub mod avx2 {
                 hsum_epi32(_mm256_madd_epi16(mins, bsums))
             });
             let mut isum = [_mm256_setzero_si256(); N];
-            for h in 0..2 {
-                let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * h) as *const __m256i);
-                let sch = scales_half(sc, h);
-                for j in 0..4 {
-                    let v = _mm256_and_si256(
-                        _mm256_srl_epi16(raw, _mm_cvtsi32_si128(2 * j as i32)),
-                        m3,
-                    );
-                    let scj = scale_pair(sch, j);
-                    for t in 0..N {
-                        let y = _mm256_loadu_si256(
-                            q[t].qs.as_ptr().add(128 * h + 32 * j) as *const __m256i
-                        );
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(v, y), scj);
-                        isum[t] = _mm256_add_epi32(isum[t], p);
-                    }
-                }
-            }
+            two_bit_sums(&b.qs, sc, q, &mut isum, |_, _| _mm256_setzero_si256());
             for t in 0..N {
                 let isum = hsum_epi32(isum[t]);
                 let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
@@ -531,7 +546,6 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn q3k_n<const N: usize>(w: &[BlockQ3K], a: [&[BlockQ8K]; N]) -> [f32; N] {
-        let m3 = _mm256_set1_epi8(3);
         let four = _mm256_set1_epi8(4);
         let mut sum = [0f32; N];
         for (i, b) in w.iter().enumerate() {
@@ -546,33 +560,17 @@ pub mod avx2 {
                     _mm256_slli_epi32(_mm256_madd_epi16(sc, bsums), 2),
                 )
             });
-            for h in 0..2 {
-                let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * h) as *const __m256i);
-                let sch = scales_half(sc, h);
-                for j in 0..4 {
-                    let low = _mm256_and_si256(
-                        _mm256_srl_epi16(raw, _mm_cvtsi32_si128(2 * j as i32)),
-                        m3,
-                    );
-                    // Bit 4h + j of each hmask byte to bit 2 (16-bit shifts: what crosses from
-                    // the neighbouring byte lands outside bit 2).
-                    let sh = 4 * h + j;
-                    let hb = if sh >= 2 {
-                        _mm256_srl_epi16(hmask, _mm_cvtsi32_si128(sh as i32 - 2))
-                    } else {
-                        _mm256_sll_epi16(hmask, _mm_cvtsi32_si128(2 - sh as i32))
-                    };
-                    let u = _mm256_or_si256(low, _mm256_and_si256(hb, four));
-                    let scj = scale_pair(sch, j);
-                    for t in 0..N {
-                        let y = _mm256_loadu_si256(
-                            q[t].qs.as_ptr().add(128 * h + 32 * j) as *const __m256i
-                        );
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), scj);
-                        isum[t] = _mm256_add_epi32(isum[t], p);
-                    }
-                }
-            }
+            two_bit_sums(&b.qs, sc, q, &mut isum, |h, j| {
+                // Bit 4h + j of each hmask byte to bit 2 (16-bit shifts: what crosses from the
+                // neighbouring byte lands outside bit 2).
+                let sh = 4 * h + j;
+                let hb = if sh >= 2 {
+                    _mm256_srl_epi16(hmask, _mm_cvtsi32_si128(sh as i32 - 2))
+                } else {
+                    _mm256_sll_epi16(hmask, _mm_cvtsi32_si128(2 - sh as i32))
+                };
+                _mm256_and_si256(hb, four)
+            });
             for t in 0..N {
                 let isum = hsum_epi32(isum[t]);
                 sum[t] += q[t].d * b.d.to_f32() * isum as f32;
@@ -681,6 +679,34 @@ pub mod avx2 {
         hsum_ps(acc) - mins
     }
 
+    /// The per-token half of the Q4_K and Q5_K four-token kernels: one block's unpacked quants
+    /// `x` and sub-block scales `s` against four tokens' blocks `q`, added into `acc` and `mins`
+    /// exactly as the one-token kernels add them.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn k4_block_x4(
+        x: &[__m256i; 8],
+        s: &[__m256i; 8],
+        (d, dmin): (f32, f32),
+        mn: &[u8; 8],
+        q: [&BlockQ8K; 4],
+        acc: &mut [__m256; 4],
+        mins: &mut [f32; 4],
+    ) {
+        for (r, q) in q.iter().enumerate() {
+            let mut isum = _mm256_setzero_si256();
+            for c in 0..4 {
+                let ylo = _mm256_loadu_si256(q.qs.as_ptr().add(64 * c) as *const __m256i);
+                let yhi = _mm256_loadu_si256(q.qs.as_ptr().add(64 * c + 32) as *const __m256i);
+                let plo = _mm256_madd_epi16(_mm256_maddubs_epi16(x[2 * c], ylo), s[2 * c]);
+                let phi = _mm256_madd_epi16(_mm256_maddubs_epi16(x[2 * c + 1], yhi), s[2 * c + 1]);
+                isum = _mm256_add_epi32(isum, _mm256_add_epi32(plo, phi));
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(q.d * d), _mm256_cvtepi32_ps(isum), acc[r]);
+            mins[r] += q.d * dmin * mins_dot(mn, &q.bsums) as f32;
+        }
+    }
+
     /// `vec_dot_q5k` for four tokens, each block's 5-bit values assembled once for all of
     /// them; per token the same integer sums and the same float steps, so the same bits.
     ///
@@ -688,47 +714,57 @@ pub mod avx2 {
     /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot_q5k_x4(w: &[BlockQ5K], a: [&[BlockQ8K]; 4]) -> [f32; 4] {
+        k4_x4(w, a, |b| (&b.scales, (b.d, b.dmin), &b.qs, Some(&b.qh)))
+    }
+
+    /// A Q4_K-style block's parts: packed scales and minimums, (d, dmin), the low nibbles and,
+    /// for Q5_K, the fifth bits.
+    type K4Parts<'a> = (
+        &'a [u8; 12],
+        (f16, f16),
+        &'a [u8; 128],
+        Option<&'a [u8; 32]>,
+    );
+
+    /// Q4_K and Q5_K for four tokens: a block's quants unpacked (fifth bits included) and its
+    /// sub-block scales broadcast once, then [`k4_block_x4`] per token.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn k4_x4<B>(
+        w: &[B],
+        a: [&[BlockQ8K]; 4],
+        parts: impl Fn(&B) -> K4Parts<'_>,
+    ) -> [f32; 4] {
         let m4 = _mm256_set1_epi8(0x0f);
         let one = _mm256_set1_epi8(1);
         let mut acc = [_mm256_setzero_ps(); 4];
         let mut mins = [0f32; 4];
         for (i, b) in w.iter().enumerate() {
             prefetch(b);
-            let (sc, mn) = scales_mins(&b.scales);
-            let qh = _mm256_loadu_si256(b.qh.as_ptr() as *const __m256i);
+            let (scales, (d, dmin), qs, qh) = parts(b);
+            let (sc, mn) = scales_mins(scales);
+            let qh = qh.map(|h| _mm256_loadu_si256(h.as_ptr() as *const __m256i));
             let mut x = [_mm256_setzero_si256(); 8];
             let mut s = [_mm256_setzero_si256(); 8];
             for c in 0..4 {
-                let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * c) as *const __m256i);
-                let hlo =
-                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c as i32)), one);
-                let hhi = _mm256_and_si256(
-                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c as i32 + 1)),
-                    one,
-                );
-                x[2 * c] = _mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_slli_epi16(hlo, 4));
-                x[2 * c + 1] = _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
-                    _mm256_slli_epi16(hhi, 4),
-                );
+                let raw = _mm256_loadu_si256(qs.as_ptr().add(32 * c) as *const __m256i);
+                x[2 * c] = _mm256_and_si256(raw, m4);
+                x[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                if let Some(qh) = qh {
+                    // Fifth bits: bit 2c of each qh byte for the low nibbles, 2c+1 for the high.
+                    let bit = |k: i32| {
+                        let h = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(k)), one);
+                        _mm256_slli_epi16(h, 4)
+                    };
+                    x[2 * c] = _mm256_or_si256(x[2 * c], bit(2 * c as i32));
+                    x[2 * c + 1] = _mm256_or_si256(x[2 * c + 1], bit(2 * c as i32 + 1));
+                }
                 s[2 * c] = _mm256_set1_epi16(sc[2 * c] as i16);
                 s[2 * c + 1] = _mm256_set1_epi16(sc[2 * c + 1] as i16);
             }
-            let (d, dmin) = (fp16(b.d), fp16(b.dmin));
-            for r in 0..4 {
-                let q = a[r].get_unchecked(i);
-                let mut isum = _mm256_setzero_si256();
-                for c in 0..4 {
-                    let ylo = _mm256_loadu_si256(q.qs.as_ptr().add(64 * c) as *const __m256i);
-                    let yhi = _mm256_loadu_si256(q.qs.as_ptr().add(64 * c + 32) as *const __m256i);
-                    let plo = _mm256_madd_epi16(_mm256_maddubs_epi16(x[2 * c], ylo), s[2 * c]);
-                    let phi =
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(x[2 * c + 1], yhi), s[2 * c + 1]);
-                    isum = _mm256_add_epi32(isum, _mm256_add_epi32(plo, phi));
-                }
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(q.d * d), _mm256_cvtepi32_ps(isum), acc[r]);
-                mins[r] += q.d * dmin * mins_dot(&mn, &q.bsums) as f32;
-            }
+            let dd = (fp16(d), fp16(dmin));
+            let q = a.map(|r| r.get_unchecked(i));
+            k4_block_x4(&x, &s, dd, &mn, q, &mut acc, &mut mins);
         }
         std::array::from_fn(|r| hsum_ps(acc[r]) - mins[r])
     }
@@ -792,42 +828,6 @@ pub mod avx2 {
     /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot_q4k_x4(w: &[BlockQ4K], a: [&[BlockQ8K]; 4]) -> [f32; 4] {
-        let m4 = _mm256_set1_epi8(0x0f);
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut mins = [0f32; 4];
-        for (i, b) in w.iter().enumerate() {
-            prefetch(b);
-            let (sc, mn) = scales_mins(&b.scales);
-            let mut x = [_mm256_setzero_si256(); 8];
-            let mut s = [_mm256_setzero_si256(); 8];
-            for c in 0..4 {
-                let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * c) as *const __m256i);
-                x[2 * c] = _mm256_and_si256(raw, m4);
-                x[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-                s[2 * c] = _mm256_set1_epi16(sc[2 * c] as i16);
-                s[2 * c + 1] = _mm256_set1_epi16(sc[2 * c + 1] as i16);
-            }
-            let (d, dmin) = (fp16(b.d), fp16(b.dmin));
-            for r in 0..4 {
-                let q = a[r].get_unchecked(i);
-                let mut isum = _mm256_setzero_si256();
-                for c in 0..4 {
-                    let ylo = _mm256_loadu_si256(q.qs.as_ptr().add(64 * c) as *const __m256i);
-                    let yhi = _mm256_loadu_si256(q.qs.as_ptr().add(64 * c + 32) as *const __m256i);
-                    let plo = _mm256_madd_epi16(_mm256_maddubs_epi16(x[2 * c], ylo), s[2 * c]);
-                    let phi =
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(x[2 * c + 1], yhi), s[2 * c + 1]);
-                    isum = _mm256_add_epi32(isum, _mm256_add_epi32(plo, phi));
-                }
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(q.d * d), _mm256_cvtepi32_ps(isum), acc[r]);
-                mins[r] += q.d * dmin * mins_dot(&mn, &q.bsums) as f32;
-            }
-        }
-        [
-            hsum_ps(acc[0]) - mins[0],
-            hsum_ps(acc[1]) - mins[1],
-            hsum_ps(acc[2]) - mins[2],
-            hsum_ps(acc[3]) - mins[3],
-        ]
+        k4_x4(w, a, |b| (&b.scales, (b.d, b.dmin), &b.qs, None))
     }
 }

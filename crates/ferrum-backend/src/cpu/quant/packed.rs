@@ -1074,18 +1074,8 @@ macro_rules! packed_kernels {
                 store(acc, out)
             }
 
-            impl Tile<BlockQ8K> for Q4Kx8 {
-                #[target_feature(enable = $feat)]
-                unsafe fn tile<const N: usize>(
-                    w: &[Self],
-                    a: [&[BlockQ8K]; N],
-                    out: &mut [[f32; ROWS]],
-                ) {
-                    tile_q4k(w, a, out)
-                }
-            }
-
-            impl Tile<BlockQ8K> for Q5Kx8 {
+            /// Q4_K and Q5_K share one tile.
+            impl<B: K4x8> Tile<BlockQ8K> for B {
                 #[target_feature(enable = $feat)]
                 unsafe fn tile<const N: usize>(
                     w: &[Self],
