@@ -419,6 +419,73 @@ fn check_packed<A>(
 /// `matmul_many` over parts of both activation formats (Q4_0 and Q8_0 with 8-bit activations,
 /// Q4_K with Q8_K ones), packed and tail rows, with and without a bias, writing side by side
 /// into one buffer: the same bits as one `matmul` per part, whatever the token count.
+/// f16 and bf16 weights through the f32 matmul path: every token of an n-token matmul gets
+/// the bits it gets alone (one and two tokens dot each row as it converts, more go three at a
+/// time through a converted row, the rest one by one), with a bias, into a window of wider
+/// rows, over a width with a tail past the last multiple of 32; and the value is the product.
+#[test]
+fn half_weight_matmul_gives_each_token_its_bits_alone() {
+    use ferrum_backend::{Backend, CpuBackend, Rows};
+    use ferrum_core::DType;
+    use ferrum_loader::RawTensor;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(31);
+    let (m, k, width, at) = (37, 100, 45, 3);
+    let be = CpuBackend::with_threads(2);
+    let bias: Vec<f32> = (0..m).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let bias_bytes: Vec<u8> = bias.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let bias_w = be
+        .load_weight(&RawTensor::from_bytes("b", DType::F32, vec![m], bias_bytes).expect("f32"))
+        .expect("bias loads");
+    for dt in [DType::F16, DType::BF16] {
+        let (vals, bytes): (Vec<f32>, Vec<u8>) = (0..m * k)
+            .map(|_| {
+                let v: f32 = rng.gen_range(-1.0..1.0);
+                match dt {
+                    DType::F16 => {
+                        let h = half::f16::from_f32(v);
+                        (h.to_f32(), h.to_le_bytes())
+                    }
+                    _ => {
+                        let h = half::bf16::from_f32(v);
+                        (h.to_f32(), h.to_le_bytes())
+                    }
+                }
+            })
+            .fold((Vec::new(), Vec::new()), |(mut v, mut b), (x, h)| {
+                v.push(x);
+                b.extend_from_slice(&h);
+                (v, b)
+            });
+        let w = be
+            .load_weight(&RawTensor::from_bytes("w", dt, vec![m, k], bytes).expect("sizes match"))
+            .expect("weight loads");
+        for n in [1, 2, 3, 5, 7] {
+            let x: Vec<f32> = (0..n * k).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let mut out = vec![0f32; n * width];
+            let ov = Rows::columns(n, width, at, m);
+            be.matmul(&x, Rows::dense(n, k), &w, Some(&bias_w), &mut out, ov);
+            for t in 0..n {
+                let xt = x[t * k..(t + 1) * k].to_vec();
+                let mut alone = vec![0f32; width];
+                let ov1 = Rows::columns(1, width, at, m);
+                be.matmul(&xt, Rows::dense(1, k), &w, Some(&bias_w), &mut alone, ov1);
+                for j in 0..m {
+                    let (got, one) = (out[t * width + at + j], alone[at + j]);
+                    assert_eq!(got.to_bits(), one.to_bits(), "{dt} n={n} token {t} row {j}");
+                    let exact: f64 = (0..k)
+                        .map(|i| vals[j * k + i] as f64 * xt[i] as f64)
+                        .sum::<f64>()
+                        + bias[j] as f64;
+                    assert!(
+                        (got as f64 - exact).abs() < 1e-4,
+                        "{dt} row {j}: {got} vs {exact}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn matmul_many_equals_one_matmul_per_part() {
     use ferrum_backend::{Backend, CpuBackend, MatmulPart, Rows};

@@ -235,8 +235,8 @@ pub struct CpuWeight {
     data: WeightData,
     /// The integer kernel for quantised matrices (absent in exact mode and for floats).
     kernel: Option<quant::Kernel>,
-    /// Rows `0..packed.rows()` interleaved eight at a time (the 32-value block formats, Q4_K
-    /// and Q6_K, with AVX2); the matmul reads these instead of the mapped rows. See
+    /// Rows `0..packed.rows()` interleaved eight at a time (the 32-value block formats, Q4_K,
+    /// Q5_K and Q6_K, with AVX2); the matmul reads these instead of the mapped rows. See
     /// [`quant::packed`].
     packed: Option<quant::packed::Packed>,
 }
@@ -596,7 +596,7 @@ impl Backend for CpuBackend {
         let (bias, per_task, n_tasks) = self.checked_part(xv, w, bias, ov, out.len());
         // An f16/bf16 row read by one or two tokens is converted as it is dotted; more tokens
         // share one conversion into the scratch row. Same bits either way (`dot_half`).
-        let fused = n <= 2 && w.half_row(0).is_some();
+        let fused = n <= 2 && m > 0 && simd::dot_half_is_vectorised() && w.half_row(0).is_some();
         self.pool.run(n_tasks, &|task| {
             SCRATCH.with(|s| {
                 let mut scratch = s.borrow_mut();

@@ -315,7 +315,14 @@ pub fn f16_to_f32(src: &[half::f16], dst: &mut [f32]) {
 /// `[dot_f32(x[0], w), dot_f32(x[1], w), dot_f32(x[2], w)]`, bit for bit, each weight vector
 /// loaded once for the three tokens (a prefill's row against its tokens: `dot_f32` per token
 /// was bound by its two loads per multiply-add).
+///
+/// # Panics
+/// If a token's row is not as long as `w`.
 pub fn dot_f32_x3(w: &[f32], x: [&[f32]; 3]) -> [f32; 3] {
+    assert!(
+        x.iter().all(|x| x.len() == w.len()),
+        "dot_f32_x3: rows of unequal length"
+    );
     #[cfg(target_arch = "x86_64")]
     {
         if avx2_fma() {
@@ -376,6 +383,19 @@ pub fn dot_half(a: &[f32], b: HalfRow) -> f32 {
         }
     }
     dot_half_scalar(a, b)
+}
+
+/// Whether [`dot_half`] runs vectorised here; its scalar twin converts into a new buffer
+/// every call, slower than converting a row once for all tokens.
+pub fn dot_half_is_vectorised() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::quant::has_avx2()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 /// [`dot_half`]'s scalar twin: convert, then [`dot_f32_scalar`].

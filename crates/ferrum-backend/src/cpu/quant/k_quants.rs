@@ -476,6 +476,8 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn q2k_n<const N: usize>(w: &[BlockQ2K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+        // As the scalar kernel's `zip`: no block past the shortest row.
+        let w = &w[..a.iter().fold(w.len(), |n, a| n.min(a.len()))];
         let m4 = _mm_set1_epi8(0x0f);
         let mut sum = [0f32; N];
         for (i, b) in w.iter().enumerate() {
@@ -491,9 +493,9 @@ pub mod avx2 {
             });
             let mut isum = [_mm256_setzero_si256(); N];
             two_bit_sums(&b.qs, sc, q, &mut isum, |_, _| _mm256_setzero_si256());
+            let (d, dmin) = (fp16(b.d), fp16(b.dmin));
             for t in 0..N {
                 let isum = hsum_epi32(isum[t]);
-                let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
                 sum[t] += q[t].d * d * isum as f32 - q[t].d * dmin * summs[t] as f32;
             }
         }
@@ -546,6 +548,8 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn q3k_n<const N: usize>(w: &[BlockQ3K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+        // As the scalar kernel's `zip`: no block past the shortest row.
+        let w = &w[..a.iter().fold(w.len(), |n, a| n.min(a.len()))];
         let four = _mm256_set1_epi8(4);
         let mut sum = [0f32; N];
         for (i, b) in w.iter().enumerate() {
@@ -571,9 +575,10 @@ pub mod avx2 {
                 };
                 _mm256_and_si256(hb, four)
             });
+            let d = fp16(b.d);
             for t in 0..N {
                 let isum = hsum_epi32(isum[t]);
-                sum[t] += q[t].d * b.d.to_f32() * isum as f32;
+                sum[t] += q[t].d * d * isum as f32;
             }
         }
         sum
@@ -735,6 +740,8 @@ pub mod avx2 {
         a: [&[BlockQ8K]; 4],
         parts: impl Fn(&B) -> K4Parts<'_>,
     ) -> [f32; 4] {
+        // As the one-token kernels' `zip`: no block past the shortest row.
+        let w = &w[..a.iter().fold(w.len(), |n, a| n.min(a.len()))];
         let m4 = _mm256_set1_epi8(0x0f);
         let one = _mm256_set1_epi8(1);
         let mut acc = [_mm256_setzero_ps(); 4];

@@ -1,5 +1,5 @@
 //! Eight weight rows interleaved, made once at load for the 32-value block formats (Q4_0,
-//! Q4_1, Q5_0, Q5_1, Q8_0) and for Q4_K and Q6_K.
+//! Q4_1, Q5_0, Q5_1, Q8_0) and for Q4_K, Q5_K and Q6_K.
 //!
 //! In the file's layout one 256-bit register holds one block of one row, so every
 //! (row, token, block) needs its own convert-and-scale step (`cvtepi32_ps` + `fmadd`) on top of
@@ -12,7 +12,7 @@
 //! and Q4_K on x86; the layout here is ours.
 //!
 //! Layout of one packed block (the same block index of eight consecutive rows): the eight
-//! f16 scales, then the eight minimums (Q4_1, Q5_1), then for Q5 the fifth bits, bit-sliced
+//! f16 scales, then the eight minimums (Q4_1, Q5_1), then for Q5_0/Q5_1 the fifth bits, bit-sliced
 //! (32 bytes: bit `m` of byte `i` is the fifth bit of byte `i` of nibble vector `m`, so a
 //! vector's bits come out with one shift and one mask), then the quants. Quant vector `j` (32 bytes) holds elements `4j..4j+4` of
 //! row 0, then of row 1, ... of row 7. For the 4- and 5-bit formats the bytes are the file's
@@ -180,7 +180,7 @@ const _: () = assert!(std::mem::size_of::<Q5Kx8>() == 8 * 176 + 32);
 /// The super-block layouts with Q4_K's scales and minimums: Q4_K and Q5_K.
 pub trait K4x8: Copy + Send + Sync + 'static {
     fn k4(&self) -> &Q4Kx8;
-    /// Quant of value `e` (0..256) of row `r` (0..16 or 0..32).
+    /// Quant of value `e` (0..256) of row `r` (0..8), fifth bit included for Q5_K.
     fn quant(&self, r: usize, e: usize) -> i32;
     /// The fifth bits, for Q5_K.
     fn qh(&self) -> Option<&[u8; 256]>;

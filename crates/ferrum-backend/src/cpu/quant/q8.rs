@@ -39,7 +39,8 @@ impl Default for BlockQ8 {
 pub struct BlockQ8K {
     pub d: f32,
     pub qs: [i8; QK_K],
-    /// Sum of each group of 16 quants.
+    /// Sum of each group of 16 quants. Kernels rely on it being exactly that (Q2_K's
+    /// minimums, Q3_K's and Q6_K's offsets come out through it); both quantisers set it.
     pub bsums: [i16; QK_K / 16],
 }
 const _: () = assert!(std::mem::size_of::<BlockQ8K>() == 292);
