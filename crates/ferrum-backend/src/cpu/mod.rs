@@ -606,7 +606,7 @@ impl Backend for CpuBackend {
                     let x_t = |t: usize| &x[xv.offset + t * xv.stride..][..k];
                     // SAFETY (every write): in bounds (check_view above); column j belongs to
                     // this task only.
-                    match w.half_row(j).filter(|_| fused) {
+                    match fused.then(|| w.half_row(j)).flatten() {
                         Some(wr) => {
                             for t in 0..n {
                                 let v = simd::dot_half(x_t(t), wr) + b;

@@ -504,6 +504,9 @@ fn hsum8(l: &[f32; 8]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
+pub(crate) use avx2::hsum_ps;
+
+#[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
@@ -537,16 +540,32 @@ mod avx2 {
             );
             i += 32;
         }
-        let acc = _mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3));
-        let q = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        // [q0+q2, q1+q3, ..] then lane0 + lane1.
-        let h = _mm_add_ps(q, _mm_movehl_ps(q, q));
-        let s = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-        let mut sum = _mm_cvtss_f32(s);
+        let mut sum = sum4([acc0, acc1, acc2, acc3]);
         for k in main..n {
             sum = (*pa.add(k)).mul_add(*pb.add(k), sum);
         }
         sum
+    }
+
+    /// Sums eight f32 lanes in a fixed order, the one every AVX2 kernel uses (its scalar
+    /// twin is `hsum8`): halves added, then [q0+q2, q1+q3], then lane 0 + lane 1.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub(crate) unsafe fn hsum_ps(v: __m256) -> f32 {
+        let q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let h = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)))
+    }
+
+    /// `dot_f32`'s four accumulators summed: `(a0 + a1) + (a2 + a3)`, then [`hsum_ps`] (the
+    /// fused-conversion and three-token dots share it, which is what keeps their bits equal).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn sum4(a: [__m256; 4]) -> f32 {
+        hsum_ps(_mm256_add_ps(
+            _mm256_add_ps(a[0], a[1]),
+            _mm256_add_ps(a[2], a[3]),
+        ))
     }
 
     /// `dot_f32` for three activation rows against one weight row: per token the same four
@@ -569,12 +588,7 @@ mod avx2 {
             i += 32;
         }
         std::array::from_fn(|t| {
-            let a = &acc[t];
-            let acc = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
-            let q = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-            let h = _mm_add_ps(q, _mm_movehl_ps(q, q));
-            let s = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-            let mut sum = _mm_cvtss_f32(s);
+            let mut sum = sum4(acc[t]);
             for k in main..n {
                 sum = (*px[t].add(k)).mul_add(*pw.add(k), sum);
             }
@@ -610,11 +624,7 @@ mod avx2 {
             }
             i += 32;
         }
-        let acc = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let q = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        let h = _mm_add_ps(q, _mm_movehl_ps(q, q));
-        let s = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-        let mut sum = _mm_cvtss_f32(s);
+        let mut sum = sum4(acc);
         for k in main..n {
             let b = *pb.add(k);
             let b = if BF {

@@ -602,101 +602,28 @@ pub mod avx2 {
     /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot_q4k(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
-        let m4 = _mm256_set1_epi8(0x0f);
-        let mut acc = _mm256_setzero_ps();
-        let mut mins = 0f32;
-        for (b, q) in w.iter().zip(a) {
-            prefetch(b);
-            let (sc, mn) = scales_mins(&b.scales);
-            let mut isum = _mm256_setzero_si256();
-            for c in 0..4 {
-                let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * c) as *const __m256i);
-                let lo = _mm256_and_si256(raw, m4);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-                let ylo = _mm256_loadu_si256(q.qs.as_ptr().add(64 * c) as *const __m256i);
-                let yhi = _mm256_loadu_si256(q.qs.as_ptr().add(64 * c + 32) as *const __m256i);
-                let plo = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(lo, ylo),
-                    _mm256_set1_epi16(sc[2 * c] as i16),
-                );
-                let phi = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(hi, yhi),
-                    _mm256_set1_epi16(sc[2 * c + 1] as i16),
-                );
-                isum = _mm256_add_epi32(isum, _mm256_add_epi32(plo, phi));
-            }
-            acc = _mm256_fmadd_ps(
-                _mm256_set1_ps(q.d * fp16(b.d)),
-                _mm256_cvtepi32_ps(isum),
-                acc,
-            );
-            mins += q.d * fp16(b.dmin) * mins_dot(&mn, &q.bsums) as f32;
-        }
-        hsum_ps(acc) - mins
+        k4_n(w, [a], |b| (&b.scales, (b.d, b.dmin), &b.qs, None))[0]
     }
 
     /// # Safety
     /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot_q5k(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
-        let m4 = _mm256_set1_epi8(0x0f);
-        let one = _mm256_set1_epi8(1);
-        let mut acc = _mm256_setzero_ps();
-        let mut mins = 0f32;
-        for (b, q) in w.iter().zip(a) {
-            prefetch(b);
-            let (sc, mn) = scales_mins(&b.scales);
-            let qh = _mm256_loadu_si256(b.qh.as_ptr() as *const __m256i);
-            let mut isum = _mm256_setzero_si256();
-            for c in 0..4 {
-                let raw = _mm256_loadu_si256(b.qs.as_ptr().add(32 * c) as *const __m256i);
-                // Fifth bits: bit 2c of each qh byte for the low nibbles, 2c+1 for the high.
-                let hlo =
-                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c as i32)), one);
-                let hhi = _mm256_and_si256(
-                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c as i32 + 1)),
-                    one,
-                );
-                let lo = _mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_slli_epi16(hlo, 4));
-                let hi = _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
-                    _mm256_slli_epi16(hhi, 4),
-                );
-                let ylo = _mm256_loadu_si256(q.qs.as_ptr().add(64 * c) as *const __m256i);
-                let yhi = _mm256_loadu_si256(q.qs.as_ptr().add(64 * c + 32) as *const __m256i);
-                let plo = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(lo, ylo),
-                    _mm256_set1_epi16(sc[2 * c] as i16),
-                );
-                let phi = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(hi, yhi),
-                    _mm256_set1_epi16(sc[2 * c + 1] as i16),
-                );
-                isum = _mm256_add_epi32(isum, _mm256_add_epi32(plo, phi));
-            }
-            acc = _mm256_fmadd_ps(
-                _mm256_set1_ps(q.d * fp16(b.d)),
-                _mm256_cvtepi32_ps(isum),
-                acc,
-            );
-            mins += q.d * fp16(b.dmin) * mins_dot(&mn, &q.bsums) as f32;
-        }
-        hsum_ps(acc) - mins
+        k4_n(w, [a], |b| (&b.scales, (b.d, b.dmin), &b.qs, Some(&b.qh)))[0]
     }
 
-    /// The per-token half of the Q4_K and Q5_K four-token kernels: one block's unpacked quants
-    /// `x` and sub-block scales `s` against four tokens' blocks `q`, added into `acc` and `mins`
-    /// exactly as the one-token kernels add them.
+    /// The per-token half of the Q4_K and Q5_K kernels: one block's unpacked quants `x` and
+    /// sub-block scales `s` against each token's block `q`, added into `acc` and `mins`.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn k4_block_x4(
+    unsafe fn k4_block<const N: usize>(
         x: &[__m256i; 8],
         s: &[__m256i; 8],
         (d, dmin): (f32, f32),
         mn: &[u8; 8],
-        q: [&BlockQ8K; 4],
-        acc: &mut [__m256; 4],
-        mins: &mut [f32; 4],
+        q: [&BlockQ8K; N],
+        acc: &mut [__m256; N],
+        mins: &mut [f32; N],
     ) {
         for (r, q) in q.iter().enumerate() {
             let mut isum = _mm256_setzero_si256();
@@ -719,7 +646,7 @@ pub mod avx2 {
     /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot_q5k_x4(w: &[BlockQ5K], a: [&[BlockQ8K]; 4]) -> [f32; 4] {
-        k4_x4(w, a, |b| (&b.scales, (b.d, b.dmin), &b.qs, Some(&b.qh)))
+        k4_n(w, a, |b| (&b.scales, (b.d, b.dmin), &b.qs, Some(&b.qh)))
     }
 
     /// A Q4_K-style block's parts: packed scales and minimums, (d, dmin), the low nibbles and,
@@ -731,21 +658,22 @@ pub mod avx2 {
         Option<&'a [u8; 32]>,
     );
 
-    /// Q4_K and Q5_K for four tokens: a block's quants unpacked (fifth bits included) and its
-    /// sub-block scales broadcast once, then [`k4_block_x4`] per token.
+    /// Q4_K and Q5_K for `N` tokens (one kernel for one and for four tokens, so both give a
+    /// token the same bits): a block's quants unpacked (fifth bits included) and its sub-block
+    /// scales broadcast once, then [`k4_block`] per token.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn k4_x4<B>(
+    unsafe fn k4_n<B, const N: usize>(
         w: &[B],
-        a: [&[BlockQ8K]; 4],
+        a: [&[BlockQ8K]; N],
         parts: impl Fn(&B) -> K4Parts<'_>,
-    ) -> [f32; 4] {
-        // As the one-token kernels' `zip`: no block past the shortest row.
+    ) -> [f32; N] {
+        // As the scalar kernels' `zip`: no block past the shortest row.
         let w = &w[..a.iter().fold(w.len(), |n, a| n.min(a.len()))];
         let m4 = _mm256_set1_epi8(0x0f);
         let one = _mm256_set1_epi8(1);
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut mins = [0f32; 4];
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut mins = [0f32; N];
         for (i, b) in w.iter().enumerate() {
             prefetch(b);
             let (scales, (d, dmin), qs, qh) = parts(b);
@@ -771,7 +699,7 @@ pub mod avx2 {
             }
             let dd = (fp16(d), fp16(dmin));
             let q = a.map(|r| r.get_unchecked(i));
-            k4_block_x4(&x, &s, dd, &mn, q, &mut acc, &mut mins);
+            k4_block(&x, &s, dd, &mn, q, &mut acc, &mut mins);
         }
         std::array::from_fn(|r| hsum_ps(acc[r]) - mins[r])
     }
@@ -835,6 +763,6 @@ pub mod avx2 {
     /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot_q4k_x4(w: &[BlockQ4K], a: [&[BlockQ8K]; 4]) -> [f32; 4] {
-        k4_x4(w, a, |b| (&b.scales, (b.d, b.dmin), &b.qs, None))
+        k4_n(w, a, |b| (&b.scales, (b.d, b.dmin), &b.qs, None))
     }
 }

@@ -248,27 +248,26 @@ fn pack_q6k(b: [&BlockQ6K; ROWS]) -> Q6Kx8 {
 }
 
 fn pack_q5k(b: [&BlockQ5K; ROWS]) -> Q5Kx8 {
-    let unpacked = b.map(|x| scales_mins(&x.scales));
     Q5Kx8 {
-        k4: Q4Kx8 {
-            d: b.map(|x| x.d),
-            dmin: b.map(|x| x.dmin),
-            sc: std::array::from_fn(|j| unpacked.map(|(sc, _)| sc[j])),
-            mn: std::array::from_fn(|j| unpacked.map(|(_, mn)| mn[j])),
-            qs: interleave(b.map(|x| &x.qs)),
-        },
+        k4: pack_k4(b.map(|x| (&x.scales, x.d, x.dmin, &x.qs))),
         qh: interleave(b.map(|x| &x.qh)),
     }
 }
 
 fn pack_q4k(b: [&BlockQ4K; ROWS]) -> Q4Kx8 {
-    let unpacked = b.map(|x| scales_mins(&x.scales));
+    pack_k4(b.map(|x| (&x.scales, x.d, x.dmin, &x.qs)))
+}
+
+/// Q4_K's layout from eight rows' packed scales and minimums, d, dmin and nibbles (the part
+/// Q4_K and Q5_K blocks share).
+fn pack_k4(b: [(&[u8; 12], f16, f16, &[u8; 128]); ROWS]) -> Q4Kx8 {
+    let unpacked = b.map(|(scales, ..)| scales_mins(scales));
     Q4Kx8 {
-        d: b.map(|x| x.d),
-        dmin: b.map(|x| x.dmin),
+        d: b.map(|(_, d, _, _)| d),
+        dmin: b.map(|(_, _, dmin, _)| dmin),
         sc: std::array::from_fn(|j| unpacked.map(|(sc, _)| sc[j])),
         mn: std::array::from_fn(|j| unpacked.map(|(_, mn)| mn[j])),
-        qs: interleave(b.map(|x| &x.qs)),
+        qs: interleave(b.map(|(.., qs)| qs)),
     }
 }
 

@@ -169,15 +169,9 @@ pub(crate) fn prefetch_lines_ahead(at: *const u8, lines: std::ops::Range<usize>)
     }
 }
 
-/// Sums eight f32 lanes in a fixed order (shared by the AVX2 kernels).
+/// Sums eight f32 lanes in the fixed order the AVX2 kernels share.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn hsum_ps(v: std::arch::x86_64::__m256) -> f32 {
-    use std::arch::x86_64::*;
-    let q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let h = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)))
-}
+pub(crate) use crate::cpu::simd::hsum_ps;
 
 /// `Σ x·y` of 32 signed bytes as eight f32 lanes: `maddubs` wants an unsigned left operand,
 /// so the signs move onto `y` first.
