@@ -89,7 +89,9 @@ impl CpuBackend {
         if let Some(b) = bias {
             assert_eq!(b.len(), m);
         }
-        let mut per_task = (m / (self.threads * 8)).clamp(4, 256);
+        // Four tasks per thread: large enough that a thread's rows run on contiguously (see
+        // `pool`), small enough to rebalance when a thread falls behind.
+        let mut per_task = (m / (self.threads * 4)).clamp(4, 256);
         if w.packed.is_some() {
             per_task = per_task.next_multiple_of(quant::packed::ROWS);
         }
@@ -1258,7 +1260,7 @@ fn quantized_matmuls<'x>(
                 })
                 .collect();
             let total: usize = parts.iter().map(|p| p.n_tasks).sum();
-            pool.run(pre + total, &|task| {
+            pool.run_after(pre, pre + total, &|task| {
                 if task < pre {
                     // Counted even if quantising panics, so the tasks waiting below end and the
                     // pool can hand the panic to the caller. No slice of this token's blocks
@@ -1267,8 +1269,8 @@ fn quantized_matmuls<'x>(
                     quantize_token(task);
                     return;
                 }
-                // Tasks are claimed in order, so every prologue task is already running on
-                // some thread that does not wait: this ends.
+                // `run_after` starts every prologue task (on a thread that does not wait)
+                // before any matmul task: this ends.
                 while ready.load(Ordering::Acquire) < pre {
                     std::hint::spin_loop();
                 }
