@@ -5,14 +5,23 @@
 #   scripts/bench-vs-llamacpp.sh                 # SmolLM2-135M Q4_1, Q8_0, Q4_K_M
 #   scripts/bench-vs-llamacpp.sh --moe           # ... plus synthetic Qwen3-MoE Q8_0, Q4_K_M
 #   scripts/bench-vs-llamacpp.sh [--moe] A.gguf B.gguf   # just these files (plus MoE)
+#   scripts/bench-vs-llamacpp.sh --batched [A.gguf …]     # many streams at once (SmolLM2 Q4_1)
 #
 # For each file, ROUNDS rounds of `llama-bench -p PP -n TG -r 1` and `ferrum bench --reps 1`,
 # alternating (which one goes first alternates too), then a markdown table of medians and
 # ratios. Raw JSON and the table are kept in OUT_DIR.
 #
+# With --batched, the rounds are `llama-batched-bench -npp PP -ntg TG -npl LEVELS` against
+# `ferrum bench --concurrency LEVELS`: each stream its own PP-token prompt, then TG tokens;
+# the table gives, per number of streams, the aggregate decode rate of each engine (llama.cpp's
+# S_TG; ferrum's rate while every stream decodes), its ratio to one stream, and ferrum over
+# llama.cpp.
+#
 # Environment:
-#   ROUNDS=5 PP=512 TG=128 THREADS=2   rounds, llama-bench -p/-n, llama-bench -t
-#                                      (ferrum uses every core the OS reports)
+#   ROUNDS=5 PP=512 TG=128 THREADS=2   rounds, prompt and generated tokens (--batched: PP=128),
+#                                      threads (ferrum: pinned to the first THREADS CPUs when
+#                                      that is fewer than the OS reports)
+#   LEVELS=1,2,4,8                     numbers of streams with --batched
 #   LLAMA_BENCH=/path/llama-bench      use this llama-bench, build nothing
 #   LLAMACPP_BIN=/dir                  use llama-bench from this folder (e.g. an existing build)
 #   LLAMACPP_CMAKE_FLAGS="..."         override the CPU flags of the llama.cpp build
@@ -30,7 +39,12 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${FERRUM_CACHE:-$HOME/.cache/ferrum}"
 ROUNDS="${ROUNDS:-5}"
-PP="${PP:-512}"
+BATCHED=0
+for a in "$@"; do
+    if [[ "$a" == --batched ]]; then BATCHED=1; fi
+done
+PP="${PP:-$( ((BATCHED)) && echo 128 || echo 512)}"
+LEVELS="${LEVELS:-1,2,4,8}"
 TG="${TG:-128}"
 THREADS="${THREADS:-2}"
 PYTHON="${PYTHON:-python3}"
@@ -64,6 +78,7 @@ FILES=()
 for a in "$@"; do
     case "$a" in
         --moe) MOE=1 ;;
+        --batched) ;;
         -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         -*) die "unknown option $a (see --help)" ;;
         *) [[ -f "$a" ]] || die "$a: no such file"; FILES+=("$(cd "$(dirname "$a")" && pwd)/$(basename "$a")") ;;
@@ -77,7 +92,7 @@ build_llamacpp() {
     local build="$dir/build"
     [[ "$AVXVNNI" == 1 ]] && build="$dir/build-avxvnni"
     local bin="$build/bin"
-    if [[ -x "$bin/llama-bench" && -x "$bin/llama-quantize" ]]; then
+    if [[ -x "$bin/llama-bench" && -x "$bin/llama-quantize" && -x "$bin/llama-batched-bench" ]]; then
         echo "$bin"
         return
     fi
@@ -105,13 +120,13 @@ build_llamacpp() {
     else
         cpu_flags="-DGGML_NATIVE=ON"
     fi
-    log "building llama-bench and llama-quantize (about 10 minutes on 2 cores)"
+    log "building llama-bench, llama-batched-bench and llama-quantize (about 10 minutes on 2 cores)"
     # shellcheck disable=SC2086 # cpu_flags is a list of flags
     cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release $cpu_flags \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >"$dir/cmake.log" 2>&1 \
         || die "cmake configure failed, see $dir/cmake.log"
-    cmake --build "$build" --target llama-bench llama-quantize -j "$(nproc)" \
+    cmake --build "$build" --target llama-bench llama-batched-bench llama-quantize -j "$(nproc)" \
         >>"$dir/cmake.log" 2>&1 || die "llama.cpp build failed, see $dir/cmake.log"
     echo "$bin"
 }
@@ -124,6 +139,8 @@ elif [[ -n "${LLAMACPP_BIN:-}" ]]; then
 else
     LLAMA_BENCH="$(build_llamacpp)/llama-bench"
 fi
+LLAMA_BATCHED="$(dirname "$LLAMA_BENCH")/llama-batched-bench"
+((BATCHED == 0)) || [[ -x "$LLAMA_BATCHED" ]] || die "no llama-batched-bench beside $LLAMA_BENCH"
 # The shared libraries sit beside the binaries.
 LD_LIBRARY_PATH="$(dirname "$LLAMA_BENCH")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export LD_LIBRARY_PATH
@@ -131,20 +148,28 @@ export LD_LIBRARY_PATH
 # --- ferrum -------------------------------------------------------------------------------
 log "building ferrum (release)"
 (cd "$ROOT" && cargo build --release --quiet) || die "cargo build --release failed"
-FERRUM="$ROOT/target/release/ferrum"
+FERRUM=("$ROOT/target/release/ferrum")
+if ((THREADS < $(nproc))); then
+    command -v taskset >/dev/null || die "THREADS=$THREADS needs taskset (util-linux) to pin ferrum"
+    FERRUM=(taskset -c "0-$((THREADS - 1))" "${FERRUM[@]}")
+fi
 
 # --- model files --------------------------------------------------------------------------
 if [[ ${#FILES[@]} -eq 0 ]]; then
     SMOL="$("$ROOT/scripts/fetch-default-model.sh" | tail -n 1)"
     [[ -f "$SMOL" ]] || die "fetch-default-model.sh gave no model"
     FILES+=("$SMOL")
+    # The batched comparison is the issue's: the shipped file alone.
+    ((BATCHED)) || QUANTISE_SMOL=1
+fi
+if [[ -n "${QUANTISE_SMOL:-}" ]]; then
     QDIR="$CACHE/bench-models"
     mkdir -p "$QDIR"
     for t in Q8_0 Q4_K_M; do
         q="$QDIR/SmolLM2-135M-Instruct.$t.gguf"
         if [[ ! -f "$q" ]]; then
             log "quantising SmolLM2 to $t with ferrum quantize (from the shipped Q4_1)"
-            "$FERRUM" quantize "$SMOL" "$q.partial" --type "$t" >&2
+            "${FERRUM[@]}" quantize "$SMOL" "$q.partial" --type "$t" >&2
             mv "$q.partial" "$q"
         fi
         FILES+=("$q")
@@ -172,6 +197,15 @@ log "results in $OUT_DIR"
 run_llama() { # file round
     local out
     out="$OUT_DIR/$(basename "$1").llama.$2.json"
+    if ((BATCHED)); then
+        # Room for every stream's prompt and generation at once; one JSON object per level.
+        local streams=$(( $(tr ',' '\n' <<<"$LEVELS" | sort -n | tail -n 1) ))
+        "$LLAMA_BATCHED" -m "$1" -t "$THREADS" -c $((streams * (PP + TG) + 16)) -b 2048 -ub 512 \
+            -npp "$PP" -ntg "$TG" -npl "$LEVELS" --output-format jsonl >"$out.raw" 2>"$out.log" \
+            || die "llama-batched-bench failed on $1, see $out.log"
+        grep '^{' "$out.raw" >"$out" || die "no results from llama-batched-bench, see $out.raw"
+        return
+    fi
     # shellcheck disable=SC2086 # a list of options
     "$LLAMA_BENCH" -m "$1" -t "$THREADS" -p "$PP" -n "$TG" -r 1 -o json ${LLAMA_BENCH_ARGS:-} >"$out" \
         2>"$out.log" || die "llama-bench failed on $1, see $out.log"
@@ -179,8 +213,10 @@ run_llama() { # file round
 run_ferrum() { # file round
     local out
     out="$OUT_DIR/$(basename "$1").ferrum.$2.json"
-    "$FERRUM" bench "$1" --pp "$PP" --tg "$TG" --reps 1 --json >"$out" 2>"$out.log" \
-        || die "ferrum bench failed on $1, see $out.log"
+    local extra=()
+    ((BATCHED)) && extra=(--concurrency "$LEVELS")
+    "${FERRUM[@]}" bench "$1" --pp "$PP" --tg "$TG" --reps 1 "${extra[@]}" --json >"$out" \
+        2>"$out.log" || die "ferrum bench failed on $1, see $out.log"
 }
 for f in "${FILES[@]}"; do
     for ((r = 1; r <= ROUNDS; r++)); do
@@ -195,8 +231,50 @@ done
 
 # --- table --------------------------------------------------------------------------------
 CPU="$(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ *//' || true)"
+REV="$(cd "$ROOT" && git rev-parse --short HEAD 2>/dev/null || echo '?')"
+if ((BATCHED)); then
+    "$PYTHON" - "$OUT_DIR" "$ROUNDS" "$PP" "$TG" "$THREADS" "${CPU:-unknown CPU}" "$REV" \
+        "${FILES[@]}" <<'EOF' | tee "$OUT_DIR/results.md"
+import json, os, statistics, sys, datetime, platform
+
+out_dir, rounds, pp, tg, threads, cpu, rev = sys.argv[1:8]
+rounds = int(rounds)
+print(f"## bench-vs-llamacpp --batched, {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}")
+print()
+print(f"- machine: {platform.machine()}, {cpu}, {os.cpu_count()} logical CPUs; {threads} threads each")
+print(f"- llama.cpp: llama-batched-bench -npp {pp} -ntg {tg} (S_TG: every stream decodes in lockstep)")
+print(f"- ferrum: ferrum bench --concurrency --pp {pp} --tg {tg} --reps 1 (git {rev}; decode rate "
+      "while every stream decodes)")
+print(f"- {rounds} alternating rounds; medians over rounds; × one and ferrum / llama.cpp are "
+      "medians of the per-round ratios")
+print()
+print("| file | streams | llama.cpp t/s | × one | ferrum t/s | × one | ferrum / llama.cpp |")
+print("|---|--:|--:|--:|--:|--:|--:|")
+med = lambda xs: statistics.median(xs) if xs else float("nan")
+for f in sys.argv[8:]:
+    name = os.path.basename(f)
+    per = {}  # streams -> (llama, ferrum, the round's one-stream pair) per round
+    for r in range(1, rounds + 1):
+        with open(f"{out_dir}/{name}.llama.{r}.json") as fh:
+            llama = {j["pl"]: j["speed_tg"] for j in map(json.loads, fh) if j.get("pl")}
+        with open(f"{out_dir}/{name}.ferrum.{r}.json") as fh:
+            ferrum = {l["streams"]: l["decode_tok_s"] for l in json.load(fh)["levels"]}
+        one = (llama.get(1), ferrum.get(1))
+        for s in sorted(set(llama) & set(ferrum)):
+            per.setdefault(s, []).append((llama[s], ferrum[s], one))
+    for s, rows in sorted(per.items()):
+        ok = [x for x in rows if x[1] is not None]
+        l = med([x[0] for x in rows])
+        fe = med([x[1] for x in ok])
+        lx = med([x[0] / x[2][0] for x in rows if x[2][0]])
+        fx = med([x[1] / x[2][1] for x in ok if x[2][1]])
+        rat = med([x[1] / x[0] for x in ok if x[0]])
+        print(f"| {name} | {s} | {l:.1f} | {lx:.2f} | {fe:.1f} | {fx:.2f} | {rat:.2f} |")
+EOF
+    exit 0
+fi
 "$PYTHON" - "$OUT_DIR" "$ROUNDS" "$PP" "$TG" "$THREADS" "${CPU:-unknown CPU}" \
-    "$(cd "$ROOT" && git rev-parse --short HEAD 2>/dev/null || echo '?')" "${FILES[@]}" \
+    "$REV" "${FILES[@]}" \
     <<'EOF' | tee "$OUT_DIR/results.md"
 import json, os, statistics, sys, datetime, platform
 
