@@ -19,9 +19,10 @@
 #
 # Environment:
 #   ROUNDS=5 PP=512 TG=128 THREADS=2   rounds, prompt and generated tokens (--batched: PP=128),
-#                                      threads (ferrum: pinned to the first THREADS CPUs when
-#                                      that is fewer than the OS reports)
-#   LEVELS=1,2,4,8                     numbers of streams with --batched
+#                                      threads (when fewer than the CPUs this process may use,
+#                                      both engines are pinned to the same first THREADS of them)
+#   LEVELS=1,2,4,8                     numbers of streams with --batched (include 1: the
+#                                      "× one" columns divide by it)
 #   LLAMA_BENCH=/path/llama-bench      use this llama-bench, build nothing
 #   LLAMACPP_BIN=/dir                  use llama-bench from this folder (e.g. an existing build)
 #   LLAMACPP_CMAKE_FLAGS="..."         override the CPU flags of the llama.cpp build
@@ -29,7 +30,8 @@
 #                                      llama.cpp is then built with GGML_AVX_VNNI=ON in its own
 #                                      folder, ferrum run with FERRUM_AVXVNNI=1, else =0. With
 #                                      LLAMACPP_BIN/LLAMA_BENCH, say AVXVNNI to match that build.
-#   LLAMA_BENCH_ARGS="--repack 0"      extra llama-bench options (default: none, its defaults)
+#   LLAMA_BENCH_ARGS="--repack 0"      extra llama-bench options (default: none, its defaults;
+#                                      not passed to llama-batched-bench)
 #   MOE_DIR=$FERRUM_CACHE/synth-moe    where the synthetic MoE files live (made if missing)
 #   MOE_LAYERS=4                       layers of the synthetic MoE files
 #   OUT_DIR=target/bench-vs-llamacpp/DATE
@@ -40,6 +42,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${FERRUM_CACHE:-$HOME/.cache/ferrum}"
 ROUNDS="${ROUNDS:-5}"
 BATCHED=0
+QUANTISE_SMOL=
 for a in "$@"; do
     if [[ "$a" == --batched ]]; then BATCHED=1; fi
 done
@@ -148,11 +151,16 @@ export LD_LIBRARY_PATH
 # --- ferrum -------------------------------------------------------------------------------
 log "building ferrum (release)"
 (cd "$ROOT" && cargo build --release --quiet) || die "cargo build --release failed"
-FERRUM=("$ROOT/target/release/ferrum")
-if ((THREADS < $(nproc))); then
-    command -v taskset >/dev/null || die "THREADS=$THREADS needs taskset (util-linux) to pin ferrum"
-    FERRUM=(taskset -c "0-$((THREADS - 1))" "${FERRUM[@]}")
+# Fewer threads than CPUs: both engines on the same CPUs (ferrum sizes its pool by them).
+[[ "$THREADS" =~ ^[1-9][0-9]*$ ]] || die "THREADS must be a positive number (got $THREADS)"
+PIN=()
+ALLOWED="$("$PYTHON" -c 'import os; print(" ".join(map(str, sorted(os.sched_getaffinity(0)))))')"
+read -r -a ALLOWED <<<"$ALLOWED"
+if ((THREADS < ${#ALLOWED[@]})); then
+    command -v taskset >/dev/null || die "THREADS=$THREADS needs taskset (util-linux)"
+    PIN=(taskset -c "$(IFS=,; echo "${ALLOWED[*]:0:THREADS}")")
 fi
+FERRUM=("${PIN[@]}" "$ROOT/target/release/ferrum")
 
 # --- model files --------------------------------------------------------------------------
 if [[ ${#FILES[@]} -eq 0 ]]; then
@@ -200,14 +208,14 @@ run_llama() { # file round
     if ((BATCHED)); then
         # Room for every stream's prompt and generation at once; one JSON object per level.
         local streams=$(( $(tr ',' '\n' <<<"$LEVELS" | sort -n | tail -n 1) ))
-        "$LLAMA_BATCHED" -m "$1" -t "$THREADS" -c $((streams * (PP + TG) + 16)) -b 2048 -ub 512 \
+        "${PIN[@]}" "$LLAMA_BATCHED" -m "$1" -t "$THREADS" -c $((streams * (PP + TG) + 16)) -b 2048 -ub 512 \
             -npp "$PP" -ntg "$TG" -npl "$LEVELS" --output-format jsonl >"$out.raw" 2>"$out.log" \
             || die "llama-batched-bench failed on $1, see $out.log"
         grep '^{' "$out.raw" >"$out" || die "no results from llama-batched-bench, see $out.raw"
         return
     fi
     # shellcheck disable=SC2086 # a list of options
-    "$LLAMA_BENCH" -m "$1" -t "$THREADS" -p "$PP" -n "$TG" -r 1 -o json ${LLAMA_BENCH_ARGS:-} >"$out" \
+    "${PIN[@]}" "$LLAMA_BENCH" -m "$1" -t "$THREADS" -p "$PP" -n "$TG" -r 1 -o json ${LLAMA_BENCH_ARGS:-} >"$out" \
         2>"$out.log" || die "llama-bench failed on $1, see $out.log"
 }
 run_ferrum() { # file round

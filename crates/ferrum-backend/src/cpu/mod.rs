@@ -1269,8 +1269,8 @@ fn quantized_matmuls<'x>(
                     quantize_token(task);
                     return;
                 }
-                // `run_after` starts every prologue task (on a thread that does not wait)
-                // before any matmul task: this ends.
+                // `run_after` has every prologue task claimed (by a thread that does not
+                // wait) before any matmul task starts: this ends.
                 while ready.load(Ordering::Acquire) < pre {
                     std::hint::spin_loop();
                 }

@@ -13,7 +13,7 @@
 //! load is not hidden behind others) took 10-15% longer that way.
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::{self, JoinHandle, Thread};
 
@@ -104,8 +104,8 @@ impl ThreadPool {
 
     /// As [`run`](Self::run), but tasks `0..first` are handed out one at a time, in order,
     /// before any thread starts on the rest: when a later task begins, every one of them has
-    /// begun on some thread, so a later task may wait for them (as long as they wait for
-    /// nothing). With one thread the tasks simply run in order.
+    /// been claimed by a thread that does not wait, so a later task may wait for them (as
+    /// long as they wait for nothing). With one thread the tasks simply run in order.
     pub fn run_after<'a>(&self, first: usize, n_tasks: usize, f: &'a (dyn Fn(usize) + Sync + 'a)) {
         if n_tasks == 0 {
             return;
@@ -135,6 +135,10 @@ impl ThreadPool {
         }
         s.pending.store(self.workers.len(), Ordering::Relaxed);
         s.generation.fetch_add(1, Ordering::Release);
+        // Pairs with the fence after a worker announces sleep: without both, the worker's
+        // store of `sleeping` and this thread's bump of `generation` could each miss the
+        // other (store buffers), the worker park and this thread wait for it forever.
+        fence(Ordering::SeqCst);
         for (i, (_, t)) in self.workers.iter().enumerate() {
             if s.sleeping[i].load(Ordering::Acquire) {
                 t.unpark();
@@ -158,12 +162,15 @@ impl ThreadPool {
 /// share, then the others' leftovers.
 fn work(s: &Shared, me: usize, job: &Job) {
     let first = s.first.load(Ordering::Relaxed);
-    loop {
-        let i = s.next_first.fetch_add(1, Ordering::Relaxed);
-        if i >= first {
-            break;
+    // (A plain `run` has none: no claim on the shared counter then.)
+    if first > 0 {
+        loop {
+            let i = s.next_first.fetch_add(1, Ordering::Relaxed);
+            if i >= first {
+                break;
+            }
+            job(i);
         }
-        job(i);
     }
     let n = s.shares.len();
     for share in (0..n).map(|k| &s.shares[(me + k) % n]) {
@@ -193,6 +200,7 @@ fn worker(s: Arc<Shared>, me: usize) {
                 std::hint::spin_loop();
             } else {
                 s.sleeping[me - 1].store(true, Ordering::Release);
+                fence(Ordering::SeqCst);
                 // Re-check after announcing sleep: an op posted in between is not missed,
                 // and an unpark that raced ahead makes `park` return at once.
                 if s.generation.load(Ordering::Acquire) == seen && !s.stop.load(Ordering::Relaxed) {
@@ -282,25 +290,38 @@ mod tests {
 
     #[test]
     fn each_thread_starts_on_its_own_share() {
-        // Two threads and tasks slow enough that both take part: the caller starts at task 0
-        // and the worker at the middle (from a single counter it would take task 1 or 2). A
-        // thread steals from the other's share only after finishing its own, 40 ms of work.
+        // Two threads: the caller starts at task 0 and the worker at the middle (from a
+        // single counter it would take task 1). Each thread's first task waits for the
+        // other's, so neither can finish its share and take the other's first task however
+        // the threads are scheduled.
         let pool = ThreadPool::new(2);
         let n = 16;
+        let arrived = AtomicUsize::new(0);
         let order = std::sync::Mutex::new(Vec::new());
         pool.run(n, &|i| {
-            thread::sleep(std::time::Duration::from_millis(5));
-            order
-                .lock()
-                .expect("no task panics")
-                .push((thread::current().id(), i));
+            let me = thread::current().id();
+            let mut order = order.lock().expect("no task panics");
+            let first = order.iter().all(|&(t, _)| t != me);
+            order.push((me, i));
+            drop(order);
+            if first {
+                arrived.fetch_add(1, Ordering::AcqRel);
+                let start = std::time::Instant::now();
+                while arrived.load(Ordering::Acquire) < 2 {
+                    assert!(
+                        start.elapsed() < std::time::Duration::from_secs(10),
+                        "one thread ran every task"
+                    );
+                    thread::yield_now();
+                }
+            }
         });
         let order = order.into_inner().expect("no task panics");
         let caller = thread::current().id();
         let first_of = |mine: bool| order.iter().find(|o| (o.0 == caller) == mine).map(|o| o.1);
         assert_eq!(order.len(), n);
         assert_eq!(first_of(true), Some(0));
-        assert!(first_of(false).is_none_or(|w| w >= n / 2), "{order:?}");
+        assert_eq!(first_of(false), Some(n / 2), "{order:?}");
     }
 
     #[test]
