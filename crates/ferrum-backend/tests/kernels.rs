@@ -464,6 +464,23 @@ fn half_weight_matmul_gives_each_token_its_bits_alone() {
             let mut out = vec![0f32; n * width];
             let ov = Rows::columns(n, width, at, m);
             be.matmul(&x, Rows::dense(n, k), &w, Some(&bias_w), &mut out, ov);
+            // The same rows inside a wider buffer, from an odd offset (a prefill copies such
+            // rows to aligned memory first): the same bits.
+            let (pad, wide) = (3, k + 5);
+            let mut xw = vec![f32::NAN; pad + n * wide];
+            for t in 0..n {
+                xw[pad + t * wide..][..k].copy_from_slice(&x[t * k..(t + 1) * k]);
+            }
+            let mut out_w = vec![0f32; n * width];
+            let xwv = Rows::columns(n, wide, pad, k);
+            be.matmul(&xw, xwv, &w, Some(&bias_w), &mut out_w, ov);
+            for (i, (a, b)) in out.iter().zip(&out_w).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "{dt} n={n} strided input, element {i}"
+                );
+            }
             for t in 0..n {
                 let xt = x[t * k..(t + 1) * k].to_vec();
                 let mut alone = vec![0f32; width];
