@@ -600,8 +600,9 @@ impl Backend for CpuBackend {
             return quantized_matmuls(&self.pool, &row, n, k, &[part], dst);
         }
         let (bias, per_task, n_tasks) = self.checked_part(xv, w, bias, ov, out.len());
-        // An f16/bf16 row read by one or two tokens is converted as it is dotted; more tokens
-        // share one conversion into the scratch row. Same bits either way (`dot_half`).
+        // An f16/bf16 row read by one or two tokens is converted as it is dotted; for more
+        // tokens rows are converted into scratch (four at a time, below) and shared. Same
+        // bits either way (`dot_half`).
         let fused = n <= 2 && m > 0 && simd::dot_half_is_vectorised() && w.half_row(0).is_some();
         // A prefill's token rows, read over and over, start on 32-byte boundaries (see
         // `aligned`): copied there once for all tasks when they do not already.
@@ -642,10 +643,10 @@ impl Backend for CpuBackend {
                 }
                 return;
             }
-            // Four weight rows at a time against each three tokens: the tokens' rows, read
-            // from L2 in a prefill (64 tokens of a 1536-wide input are 393 KB), are then
-            // loaded once for four weight rows instead of once per row. Each (row, token) pair
-            // still gets `dot_f32`'s arithmetic, so the grouping changes no bit.
+            // Four weight rows at a time against each three tokens: the three tokens' rows, in
+            // L2 in a prefill (64 tokens of a 1536-wide input are 393 KB), are then fetched
+            // from L2 once for four weight rows and stay in L1 for the other three. Each (row,
+            // token) pair still gets `dot_f32`'s arithmetic, so the grouping changes no bit.
             ROW_SCRATCH.with(|s| {
                 let mut scratch = s.borrow_mut();
                 let [s0, s1, s2, s3] = &mut *scratch;
@@ -653,13 +654,11 @@ impl Backend for CpuBackend {
                 while j < rows.end {
                     let r = (rows.end - j).min(4);
                     (j..j + r).for_each(|j| w.prefetch_ahead(j));
-                    // (Past the task's end the last row stands in; those are never used.)
-                    let at = |i: usize| j + i.min(r - 1);
                     let ws = [
-                        w.row(at(0), s0),
-                        w.row(at(1), s1),
-                        w.row(at(2), s2),
-                        w.row(at(3), s3),
+                        w.row(j, s0),
+                        if r > 1 { w.row(j + 1, s1) } else { &[] },
+                        if r > 2 { w.row(j + 2, s2) } else { &[] },
+                        if r > 3 { w.row(j + 3, s3) } else { &[] },
                     ];
                     let b = |i: usize| bias.map_or(0.0, |b| b[j + i]);
                     let mut t = 0;
