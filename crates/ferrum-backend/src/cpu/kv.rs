@@ -405,10 +405,9 @@ fn attend<T: Sync>(
             SCRATCH.with(|kv| {
                 let (mut scores, mut kv) = (s.borrow_mut(), kv.borrow_mut());
                 // The block's keys and values as f32, converted once for all its rows (and
-                // seven zero rows past the end, so `dot8` can always read eight keys).
-                if kv.len() < (2 * span + 7) * hd {
-                    kv.resize((2 * span + 7) * hd, 0.0);
-                }
+                // seven zero rows past the end, so `dot8` can always read eight keys), on a
+                // 32-byte boundary (see `aligned`).
+                let kv = super::aligned(&mut kv, (2 * span + 7) * hd);
                 let (kf, vf) = kv.split_at_mut((span + 7) * hd);
                 kf[span * hd..].fill(0.0);
                 let mut i = 0;
