@@ -608,17 +608,16 @@ impl Backend for CpuBackend {
         // `aligned`): copied there once for all tasks when they do not already.
         let mut copy = Vec::new();
         let at_32 = |i: usize| (x[i..].as_ptr() as usize).is_multiple_of(32);
-        let (xs, x0, step) =
-            if n >= 3 && !fused && !(at_32(xv.offset) && xv.stride.is_multiple_of(8)) {
-                let step = k.next_multiple_of(8);
-                let buf = aligned(&mut copy, n * step);
-                for t in 0..n {
-                    buf[t * step..][..k].copy_from_slice(&x[xv.offset + t * xv.stride..][..k]);
-                }
-                (&*buf, 0, step)
-            } else {
-                (&x[..], xv.offset, xv.stride)
-            };
+        let (xs, x0, step) = if n >= 3 && !(at_32(xv.offset) && xv.stride.is_multiple_of(8)) {
+            let step = k.next_multiple_of(8);
+            let buf = aligned(&mut copy, n * step);
+            for t in 0..n {
+                buf[t * step..][..k].copy_from_slice(&x[xv.offset + t * xv.stride..][..k]);
+            }
+            (&*buf, 0, step)
+        } else {
+            (&x[..], xv.offset, xv.stride)
+        };
         let x_t = |t: usize| &xs[x0 + t * step..][..k];
         // SAFETY (every write): in bounds (check_view above); column j belongs to this task
         // only.
