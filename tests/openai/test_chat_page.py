@@ -15,10 +15,13 @@ from selenium.webdriver.support.ui import WebDriverWait
 from conftest import API_KEY
 
 
-def browser(tmp):
+def browser(tmp, performance_log=False):
     """Chromium with its profile and its singleton-socket folder (which it makes in $TMPDIR
-    and leaves behind) both inside `tmp`, so a run leaves nothing in /tmp."""
+    and leaves behind) both inside `tmp`, so a run leaves nothing in /tmp. With
+    `performance_log`, its network events can be read with `get_log("performance")`."""
     opts = webdriver.ChromeOptions()
+    if performance_log:
+        opts.set_capability("goog:loggingPrefs", {"performance": "ALL"})
     opts.binary_location = "/usr/bin/chromium"
     for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
               f"--user-data-dir={tmp}/profile"):

@@ -19,6 +19,11 @@ use ferrum_loader::ModelFile;
 use ferrum_models::{LoadOptions, Logits, Model};
 use ferrum_tokenizer::{Message, Tokenizer};
 
+/// Meters the chat template's render thread, so a hostile template cannot take the memory
+/// (`ferrum_core::alloc`).
+#[global_allocator]
+static ALLOC: ferrum_core::alloc::Metered = ferrum_core::alloc::Metered;
+
 #[derive(Parser)]
 #[command(
     name = "ferrum",
@@ -191,6 +196,23 @@ struct ServeArgs {
     /// Keep activations in f32 (the reference's math).
     #[arg(long)]
     exact: bool,
+    /// Accept requests whose Host header is this name (repeatable). When bound to a loopback
+    /// address only IP literals and localhost are accepted otherwise (DNS-rebinding guard).
+    #[arg(long = "allowed-host")]
+    allowed_hosts: Vec<String>,
+    /// Let pages from this origin (e.g. http://localhost:3000) call the API, with CORS
+    /// headers (repeatable; `*` for any). Only the server's own origin (the chat page) can
+    /// by default.
+    #[arg(long = "allowed-origin")]
+    allowed_origins: Vec<String>,
+    /// Let special-token texts written in message content (`<|im_end|>`, ...) become
+    /// control tokens, as before. Unsafe: a message can then forge turns of the conversation.
+    #[arg(long)]
+    allow_control_tokens_in_content: bool,
+    /// Most tokens one request may generate, all its choices together (n × max_tokens);
+    /// default: the KV cache's size.
+    #[arg(long)]
+    max_request_tokens: Option<usize>,
 }
 
 /// A reference that must already be on disk (no download).
@@ -284,6 +306,14 @@ fn serve(a: ServeArgs) -> Result<()> {
         model_id: id,
         max_body_bytes: a.max_body,
         max_waiting: a.max_waiting.max(1),
+        allowed_hosts: a.allowed_hosts,
+        allowed_origins: a.allowed_origins,
+        content_special: if a.allow_control_tokens_in_content {
+            ferrum_tokenizer::SpecialTokens::Control
+        } else {
+            ferrum_tokenizer::SpecialTokens::Text
+        },
+        max_request_tokens: a.max_request_tokens,
     };
     ferrum_server::serve(cfg, tok, load).map_err(|e| anyhow::anyhow!(e))
 }
@@ -493,18 +523,14 @@ fn run(a: RunArgs) -> Result<()> {
     repl::chat(&mut session, messages, &opts)
 }
 
+/// The conversation as prompt ids (special-token texts in what was typed stay plain text).
 pub(crate) fn render(tok: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
-    let text = match tok.chat_template() {
-        Some(t) => t.render(messages, true)?,
-        None => messages
-            .iter()
-            .map(|m| m.content.as_str())
-            .collect::<Vec<_>>()
-            .join("\n"),
-    };
-    // Templates write the BOS token themselves where the model wants one.
-    let has_template = tok.chat_template().is_some();
-    Ok(tok.encode(&text, !has_template)?)
+    Ok(tok.chat_prompt(
+        messages,
+        true,
+        &serde_json::Map::new(),
+        ferrum_tokenizer::SpecialTokens::Text,
+    )?)
 }
 
 /// Streams one answer to stdout and its figures to stderr; returns the text. Stops early

@@ -25,6 +25,10 @@ pub enum Error {
     Tokenizer(String),
     #[error("chat template: {0}")]
     Template(String),
+    /// A chat template that ran past a limit of its sandbox (instructions, output size,
+    /// memory, time): the model's template is at fault, not the request.
+    #[error("chat template: {0}")]
+    TemplateLimit(String),
     /// A request the engine refuses (prompt longer than the context, bad parameter).
     #[error("invalid request: {0}")]
     InvalidRequest(String),

@@ -111,6 +111,11 @@ impl From<ferrum_core::Error> for ApiError {
             E::Template(m) => {
                 ApiError::bad_request(format!("chat template: {m}"), Some("messages"))
             }
+            // The model's template is at fault, not the request.
+            E::TemplateLimit(m) => ApiError {
+                code: Some("chat_template_limit"),
+                ..ApiError::internal(format!("chat template: {m}"))
+            },
             E::Tokenizer(m) => ApiError::bad_request(format!("tokenizer: {m}"), None),
             other => ApiError::internal(other.to_string()),
         }

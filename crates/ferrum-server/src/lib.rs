@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod error;
+pub mod guard;
 pub mod metrics;
 pub mod reasoning;
 pub mod routes;
@@ -23,7 +24,7 @@ use axum::Router;
 use ferrum_backend::CpuBackend;
 use ferrum_core::Result;
 use ferrum_generate::Engine;
-use ferrum_tokenizer::Tokenizer;
+use ferrum_tokenizer::{SpecialTokens, Tokenizer};
 
 pub struct ServeConfig {
     pub host: String,
@@ -35,6 +36,16 @@ pub struct ServeConfig {
     pub max_body_bytes: usize,
     /// Requests allowed to wait for KV room before new ones get 429.
     pub max_waiting: usize,
+    /// Host names accepted besides IP literals and localhost (checked when bound to a
+    /// loopback address).
+    pub allowed_hosts: Vec<String>,
+    /// Origins that may call the API besides the server's own (`*`: any).
+    pub allowed_origins: Vec<String>,
+    /// Whether special-token texts in message content become control tokens.
+    pub content_special: SpecialTokens,
+    /// Most tokens one request may ask to generate, all choices together (`n × max_tokens`);
+    /// `None`: the KV pool.
+    pub max_request_tokens: Option<usize>,
 }
 
 pub fn router(state: Arc<routes::AppState>, max_body: usize) -> Router {
@@ -52,6 +63,10 @@ pub fn router(state: Arc<routes::AppState>, max_body: usize) -> Router {
         .route("/", get(routes::chat_page))
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::new(state.guard.clone()),
+            guard::check,
+        ))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
 }
@@ -79,6 +94,13 @@ pub fn serve(
         let thinking = tokenizer
             .chat_template()
             .is_some_and(|t| t.source().contains("<think>"));
+        if let Some(t) = tokenizer.chat_template() {
+            // A template that cannot render a four-turn chat within its limits is hostile or
+            // broken: chat requests get that error at once instead of running it again.
+            if let Err(e) = t.dry_run() {
+                tracing::warn!("chat requests will be refused: {e}");
+            }
+        }
         let state = Arc::new(routes::AppState {
             handle,
             thinking,
@@ -87,6 +109,9 @@ pub fn serve(
             api_key: cfg.api_key.clone(),
             max_waiting: cfg.max_waiting,
             next_id: AtomicU64::new(0),
+            guard: guard::BrowserGuard::new(&cfg.host, &cfg.allowed_hosts, &cfg.allowed_origins),
+            content_special: cfg.content_special,
+            max_request_tokens: cfg.max_request_tokens,
         });
         tracing::info!(
             "serving {:?} on http://{addr} (OpenAI API under /v1; /health, /metrics){}",
@@ -101,7 +126,10 @@ pub fn serve(
             .with_graceful_shutdown(shutdown())
             .await
             .map_err(|e| format!("server error: {e}"))
-    })
+    })?;
+    // Renders run on threads of their own with a deadline; none is waited for here.
+    rt.shutdown_timeout(std::time::Duration::from_secs(1));
+    Ok(())
 }
 
 async fn shutdown() {
@@ -123,7 +151,19 @@ async fn shutdown() {
         _ = ctrl_c => {},
         _ = term => {},
     }
-    tracing::info!("shutting down; finishing running requests");
+    tracing::info!("shutting down; finishing running requests (a second signal stops at once)");
+    tokio::spawn(async {
+        let _ = tokio::signal::ctrl_c().await;
+        std::process::exit(130);
+    });
+    #[cfg(unix)]
+    tokio::spawn(async {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        {
+            s.recv().await;
+            std::process::exit(143);
+        }
+    });
 }
 
 #[cfg(test)]
@@ -168,6 +208,9 @@ mod tests {
             thinking: false,
             max_waiting: 4,
             next_id: AtomicU64::new(0),
+            guard: guard::BrowserGuard::new("127.0.0.1", &[], &[]),
+            content_special: SpecialTokens::Text,
+            max_request_tokens: None,
         });
         router(state, 1 << 16)
     }
@@ -187,6 +230,82 @@ mod tests {
             .map(|v| v.to_str().unwrap().to_string());
         let bytes = r.into_body().collect().await.unwrap().to_bytes();
         (status, retry, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    /// Status, `Access-Control-Allow-Origin`, for a request with these headers.
+    async fn send(
+        app: Router,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> (StatusCode, Option<String>) {
+        let mut req = Request::builder().method(method).uri(path);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let body = if method == "POST" {
+            Body::from(r#"{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}"#)
+        } else {
+            Body::empty()
+        };
+        let r = app.oneshot(req.body(body).unwrap()).await.unwrap();
+        let acao = r
+            .headers()
+            .get("access-control-allow-origin")
+            .map(|v| v.to_str().unwrap().to_string());
+        (r.status(), acao)
+    }
+
+    #[tokio::test]
+    async fn browser_facing_guards() {
+        let key = ("Authorization", "Bearer k");
+        let own = [key, ("Host", "127.0.0.1:8080")];
+        // A CORS simple request (text/plain, or no type) never reaches the handler.
+        for ct in [
+            Some("text/plain"),
+            Some("application/x-www-form-urlencoded"),
+            None,
+        ] {
+            let mut h = own.to_vec();
+            h.extend(ct.map(|c| ("Content-Type", c)));
+            h.push(("Origin", "https://evil.example"));
+            let (s, acao) = send(app(true, 0), "POST", "/v1/chat/completions", &h).await;
+            assert_eq!(s, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{ct:?}");
+            assert_eq!(acao, None);
+        }
+        // DNS rebinding: a foreign name in Host.
+        let (s, _) = send(
+            app(true, 0),
+            "GET",
+            "/v1/models",
+            &[key, ("Host", "evil.example:8080")],
+        )
+        .await;
+        assert_eq!(s, StatusCode::FORBIDDEN);
+        // A foreign origin: refused, and no CORS header for it; preflight likewise.
+        let foreign = [
+            key,
+            ("Host", "127.0.0.1:8080"),
+            ("Origin", "https://evil.example"),
+        ];
+        let (s, acao) = send(app(true, 0), "GET", "/v1/models", &foreign).await;
+        assert_eq!((s, acao), (StatusCode::FORBIDDEN, None));
+        let (s, acao) = send(app(true, 0), "OPTIONS", "/v1/chat/completions", &foreign).await;
+        assert_eq!((s, acao), (StatusCode::FORBIDDEN, None));
+        // The server's own origin (the chat page), and clients that send no Origin.
+        let same = [
+            key,
+            ("Host", "localhost:8080"),
+            ("Origin", "http://localhost:8080"),
+        ];
+        let (s, acao) = send(app(true, 0), "GET", "/v1/models", &same).await;
+        assert_eq!(s, StatusCode::OK);
+        assert_eq!(acao.as_deref(), Some("http://localhost:8080"));
+        let (s, acao) = send(app(true, 0), "OPTIONS", "/v1/chat/completions", &same).await;
+        assert_eq!(s, StatusCode::NO_CONTENT);
+        assert_eq!(acao.as_deref(), Some("http://localhost:8080"));
+        let (s, acao) = send(app(true, 0), "GET", "/v1/models", &own).await;
+        assert_eq!((s, acao), (StatusCode::OK, None));
     }
 
     #[tokio::test]

@@ -15,7 +15,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use ferrum_generate::{FinishReason, Output, OutputKind, Request, TokenLogprob, Usage};
-use ferrum_tokenizer::Tokenizer;
+use ferrum_tokenizer::{SpecialTokens, Tokenizer};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -38,6 +38,11 @@ pub struct AppState {
     /// Waiting requests beyond which new ones get 429.
     pub max_waiting: usize,
     pub next_id: AtomicU64,
+    pub guard: crate::guard::BrowserGuard,
+    /// Whether special-token texts in message content become control tokens.
+    pub content_special: SpecialTokens,
+    /// Most tokens a request may generate, all choices together; `None`: the KV pool.
+    pub max_request_tokens: Option<usize>,
 }
 
 type App = State<Arc<AppState>>;
@@ -76,6 +81,11 @@ impl AppState {
             return Err(ApiError::overloaded(1));
         }
         Ok(())
+    }
+
+    /// The bound on `n × max_tokens`.
+    fn request_tokens(&self, card: &ModelCard) -> usize {
+        self.max_request_tokens.unwrap_or(card.kv_tokens).max(1)
     }
 
     fn new_id(&self, prefix: &str) -> String {
@@ -372,6 +382,24 @@ fn assistant_message(
     (m, Some("tool_calls"))
 }
 
+/// The conversation as prompt ids, rendered off the async threads: the render has its own
+/// thread and deadline (the template's sandbox), and this waits for it without holding up
+/// other requests.
+async fn render_prompt(
+    st: &Arc<AppState>,
+    messages: Vec<Value>,
+    kwargs: serde_json::Map<String, Value>,
+) -> Result<Vec<u32>, ApiError> {
+    let st = st.clone();
+    let ids = tokio::task::spawn_blocking(move || {
+        st.tokenizer
+            .chat_prompt(&messages, true, &kwargs, st.content_special)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("the prompt render failed: {e}")))??;
+    Ok(ids)
+}
+
 /// Waits for every choice to finish.
 async fn collect(
     mut rx: mpsc::UnboundedReceiver<(usize, Output)>,
@@ -437,10 +465,15 @@ async fn chat_inner(
     let tools = req.tools()?;
     let constraint = req.constraint(tools.as_ref())?;
     let logprobs = req.logprobs()?;
-    let prompt = req.prompt(&st.tokenizer, tools.as_ref())?;
+    let (messages, kwargs) = req.template_inputs(&st.tokenizer, tools.as_ref())?;
+    let prompt = render_prompt(&st, messages, kwargs).await?;
+    let limits = api::Limits {
+        max_sequence: card.max_sequence,
+        request_tokens: st.request_tokens(&card),
+    };
     let mut plan = req
         .sampling
-        .plan(prompt, card.max_sequence, card.vocab_size, logprobs)?;
+        .plan(prompt, limits, card.vocab_size, logprobs)?;
     plan.base.constraint = if st.thinking {
         constraint.map(|c| c.after_reasoning())
     } else {
@@ -693,10 +726,14 @@ async fn completions_inner(
     let prompts = req.prompts(&st.tokenizer)?;
     let mut reqs = Vec::new();
     let mut plan0 = None;
+    let limits = api::Limits {
+        max_sequence: card.max_sequence,
+        request_tokens: st.request_tokens(&card) / prompts.len().max(1),
+    };
     for p in prompts {
         let plan = req
             .sampling
-            .plan(p, card.max_sequence, card.vocab_size, logprobs)
+            .plan(p, limits, card.vocab_size, logprobs)
             .map_err(|mut e| {
                 if e.param.as_deref() == Some("messages") {
                     e.param = Some("prompt".into());

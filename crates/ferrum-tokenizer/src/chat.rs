@@ -10,8 +10,10 @@
 //! rest of what published templates use.
 
 use std::fmt::Write as _;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use ferrum_core::alloc::Meter;
 use ferrum_core::{Error, Result};
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, ErrorKind};
@@ -34,13 +36,49 @@ impl Message {
     }
 }
 
+/// What one render may use. A chat template is code from the internet: a hostile one must
+/// end in an error within a second, not hang the caller or take the machine's memory.
+#[derive(Clone, Copy, Debug)]
+pub struct RenderLimits {
+    /// minijinja instructions (its `fuel`). Published templates use 20-50 per message
+    /// (SmolLM2's: 18k for 800 messages; a Qwen3-style one with tool calls: 47k for 900
+    /// messages and 50 tools); a loop of loops runs out in about a fifth of a second.
+    pub fuel: u64,
+    /// Rendered bytes allowed beyond four times the input's size (messages, tools and
+    /// variables, as JSON): the prompt is the input plus markup.
+    pub max_output: usize,
+    /// Heap the render may hold. Enforced where the binary's allocator is
+    /// `ferrum_core::alloc::Metered` (`ferrum` and the tests that install it).
+    pub max_memory: usize,
+    /// Wall-clock time for one render.
+    pub timeout: Duration,
+}
+
+impl Default for RenderLimits {
+    fn default() -> Self {
+        RenderLimits {
+            fuel: 8_000_000,
+            max_output: 4 << 20,
+            max_memory: 256 << 20,
+            timeout: Duration::from_secs(5),
+        }
+    }
+}
+
 /// A compiled chat template with the BOS/EOS texts it is rendered with.
+///
+/// Renders run in a sandbox ([`RenderLimits`]) on a thread of their own, so the caller gets
+/// an error, not a hang. A render that had to be abandoned (over its memory or time) leaves
+/// its thread behind; the template is then disabled for every clone, so that happens once.
 #[derive(Clone)]
 pub struct ChatTemplate {
-    env: Environment<'static>,
+    env: Arc<Environment<'static>>,
     source: String,
     bos_token: String,
     eos_token: String,
+    limits: RenderLimits,
+    /// Why the template was disabled, once it was.
+    disabled: Arc<Mutex<Option<String>>>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -49,18 +87,30 @@ impl std::fmt::Debug for ChatTemplate {
             .field("source", &self.source)
             .field("bos_token", &self.bos_token)
             .field("eos_token", &self.eos_token)
+            .field("limits", &self.limits)
             .finish()
     }
 }
 
 impl ChatTemplate {
-    /// Compiles `source`; a syntax error is an [`Error::Template`].
+    /// Compiles `source` with the default [`RenderLimits`]; a syntax error is an
+    /// [`Error::Template`].
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<ChatTemplate> {
+        Self::with_limits(source, bos_token, eos_token, RenderLimits::default())
+    }
+
+    pub fn with_limits(
+        source: &str,
+        bos_token: &str,
+        eos_token: &str,
+        limits: RenderLimits,
+    ) -> Result<ChatTemplate> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         // jinja2's default, which transformers keeps: the template's final newline is dropped.
         env.set_keep_trailing_newline(false);
+        env.set_fuel(Some(limits.fuel));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         minijinja_contrib::add_to_environment(&mut env);
         env.add_function("raise_exception", raise_exception);
@@ -69,15 +119,22 @@ impl ChatTemplate {
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| Error::Template(describe(&e)))?;
         Ok(ChatTemplate {
-            env,
+            env: Arc::new(env),
             source: source.to_string(),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
+            limits,
+            disabled: Arc::default(),
         })
     }
 
+    pub fn limits(&self) -> RenderLimits {
+        self.limits
+    }
+
     /// Renders the conversation. Errors raised by the template (`raise_exception`) and
-    /// runtime errors are [`Error::Template`].
+    /// runtime errors are [`Error::Template`]; a render past its limits is
+    /// [`Error::TemplateLimit`].
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
         self.render_with(messages, add_generation_prompt, &serde_json::Map::new())
     }
@@ -92,10 +149,13 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
-        let tmpl = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| Error::Template(describe(&e)))?;
+        if let Some(why) = self.disabled_reason() {
+            return Err(Error::TemplateLimit(format!(
+                "the model's chat template is disabled: {why}"
+            )));
+        }
+        let input_bytes = serde_json::to_vec(messages).map_or(0, |v| v.len())
+            + serde_json::to_vec(kwargs).map_or(0, |v| v.len());
         // Caller's variables first; the conversation and special tokens cannot be replaced.
         let mut vars: std::collections::BTreeMap<String, Value> = Default::default();
         vars.insert("tools".into(), Value::from(()));
@@ -108,11 +168,145 @@ impl ChatTemplate {
         vars.insert("bos_token".into(), Value::from(self.bos_token.as_str()));
         vars.insert("eos_token".into(), Value::from(self.eos_token.as_str()));
         let ctx = Value::from_object(vars);
-        tmpl.render(ctx).map_err(|e| Error::Template(describe(&e)))
+        let cap = self
+            .limits
+            .max_output
+            .saturating_add(input_bytes.saturating_mul(4));
+        self.sandboxed(ctx, cap)
+    }
+
+    /// Renders a small sample conversation, as a load-time check: a template that cannot
+    /// render even that within its limits is disabled (and the error says why). Errors the
+    /// template raises on purpose (a role it does not take) are not its fault here.
+    pub fn dry_run(&self) -> Result<()> {
+        let sample = [
+            Message::new("system", "You are a helpful assistant."),
+            Message::new("user", "Hello, how are you?"),
+            Message::new("assistant", "I am fine, thank you."),
+            Message::new("user", "What is the capital of France?"),
+        ];
+        match self.render(&sample, true) {
+            Err(Error::TemplateLimit(m)) => {
+                self.disable(&format!("it failed a dry render at load: {m}"));
+                Err(Error::TemplateLimit(m))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Why renders are refused, once a render went past its memory or time (or the load
+    /// check failed).
+    pub fn disabled_reason(&self) -> Option<String> {
+        self.disabled.lock().ok().and_then(|d| d.clone())
+    }
+
+    fn disable(&self, why: &str) {
+        if let Ok(mut d) = self.disabled.lock() {
+            d.get_or_insert_with(|| why.to_string());
+        }
+    }
+
+    /// Runs the render on a thread of its own under the limits; see [`RenderLimits`].
+    fn sandboxed(&self, ctx: Value, cap: usize) -> Result<String> {
+        let limits = self.limits;
+        let meter = Meter::new(limits.max_memory);
+        let (tx, rx) = mpsc::sync_channel(1);
+        let env = Arc::clone(&self.env);
+        let thread_meter = Arc::clone(&meter);
+        // A big stack: minijinja recurses natively for nested macro calls (up to its limit
+        // of 500), and a stack overflow would abort the process.
+        let spawned = std::thread::Builder::new()
+            .name("chat-template".into())
+            .stack_size(64 << 20)
+            .spawn(move || {
+                let _metered = thread_meter.enter();
+                let _ = tx.send(render_capped(&env, ctx, cap));
+            });
+        if let Err(e) = spawned {
+            return Err(Error::Template(format!("cannot start the render: {e}")));
+        }
+        let deadline = Instant::now() + limits.timeout;
+        loop {
+            match rx.recv_timeout(Duration::from_millis(5)) {
+                Ok(r) => return r,
+                // The thread ended without an answer: it panicked (a bug, not the template's
+                // fault as far as we know).
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(Error::Template("the render stopped unexpectedly".into()))
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            }
+            let why = if meter.tripped() {
+                format!(
+                    "a render needed more than {} MiB of memory",
+                    limits.max_memory >> 20
+                )
+            } else if Instant::now() >= deadline {
+                format!(
+                    "a render took longer than {:.1} s",
+                    limits.timeout.as_secs_f64()
+                )
+            } else {
+                continue;
+            };
+            self.disable(&why);
+            return Err(Error::TemplateLimit(why));
+        }
     }
 
     pub fn source(&self) -> &str {
         &self.source
+    }
+}
+
+/// The render itself, into a buffer that refuses to grow past `cap` bytes.
+fn render_capped(env: &Environment<'static>, ctx: Value, cap: usize) -> Result<String> {
+    let tmpl = env
+        .get_template(TEMPLATE_NAME)
+        .map_err(|e| Error::Template(describe(&e)))?;
+    let mut out = CappedOutput {
+        buf: Vec::new(),
+        cap,
+        over: false,
+    };
+    if let Err(e) = tmpl.render_captured_to(ctx, &mut out) {
+        if out.over {
+            return Err(Error::TemplateLimit(format!(
+                "the rendered prompt is longer than {} bytes",
+                cap
+            )));
+        }
+        return Err(match e.kind() {
+            ErrorKind::OutOfFuel => Error::TemplateLimit(format!(
+                "a render ran more than {} template instructions",
+                env.fuel().unwrap_or(0)
+            )),
+            _ if e.to_string().contains("recursion limit") => Error::TemplateLimit(describe(&e)),
+            _ => Error::Template(describe(&e)),
+        });
+    }
+    String::from_utf8(out.buf)
+        .map_err(|_| Error::Template("the template wrote invalid UTF-8".into()))
+}
+
+struct CappedOutput {
+    buf: Vec<u8>,
+    cap: usize,
+    over: bool,
+}
+
+impl std::io::Write for CappedOutput {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len().saturating_add(b.len()) > self.cap {
+            self.over = true;
+            return Err(std::io::Error::other("the rendered prompt is too long"));
+        }
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 

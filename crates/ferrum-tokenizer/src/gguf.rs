@@ -243,14 +243,14 @@ pub(crate) fn load(g: &GgufFile) -> Result<Tokenizer> {
         None => None,
     };
 
-    Ok(Tokenizer {
+    Tokenizer::assemble(
         inner,
-        vocab_size: vocab.tokens.len(),
+        vocab.tokens.len(),
         bos_id,
         eos_ids,
         special,
         chat_template,
-    })
+    )
 }
 
 /// `tokenizer.ggml.model = "gpt2"`.

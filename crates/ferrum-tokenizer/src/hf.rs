@@ -106,14 +106,7 @@ pub(crate) fn load(dir: &Path) -> Result<Tokenizer> {
         None => None,
     };
 
-    Ok(Tokenizer {
-        inner,
-        vocab_size,
-        bos_id,
-        eos_ids,
-        special,
-        chat_template,
-    })
+    Tokenizer::assemble(inner, vocab_size, bos_id, eos_ids, special, chat_template)
 }
 
 /// A JSON file's contents, `None` when the file does not exist.

@@ -11,16 +11,19 @@
 //! value, never a panic.
 
 pub mod chat;
+mod content;
 pub mod gguf;
 pub mod hf;
 mod pretok;
 
 use std::collections::HashSet;
 use std::path::Path;
+use std::sync::Arc;
 
 use ferrum_core::{Error, Result};
 
-pub use chat::{ChatTemplate, Message};
+pub use chat::{ChatTemplate, Message, RenderLimits};
+pub use content::SpecialTokens;
 
 /// Token texts that end a turn in the chat formats we know. llama.cpp keeps the same kind of
 /// list (its "end of generation" set) because GGUF files rarely name these tokens in metadata.
@@ -45,9 +48,31 @@ pub struct Tokenizer {
     eos_ids: Vec<u32>,
     special: HashSet<u32>,
     chat_template: Option<ChatTemplate>,
+    /// Keeps special-token texts in message content from becoming control tokens.
+    guard: Arc<content::ContentGuard>,
 }
 
 impl Tokenizer {
+    fn assemble(
+        inner: tokenizers::Tokenizer,
+        vocab_size: usize,
+        bos_id: Option<u32>,
+        eos_ids: Vec<u32>,
+        special: HashSet<u32>,
+        chat_template: Option<ChatTemplate>,
+    ) -> Result<Tokenizer> {
+        let guard = Arc::new(content::ContentGuard::new(&inner)?);
+        Ok(Tokenizer {
+            inner,
+            vocab_size,
+            bos_id,
+            eos_ids,
+            special,
+            chat_template,
+            guard,
+        })
+    }
+
     /// Builds the tokenizer from a GGUF file's `tokenizer.ggml.*` metadata.
     pub fn from_gguf(g: &ferrum_loader::GgufFile) -> Result<Tokenizer> {
         gguf::load(g)
@@ -110,6 +135,87 @@ impl Tokenizer {
 
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
         self.chat_template.as_ref()
+    }
+
+    /// Replaces the model's chat template (or removes it).
+    pub fn set_chat_template(&mut self, template: Option<ChatTemplate>) {
+        self.chat_template = template;
+    }
+
+    /// The texts of the special (control) tokens, which content can no longer produce.
+    pub fn special_texts(&self) -> Vec<String> {
+        let mut v: Vec<(u32, String)> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special && !t.content.is_empty())
+            .map(|(id, t)| (id, t.content))
+            .collect();
+        v.sort();
+        v.into_iter().map(|(_, t)| t).collect()
+    }
+
+    /// The conversation as prompt token ids: rendered with the model's chat template (in its
+    /// sandbox) or, without one, the contents joined by newlines with the model's BOS rule.
+    ///
+    /// With [`SpecialTokens::Text`] (what the server and `run` use) a special-token text
+    /// written in any string of `messages` or `kwargs` — content, tool calls and results,
+    /// tool schemas — is encoded as the plain text it is, so a message cannot close its own
+    /// turn or open another; only the template's own markup becomes control tokens.
+    /// [`SpecialTokens::Control`] matches them wherever they are (the old behaviour).
+    pub fn chat_prompt<M: serde::Serialize>(
+        &self,
+        messages: &[M],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+        special: SpecialTokens,
+    ) -> Result<Vec<u32>> {
+        let as_text = special == SpecialTokens::Text;
+        let to_json = |v| {
+            serde_json::to_value(v)
+                .map_err(|e| Error::Template(format!("the conversation is not JSON: {e}")))
+        };
+        let mut messages: serde_json::Value = to_json(messages)?;
+        let Some(template) = &self.chat_template else {
+            let text = messages
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|m| m["content"].as_str())
+                .collect::<Vec<_>>()
+                .join("\n");
+            return self.encode_with(&text, true, special);
+        };
+        let mut kwargs = serde_json::Value::Object(kwargs.clone());
+        if as_text {
+            self.guard.escape_json(&mut messages);
+            self.guard.escape_json(&mut kwargs);
+        }
+        let (Some(messages), serde_json::Value::Object(kwargs)) = (messages.as_array(), kwargs)
+        else {
+            return Err(Error::Template("messages must be a list".into()));
+        };
+        // Templates write the BOS token themselves where the model wants one.
+        let text = template.render_with(messages, add_generation_prompt, &kwargs)?;
+        if as_text {
+            self.guard.encode_rendered(self, &text)
+        } else {
+            self.encode(&text, false)
+        }
+    }
+
+    /// [`Tokenizer::encode`], or with [`SpecialTokens::Text`] every special-token text in
+    /// `text` encoded as plain text (BOS/EOS are still added by `add_special`).
+    pub fn encode_with(
+        &self,
+        text: &str,
+        add_special: bool,
+        special: SpecialTokens,
+    ) -> Result<Vec<u32>> {
+        match special {
+            SpecialTokens::Control => self.encode(text, add_special),
+            SpecialTokens::Text => self.guard.encode_plain(self, text, add_special),
+        }
     }
 
     pub fn inner(&self) -> &tokenizers::Tokenizer {

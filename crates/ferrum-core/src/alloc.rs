@@ -1,0 +1,153 @@
+//! A global allocator that can meter one thread's allocations.
+//!
+//! A chat template is code from the internet, and a few Jinja instructions can build a string
+//! of gigabytes (`{% set ns.s = ns.s ~ ns.s %}` in a loop doubles it each time; fuel counts
+//! instructions, not bytes). Rust cannot fail an allocation gracefully, so the meter does the
+//! next best thing: a metered thread that goes over its budget stops where it is (it sleeps
+//! for good, holding what it had, at most the budget) and says so through the meter, and
+//! whoever waits on it reports an error and never uses that code again.
+//!
+//! Only binaries that install [`Metered`] as their `#[global_allocator]` get the budget
+//! ([`Metered::installed`] tells); elsewhere a meter never trips. The cost for every other
+//! thread is one thread-local read per allocation.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The system allocator, with per-thread metering on request.
+pub struct Metered;
+
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    /// The meter of this thread, or null. A raw pointer (kept alive by the `Arc` the
+    /// thread's [`MeterGuard`] holds) so that reading it allocates nothing.
+    static CURRENT: Cell<*const Meter> = const { Cell::new(std::ptr::null()) };
+}
+
+/// How many bytes a thread has allocated (less what it freed) and its budget.
+#[derive(Debug)]
+pub struct Meter {
+    used: AtomicIsize,
+    limit: isize,
+    tripped: AtomicBool,
+}
+
+impl Meter {
+    pub fn new(limit_bytes: usize) -> Arc<Meter> {
+        Arc::new(Meter {
+            used: AtomicIsize::new(0),
+            limit: isize::try_from(limit_bytes).unwrap_or(isize::MAX),
+            tripped: AtomicBool::new(false),
+        })
+    }
+
+    /// The metered thread went over its budget (and is now stopped for good).
+    pub fn tripped(&self) -> bool {
+        self.tripped.load(Ordering::Acquire)
+    }
+
+    /// Bytes allocated minus bytes freed on the metered thread so far.
+    pub fn used(&self) -> isize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit as usize
+    }
+
+    /// Meters the calling thread until the guard drops.
+    pub fn enter(self: &Arc<Meter>) -> MeterGuard {
+        let meter = Arc::clone(self);
+        let previous = CURRENT.with(|c| c.replace(Arc::as_ptr(&meter)));
+        MeterGuard {
+            _meter: meter,
+            previous,
+        }
+    }
+}
+
+/// Keeps the calling thread metered; dropping it restores the previous meter.
+pub struct MeterGuard {
+    _meter: Arc<Meter>,
+    previous: *const Meter,
+}
+
+impl Drop for MeterGuard {
+    fn drop(&mut self) {
+        CURRENT.with(|c| c.set(self.previous));
+    }
+}
+
+impl Metered {
+    /// True once the binary's `#[global_allocator]` is [`Metered`] and it has allocated.
+    pub fn installed() -> bool {
+        // Any allocation through `Metered` sets the flag; make one so the answer does not
+        // depend on whether this process has allocated yet.
+        drop(std::hint::black_box(Box::new(0u8)));
+        INSTALLED.load(Ordering::Relaxed)
+    }
+}
+
+#[inline]
+fn charge(bytes: usize) {
+    let p = CURRENT.with(Cell::get);
+    if p.is_null() {
+        return;
+    }
+    // SAFETY: a non-null pointer was set by `Meter::enter`, whose guard keeps the `Arc`
+    // alive until it resets the pointer.
+    let meter = unsafe { &*p };
+    let used = meter.used.fetch_add(bytes as isize, Ordering::Relaxed) + bytes as isize;
+    if used > meter.limit && !meter.tripped.swap(true, Ordering::AcqRel) {
+        // Stop this thread where it is. Sleeping allocates nothing, and the allocation that
+        // went over the budget never happens.
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+}
+
+#[inline]
+fn credit(bytes: usize) {
+    let p = CURRENT.with(Cell::get);
+    if !p.is_null() {
+        // SAFETY: as in `charge`.
+        let meter = unsafe { &*p };
+        meter.used.fetch_sub(bytes as isize, Ordering::Relaxed);
+    }
+}
+
+// SAFETY: every call is forwarded to `System` with the same layout; the metering around it
+// touches only atomics and a const thread-local, never the heap.
+unsafe impl GlobalAlloc for Metered {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if !INSTALLED.load(Ordering::Relaxed) {
+            INSTALLED.store(true, Ordering::Relaxed);
+        }
+        charge(layout.size());
+        System.alloc(layout)
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        charge(layout.size());
+        System.alloc_zeroed(layout)
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        credit(layout.size());
+        System.dealloc(ptr, layout)
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if new_size > layout.size() {
+            charge(new_size - layout.size());
+        } else {
+            credit(layout.size() - new_size);
+        }
+        System.realloc(ptr, layout, new_size)
+    }
+}
