@@ -2,20 +2,23 @@
 (`/api/models/{repo}/revision/{rev}`) and file resolution (`/{repo}/resolve/{rev}/{file}`,
 with the `x-repo-commit`, `etag`/`x-linked-etag` and `Content-Range` headers and range
 requests). Repos can be gated (Bearer token required), serve a corrupted file under the
-right checksum, or drop a download half-way once (to test resuming)."""
+right checksum, drop a download half-way once (to test resuming), or stall half-way for as
+long as a file stays in `stall` (to kill the client mid-download)."""
 
 import hashlib
 import http.server
 import json
 import threading
+import time
 
 
 class Repo:
-    def __init__(self, files, gated_token=None, corrupt=(), flaky=()):
+    def __init__(self, files, gated_token=None, corrupt=(), flaky=(), stall=()):
         self.files = files
         self.gated_token = gated_token
         self.corrupt = set(corrupt)
         self.flaky = set(flaky)
+        self.stall = set(stall)
         self.sha = hashlib.sha1(json.dumps(sorted(files)).encode()).hexdigest()
 
     @staticmethod
@@ -96,6 +99,20 @@ class Hub:
                     body = data[start:end + 1]
                     if rng and end > start:
                         hub.ranges.append((repo_id, name, start))
+                    if name in r.stall and end > start:
+                        # Promise everything, send half, then wait (at most a minute).
+                        self.send_response(206)
+                        for k, v in headers:
+                            self.send_header(k, v)
+                        self.send_header("Content-Length", str(len(body)))
+                        self.end_headers()
+                        self.wfile.write(body[: len(body) // 2])
+                        self.wfile.flush()
+                        deadline = time.time() + 60
+                        while name in r.stall and time.time() < deadline:
+                            time.sleep(0.05)
+                        self.close_connection = True
+                        return
                     if name in r.flaky and start == 0 and end > 0:
                         # Promise everything, send half, hang up: the client must resume.
                         r.flaky.discard(name)

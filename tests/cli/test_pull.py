@@ -4,7 +4,9 @@ Hugging Face Hub (tests/cli/mock_hub.py) serving the tiny random Llama fixture."
 import json
 import os
 import pathlib
+import signal
 import subprocess
+import time
 
 import pytest
 
@@ -25,6 +27,8 @@ def hub():
         "test-org/gated": Repo({"tiny-Q8_0.gguf": gguf}, gated_token="sesame"),
         "test-org/corrupt": Repo({"tiny-Q8_0.gguf": gguf}, corrupt=["tiny-Q8_0.gguf"]),
         "test-org/flaky": Repo({"tiny-Q8_0.gguf": gguf}, flaky=["tiny-Q8_0.gguf"]),
+        "test-org/stalled": Repo({"tiny-F32.gguf": (TINY / "model-f32.gguf").read_bytes()},
+                                 stall=["tiny-F32.gguf"]),
     })
     yield h
     h.close()
@@ -106,3 +110,55 @@ def test_interrupted_download_resumes(ferrum, env, hub):
     assert starts[0] == 0 and any(s > 0 for s in starts[1:]), starts
     path = pathlib.Path(r.stderr.strip().split(" is at ")[-1])
     assert path.read_bytes() == (TINY / "model-q8_0.gguf").read_bytes()
+
+
+def listing(ferrum, env):
+    out = ferrum_cmd(ferrum, env, "list").stdout
+    return {l.split()[0]: l.split() for l in out.splitlines()[1:]}
+
+
+def test_kill_9_during_pull_then_pull_again(ferrum, env, hub):
+    ref = "test-org/stalled:tiny-F32.gguf"
+    p = subprocess.Popen([ferrum, "pull", ref], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    blobs = pathlib.Path(env["HF_HOME"]) / "hub/models--test-org--stalled/blobs"
+    deadline = time.time() + 30
+    def partial():
+        return [f for f in blobs.glob("*") if f.suffix in (".part", ".incomplete") and f.stat().st_size > 0]
+    while time.time() < deadline and not partial():
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    assert partial(), "the download never started"
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=10)
+    # Nothing half-written passes for a model: not listed as complete, and not runnable.
+    rows = listing(ferrum, env)
+    assert all(r[-1] == "no" for name, r in rows.items() if name.startswith("test-org/stalled")), rows
+    offline = dict(env, HF_ENDPOINT="http://127.0.0.1:9")
+    r = ferrum_cmd(ferrum, offline, "run", ref, "--raw", "--prompt", "hi", "--max-tokens", "1")
+    assert r.returncode != 0
+    # The next pull resumes and verifies.
+    hub.repos["test-org/stalled"].stall.clear()
+    r = ferrum_cmd(ferrum, env, "pull", ref)
+    assert r.returncode == 0, r.stderr
+    path = pathlib.Path(r.stderr.strip().split(" is at ")[-1])
+    assert path.read_bytes() == (TINY / "model-f32.gguf").read_bytes()
+    assert listing(ferrum, env)[ref][-1] == "yes"
+
+
+def test_a_full_disk_during_pull_is_a_clear_error(ferrum, env, tmp_path):
+    # A cache on a tmpfs smaller than the file (this needs root, as CI and the dev machines
+    # run; it must not skip).
+    small = tmp_path / "small"
+    small.mkdir()
+    size = (TINY / "model-f32.gguf").stat().st_size
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size // 2}", "tmpfs", str(small)], check=True)
+    try:
+        full = dict(env, HF_HOME=str(small / "hf"))
+        r = ferrum_cmd(ferrum, full, "pull", "test-org/tiny-llama-GGUF:tiny-llama-F32.gguf")
+        assert r.returncode != 0
+        assert "space" in r.stderr.lower(), r.stderr
+        assert "panicked" not in r.stderr, r.stderr
+        rows = listing(ferrum, full)
+        assert all(row[-1] == "no" for name, row in rows.items() if name.startswith("test-org")), rows
+    finally:
+        subprocess.run(["umount", str(small)], check=True)

@@ -2,8 +2,9 @@
 //! a Hugging Face repo id (`org/repo`, `org/repo:file.gguf`, `org/repo:Q4_K_M`) or a short
 //! alias from [`ALIASES`]. Downloads go into the standard Hugging Face cache (`HF_HOME`,
 //! `HF_ENDPOINT` and `HF_TOKEN` honoured) through the `hf-hub` crate: resumable (a partial
-//! `.incomplete` blob is continued with a range request) and checked against the Hub's
-//! checksum (the LFS sha256, or the git blob sha1 of small files).
+//! `.part` blob — `.incomplete` in the Python client's cache — is continued with a range
+//! request) and checked against the Hub's checksum (the LFS sha256, or the git blob sha1 of
+//! small files).
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -405,7 +406,7 @@ pub fn list() -> Vec<Entry> {
         let repo_id = id.replacen("--", "/", 1);
         let partial = files_in(&dir.join("blobs"))
             .iter()
-            .any(|f| f.ends_with(".incomplete"));
+            .any(|f| f.ends_with(".part") || f.ends_with(".incomplete"));
         let Some(snap) = snapshot(&repo_id) else {
             out.push(Entry {
                 name: repo_id,

@@ -17,21 +17,17 @@ fn python_end_to_end_suites() {
     let model = ferrum_loader::assets::default_model_path();
     assert!(model.exists(), "{} is missing", model.display());
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
-    let out = Command::new(&python)
-        .args([
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/openai",
-        ])
-        .current_dir(root)
-        .env("FERRUM_BIN", env!("CARGO_BIN_EXE_ferrum"))
-        .env("FERRUM_MODEL", &model)
-        .output()
-        .expect("running pytest");
-    let text = String::from_utf8_lossy(&out.stdout);
-    println!("{text}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "the OpenAI suite failed:\n{text}");
+    // Two runs: each folder has its own conftest.py (and fixtures of the same names).
+    for suite in ["tests/openai", "tests/cli"] {
+        let out = Command::new(&python)
+            .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", suite])
+            .current_dir(root)
+            .env("FERRUM_BIN", env!("CARGO_BIN_EXE_ferrum"))
+            .env("FERRUM_MODEL", &model)
+            .output()
+            .expect("running pytest");
+        let text = String::from_utf8_lossy(&out.stdout);
+        println!("{text}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "the {suite} suite failed:\n{text}");
+    }
 }

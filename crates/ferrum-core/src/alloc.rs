@@ -5,7 +5,9 @@
 //! instructions, not bytes). Rust cannot fail an allocation gracefully, so the meter does the
 //! next best thing: a metered thread that goes over its budget stops where it is (it sleeps
 //! for good, holding what it had, at most the budget) and says so through the meter, and
-//! whoever waits on it reports an error and never uses that code again.
+//! whoever waits on it reports an error and never uses that code again. Metered code must
+//! not take locks other threads need (a thread stopped holding one would block them): the
+//! chat-template sandbox fills minijinja's shared caches before it meters anything.
 //!
 //! Only binaries that install [`Metered`] as their `#[global_allocator]` get the budget
 //! ([`Metered::installed`] tells); elsewhere a meter never trips. The cost for every other
@@ -59,26 +61,33 @@ impl Meter {
         self.limit as usize
     }
 
-    /// Meters the calling thread until the guard drops.
+    /// Meters the calling thread until the guard drops. Meters do not nest: entering one on
+    /// a thread that is already metered panics (a guard dropped out of order would leave the
+    /// thread pointing at a freed meter).
     pub fn enter(self: &Arc<Meter>) -> MeterGuard {
         let meter = Arc::clone(self);
         let previous = CURRENT.with(|c| c.replace(Arc::as_ptr(&meter)));
+        assert!(
+            previous.is_null(),
+            "a thread can be metered by one meter at a time"
+        );
         MeterGuard {
             _meter: meter,
-            previous,
+            _not_send: std::marker::PhantomData,
         }
     }
 }
 
-/// Keeps the calling thread metered; dropping it restores the previous meter.
+/// Keeps the calling thread metered; dropping it ends the metering. Not `Send`: it belongs
+/// to the thread it meters.
 pub struct MeterGuard {
     _meter: Arc<Meter>,
-    previous: *const Meter,
+    _not_send: std::marker::PhantomData<*const ()>,
 }
 
 impl Drop for MeterGuard {
     fn drop(&mut self) {
-        CURRENT.with(|c| c.set(self.previous));
+        CURRENT.with(|c| c.set(std::ptr::null()));
     }
 }
 

@@ -286,7 +286,8 @@ impl Sampling {
                         name,
                         format!(
                             "n × {name} is {n} × {m} = {}; this server generates at most {} \
-                             tokens for one request",
+                             tokens for one prompt of a request (--max-request-tokens, shared \
+                             by a request's prompts)",
                             n * m,
                             limits.request_tokens
                         ),
@@ -448,8 +449,15 @@ impl ChatRequest {
 
     /// The conversation as the template sees it: text parts joined, `developer` as
     /// `system`; for templates that do not know tools, calls and results become text in the
-    /// Hermes format and the tool instructions a system message.
-    pub fn messages(&self, tools: Option<&Tools>, template: &str) -> Result<Vec<Value>, ApiError> {
+    /// Hermes format and the tool instructions a system message. Every string from the
+    /// request goes through `esc` before the Hermes tags go around it, so the tags stay
+    /// markup where the vocabulary makes them control tokens.
+    pub fn messages(
+        &self,
+        tools: Option<&Tools>,
+        template: &str,
+        esc: &Escape,
+    ) -> Result<Vec<Value>, ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::param("messages", "messages must not be empty"));
         }
@@ -466,7 +474,7 @@ impl ChatRequest {
                     ))
                 }
             };
-            let mut content = match &m.content {
+            let content = match &m.content {
                 None => String::new(),
                 Some(Content::Text(t)) => t.clone(),
                 Some(Content::Parts(parts)) => {
@@ -485,6 +493,7 @@ impl ChatRequest {
                     s
                 }
             };
+            let mut content = esc.str(&content);
             let mut msg = serde_json::Map::new();
             if let Some(calls) = &m.tool_calls {
                 if role != "assistant" {
@@ -494,7 +503,7 @@ impl ChatRequest {
                     ));
                 }
                 if native {
-                    msg.insert("tool_calls".into(), calls.clone());
+                    msg.insert("tool_calls".into(), esc.json(calls.clone()));
                 } else {
                     for c in calls.as_array().into_iter().flatten() {
                         let f = &c["function"];
@@ -504,7 +513,8 @@ impl ChatRequest {
                             }
                             v => v.clone(),
                         };
-                        let call = serde_json::json!({"name": f["name"], "arguments": args});
+                        let call =
+                            esc.json(serde_json::json!({"name": f["name"], "arguments": args}));
                         content.push_str(&format!("<tool_call>\n{call}\n</tool_call>"));
                     }
                 }
@@ -515,15 +525,15 @@ impl ChatRequest {
             msg.insert("role".into(), role.into());
             msg.insert("content".into(), content.into());
             if let Some(id) = &m.tool_call_id {
-                msg.insert("tool_call_id".into(), id.clone().into());
+                msg.insert("tool_call_id".into(), esc.str(id).into());
             }
             if let Some(n) = &m.name {
-                msg.insert("name".into(), n.clone().into());
+                msg.insert("name".into(), esc.str(n).into());
             }
             out.push(Value::Object(msg));
         }
         if let Some(t) = tools.filter(|t| t.active() && !native) {
-            let instructions = t.system_prompt();
+            let instructions = t.system_prompt(esc);
             match out.first_mut() {
                 Some(Value::Object(first)) if first["role"] == "system" => {
                     let c = first["content"].as_str().unwrap_or("").to_string();
@@ -556,18 +566,47 @@ impl ChatRequest {
 
     /// What the chat template is rendered with: the messages (see [`ChatRequest::messages`])
     /// and its variables (`chat_template_kwargs`, plus `tools` when they are in play).
+    ///
+    /// With [`SpecialTokens::Text`] every string from the request comes escaped (see
+    /// `Tokenizer::escape_str`), for `Tokenizer::chat_prompt_escaped`.
     pub fn template_inputs(
         &self,
         tok: &Tokenizer,
         tools: Option<&Tools>,
+        special: SpecialTokens,
     ) -> Result<(Vec<Value>, serde_json::Map<String, Value>), ApiError> {
+        let esc = Escape((special == SpecialTokens::Text).then_some(tok));
         let source = tok.chat_template().map_or("", |t| t.source());
-        let messages = self.messages(tools, source)?;
+        let messages = self.messages(tools, source, &esc)?;
         let mut kwargs = self.chat_template_kwargs.clone().unwrap_or_default();
         if let Some(t) = tools.filter(|t| t.active()) {
             kwargs.insert("tools".into(), Value::Array(t.raw.clone()));
         }
+        let kwargs = match esc.json(Value::Object(kwargs)) {
+            Value::Object(m) => m,
+            _ => serde_json::Map::new(),
+        };
         Ok((messages, kwargs))
+    }
+}
+
+/// Escapes request strings for the chat template (`Tokenizer::escape_str`), or leaves them
+/// as they are (`None`: special-token texts in content become control tokens).
+pub struct Escape<'a>(pub Option<&'a Tokenizer>);
+
+impl Escape<'_> {
+    pub fn str(&self, s: &str) -> String {
+        match self.0 {
+            Some(t) => t.escape_str(s).into_owned(),
+            None => s.to_string(),
+        }
+    }
+
+    pub fn json(&self, mut v: Value) -> Value {
+        if let Some(t) = self.0 {
+            t.escape_json(&mut v);
+        }
+        v
     }
 }
 

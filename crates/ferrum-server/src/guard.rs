@@ -65,7 +65,8 @@ impl BrowserGuard {
     }
 
     /// Whether `origin` may use the API: this server's own origin (same host and port as the
-    /// request's `Host`), or one on the list.
+    /// request's `Host`, when that is a name of this machine — else a rebinding page's own
+    /// name would pass, whatever address the server is bound to), or one on the list.
     fn origin_allowed(&self, origin: &str, host: Option<&str>) -> bool {
         let origin = origin.trim_end_matches('/').to_ascii_lowercase();
         if self
@@ -75,7 +76,9 @@ impl BrowserGuard {
         {
             return true;
         }
-        let Some(host) = host else { return false };
+        let Some(host) = host.filter(|h| self.host_allowed(h)) else {
+            return false;
+        };
         let own = origin
             .strip_prefix("http://")
             .or_else(|| origin.strip_prefix("https://"));
@@ -94,8 +97,14 @@ fn host_name(host: &str) -> &str {
     }
 }
 
-fn header_str(h: &HeaderMap, name: header::HeaderName) -> Option<&str> {
-    h.get(name).and_then(|v| v.to_str().ok())
+/// A header's text; `Err` when it is there but not visible ASCII (refused, not ignored).
+fn header_str(h: &HeaderMap, name: header::HeaderName) -> Result<Option<&str>, ApiError> {
+    match h.get(&name) {
+        None => Ok(None),
+        Some(v) => v.to_str().map(Some).map_err(|_| {
+            ApiError::bad_request(format!("the {name} header is not ASCII text"), None)
+        }),
+    }
 }
 
 fn forbidden(message: String) -> Response {
@@ -118,7 +127,11 @@ fn is_json(content_type: Option<&str>) -> bool {
 /// The middleware; see the module's documentation for the order of the checks.
 pub async fn check(State(g): State<Arc<BrowserGuard>>, req: Request, next: Next) -> Response {
     let headers = req.headers();
-    let host = header_str(headers, header::HOST);
+    // HTTP/2 carries the host in the request's authority instead of a Host header.
+    let host = match header_str(headers, header::HOST) {
+        Ok(h) => h.or_else(|| req.uri().authority().map(|a| a.as_str())),
+        Err(e) => return e.into_response(),
+    };
     if g.check_host {
         if let Some(h) = host.filter(|h| !g.host_allowed(h)) {
             return forbidden(format!(
@@ -126,11 +139,18 @@ pub async fn check(State(g): State<Arc<BrowserGuard>>, req: Request, next: Next)
             ));
         }
     }
-    let origin = header_str(headers, header::ORIGIN).map(str::to_string);
+    let origin = match header_str(headers, header::ORIGIN) {
+        Ok(o) => o.map(str::to_string),
+        Err(e) => return e.into_response(),
+    };
+    let content_type = match header_str(headers, header::CONTENT_TYPE) {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
+    };
     if req.method() == Method::OPTIONS {
         return preflight(&g, origin.as_deref(), host, headers);
     }
-    if req.method() == Method::POST && !is_json(header_str(headers, header::CONTENT_TYPE)) {
+    if req.method() == Method::POST && !is_json(content_type) {
         return ApiError {
             status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
             message: "the body must be sent as Content-Type: application/json".into(),
@@ -189,6 +209,13 @@ fn preflight(
         header::ACCESS_CONTROL_MAX_AGE,
         HeaderValue::from_static("600"),
     );
+    // Chromium asks before a public page may call a local address (Private Network Access).
+    if h.contains_key("access-control-request-private-network") {
+        out.insert(
+            "access-control-allow-private-network",
+            HeaderValue::from_static("true"),
+        );
+    }
     out.append(header::VARY, HeaderValue::from_static("Origin"));
     resp
 }
@@ -228,6 +255,10 @@ mod tests {
         let g = BrowserGuard::new("0.0.0.0", &[], &["https://App.example/".into()]);
         assert!(!g.check_host);
         assert!(g.origin_allowed("https://app.example", host));
+        // Bound to every address, a rebinding page's origin matches its Host, but that Host
+        // is no name of this machine.
+        assert!(!g.origin_allowed("http://evil.example:8080", Some("evil.example:8080")));
+        assert!(g.origin_allowed("http://192.168.1.5:8080", Some("192.168.1.5:8080")));
         let any = BrowserGuard::new("::1", &[], &["*".into()]);
         assert!(any.check_host && any.origin_allowed("https://anything.example", None));
         assert!(BrowserGuard::new("[::1]", &[], &[]).check_host);

@@ -391,9 +391,13 @@ async fn render_prompt(
     kwargs: serde_json::Map<String, Value>,
 ) -> Result<Vec<u32>, ApiError> {
     let st = st.clone();
-    let ids = tokio::task::spawn_blocking(move || {
-        st.tokenizer
-            .chat_prompt(&messages, true, &kwargs, st.content_special)
+    let ids = tokio::task::spawn_blocking(move || match st.content_special {
+        // `template_inputs` escaped the request's strings already.
+        SpecialTokens::Text => st.tokenizer.chat_prompt_escaped(&messages, true, &kwargs),
+        SpecialTokens::Control => {
+            st.tokenizer
+                .chat_prompt(&messages, true, &kwargs, SpecialTokens::Control)
+        }
     })
     .await
     .map_err(|e| ApiError::internal(format!("the prompt render failed: {e}")))??;
@@ -465,7 +469,8 @@ async fn chat_inner(
     let tools = req.tools()?;
     let constraint = req.constraint(tools.as_ref())?;
     let logprobs = req.logprobs()?;
-    let (messages, kwargs) = req.template_inputs(&st.tokenizer, tools.as_ref())?;
+    let (messages, kwargs) =
+        req.template_inputs(&st.tokenizer, tools.as_ref(), st.content_special)?;
     let prompt = render_prompt(&st, messages, kwargs).await?;
     let limits = api::Limits {
         max_sequence: card.max_sequence,

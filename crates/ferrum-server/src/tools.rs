@@ -145,9 +145,14 @@ impl Tools {
         self.choice != ToolChoice::None
     }
 
-    /// The instructions given to a model whose template does not render tools.
-    pub fn system_prompt(&self) -> String {
-        let tools: Vec<String> = self.raw.iter().map(Value::to_string).collect();
+    /// The instructions given to a model whose template does not render tools; each tool's
+    /// JSON (the request's) goes through `escape`.
+    pub fn system_prompt(&self, escape: &crate::api::Escape) -> String {
+        let tools: Vec<String> = self
+            .raw
+            .iter()
+            .map(|t| escape.json(t.clone()).to_string())
+            .collect();
         format!(
             "You may call one or more functions to assist with the user query.\n\n\
              You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{}\n</tools>\n\n\

@@ -68,8 +68,8 @@ impl Default for RenderLimits {
 /// A compiled chat template with the BOS/EOS texts it is rendered with.
 ///
 /// Renders run in a sandbox ([`RenderLimits`]) on a thread of their own, so the caller gets
-/// an error, not a hang. A render that had to be abandoned (over its memory or time) leaves
-/// its thread behind; the template is then disabled for every clone, so that happens once.
+/// an error, not a hang, and at most a few at once. A render stopped at its memory budget
+/// leaves its thread behind; the template is then disabled for every clone.
 #[derive(Clone)]
 pub struct ChatTemplate {
     env: Arc<Environment<'static>>,
@@ -118,6 +118,7 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| Error::Template(describe(&e)))?;
+        warm_up(&env);
         Ok(ChatTemplate {
             env: Arc::new(env),
             source: source.to_string(),
@@ -172,7 +173,7 @@ impl ChatTemplate {
             .limits
             .max_output
             .saturating_add(input_bytes.saturating_mul(4));
-        self.sandboxed(ctx, cap)
+        self.sandboxed(ctx, cap).map_err(|f| f.error)
     }
 
     /// Renders a small sample conversation, as a load-time check: a template that cannot
@@ -185,16 +186,28 @@ impl ChatTemplate {
             Message::new("assistant", "I am fine, thank you."),
             Message::new("user", "What is the capital of France?"),
         ];
-        match self.render(&sample, true) {
-            Err(Error::TemplateLimit(m)) => {
-                self.disable(&format!("it failed a dry render at load: {m}"));
-                Err(Error::TemplateLimit(m))
-            }
+        let ctx = Value::from_serialize(serde_json::json!({
+            "messages": sample,
+            "add_generation_prompt": true,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "tools": null,
+            "documents": null,
+        }));
+        match self.sandboxed(ctx, self.limits.max_output) {
+            // Slow or queued on a busy machine at start-up is not the template's fault.
+            Err(f) if !f.transient => match f.error {
+                Error::TemplateLimit(m) => {
+                    self.disable(&format!("it failed a dry render at load: {m}"));
+                    Err(Error::TemplateLimit(m))
+                }
+                _ => Ok(()),
+            },
             _ => Ok(()),
         }
     }
 
-    /// Why renders are refused, once a render went past its memory or time (or the load
+    /// Why renders are refused, once a render went past its memory budget (or the load
     /// check failed).
     pub fn disabled_reason(&self) -> Option<String> {
         self.disabled.lock().ok().and_then(|d| d.clone())
@@ -207,8 +220,18 @@ impl ChatTemplate {
     }
 
     /// Runs the render on a thread of its own under the limits; see [`RenderLimits`].
-    fn sandboxed(&self, ctx: Value, cap: usize) -> Result<String> {
+    fn sandboxed(&self, ctx: Value, cap: usize) -> std::result::Result<String, Failure> {
         let limits = self.limits;
+        // At most RENDER_SLOTS renders run at once, so renders abandoned at their deadline (they
+        // still hold their slot until their fuel ends) or stopped at their memory budget cannot
+        // pile up: the memory they can hold is bounded by the slots times the budget.
+        let slot = RenderSlot::take(limits.timeout).map_err(Failure::transient)?;
+        // A render that waited for its slot may find the template disabled meanwhile.
+        if let Some(why) = self.disabled_reason() {
+            return Err(Failure::of(Error::TemplateLimit(format!(
+                "the model's chat template is disabled: {why}"
+            ))));
+        }
         let meter = Meter::new(limits.max_memory);
         let (tx, rx) = mpsc::sync_channel(1);
         let env = Arc::clone(&self.env);
@@ -219,43 +242,123 @@ impl ChatTemplate {
             .name("chat-template".into())
             .stack_size(64 << 20)
             .spawn(move || {
-                let _metered = thread_meter.enter();
-                let _ = tx.send(render_capped(&env, ctx, cap));
+                let result = {
+                    let _metered = thread_meter.enter();
+                    render_capped(&env, ctx, cap)
+                };
+                // Freed only by a render that ends; one stopped at its budget never does.
+                drop(slot);
+                let _ = tx.send(result);
             });
         if let Err(e) = spawned {
-            return Err(Error::Template(format!("cannot start the render: {e}")));
+            return Err(Failure::transient(Error::Template(format!(
+                "cannot start the render: {e}"
+            ))));
         }
         let deadline = Instant::now() + limits.timeout;
         loop {
             match rx.recv_timeout(Duration::from_millis(5)) {
-                Ok(r) => return r,
+                Ok(r) => return r.map_err(Failure::of),
                 // The thread ended without an answer: it panicked (a bug, not the template's
                 // fault as far as we know).
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    return Err(Error::Template("the render stopped unexpectedly".into()))
+                    return Err(Failure::transient(Error::Template(
+                        "the render stopped unexpectedly".into(),
+                    )))
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
             }
-            let why = if meter.tripped() {
-                format!(
+            if meter.tripped() {
+                // The thread is stopped for good, holding its memory and its slot: give the
+                // slot back, and never run this template again.
+                RenderSlot::release_for_stopped_thread();
+                let why = format!(
                     "a render needed more than {} MiB of memory",
                     limits.max_memory >> 20
-                )
-            } else if Instant::now() >= deadline {
-                format!(
+                );
+                self.disable(&why);
+                return Err(Failure::of(Error::TemplateLimit(why)));
+            }
+            if Instant::now() >= deadline {
+                // Only this request fails: a slow render on a busy machine is not proof of a
+                // hostile template, and the thread ends when its fuel does.
+                return Err(Failure::transient(Error::TemplateLimit(format!(
                     "a render took longer than {:.1} s",
                     limits.timeout.as_secs_f64()
-                )
-            } else {
-                continue;
-            };
-            self.disable(&why);
-            return Err(Error::TemplateLimit(why));
+                ))));
+            }
         }
     }
 
     pub fn source(&self) -> &str {
         &self.source
+    }
+}
+
+/// Why a sandboxed render failed, and whether that says nothing about the template (a busy
+/// machine: no slot, the deadline).
+struct Failure {
+    error: Error,
+    transient: bool,
+}
+
+impl Failure {
+    fn of(error: Error) -> Failure {
+        Failure {
+            error,
+            transient: false,
+        }
+    }
+
+    fn transient(error: Error) -> Failure {
+        Failure {
+            error,
+            transient: true,
+        }
+    }
+}
+
+/// Renders that may run at once (the machines here have two cores; more would only queue).
+const RENDER_SLOTS: usize = 4;
+
+static SLOTS: Mutex<usize> = Mutex::new(0);
+static SLOT_FREED: std::sync::Condvar = std::sync::Condvar::new();
+
+/// One of the [`RENDER_SLOTS`], held by a running render's thread.
+struct RenderSlot;
+
+impl RenderSlot {
+    /// Waits up to `wait` for a free slot.
+    fn take(wait: Duration) -> Result<RenderSlot> {
+        let deadline = Instant::now() + wait;
+        let mut used = SLOTS.lock().unwrap_or_else(|e| e.into_inner());
+        while *used >= RENDER_SLOTS {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::TemplateLimit(
+                    "every chat-template render slot is busy; try again".into(),
+                ));
+            }
+            used = SLOT_FREED
+                .wait_timeout(used, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        *used += 1;
+        Ok(RenderSlot)
+    }
+
+    /// The slot of a thread stopped at its memory budget, which will never drop it.
+    fn release_for_stopped_thread() {
+        let mut used = SLOTS.lock().unwrap_or_else(|e| e.into_inner());
+        *used = used.saturating_sub(1);
+        SLOT_FREED.notify_one();
+    }
+}
+
+impl Drop for RenderSlot {
+    fn drop(&mut self) {
+        Self::release_for_stopped_thread();
     }
 }
 
@@ -308,6 +411,19 @@ impl std::io::Write for CappedOutput {
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
+}
+
+/// A render stopped at its memory budget stops wherever it is, and if that is inside a
+/// once-only initialisation of a shared cache (minijinja keeps one for the text of small
+/// integers), every later user of that cache would wait for good. So the caches a render can
+/// reach are filled here, unmetered, before any metered render.
+fn warm_up(env: &Environment<'static>) {
+    static DONE: std::sync::Once = std::sync::Once::new();
+    DONE.call_once(|| {
+        let src = "{{ 1 }}{{ 1.5 }}{{ -3 }}{{ [1, 'a'] | tojson }}{{ 'a b' | title }}\
+                   {{ range(3) | list | length }}{{ {'k': 1} | items | list }}";
+        let _ = env.render_str(src, ());
+    });
 }
 
 /// minijinja's message plus the reason behind it and where in the template it happened.

@@ -40,6 +40,10 @@ const MARK: char = '\u{FDD0}';
 pub(crate) struct ContentGuard {
     /// Every special token's text, leftmost-longest as the tokenizer matches them.
     matcher: Option<AhoCorasick>,
+    /// Some special token is matched after normalisation, so content can spell it in a form
+    /// the raw matcher does not see: every prompt takes the split path, which demotes any
+    /// match whose raw text is not the token's.
+    always_split: bool,
     /// The tokenizer with special-token matching off, made on first use (most prompts never
     /// need it, and it is a copy of the vocabulary).
     plain: OnceLock<tokenizers::Tokenizer>,
@@ -50,12 +54,14 @@ pub(crate) struct ContentGuard {
 
 impl ContentGuard {
     pub(crate) fn new(inner: &tokenizers::Tokenizer) -> Result<ContentGuard> {
-        let texts: Vec<String> = inner
+        let specials: Vec<_> = inner
             .get_added_tokens_decoder()
             .into_values()
             .filter(|t| t.special && !t.content.is_empty())
-            .map(|t| t.content)
             .collect();
+        let always_split =
+            inner.get_normalizer().is_some() && specials.iter().any(|t| t.normalized);
+        let texts: Vec<String> = specials.into_iter().map(|t| t.content).collect();
         let matcher = if texts.is_empty() {
             None
         } else {
@@ -68,6 +74,7 @@ impl ContentGuard {
         };
         Ok(ContentGuard {
             matcher,
+            always_split,
             plain: OnceLock::new(),
             plain_rest: OnceLock::new(),
         })
@@ -133,7 +140,7 @@ impl ContentGuard {
     /// A rendered prompt whose content was escaped: the template's special-token texts
     /// become control tokens, everything else plain text.
     pub(crate) fn encode_rendered(&self, tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
-        if !text.contains(MARK) {
+        if !text.contains(MARK) && !self.always_split {
             return tok.encode(text, false);
         }
         self.encode_split(tok, text)
@@ -156,10 +163,13 @@ impl ContentGuard {
             }
             // A special id whose text is not there (an unknown-token id for an unknown
             // character) is not markup.
+            // An escaped text is followed by the one marker escaping put after its last
+            // character, then by the content's own markers, doubled: an odd run of markers.
+            let markers = text[end..].chars().take_while(|&c| c == MARK).count();
             let is_markup = added.get(&id).is_some_and(|t| {
                 text.get(start..end)
                     .is_some_and(|span| span.trim() == t.content)
-            }) && !text[end..].starts_with(MARK);
+            }) && markers % 2 == 0;
             if !is_markup || start < at {
                 continue;
             }
@@ -215,15 +225,28 @@ impl ContentGuard {
         }
         self.plain_rest.get_or_init(|| {
             let mut t = plain.clone();
-            if let Some(PreTokenizerWrapper::Metaspace(m)) = t.get_pre_tokenizer() {
-                if m.get_prepend_scheme() == PrependScheme::First {
-                    let mut m = m.clone();
-                    m.set_prepend_scheme(PrependScheme::Never);
-                    t.with_pre_tokenizer(Some(PreTokenizerWrapper::Metaspace(m)));
-                }
+            if let Some(p) = t.get_pre_tokenizer().cloned() {
+                t.with_pre_tokenizer(Some(no_first_prefix(p)));
             }
             t
         })
+    }
+}
+
+/// `p` with every `Metaspace` that prefixes the first split made to prefix none (the text
+/// after a control token is not the first split of the prompt).
+fn no_first_prefix(p: PreTokenizerWrapper) -> PreTokenizerWrapper {
+    match p {
+        PreTokenizerWrapper::Metaspace(mut m) if m.get_prepend_scheme() == PrependScheme::First => {
+            m.set_prepend_scheme(PrependScheme::Never);
+            PreTokenizerWrapper::Metaspace(m)
+        }
+        PreTokenizerWrapper::Sequence(seq) => {
+            PreTokenizerWrapper::Sequence(tokenizers::pre_tokenizers::sequence::Sequence::new(
+                seq.into_iter().map(no_first_prefix).collect(),
+            ))
+        }
+        other => other,
     }
 }
 

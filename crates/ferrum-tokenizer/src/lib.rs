@@ -170,6 +170,47 @@ impl Tokenizer {
         kwargs: &serde_json::Map<String, serde_json::Value>,
         special: SpecialTokens,
     ) -> Result<Vec<u32>> {
+        self.chat_prompt_inner(messages, add_generation_prompt, kwargs, special, false)
+    }
+
+    /// [`Tokenizer::chat_prompt`] with [`SpecialTokens::Text`] for inputs whose request strings
+    /// the caller has already escaped with [`Tokenizer::escape_str`] / [`Tokenizer::escape_json`]
+    /// — a caller that wraps them in markup of its own (the server's tool-call tags for
+    /// templates without tools), which must stay control tokens where the vocabulary has them.
+    pub fn chat_prompt_escaped<M: serde::Serialize>(
+        &self,
+        messages: &[M],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Vec<u32>> {
+        self.chat_prompt_inner(
+            messages,
+            add_generation_prompt,
+            kwargs,
+            SpecialTokens::Text,
+            true,
+        )
+    }
+
+    /// A request string with its special-token texts broken, for
+    /// [`Tokenizer::chat_prompt_escaped`].
+    pub fn escape_str<'a>(&self, s: &'a str) -> std::borrow::Cow<'a, str> {
+        self.guard.escape(s)
+    }
+
+    /// [`Tokenizer::escape_str`] on every string of a JSON value, object keys included.
+    pub fn escape_json(&self, v: &mut serde_json::Value) {
+        self.guard.escape_json(v)
+    }
+
+    fn chat_prompt_inner<M: serde::Serialize>(
+        &self,
+        messages: &[M],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+        special: SpecialTokens,
+        escaped: bool,
+    ) -> Result<Vec<u32>> {
         let as_text = special == SpecialTokens::Text;
         let to_json = |v| {
             serde_json::to_value(v)
@@ -184,10 +225,24 @@ impl Tokenizer {
                 .filter_map(|m| m["content"].as_str())
                 .collect::<Vec<_>>()
                 .join("\n");
-            return self.encode_with(&text, true, special);
+            if !escaped {
+                return self.encode_with(&text, true, special);
+            }
+            // The caller's markup is in the text: split at it, and add BOS/EOS as `encode`
+            // would (what it puts around any text).
+            let bare = self.encode("x", false)?;
+            let wrapped = self.encode("x", true)?;
+            let at = wrapped
+                .windows(bare.len().max(1))
+                .position(|w| w == bare.as_slice())
+                .unwrap_or(0);
+            let mut ids = wrapped[..at].to_vec();
+            ids.extend(self.guard.encode_split(self, &text)?);
+            ids.extend_from_slice(&wrapped[(at + bare.len()).min(wrapped.len())..]);
+            return Ok(ids);
         };
         let mut kwargs = serde_json::Value::Object(kwargs.clone());
-        if as_text {
+        if as_text && !escaped {
             self.guard.escape_json(&mut messages);
             self.guard.escape_json(&mut kwargs);
         }

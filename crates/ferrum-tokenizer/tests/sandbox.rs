@@ -121,7 +121,30 @@ fn a_render_past_its_deadline_is_abandoned() {
     .unwrap();
     let m = limit_error(&t, &chat());
     assert!(m.contains("longer than"), "{m}");
+    // Only that request fails: slowness on a busy machine does not disable a template.
+    assert!(t.disabled_reason().is_none());
+}
+
+#[test]
+fn concurrent_hostile_renders_are_bounded_and_all_refused() {
+    let src = "{% set ns = namespace(s='xxxxxxxxxxxxxxxx') %}{% for i in range(60) %}\
+               {% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}";
+    let limits = RenderLimits {
+        max_memory: 16 << 20,
+        ..RenderLimits::default()
+    };
+    let t = ChatTemplate::with_limits(src, "", "", limits).unwrap();
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..12)
+            .map(|_| s.spawn(|| limit_error(&t, &chat())))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(errors.iter().all(|m| m.contains("memory")), "{errors:?}");
     assert!(t.disabled_reason().is_some());
+    // The slots of the stopped renders were given back: another template still renders.
+    let ok = ChatTemplate::new("{{ messages[1].content }}", "", "").unwrap();
+    assert_eq!(ok.render(&chat(), false).unwrap(), "Hello");
 }
 
 #[test]
