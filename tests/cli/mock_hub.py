@@ -50,6 +50,17 @@ class Hub:
                 if self.command != "HEAD":
                     self.wfile.write(body)
 
+            def send_half(self, body, headers):
+                """A 206 that promises `body` and sends half of it; the connection then ends."""
+                self.send_response(206)
+                for k, v in headers:
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body[: len(body) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+
             def repo(self, repo_id):
                 r = hub.repos.get(repo_id)
                 if r is None:
@@ -101,29 +112,15 @@ class Hub:
                         hub.ranges.append((repo_id, name, start))
                     if name in r.stall and end > start:
                         # Promise everything, send half, then wait (at most a minute).
-                        self.send_response(206)
-                        for k, v in headers:
-                            self.send_header(k, v)
-                        self.send_header("Content-Length", str(len(body)))
-                        self.end_headers()
-                        self.wfile.write(body[: len(body) // 2])
-                        self.wfile.flush()
+                        self.send_half(body, headers)
                         deadline = time.time() + 60
                         while name in r.stall and time.time() < deadline:
                             time.sleep(0.05)
-                        self.close_connection = True
                         return
                     if name in r.flaky and start == 0 and end > 0:
                         # Promise everything, send half, hang up: the client must resume.
                         r.flaky.discard(name)
-                        self.send_response(206)
-                        for k, v in headers:
-                            self.send_header(k, v)
-                        self.send_header("Content-Length", str(len(body)))
-                        self.end_headers()
-                        self.wfile.write(body[: len(body) // 2])
-                        self.wfile.flush()
-                        self.close_connection = True
+                        self.send_half(body, headers)
                         return
                     self.send(206 if rng else 200, body, headers)
                     return

@@ -39,6 +39,10 @@ HOSTILE = {
     "ten-megabytes": "{{ 'x' * 10000000 }}",
     "doubling": "{% set ns = namespace(s='xxxxxxxxxxxxxxxx') %}{% for i in range(60) %}"
                 "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}",
+    # A value that contains itself, printed: recursion without end inside minijinja (found
+    # by the fuzzer; a stack overflow would abort the server).
+    "cyclic": "{% set ns = namespace(s='ab') %}{% for i in range(8) %}"
+              "{% set ns.s = ns, z ~ ns.s %}{% endfor %}{{ ns.s[:10] }}",
     # Hostile only to long messages: the load check passes, requests do not.
     "quadratic": "{% for m in messages %}{% for i in range(m.content | length) %}"
                  "{% for j in range(m.content | length) %}{% endfor %}{% endfor %}"

@@ -15,7 +15,7 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,26 +30,52 @@ thread_local! {
     static CURRENT: Cell<*const Meter> = const { Cell::new(std::ptr::null()) };
 }
 
-/// How many bytes a thread has allocated (less what it freed) and its budget.
+/// How many bytes a thread has allocated (less what it freed), how deep its stack is, and
+/// the budgets for both.
 #[derive(Debug)]
 pub struct Meter {
     used: AtomicIsize,
     limit: isize,
-    tripped: AtomicBool,
+    /// The stack address where metering started, and how far below it the thread may go.
+    stack_top: AtomicUsize,
+    stack_limit: usize,
+    tripped: AtomicU8,
+}
+
+/// What a metered thread went over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Trip {
+    Memory,
+    /// Its stack: runaway recursion (a stack overflow would abort the whole process). Caught
+    /// at the next allocation, which recursion through values makes at every level.
+    Stack,
 }
 
 impl Meter {
+    /// A budget of `limit_bytes` of heap; the stack is unbounded (see [`Meter::with_stack`]).
     pub fn new(limit_bytes: usize) -> Arc<Meter> {
+        Self::with_stack(limit_bytes, usize::MAX)
+    }
+
+    /// Also stops the thread when it allocates more than `stack_bytes` below where it
+    /// entered the meter; give it well under the thread's stack size.
+    pub fn with_stack(limit_bytes: usize, stack_bytes: usize) -> Arc<Meter> {
         Arc::new(Meter {
             used: AtomicIsize::new(0),
             limit: isize::try_from(limit_bytes).unwrap_or(isize::MAX),
-            tripped: AtomicBool::new(false),
+            stack_top: AtomicUsize::new(0),
+            stack_limit: stack_bytes,
+            tripped: AtomicU8::new(0),
         })
     }
 
-    /// The metered thread went over its budget (and is now stopped for good).
-    pub fn tripped(&self) -> bool {
-        self.tripped.load(Ordering::Acquire)
+    /// The metered thread went over a budget (and is now stopped for good).
+    pub fn tripped(&self) -> Option<Trip> {
+        match self.tripped.load(Ordering::Acquire) {
+            0 => None,
+            1 => Some(Trip::Memory),
+            _ => Some(Trip::Stack),
+        }
     }
 
     /// Bytes allocated minus bytes freed on the metered thread so far.
@@ -66,6 +92,11 @@ impl Meter {
     /// thread pointing at a freed meter).
     pub fn enter(self: &Arc<Meter>) -> MeterGuard {
         let meter = Arc::clone(self);
+        let here = 0u8;
+        meter.stack_top.store(
+            std::hint::black_box(&here) as *const u8 as usize,
+            Ordering::Relaxed,
+        );
         let previous = CURRENT.with(|c| c.replace(Arc::as_ptr(&meter)));
         assert!(
             previous.is_null(),
@@ -111,7 +142,21 @@ fn charge(bytes: usize) {
     // alive until it resets the pointer.
     let meter = unsafe { &*p };
     let used = meter.used.fetch_add(bytes as isize, Ordering::Relaxed) + bytes as isize;
-    if used > meter.limit && !meter.tripped.swap(true, Ordering::AcqRel) {
+    let here = 0u8;
+    let sp = std::hint::black_box(&here) as *const u8 as usize;
+    let depth = meter.stack_top.load(Ordering::Relaxed).saturating_sub(sp);
+    let trip = if used > meter.limit {
+        1
+    } else if depth > meter.stack_limit {
+        2
+    } else {
+        return;
+    };
+    if meter
+        .tripped
+        .compare_exchange(0, trip, Ordering::AcqRel, Ordering::Acquire)
+        .is_ok()
+    {
         // Stop this thread where it is. Sleeping allocates nothing, and the allocation that
         // went over the budget never happens.
         loop {

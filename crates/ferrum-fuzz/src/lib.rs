@@ -11,6 +11,7 @@
 //! at the first NUL byte.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -19,6 +20,11 @@ use ferrum_loader::gguf::writer::{write, WTensor};
 use ferrum_loader::{GgufFile, HfFolder, ModelFile, Value};
 use ferrum_server::api::{self, ChatRequest, CompletionRequest, Limits};
 use ferrum_tokenizer::{ChatTemplate, RenderLimits, SpecialTokens, Tokenizer};
+
+/// Set by a harness that runs many inputs in one process (AFL++'s persistent mode): a render
+/// stopped at its memory or stack budget leaves its thread asleep for good, holding that
+/// memory, so the process exits after one and the fuzzer starts a fresh one.
+pub static EXIT_AFTER_STOPPED_RENDER: AtomicBool = AtomicBool::new(false);
 
 /// A fuzz target: name, function, and the seed inputs it starts from.
 pub struct Target {
@@ -263,6 +269,12 @@ pub fn chat_template(data: &[u8]) {
         _ => (Vec::new(), serde_json::Map::new()),
     };
     let _ = t.render_with(&messages, true, &kwargs);
+    if t.disabled_reason().is_some() {
+        if EXIT_AFTER_STOPPED_RENDER.load(Ordering::Relaxed) {
+            std::process::exit(0);
+        }
+        return;
+    }
     let mut tok = tokenizer().clone();
     tok.set_chat_template(Some(t));
     let _ = tok.chat_prompt(&messages, true, &kwargs, SpecialTokens::Text);

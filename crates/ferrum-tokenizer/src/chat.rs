@@ -13,7 +13,7 @@ use std::fmt::Write as _;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use ferrum_core::alloc::Meter;
+use ferrum_core::alloc::{Meter, Trip};
 use ferrum_core::{Error, Result};
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, ErrorKind};
@@ -232,7 +232,9 @@ impl ChatTemplate {
                 "the model's chat template is disabled: {why}"
             ))));
         }
-        let meter = Meter::new(limits.max_memory);
+        // Runaway recursion (a value that contains itself through a namespace, printed) is
+        // stopped at three quarters of the stack.
+        let meter = Meter::with_stack(limits.max_memory, RENDER_STACK / 4 * 3);
         let (tx, rx) = mpsc::sync_channel(1);
         let env = Arc::clone(&self.env);
         let thread_meter = Arc::clone(&meter);
@@ -240,7 +242,7 @@ impl ChatTemplate {
         // of 500), and a stack overflow would abort the process.
         let spawned = std::thread::Builder::new()
             .name("chat-template".into())
-            .stack_size(64 << 20)
+            .stack_size(RENDER_STACK)
             .spawn(move || {
                 let result = {
                     let _metered = thread_meter.enter();
@@ -268,14 +270,19 @@ impl ChatTemplate {
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
             }
-            if meter.tripped() {
+            if let Some(trip) = meter.tripped() {
                 // The thread is stopped for good, holding its memory and its slot: give the
                 // slot back, and never run this template again.
                 RenderSlot::release_for_stopped_thread();
-                let why = format!(
-                    "a render needed more than {} MiB of memory",
-                    limits.max_memory >> 20
-                );
+                let why = match trip {
+                    Trip::Memory => format!(
+                        "a render needed more than {} MiB of memory",
+                        limits.max_memory >> 20
+                    ),
+                    Trip::Stack => "a render recursed without end (a value that contains \
+                                    itself?)"
+                        .to_string(),
+                };
                 self.disable(&why);
                 return Err(Failure::of(Error::TemplateLimit(why)));
             }
@@ -317,6 +324,9 @@ impl Failure {
         }
     }
 }
+
+/// The render thread's stack (address space; only the pages it touches are memory).
+const RENDER_STACK: usize = 64 << 20;
 
 /// Renders that may run at once (the machines here have two cores; more would only queue).
 const RENDER_SLOTS: usize = 4;

@@ -67,6 +67,23 @@ fn a_recursive_macro_is_stopped() {
     }
 }
 
+/// Found by AFL++ (crates/ferrum-fuzz): a namespace attribute set to a tuple holding the
+/// namespace itself; printing it recursed until the stack overflowed, which aborts the whole
+/// process. The meter stops the render thread at three quarters of its stack.
+#[test]
+fn a_value_that_contains_itself_is_stopped_before_the_stack_overflows() {
+    let t = ChatTemplate::new(
+        "{% set ns = namespace(s='ab') %}{% for i in range(8) %}{% set ns.s = ns, z ~ ns.s %}\
+         {% endfor %}{{ ns.s[:10] }}",
+        "",
+        "",
+    )
+    .unwrap();
+    let m = limit_error(&t, &chat());
+    assert!(m.contains("recursed"), "{m}");
+    assert!(t.disabled_reason().is_some());
+}
+
 #[test]
 fn a_huge_output_is_refused() {
     let t = ChatTemplate::new("{{ 'x' * 10000000 }}", "", "").unwrap();

@@ -21,6 +21,7 @@ fn main() {
             return;
         }
     }
+    ferrum_fuzz::EXIT_AFTER_STOPPED_RENDER.store(true, std::sync::atomic::Ordering::Relaxed);
     afl::fuzz!(|data: &[u8]| {
         (t.run)(data);
     });
