@@ -152,6 +152,11 @@ fn charge(bytes: usize) {
     } else {
         return;
     };
+    // A panicking thread holds the panic hook's and the backtrace's locks while it allocates:
+    // stopped there it would block every later panic in the process.
+    if std::thread::panicking() {
+        return;
+    }
     if meter
         .tripped
         .compare_exchange(0, trip, Ordering::AcqRel, Ordering::Acquire)

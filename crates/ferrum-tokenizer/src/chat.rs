@@ -42,7 +42,7 @@ impl Message {
 pub struct RenderLimits {
     /// minijinja instructions (its `fuel`). Published templates use 20-50 per message
     /// (SmolLM2's: 18k for 800 messages; a Qwen3-style one with tool calls: 47k for 900
-    /// messages and 50 tools); a loop of loops runs out in about a fifth of a second.
+    /// messages and 50 tools); a loop of loops runs out in about a tenth of a second.
     pub fuel: u64,
     /// Rendered bytes allowed beyond four times the input's size (messages, tools and
     /// variables, as JSON): the prompt is the input plus markup.
@@ -57,7 +57,7 @@ pub struct RenderLimits {
 impl Default for RenderLimits {
     fn default() -> Self {
         RenderLimits {
-            fuel: 8_000_000,
+            fuel: 4_000_000,
             max_output: 4 << 20,
             max_memory: 256 << 20,
             timeout: Duration::from_secs(5),
@@ -222,9 +222,16 @@ impl ChatTemplate {
     /// Runs the render on a thread of its own under the limits; see [`RenderLimits`].
     fn sandboxed(&self, ctx: Value, cap: usize) -> std::result::Result<String, Failure> {
         let limits = self.limits;
-        // At most RENDER_SLOTS renders run at once, so renders abandoned at their deadline (they
-        // still hold their slot until their fuel ends) or stopped at their memory budget cannot
-        // pile up: the memory they can hold is bounded by the slots times the budget.
+        // At most RENDER_SLOTS renders run at once, so renders abandoned at their deadline
+        // (they hold their slot until they end) cannot pile up. A render stopped at its memory
+        // or stack budget gives its slot back but keeps what it holds (heap up to the budget,
+        // touched stack): renders already running when the template is disabled can add to
+        // that, so one template can leave at most a few budgets behind.
+        if let Some(why) = self.disabled_reason() {
+            return Err(Failure::of(Error::TemplateLimit(format!(
+                "the model's chat template is disabled: {why}"
+            ))));
+        }
         let slot = RenderSlot::take(limits.timeout).map_err(Failure::transient)?;
         // A render that waited for its slot may find the template disabled meanwhile.
         if let Some(why) = self.disabled_reason() {
@@ -233,8 +240,9 @@ impl ChatTemplate {
             ))));
         }
         // Runaway recursion (a value that contains itself through a namespace, printed) is
-        // stopped at three quarters of the stack.
-        let meter = Meter::with_stack(limits.max_memory, RENDER_STACK / 4 * 3);
+        // stopped at its first allocation past 96 MiB of stack (minijinja's deepest legitimate
+        // recursion, 500 nested macro calls, needs well under that).
+        let meter = Meter::with_stack(limits.max_memory, RENDER_STACK_BUDGET);
         let (tx, rx) = mpsc::sync_channel(1);
         let env = Arc::clone(&self.env);
         let thread_meter = Arc::clone(&meter);
@@ -288,7 +296,14 @@ impl ChatTemplate {
             }
             if Instant::now() >= deadline {
                 // Only this request fails: a slow render on a busy machine is not proof of a
-                // hostile template, and the thread ends when its fuel does.
+                // hostile template. A watcher stays with the render: it gives the slot back if
+                // the render trips a budget later, and disables the template if it is still
+                // running at four times the deadline (fuel bounds instructions, not their
+                // cost: a loop over a 100 MB string can run for hours).
+                let disabled = Arc::clone(&self.disabled);
+                let _ = std::thread::Builder::new()
+                    .name("chat-template-watch".into())
+                    .spawn(move || watch_abandoned(rx, meter, disabled, limits.timeout * 3));
                 return Err(Failure::transient(Error::TemplateLimit(format!(
                     "a render took longer than {:.1} s",
                     limits.timeout.as_secs_f64()
@@ -325,8 +340,45 @@ impl Failure {
     }
 }
 
-/// The render thread's stack (address space; only the pages it touches are memory).
-const RENDER_STACK: usize = 64 << 20;
+/// Watches a render abandoned at its deadline until it ends; see `sandboxed`.
+fn watch_abandoned(
+    rx: mpsc::Receiver<Result<String>>,
+    meter: Arc<Meter>,
+    disabled: Arc<Mutex<Option<String>>>,
+    grace: Duration,
+) {
+    let give_up = Instant::now() + grace;
+    let disable = |why: String| {
+        if let Ok(mut d) = disabled.lock() {
+            d.get_or_insert(why);
+        }
+    };
+    let mut flagged = false;
+    loop {
+        match rx.recv_timeout(Duration::from_millis(20)) {
+            Ok(_) | Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        if meter.tripped().is_some() {
+            RenderSlot::release_for_stopped_thread();
+            disable("a render went over its memory or stack budget".into());
+            return;
+        }
+        if !flagged && Instant::now() >= give_up {
+            flagged = true;
+            disable("a render ran for more than four times its deadline".into());
+        }
+    }
+}
+
+/// The render thread's stack (address space; only the pages it touches are memory). Big
+/// enough that dropping the deepest value fuel lets a template build (a list nested once per
+/// instruction, about 70 bytes of stack per level to drop) cannot overflow it: an overflow
+/// aborts the process, and dropping recurses without allocating, out of the meter's sight.
+const RENDER_STACK: usize = 1 << 30;
+
+/// How deep a render may recurse through allocations before it is stopped.
+const RENDER_STACK_BUDGET: usize = 96 << 20;
 
 /// Renders that may run at once (the machines here have two cores; more would only queue).
 const RENDER_SLOTS: usize = 4;

@@ -69,7 +69,7 @@ fn a_recursive_macro_is_stopped() {
 
 /// Found by AFL++ (crates/ferrum-fuzz): a namespace attribute set to a tuple holding the
 /// namespace itself; printing it recursed until the stack overflowed, which aborts the whole
-/// process. The meter stops the render thread at three quarters of its stack.
+/// process. The meter stops the render thread at its stack budget.
 #[test]
 fn a_value_that_contains_itself_is_stopped_before_the_stack_overflows() {
     let t = ChatTemplate::new(
@@ -82,6 +82,27 @@ fn a_value_that_contains_itself_is_stopped_before_the_stack_overflows() {
     let m = limit_error(&t, &chat());
     assert!(m.contains("recursed"), "{m}");
     assert!(t.disabled_reason().is_some());
+}
+
+/// Found in review: a list nested two million deep fits the memory budget, and dropping it
+/// at the end of the render recurses once per level without allocating, so the meter cannot
+/// see it; the render thread's stack is made big enough for the deepest value a budget allows.
+#[test]
+fn dropping_a_deeply_nested_value_does_not_overflow_the_stack() {
+    let limits = RenderLimits {
+        fuel: 1 << 40,
+        timeout: Duration::from_secs(60),
+        ..RenderLimits::default()
+    };
+    let t = ChatTemplate::with_limits(
+        "{% set ns = namespace(x=0) %}{% for i in range(2000) %}{% for j in range(1000) %}\
+         {% set ns.x = [ns.x] %}{% endfor %}{% endfor %}ok",
+        "",
+        "",
+        limits,
+    )
+    .unwrap();
+    assert_eq!(t.render(&chat(), false).unwrap(), "ok");
 }
 
 #[test]
