@@ -52,14 +52,10 @@ pub enum Trip {
 }
 
 impl Meter {
-    /// A budget of `limit_bytes` of heap; the stack is unbounded (see [`Meter::with_stack`]).
-    pub fn new(limit_bytes: usize) -> Arc<Meter> {
-        Self::with_stack(limit_bytes, usize::MAX)
-    }
-
-    /// Also stops the thread when it allocates more than `stack_bytes` below where it
-    /// entered the meter; give it well under the thread's stack size.
-    pub fn with_stack(limit_bytes: usize, stack_bytes: usize) -> Arc<Meter> {
+    /// A budget of `limit_bytes` of heap, and of `stack_bytes` of stack below where the
+    /// thread enters the meter (checked at each allocation; give it well under the thread's
+    /// stack size).
+    pub fn new(limit_bytes: usize, stack_bytes: usize) -> Arc<Meter> {
         Arc::new(Meter {
             used: AtomicIsize::new(0),
             limit: isize::try_from(limit_bytes).unwrap_or(isize::MAX),
@@ -76,15 +72,6 @@ impl Meter {
             1 => Some(Trip::Memory),
             _ => Some(Trip::Stack),
         }
-    }
-
-    /// Bytes allocated minus bytes freed on the metered thread so far.
-    pub fn used(&self) -> isize {
-        self.used.load(Ordering::Relaxed)
-    }
-
-    pub fn limit(&self) -> usize {
-        self.limit as usize
     }
 
     /// Meters the calling thread until the guard drops. Meters do not nest: entering one on

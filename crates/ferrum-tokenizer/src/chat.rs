@@ -129,10 +129,6 @@ impl ChatTemplate {
         })
     }
 
-    pub fn limits(&self) -> RenderLimits {
-        self.limits
-    }
-
     /// Renders the conversation. Errors raised by the template (`raise_exception`) and
     /// runtime errors are [`Error::Template`]; a render past its limits is
     /// [`Error::TemplateLimit`].
@@ -150,11 +146,21 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
-        if let Some(why) = self.disabled_reason() {
-            return Err(Error::TemplateLimit(format!(
-                "the model's chat template is disabled: {why}"
-            )));
-        }
+        let (ctx, input_bytes) = self.context(messages, add_generation_prompt, kwargs);
+        let cap = self
+            .limits
+            .max_output
+            .saturating_add(input_bytes.saturating_mul(4));
+        self.sandboxed(ctx, cap).map_err(|f| f.error)
+    }
+
+    /// The template's variables, and the input's size as JSON (for the output cap).
+    fn context<M: serde::Serialize>(
+        &self,
+        messages: &[M],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> (Value, usize) {
         let input_bytes = serde_json::to_vec(messages).map_or(0, |v| v.len())
             + serde_json::to_vec(kwargs).map_or(0, |v| v.len());
         // Caller's variables first; the conversation and special tokens cannot be replaced.
@@ -168,12 +174,7 @@ impl ChatTemplate {
         vars.insert("add_generation_prompt".into(), add_generation_prompt.into());
         vars.insert("bos_token".into(), Value::from(self.bos_token.as_str()));
         vars.insert("eos_token".into(), Value::from(self.eos_token.as_str()));
-        let ctx = Value::from_object(vars);
-        let cap = self
-            .limits
-            .max_output
-            .saturating_add(input_bytes.saturating_mul(4));
-        self.sandboxed(ctx, cap).map_err(|f| f.error)
+        (Value::from_object(vars), input_bytes)
     }
 
     /// Renders a small sample conversation, as a load-time check: a template that cannot
@@ -186,14 +187,7 @@ impl ChatTemplate {
             Message::new("assistant", "I am fine, thank you."),
             Message::new("user", "What is the capital of France?"),
         ];
-        let ctx = Value::from_serialize(serde_json::json!({
-            "messages": sample,
-            "add_generation_prompt": true,
-            "bos_token": self.bos_token,
-            "eos_token": self.eos_token,
-            "tools": null,
-            "documents": null,
-        }));
+        let (ctx, _) = self.context(&sample, true, &serde_json::Map::new());
         match self.sandboxed(ctx, self.limits.max_output) {
             // Slow or queued on a busy machine at start-up is not the template's fault.
             Err(f) if !f.transient => match f.error {
@@ -214,8 +208,15 @@ impl ChatTemplate {
     }
 
     fn disable(&self, why: &str) {
-        if let Ok(mut d) = self.disabled.lock() {
-            d.get_or_insert_with(|| why.to_string());
+        disable(&self.disabled, why);
+    }
+
+    fn check_enabled(&self) -> std::result::Result<(), Failure> {
+        match self.disabled_reason() {
+            Some(why) => Err(Failure::of(Error::TemplateLimit(format!(
+                "the model's chat template is disabled: {why}"
+            )))),
+            None => Ok(()),
         }
     }
 
@@ -227,22 +228,14 @@ impl ChatTemplate {
         // or stack budget gives its slot back but keeps what it holds (heap up to the budget,
         // touched stack): renders already running when the template is disabled can add to
         // that, so one template can leave at most a few budgets behind.
-        if let Some(why) = self.disabled_reason() {
-            return Err(Failure::of(Error::TemplateLimit(format!(
-                "the model's chat template is disabled: {why}"
-            ))));
-        }
+        self.check_enabled()?;
         let slot = RenderSlot::take(limits.timeout).map_err(Failure::transient)?;
         // A render that waited for its slot may find the template disabled meanwhile.
-        if let Some(why) = self.disabled_reason() {
-            return Err(Failure::of(Error::TemplateLimit(format!(
-                "the model's chat template is disabled: {why}"
-            ))));
-        }
+        self.check_enabled()?;
         // Runaway recursion (a value that contains itself through a namespace, printed) is
         // stopped at its first allocation past 96 MiB of stack (minijinja's deepest legitimate
         // recursion, 500 nested macro calls, needs well under that).
-        let meter = Meter::with_stack(limits.max_memory, RENDER_STACK_BUDGET);
+        let meter = Meter::new(limits.max_memory, RENDER_STACK_BUDGET);
         let (tx, rx) = mpsc::sync_channel(1);
         let env = Arc::clone(&self.env);
         let thread_meter = Arc::clone(&meter);
@@ -281,7 +274,7 @@ impl ChatTemplate {
             if let Some(trip) = meter.tripped() {
                 // The thread is stopped for good, holding its memory and its slot: give the
                 // slot back, and never run this template again.
-                RenderSlot::release_for_stopped_thread();
+                RenderSlot::release();
                 let why = match trip {
                     Trip::Memory => format!(
                         "a render needed more than {} MiB of memory",
@@ -348,11 +341,6 @@ fn watch_abandoned(
     grace: Duration,
 ) {
     let give_up = Instant::now() + grace;
-    let disable = |why: String| {
-        if let Ok(mut d) = disabled.lock() {
-            d.get_or_insert(why);
-        }
-    };
     let mut flagged = false;
     loop {
         match rx.recv_timeout(Duration::from_millis(20)) {
@@ -360,13 +348,16 @@ fn watch_abandoned(
             Err(mpsc::RecvTimeoutError::Timeout) => {}
         }
         if meter.tripped().is_some() {
-            RenderSlot::release_for_stopped_thread();
-            disable("a render went over its memory or stack budget".into());
+            RenderSlot::release();
+            disable(&disabled, "a render went over its memory or stack budget");
             return;
         }
         if !flagged && Instant::now() >= give_up {
             flagged = true;
-            disable("a render ran for more than four times its deadline".into());
+            disable(
+                &disabled,
+                "a render ran for more than four times its deadline",
+            );
         }
     }
 }
@@ -410,8 +401,9 @@ impl RenderSlot {
         Ok(RenderSlot)
     }
 
-    /// The slot of a thread stopped at its memory budget, which will never drop it.
-    fn release_for_stopped_thread() {
+    /// Frees a slot: on drop, and for a thread stopped at its budget, which never drops its
+    /// own.
+    fn release() {
         let mut used = SLOTS.lock().unwrap_or_else(|e| e.into_inner());
         *used = used.saturating_sub(1);
         SLOT_FREED.notify_one();
@@ -420,7 +412,14 @@ impl RenderSlot {
 
 impl Drop for RenderSlot {
     fn drop(&mut self) {
-        Self::release_for_stopped_thread();
+        Self::release();
+    }
+}
+
+/// Records why a template is disabled (the first reason stays).
+fn disable(cell: &Mutex<Option<String>>, why: &str) {
+    if let Ok(mut d) = cell.lock() {
+        d.get_or_insert_with(|| why.to_string());
     }
 }
 

@@ -15,6 +15,7 @@
 //! whose content has no special-token text gets exactly the ids it always got.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::sync::OnceLock;
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
@@ -38,7 +39,9 @@ pub enum SpecialTokens {
 const MARK: char = '\u{FDD0}';
 
 pub(crate) struct ContentGuard {
-    /// Every special token's text, leftmost-longest as the tokenizer matches them.
+    /// Every special token's text, by id.
+    specials: HashMap<u32, String>,
+    /// The same texts, leftmost-longest as the tokenizer matches them.
     matcher: Option<AhoCorasick>,
     /// Some special token is matched after normalisation, so content can spell it in a form
     /// the raw matcher does not see: every prompt takes the split path, which demotes any
@@ -54,14 +57,16 @@ pub(crate) struct ContentGuard {
 
 impl ContentGuard {
     pub(crate) fn new(inner: &tokenizers::Tokenizer) -> Result<ContentGuard> {
-        let specials: Vec<_> = inner
+        let added: Vec<_> = inner
             .get_added_tokens_decoder()
-            .into_values()
-            .filter(|t| t.special && !t.content.is_empty())
+            .into_iter()
+            .filter(|(_, t)| t.special && !t.content.is_empty())
             .collect();
         let always_split =
-            inner.get_normalizer().is_some() && specials.iter().any(|t| t.normalized);
-        let texts: Vec<String> = specials.into_iter().map(|t| t.content).collect();
+            inner.get_normalizer().is_some() && added.iter().any(|(_, t)| t.normalized);
+        let specials: HashMap<u32, String> =
+            added.into_iter().map(|(id, t)| (id, t.content)).collect();
+        let texts: Vec<&String> = specials.values().collect();
         let matcher = if texts.is_empty() {
             None
         } else {
@@ -73,6 +78,7 @@ impl ContentGuard {
             )
         };
         Ok(ContentGuard {
+            specials,
             matcher,
             always_split,
             plain: OnceLock::new(),
@@ -110,6 +116,13 @@ impl ContentGuard {
         }
         push_doubling(&mut out, &s[at..]);
         Cow::Owned(out)
+    }
+
+    /// The special tokens' texts, in id order.
+    pub(crate) fn special_texts(&self) -> Vec<String> {
+        let mut v: Vec<(&u32, &String)> = self.specials.iter().collect();
+        v.sort();
+        v.into_iter().map(|(_, t)| t.clone()).collect()
     }
 
     /// [`ContentGuard::escape`] on every string of a JSON value, object keys included.
@@ -154,22 +167,21 @@ impl ContentGuard {
             .inner
             .encode(text, false)
             .map_err(|e| Error::Tokenizer(format!("encode: {e}")))?;
-        let added = tok.inner.get_added_tokens_decoder();
         let mut ids = Vec::with_capacity(enc.len());
         let mut at = 0;
         for (&id, &(start, end)) in enc.get_ids().iter().zip(enc.get_offsets()) {
-            if !tok.special.contains(&id) {
+            let Some(special) = self.specials.get(&id) else {
                 continue;
-            }
-            // A special id whose text is not there (an unknown-token id for an unknown
-            // character) is not markup.
-            // An escaped text is followed by the one marker escaping put after its last
-            // character, then by the content's own markers, doubled: an odd run of markers.
+            };
+            // Markup is a special token whose text is there (not an unknown-token id for an
+            // unknown character, not a normalised spelling) and not escaped: an escaped text
+            // is followed by the one marker escaping put after its last character, then by
+            // the content's own markers, doubled — an odd run of markers.
             let markers = text[end..].chars().take_while(|&c| c == MARK).count();
-            let is_markup = added.get(&id).is_some_and(|t| {
-                text.get(start..end)
-                    .is_some_and(|span| span.trim() == t.content)
-            }) && markers % 2 == 0;
+            let is_markup = text
+                .get(start..end)
+                .is_some_and(|span| span.trim() == special)
+                && markers % 2 == 0;
             if !is_markup || start < at {
                 continue;
             }

@@ -144,15 +144,7 @@ impl Tokenizer {
 
     /// The texts of the special (control) tokens, which content can no longer produce.
     pub fn special_texts(&self) -> Vec<String> {
-        let mut v: Vec<(u32, String)> = self
-            .inner
-            .get_added_tokens_decoder()
-            .into_iter()
-            .filter(|(_, t)| t.special && !t.content.is_empty())
-            .map(|(id, t)| (id, t.content))
-            .collect();
-        v.sort();
-        v.into_iter().map(|(_, t)| t).collect()
+        self.guard.special_texts()
     }
 
     /// The conversation as prompt token ids: rendered with the model's chat template (in its
