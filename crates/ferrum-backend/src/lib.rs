@@ -100,6 +100,18 @@ pub struct RopeParams<'a> {
     /// One inverse frequency per rotated pair; `2 * inv_freq.len()` leading dimensions of each
     /// head rotate, the rest pass through.
     pub inv_freq: &'a [f32],
+    /// Multiplies cos and sin (LongRoPE's attention factor: the rotated dimensions scaled,
+    /// the ones passed through not). 1 elsewhere.
+    pub factor: f32,
+}
+
+/// The nonlinearity of a gated FFN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU: `x · sigmoid(x)`.
+    Silu,
+    /// GeGLU with the tanh approximation of GELU (Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
 }
 
 /// One weight of a [`Backend::matmul_many`]: `out[t, j] = Σ_k x[t, k] · weight[j, k] (+ bias[j])`
@@ -309,14 +321,15 @@ pub trait Backend: Send + Sync {
         p: AttentionParams,
     );
 
-    /// `out[t, i] = silu(x[t, i]) · x[t, i + width]` where `xv` is `2 · width` wide.
-    fn silu_mul(&self, x: &Self::Buf, xv: Rows, out: &mut Self::Buf, ov: Rows);
+    /// A gated linear unit's gate: `out[t, i] = act(x[t, i]) · x[t, i + width]` where `xv` is
+    /// `2 · width` wide (gate columns, then up columns).
+    fn glu(&self, x: &Self::Buf, xv: Rows, out: &mut Self::Buf, ov: Rows, act: Activation);
 
-    /// A dense FFN's tail: `act = silu_mul(gu)`, then `out = act · wᵀ`. A fused op: the
-    /// default body is those two ops; a backend may compute each token's `act` row inside the
+    /// A dense FFN's tail: `act = glu(gu)`, then `out = act · wᵀ`. A fused op: the default
+    /// body is those two ops; a backend may compute each token's `act` row inside the
     /// matmul's own hand-off to its threads (`act` is then written, with the same values).
     #[allow(clippy::too_many_arguments)]
-    fn swiglu_matmul(
+    fn glu_matmul(
         &self,
         gu: &Self::Buf,
         gv: Rows,
@@ -325,8 +338,9 @@ pub trait Backend: Send + Sync {
         w: &Self::Weight,
         out: &mut Self::Buf,
         ov: Rows,
+        f: Activation,
     ) {
-        self.silu_mul(gu, gv, act, av);
+        self.glu(gu, gv, act, av, f);
         self.matmul(act, av, w, None, out, ov);
     }
 
@@ -433,11 +447,12 @@ pub fn moe_ffn_default<B: Backend + ?Sized>(
             &mut scratch.gu,
             Rows::columns(m, 2 * f, f, f),
         );
-        be.silu_mul(
+        be.glu(
             &scratch.gu,
             Rows::dense(m, 2 * f),
             &mut scratch.act,
             Rows::dense(m, f),
+            Activation::Silu,
         );
         be.matmul(
             &scratch.act,

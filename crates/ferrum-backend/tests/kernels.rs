@@ -595,13 +595,13 @@ fn matmul_many_equals_one_matmul_per_part() {
     }
 }
 
-/// `swiglu_matmul` (each token's SwiGLU row computed in the matmul's hand-off on the integer
-/// path) against its default body, `silu_mul` then `matmul`: the same bits in `out` and in
-/// `act`, for 8-bit and Q8_K activations, an f32 weight, one to six tokens, one and two
-/// threads.
+/// `glu_matmul` (each token's gate row computed in the matmul's hand-off on the integer
+/// path) against its default body, `glu` then `matmul`: the same bits in `out` and in
+/// `act`, for SiLU and GELU, 8-bit and Q8_K activations, an f32 weight, one to six tokens,
+/// one and two threads.
 #[test]
-fn swiglu_matmul_equals_silu_mul_then_matmul() {
-    use ferrum_backend::{Backend, CpuBackend, Rows};
+fn glu_matmul_equals_glu_then_matmul() {
+    use ferrum_backend::{Activation, Backend, CpuBackend, Rows};
     use ferrum_core::DType;
     use ferrum_loader::RawTensor;
     let mut rng = rand::rngs::StdRng::seed_from_u64(23);
@@ -618,13 +618,19 @@ fn swiglu_matmul_equals_silu_mul_then_matmul() {
             };
             let t = RawTensor::from_bytes("w", dt, vec![m, f], bytes).expect("sizes match");
             let w = be.load_weight(&t).expect("weight loads");
-            for n in [1, 3, 4, 6] {
+            for (n, act_fn) in [
+                (1, Activation::Silu),
+                (3, Activation::GeluTanh),
+                (4, Activation::Silu),
+                (6, Activation::GeluTanh),
+                (1, Activation::GeluTanh),
+            ] {
                 let gu: Vec<f32> = (0..n * 2 * f).map(|_| rng.gen_range(-3.0..3.0)).collect();
                 let (gv, av, ov) = (Rows::dense(n, 2 * f), Rows::dense(n, f), Rows::dense(n, m));
                 let (mut act, mut out) = (vec![0f32; n * f], vec![0f32; n * m]);
-                be.swiglu_matmul(&gu, gv, &mut act, av, &w, &mut out, ov);
+                be.glu_matmul(&gu, gv, &mut act, av, &w, &mut out, ov, act_fn);
                 let (mut act2, mut out2) = (vec![0f32; n * f], vec![0f32; n * m]);
-                be.silu_mul(&gu, gv, &mut act2, av);
+                be.glu(&gu, gv, &mut act2, av, act_fn);
                 be.matmul(&act2, av, &w, None, &mut out2, ov);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 let what = format!("{dt}, threads {threads}, n {n}");

@@ -1,32 +1,16 @@
 //! The hyper-parameters of a decoder, read from either a Hugging Face `config.json` or a
-//! GGUF's `{arch}.*` metadata, into one typed struct. Architecture files decide the variant
-//! flags (QKV bias, QK-norm, RoPE layout); this module only reads numbers.
+//! GGUF's `{arch}.*` metadata, into one typed struct. [`ModelConfig::hf_base`] and
+//! [`ModelConfig::gguf_base`] read the keys every Llama-style model shares; the architecture
+//! files (`arch/`) start from them and set what their family does differently (norm
+//! placement, QK-norm, RoPE per layer, multipliers).
 
 use ferrum_core::{Error, Result};
 use ferrum_loader::GgufFile;
 use serde_json::Value as Json;
 
-use ferrum_backend::RopeLayout;
+use ferrum_backend::{Activation, RopeLayout};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Arch {
-    Llama,
-    Qwen2,
-    Qwen3,
-    /// Qwen3 attention with a mixture-of-experts FFN.
-    Qwen3Moe,
-}
-
-impl Arch {
-    pub fn name(self) -> &'static str {
-        match self {
-            Arch::Llama => "llama",
-            Arch::Qwen2 => "qwen2",
-            Arch::Qwen3 => "qwen3",
-            Arch::Qwen3Moe => "qwen3moe",
-        }
-    }
-}
+pub use crate::arch::Arch;
 
 /// How RoPE frequencies are stretched for long contexts.
 #[derive(Debug, Clone, PartialEq)]
@@ -42,6 +26,14 @@ pub enum RopeScaling {
     },
     /// Per-frequency divisors stored in the file (GGUF `rope_freqs.weight`).
     Factors(Vec<f32>),
+    /// Phi-3's LongRoPE: per-frequency divisors, `long` for contexts past
+    /// `original_max_position`, `short` within it (chosen once for the context the model is
+    /// loaded with, as llama.cpp does).
+    LongRope {
+        short: Vec<f32>,
+        long: Vec<f32>,
+        original_max_position: usize,
+    },
 }
 
 /// The mixture-of-experts settings of a Qwen3-MoE-style model.
@@ -86,9 +78,88 @@ pub struct ModelConfig {
     pub max_position: usize,
     pub tie_embeddings: bool,
     pub qkv_bias: bool,
-    pub qk_norm: bool,
+    pub qk_norm: QkNorm,
+    /// The window of every windowed layer (Mistral's, Gemma 3's local layers'), for reports;
+    /// [`LayerSpec::window`] says which layers use it.
     pub sliding_window: Option<usize>,
     pub moe: Option<MoeConfig>,
+    /// One per layer: its attention window and which RoPE it uses.
+    pub layers: Vec<LayerSpec>,
+    /// Leading dimensions of a head that rotate (Phi-3/4's partial rotary); `head_dim` else.
+    pub rotary_dim: usize,
+    /// Multiplies RoPE's cos and sin (LongRoPE's attention factor); 1 elsewhere.
+    pub rope_factor: f32,
+    /// Gemma 3's local layers: their own RoPE base, unscaled.
+    pub local_rope_theta: Option<f32>,
+    /// Which norms a layer has, by the Hugging Face name of their weight.
+    pub norms: NormPlan,
+    /// Added to every RMSNorm weight at load: Hugging Face Gemma stores `w` and computes
+    /// `x·(1 + w)`; its GGUFs already hold `1 + w`.
+    pub norm_offset: f32,
+    pub activation: Activation,
+    /// Embeddings are multiplied by this (Gemma: √hidden; Granite: its multiplier).
+    pub embed_scale: Option<f32>,
+    /// Attention scores are multiplied by this: 1/√head_dim unless the family says otherwise
+    /// (Gemma's `query_pre_attn_scalar`, Granite's `attention_multiplier`).
+    pub attn_scale: f32,
+    /// Each block's output is multiplied by this before the residual add (Granite).
+    pub residual_scale: f32,
+    /// Logits are multiplied by this (Granite divides by `logits_scaling`).
+    pub logit_scale: f32,
+}
+
+/// How the query and key projections are normalised before RoPE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// Per head, a `head_dim` weight (Qwen3, Gemma 3).
+    PerHead,
+    /// Over the whole projection, a `q_dim` / `kv_dim` weight (OLMo 2).
+    Whole,
+}
+
+/// Which RoPE a layer applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rope {
+    /// The model's RoPE (`rope_theta`, with any scaling).
+    Global,
+    /// Gemma 3's local layers: `local_rope_theta`, unscaled.
+    Local,
+    /// No rotation (SmolLM3's every fourth layer).
+    None,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerSpec {
+    /// A query at position `p` sees keys at positions `> p - window`; `None` is full causal
+    /// attention.
+    pub window: Option<usize>,
+    pub rope: Rope,
+}
+
+/// The norms of a layer, each the Hugging Face name template of its weight (`{i}` the layer)
+/// or `None` where the family has no such norm. A Llama layer has the two pre-norms; Gemma
+/// has all four; OLMo 2 only the two post-norms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NormPlan {
+    /// Before attention.
+    pub attn_in: Option<&'static str>,
+    /// On the attention block's output, before the residual add.
+    pub attn_out: Option<&'static str>,
+    /// Before the FFN.
+    pub ffn_in: Option<&'static str>,
+    /// On the FFN's output, before the residual add.
+    pub ffn_out: Option<&'static str>,
+}
+
+impl NormPlan {
+    /// Llama's: RMSNorm before attention and before the FFN.
+    pub const PRE: NormPlan = NormPlan {
+        attn_in: Some("model.layers.{i}.input_layernorm.weight"),
+        attn_out: None,
+        ffn_in: Some("model.layers.{i}.post_attention_layernorm.weight"),
+        ffn_out: None,
+    };
 }
 
 impl ModelConfig {
@@ -100,53 +171,16 @@ impl ModelConfig {
         self.n_kv_heads * self.head_dim
     }
 
-    /// Inverse RoPE frequencies, one per rotated pair, with any scaling applied. Computed
-    /// as Hugging Face does (`1 / theta^(2i/d)`), in f64 then rounded once.
+    /// Inverse RoPE frequencies of the model's (global) RoPE, one per rotated pair, with any
+    /// scaling applied.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
-        let d = self.head_dim;
-        let base: Vec<f64> = (0..d / 2)
-            .map(|i| 1.0 / (self.rope_theta as f64).powf(2.0 * i as f64 / d as f64))
-            .collect();
-        let scaled: Vec<f64> = match &self.rope_scaling {
-            None => base,
-            Some(RopeScaling::Linear { factor }) => {
-                base.iter().map(|f| f / *factor as f64).collect()
-            }
-            Some(RopeScaling::Factors(div)) => base
-                .iter()
-                .zip(div.iter().chain(std::iter::repeat(&1.0)))
-                .map(|(f, d)| f / *d as f64)
-                .collect(),
-            Some(RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position,
-            }) => {
-                let (factor, lo, hi, old) = (
-                    *factor as f64,
-                    *low_freq_factor as f64,
-                    *high_freq_factor as f64,
-                    *original_max_position as f64,
-                );
-                let low_wavelen = old / lo;
-                let high_wavelen = old / hi;
-                base.iter()
-                    .map(|&f| {
-                        let wavelen = 2.0 * std::f64::consts::PI / f;
-                        if wavelen < high_wavelen {
-                            f
-                        } else if wavelen > low_wavelen {
-                            f / factor
-                        } else {
-                            let smooth = (old / wavelen - lo) / (hi - lo);
-                            (1.0 - smooth) * f / factor + smooth * f
-                        }
-                    })
-                    .collect()
-            }
-        };
-        scaled.into_iter().map(|f| f as f32).collect()
+        inv_freq(self.rope_theta, self.rotary_dim, self.rope_scaling.as_ref())
+    }
+
+    /// Gemma 3's local layers' frequencies (unscaled), if the model has such layers.
+    pub fn local_inv_freq(&self) -> Option<Vec<f32>> {
+        self.local_rope_theta
+            .map(|theta| inv_freq(theta, self.rotary_dim, None))
     }
 
     fn validate(self, source: &str) -> Result<Self> {
@@ -178,34 +212,19 @@ impl ModelConfig {
         Ok(self)
     }
 
-    /// From a Hugging Face `config.json`.
-    pub fn from_hf(arch: Arch, j: &Json) -> Result<ModelConfig> {
-        let req = |k: &str| -> Result<usize> {
-            j.get(k)
-                .and_then(Json::as_u64)
-                .map(|v| v as usize)
-                .ok_or_else(|| Error::Weights(format!("config.json: missing or invalid {k:?}")))
-        };
-        let opt_f = |k: &str| j.get(k).and_then(Json::as_f64);
-        let hidden = req("hidden_size")?;
-        let n_heads = req("num_attention_heads")?;
-        let n_kv = j
-            .get("num_key_value_heads")
-            .and_then(Json::as_u64)
-            .map_or(n_heads, |v| v as usize);
-        let head_dim = j
-            .get("head_dim")
-            .and_then(Json::as_u64)
-            .map_or(hidden / n_heads.max(1), |v| v as usize);
+    /// The keys every Llama-style `config.json` shares, with Llama's choices for the rest
+    /// (pre-norms, SwiGLU, full RoPE in every layer, no bias unless `attention_bias`).
+    pub fn hf_base(arch: Arch, j: &Json) -> Result<ModelConfig> {
+        let hidden = hf_usize(j, "hidden_size")?;
+        let n_heads = hf_usize(j, "num_attention_heads")?;
+        let n_kv = hf_opt_usize(j, "num_key_value_heads").unwrap_or(n_heads);
+        let head_dim = hf_opt_usize(j, "head_dim").unwrap_or(hidden / n_heads.max(1));
+        let n_layers = hf_usize(j, "num_hidden_layers")?;
         // transformers 5 moves rope settings into `rope_parameters`; older files use
         // `rope_theta` and `rope_scaling`.
         let rope_params = j.get("rope_parameters");
-        let rope_theta = opt_f("rope_theta")
-            .or_else(|| {
-                rope_params
-                    .and_then(|p| p.get("rope_theta"))
-                    .and_then(Json::as_f64)
-            })
+        let rope_theta = hf_f64(j, "rope_theta")
+            .or_else(|| rope_params.and_then(|p| hf_f64(p, "rope_theta")))
             .unwrap_or(10000.0) as f32;
         let scaling_obj = j
             .get("rope_scaling")
@@ -215,105 +234,62 @@ impl ModelConfig {
             Some(s) => parse_hf_scaling(s)?,
             None => None,
         };
+        let partial = hf_f64(j, "partial_rotary_factor").unwrap_or(1.0);
+        let rotary_dim = ((head_dim as f64 * partial) as usize) & !1;
         let sliding_window = if j.get("use_sliding_window").and_then(Json::as_bool) == Some(true) {
-            j.get("sliding_window")
-                .and_then(Json::as_u64)
-                .map(|v| v as usize)
-        } else if arch == Arch::Llama {
-            // Mistral checkpoints load as Llama and carry the window without the flag.
-            j.get("sliding_window")
-                .and_then(Json::as_u64)
-                .map(|v| v as usize)
-        } else {
-            None
-        };
-        let (qkv_bias, qk_norm) = match arch {
-            Arch::Llama => (
-                j.get("attention_bias")
-                    .and_then(Json::as_bool)
-                    .unwrap_or(false),
-                false,
-            ),
-            Arch::Qwen2 => (true, false),
-            Arch::Qwen3 | Arch::Qwen3Moe => (
-                j.get("attention_bias")
-                    .and_then(Json::as_bool)
-                    .unwrap_or(false),
-                true,
-            ),
-        };
-        let moe = if arch == Arch::Qwen3Moe {
-            // Published checkpoints say `num_experts`; transformers 5 writes `num_local_experts`.
-            let n_experts = j
-                .get("num_experts")
-                .or_else(|| j.get("num_local_experts"))
-                .and_then(Json::as_u64)
-                .ok_or_else(|| Error::Weights("config.json: no num_experts".into()))?;
-            Some(MoeConfig {
-                n_experts: n_experts as usize,
-                n_active: req("num_experts_per_tok")?,
-                expert_ffn: req("moe_intermediate_size")?,
-                norm_topk_prob: j
-                    .get("norm_topk_prob")
-                    .and_then(Json::as_bool)
-                    .unwrap_or(false),
-                mlp_only_layers: j
-                    .get("mlp_only_layers")
-                    .and_then(Json::as_array)
-                    .map(|a| {
-                        a.iter()
-                            .filter_map(Json::as_u64)
-                            .map(|v| v as usize)
-                            .collect()
-                    })
-                    .unwrap_or_default(),
-                sparse_step: j
-                    .get("decoder_sparse_step")
-                    .and_then(Json::as_u64)
-                    .map_or(1, |v| v as usize),
-            })
+            hf_opt_usize(j, "sliding_window")
         } else {
             None
         };
         ModelConfig {
             arch,
-            vocab_size: req("vocab_size")?,
+            vocab_size: hf_usize(j, "vocab_size")?,
             hidden_size: hidden,
-            n_layers: req("num_hidden_layers")?,
+            n_layers,
             n_heads,
             n_kv_heads: n_kv,
             head_dim,
-            intermediate_size: j
-                .get("intermediate_size")
-                .and_then(Json::as_u64)
-                .map(|v| v as usize)
-                .or(moe.as_ref().map(|m| m.expert_ffn))
-                .ok_or_else(|| {
-                    Error::Weights("config.json: missing \"intermediate_size\"".into())
-                })?,
-            rms_eps: opt_f("rms_norm_eps").unwrap_or(1e-6) as f32,
+            intermediate_size: hf_opt_usize(j, "intermediate_size").unwrap_or(0),
+            rms_eps: hf_f64(j, "rms_norm_eps").unwrap_or(1e-6) as f32,
             rope_theta,
             rope_scaling,
             rope_layout: RopeLayout::Neox,
-            max_position: j
-                .get("max_position_embeddings")
-                .and_then(Json::as_u64)
-                .map_or(4096, |v| v as usize),
+            max_position: hf_opt_usize(j, "max_position_embeddings").unwrap_or(4096),
             tie_embeddings: j
                 .get("tie_word_embeddings")
                 .and_then(Json::as_bool)
                 .unwrap_or(false),
-            qkv_bias,
-            qk_norm,
+            qkv_bias: j
+                .get("attention_bias")
+                .and_then(Json::as_bool)
+                .unwrap_or(false),
+            qk_norm: QkNorm::None,
             sliding_window,
-            moe,
+            moe: None,
+            layers: vec![
+                LayerSpec {
+                    window: sliding_window,
+                    rope: Rope::Global,
+                };
+                n_layers
+            ],
+            rotary_dim,
+            rope_factor: 1.0,
+            local_rope_theta: None,
+            norms: NormPlan::PRE,
+            norm_offset: 0.0,
+            activation: Activation::Silu,
+            embed_scale: None,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            residual_scale: 1.0,
+            logit_scale: 1.0,
         }
         .validate("config.json")
     }
 
-    /// From GGUF metadata (`{arch}.embedding_length` etc.). Vocabulary size and whether the
+    /// The `{arch}.*` keys every Llama-style GGUF shares. Vocabulary size and whether the
     /// output head is tied come from the tensors, which the caller passes in.
-    pub fn from_gguf(
+    pub fn gguf_base(
         arch: Arch,
         g: &GgufFile,
         vocab_size: usize,
@@ -329,6 +305,7 @@ impl ModelConfig {
         let head_dim = g
             .get_u64(&key("attention.key_length"))
             .map_or(hidden / n_heads.max(1), |v| v as usize);
+        let n_layers = g.require_usize(&key("block_count"))?;
         let rope_scaling = match g.get_str(&key("rope.scaling.type")) {
             None | Some("none") => None,
             Some("linear") => Some(RopeScaling::Linear {
@@ -341,62 +318,176 @@ impl ModelConfig {
                 )))
             }
         };
-        let (qkv_bias, qk_norm, layout) = match arch {
-            // Llama GGUFs store Q/K rows permuted for the interleaved rotation.
-            Arch::Llama => (false, false, RopeLayout::Interleaved),
-            Arch::Qwen2 => (true, false, RopeLayout::Neox),
-            Arch::Qwen3 | Arch::Qwen3Moe => (false, true, RopeLayout::Neox),
-        };
-        // llama.cpp's qwen3moe graph routes every layer and always renormalises the top-k
-        // weights, and its GGUFs carry no key saying otherwise.
-        let moe = if arch == Arch::Qwen3Moe {
-            Some(MoeConfig {
-                n_experts: g.require_usize(&key("expert_count"))?,
-                n_active: g.require_usize(&key("expert_used_count"))?,
-                expert_ffn: g.require_usize(&key("expert_feed_forward_length"))?,
-                norm_topk_prob: true,
-                mlp_only_layers: Vec::new(),
-                sparse_step: 1,
-            })
-        } else {
-            None
-        };
+        let rotary_dim = g
+            .get_u64(&key("rope.dimension_count"))
+            .map_or(head_dim, |v| v as usize);
+        let sliding_window = g
+            .get_u64(&key("attention.sliding_window"))
+            .map(|v| v as usize);
         ModelConfig {
             arch,
             vocab_size,
             hidden_size: hidden,
-            n_layers: g.require_usize(&key("block_count"))?,
+            n_layers,
             n_heads,
             n_kv_heads: n_kv,
             head_dim,
-            intermediate_size: match &moe {
-                Some(m) => g
-                    .get_u64(&key("feed_forward_length"))
-                    .map_or(m.expert_ffn, |v| v as usize),
-                None => g.require_usize(&key("feed_forward_length"))?,
-            },
+            intermediate_size: g
+                .get_u64(&key("feed_forward_length"))
+                .map_or(0, |v| v as usize),
             rms_eps: g
                 .get_f64(&key("attention.layer_norm_rms_epsilon"))
                 .unwrap_or(1e-6) as f32,
             rope_theta: g.get_f64(&key("rope.freq_base")).unwrap_or(10000.0) as f32,
             rope_scaling,
-            rope_layout: layout,
+            rope_layout: RopeLayout::Neox,
             max_position: g
                 .get_u64(&key("context_length"))
                 .map_or(4096, |v| v as usize),
             tie_embeddings,
-            qkv_bias,
-            qk_norm,
-            sliding_window: g
-                .get_u64(&key("attention.sliding_window"))
-                .map(|v| v as usize),
-            moe,
+            qkv_bias: false,
+            qk_norm: QkNorm::None,
+            sliding_window,
+            moe: None,
+            layers: vec![
+                LayerSpec {
+                    window: sliding_window,
+                    rope: Rope::Global,
+                };
+                n_layers
+            ],
+            rotary_dim,
+            rope_factor: 1.0,
+            local_rope_theta: None,
+            norms: NormPlan::PRE,
+            norm_offset: 0.0,
+            activation: Activation::Silu,
+            embed_scale: None,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            residual_scale: 1.0,
+            logit_scale: 1.0,
         }
         .validate(&g.path.display().to_string())
     }
+
+    /// Sets the same window on every layer (Mistral, Qwen2 with `use_sliding_window`).
+    pub fn set_window_all(&mut self, window: Option<usize>) {
+        self.sliding_window = window;
+        for l in &mut self.layers {
+            l.window = window;
+        }
+    }
+
+    /// Fixes what depends on the context the model is loaded for: LongRoPE's long factors
+    /// past its original context, its short ones within it.
+    pub fn resolve_context(&mut self, context: usize) {
+        if let Some(RopeScaling::LongRope {
+            short,
+            long,
+            original_max_position,
+        }) = &self.rope_scaling
+        {
+            let f = if *original_max_position > 0 && context > *original_max_position {
+                long.clone()
+            } else {
+                short.clone()
+            };
+            self.rope_scaling = Some(RopeScaling::Factors(f));
+        }
+    }
+
+    /// Checks the finished configuration (an architecture file calls it last).
+    pub fn check(self, source: &str) -> Result<Self> {
+        let c = self.validate(source)?;
+        let bad = |m: String| Err(Error::Weights(format!("{source}: {m}")));
+        if c.intermediate_size == 0 && c.moe.is_none() {
+            return bad("no feed-forward width (intermediate_size / feed_forward_length)".into());
+        }
+        if c.rotary_dim == 0 || c.rotary_dim > c.head_dim || !c.rotary_dim.is_multiple_of(2) {
+            return bad(format!(
+                "{} rotary dimensions do not fit a head of {}",
+                c.rotary_dim, c.head_dim
+            ));
+        }
+        if c.layers.len() != c.n_layers {
+            return bad(format!(
+                "{} layer kinds for {} layers",
+                c.layers.len(),
+                c.n_layers
+            ));
+        }
+        if c.layers.iter().any(|l| l.window == Some(0)) {
+            return bad("a sliding window of 0 positions".into());
+        }
+        if !(c.attn_scale.is_finite() && c.residual_scale.is_finite() && c.logit_scale.is_finite())
+        {
+            return bad("a non-finite multiplier".into());
+        }
+        Ok(c)
+    }
 }
 
-fn parse_hf_scaling(s: &Json) -> Result<Option<RopeScaling>> {
+/// A required unsigned key of a `config.json`.
+pub(crate) fn hf_usize(j: &Json, k: &str) -> Result<usize> {
+    hf_opt_usize(j, k)
+        .ok_or_else(|| Error::Weights(format!("config.json: missing or invalid {k:?}")))
+}
+
+pub(crate) fn hf_opt_usize(j: &Json, k: &str) -> Option<usize> {
+    j.get(k).and_then(Json::as_u64).map(|v| v as usize)
+}
+
+pub(crate) fn hf_f64(j: &Json, k: &str) -> Option<f64> {
+    j.get(k).and_then(Json::as_f64)
+}
+
+/// Inverse RoPE frequencies for `dims` rotated dimensions, computed as Hugging Face does
+/// (`1 / theta^(2i/dims)`), in f64 then rounded once, with any scaling applied.
+pub fn inv_freq(theta: f32, dims: usize, scaling: Option<&RopeScaling>) -> Vec<f32> {
+    let base: Vec<f64> = (0..dims / 2)
+        .map(|i| 1.0 / (theta as f64).powf(2.0 * i as f64 / dims as f64))
+        .collect();
+    let scaled: Vec<f64> = match scaling {
+        None => base,
+        Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / *factor as f64).collect(),
+        Some(RopeScaling::Factors(div) | RopeScaling::LongRope { short: div, .. }) => base
+            .iter()
+            .zip(div.iter().chain(std::iter::repeat(&1.0)))
+            .map(|(f, d)| f / *d as f64)
+            .collect(),
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position,
+        }) => {
+            let (factor, lo, hi, old) = (
+                *factor as f64,
+                *low_freq_factor as f64,
+                *high_freq_factor as f64,
+                *original_max_position as f64,
+            );
+            let low_wavelen = old / lo;
+            let high_wavelen = old / hi;
+            base.iter()
+                .map(|&f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - lo) / (hi - lo);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
+    };
+    scaled.into_iter().map(|f| f as f32).collect()
+}
+
+pub(crate) fn parse_hf_scaling(s: &Json) -> Result<Option<RopeScaling>> {
     let ty = s
         .get("rope_type")
         .or_else(|| s.get("type"))
@@ -408,6 +499,27 @@ fn parse_hf_scaling(s: &Json) -> Result<Option<RopeScaling>> {
         "linear" => Some(RopeScaling::Linear {
             factor: f("factor", 1.0),
         }),
+        "longrope" | "su" => {
+            let list = |k: &str| -> Result<Vec<f32>> {
+                s.get(k)
+                    .and_then(Json::as_array)
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(Json::as_f64)
+                            .map(|v| v as f32)
+                            .collect()
+                    })
+                    .ok_or_else(|| Error::Weights(format!("config.json: longrope without {k}")))
+            };
+            Some(RopeScaling::LongRope {
+                short: list("short_factor")?,
+                long: list("long_factor")?,
+                original_max_position: s
+                    .get("original_max_position_embeddings")
+                    .and_then(Json::as_u64)
+                    .unwrap_or(0) as usize,
+            })
+        }
         "llama3" => Some(RopeScaling::Llama3 {
             factor: f("factor", 8.0),
             low_freq_factor: f("low_freq_factor", 1.0),

@@ -1,22 +1,23 @@
-//! The shared decoder: weights of a Llama-style transformer, the activation buffers it runs
-//! in (allocated once, sized for one chunk of tokens), its KV cache, and the forward pass
-//! written once against the [`Backend`] trait. Variants (QKV bias, QK-norm, RoPE layout,
-//! tied output head, the FFN kind) are fixed at load time; the forward pass does not probe
-//! for features.
+//! The forward driver: the weights of a decoder (its layers built from [`crate::layers`]),
+//! the activation buffers it runs in (allocated once, sized for one chunk of tokens), and
+//! the pass over a batch of sequences, written once against the [`Backend`] trait. What
+//! differs between families is fixed at load from the [`ModelConfig`]; the pass does not
+//! probe for features.
 //!
-//! Per layer: RMSNorm → Q, K, V projections into one buffer → QK-norm (Qwen3) → RoPE → K and
-//! V written into the cache → causal GQA attention → O projection → residual add fused with
-//! the FFN's RMSNorm → SwiGLU FFN → residual add.
+//! Per layer: [norm] → attention (QKV projection → QK-norm → RoPE → K and V written into
+//! the cache → causal GQA attention → O projection) → [post-norm] → residual add (fused with
+//! the next norm) → [norm] → FFN → [post-norm] → residual add. Bracketed norms are where the
+//! family has them: Llama the two pre-norms, Gemma all four, OLMo 2 the two post-norms.
 
 use ferrum_backend::{
-    AttentionParams, AttnSeq, Backend, KvShape, KvTable, MatmulPart, MoeScratch, RopeParams, Rows,
+    AttentionParams, AttnSeq, Backend, KvShape, KvTable, MoeScratch, RopeParams, Rows,
 };
 use ferrum_core::{Error, Result};
-use ferrum_loader::TensorStore;
 
-use crate::config::{ModelConfig, RopeScaling};
+use crate::config::{ModelConfig, Rope, RopeScaling};
+pub use crate::layers::WeightSource;
+use crate::layers::{dense_ffn, AttnInputs, Ffn, Layer};
 use crate::moe::{MoeLayer, Router};
-use crate::names;
 
 /// How many tokens one pass through the layers carries; longer inputs go in chunks.
 pub const CHUNK: usize = 64;
@@ -33,74 +34,6 @@ pub enum Logits {
     Last,
     /// Every token (scoring, perplexity, comparison against a reference).
     All,
-}
-
-/// Looks tensors up by Hugging Face name in either kind of file.
-pub struct WeightSource<'a> {
-    pub store: &'a TensorStore,
-    pub gguf: bool,
-}
-
-impl WeightSource<'_> {
-    pub fn name(&self, hf: &str, layer: usize) -> String {
-        if self.gguf {
-            names::gguf_name(hf, layer).unwrap_or_else(|| hf.to_string())
-        } else {
-            hf.replace("{i}", &layer.to_string())
-        }
-    }
-
-    pub fn get<B: Backend>(&self, be: &B, hf: &str, layer: usize) -> Result<Option<B::Weight>> {
-        let name = self.name(hf, layer);
-        match self.store.get(&name) {
-            Some(t) => Ok(Some(be.load_weight(t)?)),
-            None => Ok(None),
-        }
-    }
-
-    /// A tensor that must exist, with its expected `(rows, cols)` checked.
-    pub fn require<B: Backend>(
-        &self,
-        be: &B,
-        hf: &str,
-        layer: usize,
-        shape: (usize, usize),
-    ) -> Result<B::Weight> {
-        let name = self.name(hf, layer);
-        let w = self
-            .get(be, hf, layer)?
-            .ok_or_else(|| Error::Weights(format!("missing tensor {name:?}")))?;
-        let got = be.weight_shape(&w);
-        if got != shape {
-            return Err(Error::Weights(format!(
-                "tensor {name:?} has shape {got:?}, expected {shape:?}"
-            )));
-        }
-        Ok(w)
-    }
-}
-
-pub enum Ffn<B: Backend> {
-    /// SwiGLU: `down(silu(gate(x)) * up(x))`.
-    Dense {
-        gate: B::Weight,
-        up: B::Weight,
-        down: B::Weight,
-    },
-    /// Mixture of experts (Qwen3-MoE).
-    Moe(MoeLayer<B>),
-}
-
-pub struct Layer<B: Backend> {
-    attn_norm: B::Weight,
-    q: B::Weight,
-    k: B::Weight,
-    v: B::Weight,
-    qkv_bias: Option<[B::Weight; 3]>,
-    qk_norm: Option<[B::Weight; 2]>,
-    o: B::Weight,
-    ffn_norm: B::Weight,
-    ffn: Ffn<B>,
 }
 
 /// Keys and values of every layer, `block_size` rows to a block. Sequences find their rows
@@ -165,14 +98,16 @@ pub struct Decoder<B: Backend> {
     final_norm: B::Weight,
     layers: Vec<Layer<B>>,
     inv_freq: Vec<f32>,
+    /// Gemma 3's local layers' RoPE frequencies.
+    local_inv_freq: Option<Vec<f32>>,
     /// The longest sequence this decoder will run (positions), whatever the cache holds.
     pub context: usize,
     state: State<B>,
 }
 
 impl<B: Backend> Decoder<B> {
-    /// Loads the weights named in [`names::DECODER`]. `context` is the longest sequence the
-    /// caller may run.
+    /// Loads the weights of `config`'s layers from `src`. `context` is the longest sequence
+    /// the caller may run.
     pub fn load(
         backend: B,
         mut config: ModelConfig,
@@ -180,7 +115,7 @@ impl<B: Backend> Decoder<B> {
         context: usize,
     ) -> Result<Self> {
         let c = &config;
-        let (h, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let h = c.hidden_size;
         let be = &backend;
         let embed = src.require(be, "model.embed_tokens.weight", 0, (c.vocab_size, h))?;
         let lm_head = if c.tie_embeddings {
@@ -197,63 +132,46 @@ impl<B: Backend> Decoder<B> {
                 None => None,
             }
         };
-        let final_norm = src.require(be, "model.norm.weight", 0, (1, h))?;
-        let mut layers = Vec::with_capacity(c.n_layers);
-        for i in 0..c.n_layers {
-            let l = |name: &str, shape| src.require(be, name, i, shape);
-            let qkv_bias = if c.qkv_bias {
-                Some([
-                    l("model.layers.{i}.self_attn.q_proj.bias", (1, qd))?,
-                    l("model.layers.{i}.self_attn.k_proj.bias", (1, kvd))?,
-                    l("model.layers.{i}.self_attn.v_proj.bias", (1, kvd))?,
-                ])
-            } else {
-                None
-            };
-            let qk_norm = if c.qk_norm {
-                Some([
-                    l("model.layers.{i}.self_attn.q_norm.weight", (1, c.head_dim))?,
-                    l("model.layers.{i}.self_attn.k_norm.weight", (1, c.head_dim))?,
-                ])
-            } else {
-                None
-            };
-            layers.push(Layer {
-                attn_norm: l("model.layers.{i}.input_layernorm.weight", (1, h))?,
-                q: l("model.layers.{i}.self_attn.q_proj.weight", (qd, h))?,
-                k: l("model.layers.{i}.self_attn.k_proj.weight", (kvd, h))?,
-                v: l("model.layers.{i}.self_attn.v_proj.weight", (kvd, h))?,
-                qkv_bias,
-                qk_norm,
-                o: l("model.layers.{i}.self_attn.o_proj.weight", (h, qd))?,
-                ffn_norm: l("model.layers.{i}.post_attention_layernorm.weight", (1, h))?,
-                ffn: match &c.moe {
-                    Some(m) if m.is_moe_layer(i) => Ffn::Moe(MoeLayer::load(be, src, i, c, m)?),
-                    _ => Ffn::Dense {
-                        gate: l("model.layers.{i}.mlp.gate_proj.weight", (f, h))?,
-                        up: l("model.layers.{i}.mlp.up_proj.weight", (f, h))?,
-                        down: l("model.layers.{i}.mlp.down_proj.weight", (h, f))?,
-                    },
-                },
-            });
-        }
-        if let Some(t) = src.store.get(&src.name("rope_freqs.weight", 0)) {
-            let mut v = vec![0f32; t.numel()];
-            if t.dtype != ferrum_core::DType::F32
-                || t.bytes().len() != 4 * v.len()
-                || v.len() != c.head_dim / 2
-            {
-                return Err(Error::Weights(
-                    "rope_freqs.weight must be F32 [head_dim/2]".into(),
-                ));
-            }
-            for (o, b) in v.iter_mut().zip(t.bytes().chunks_exact(4)) {
-                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
+        let final_norm = src.norm(be, "model.norm.weight", 0, h, c.norm_offset)?;
+        let layers = (0..c.n_layers)
+            .map(|i| Layer::load(be, src, i, c))
+            .collect::<Result<Vec<_>>>()?;
+        let half = c.rotary_dim / 2;
+        if let Some(v) = f32_vector(src, "rope_freqs.weight", half)? {
             config.rope_scaling = Some(RopeScaling::Factors(v));
         }
-        let c = &config;
+        // Phi-3's LongRoPE factors, as llama.cpp's converter stores them (its config reader
+        // leaves the lists empty for these).
+        if let (Some(short), Some(long)) = (
+            f32_vector(src, "rope_factors_short.weight", half)?,
+            f32_vector(src, "rope_factors_long.weight", half)?,
+        ) {
+            let original_max_position = match &config.rope_scaling {
+                Some(RopeScaling::LongRope {
+                    original_max_position,
+                    ..
+                }) => *original_max_position,
+                _ => config.max_position,
+            };
+            config.rope_scaling = Some(RopeScaling::LongRope {
+                short,
+                long,
+                original_max_position,
+            });
+        }
+        if let Some(RopeScaling::LongRope { short, long, .. }) = &config.rope_scaling {
+            if short.len() != half || long.len() != half {
+                return Err(Error::Weights(format!(
+                    "LongRoPE needs {half} short and long factors, found {} and {}",
+                    short.len(),
+                    long.len()
+                )));
+            }
+        }
         let context = context.max(1);
+        config.resolve_context(context);
+        let c = &config;
+        let (qd, kvd, f) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
         let state = State {
             x: be.alloc(CHUNK * h),
             xn: be.alloc(CHUNK * h),
@@ -280,6 +198,7 @@ impl<B: Backend> Decoder<B> {
         };
         Ok(Decoder {
             inv_freq: config.rope_inv_freq(),
+            local_inv_freq: config.local_inv_freq(),
             config,
             backend,
             embed,
@@ -522,23 +441,7 @@ impl<B: Backend> Decoder<B> {
         let be = &self.backend;
         let s = &mut self.state;
         let n = tokens.len();
-        let (h, qd, kvd, f, hd) = (
-            c.hidden_size,
-            c.q_dim(),
-            c.kv_dim(),
-            c.intermediate_size,
-            c.head_dim,
-        );
-        let qkv_w = qd + 2 * kvd;
-        let rope = RopeParams {
-            layout: c.rope_layout,
-            inv_freq: &self.inv_freq,
-        };
-        let hidden = Rows::dense(n, h);
-        let q_view = Rows::columns(n, qkv_w, 0, qd).split_heads(hd);
-        let k_view = Rows::columns(n, qkv_w, qd, kvd).split_heads(hd);
-        let v_view = Rows::columns(n, qkv_w, qd + kvd, kvd);
-
+        let hidden = Rows::dense(n, c.hidden_size);
         let attn_seqs: Vec<AttnSeq> = seqs
             .iter()
             .map(|q| AttnSeq {
@@ -551,156 +454,78 @@ impl<B: Backend> Decoder<B> {
             })
             .collect();
         be.embed(&self.embed, tokens, &mut s.x, hidden);
+        if let Some(e) = c.embed_scale {
+            be.scale_inplace(&mut s.x, hidden, e);
+        }
+        if let Some(w) = self.layers.first().and_then(|l| l.norms.attn_in.as_ref()) {
+            be.rms_norm(&s.x, hidden, w, c.rms_eps, &mut s.xn, hidden);
+        }
         for (li, layer) in self.layers.iter().enumerate() {
-            if li == 0 {
-                be.rms_norm(&s.x, hidden, &layer.attn_norm, c.rms_eps, &mut s.xn, hidden);
-            }
-            let bias = layer.qkv_bias.as_ref();
-            be.matmul_many(
-                &s.xn,
-                hidden,
-                &[
-                    MatmulPart {
-                        weight: &layer.q,
-                        bias: bias.map(|b| &b[0]),
-                        out: Rows::columns(n, qkv_w, 0, qd),
-                    },
-                    MatmulPart {
-                        weight: &layer.k,
-                        bias: bias.map(|b| &b[1]),
-                        out: Rows::columns(n, qkv_w, qd, kvd),
-                    },
-                    MatmulPart {
-                        weight: &layer.v,
-                        bias: bias.map(|b| &b[2]),
-                        out: v_view,
-                    },
-                ],
-                &mut s.qkv,
-            );
-            if let Some([qn, kn]) = &layer.qk_norm {
-                be.rms_norm_inplace(&mut s.qkv, q_view, qn, c.rms_eps);
-                be.rms_norm_inplace(&mut s.qkv, k_view, kn, c.rms_eps);
-            }
-            be.rope(&mut s.qkv, q_view, positions, rope);
-            be.rope(&mut s.qkv, k_view, positions, rope);
-            let attn_view = Rows::dense(n, qd).split_heads(hd);
-            let mut row = 0;
-            for a in &attn_seqs {
-                let (ks, vs) = (k_view.slice(row, a.rows), v_view.slice(row, a.rows));
-                be.write_kv(&s.qkv, ks, &mut kv.k[li], a.table, a.first_pos);
-                be.write_kv(&s.qkv, vs, &mut kv.v[li], a.table, a.first_pos);
-                row += a.rows;
-            }
-            be.attention(
-                &s.qkv,
-                q_view,
-                &kv.k[li],
-                &kv.v[li],
-                &attn_seqs,
-                &mut s.attn,
-                attn_view,
-                AttentionParams {
+            let rope = match layer.spec.rope {
+                Rope::Global => Some(RopeParams {
+                    layout: c.rope_layout,
+                    inv_freq: &self.inv_freq,
+                    factor: c.rope_factor,
+                }),
+                Rope::Local => Some(RopeParams {
+                    layout: c.rope_layout,
+                    inv_freq: self.local_inv_freq.as_deref().unwrap_or(&self.inv_freq),
+                    factor: 1.0,
+                }),
+                Rope::None => None,
+            };
+            let inputs = AttnInputs {
+                positions,
+                seqs: &attn_seqs,
+                rope,
+                params: AttentionParams {
                     n_kv_heads: c.n_kv_heads,
-                    scale: 1.0 / (hd as f32).sqrt(),
-                    window: c.sliding_window,
+                    scale: c.attn_scale,
+                    window: layer.spec.window,
                     softcap: None,
                 },
-            );
-            be.matmul(
-                &s.attn,
-                Rows::dense(n, qd),
-                &layer.o,
-                None,
+            };
+            // A block reads the normalised stream where its family has a norm before it,
+            // the residual stream itself where not (OLMo 2).
+            let input = if layer.norms.attn_in.is_some() {
+                &s.xn
+            } else {
+                &s.x
+            };
+            layer.attn.forward(
+                be,
+                c,
+                input,
+                n,
+                &mut s.qkv,
+                &mut s.attn,
                 &mut s.tmp,
-                hidden,
+                &mut kv.k[li],
+                &mut kv.v[li],
+                &inputs,
             );
-            be.add_rms_norm(
-                &mut s.x,
-                hidden,
-                &s.tmp,
-                hidden,
-                &layer.ffn_norm,
-                c.rms_eps,
-                &mut s.xn,
-                hidden,
-            );
+            let ffn_in = layer.norms.ffn_in.as_ref();
+            residual(be, c, s, n, layer.norms.attn_out.as_ref(), ffn_in);
+            let input = if ffn_in.is_some() { &s.xn } else { &s.x };
             match &layer.ffn {
-                Ffn::Dense { gate, up, down } => {
-                    be.matmul_many(
-                        &s.xn,
-                        hidden,
-                        &[
-                            MatmulPart {
-                                weight: gate,
-                                bias: None,
-                                out: Rows::columns(n, 2 * f, 0, f),
-                            },
-                            MatmulPart {
-                                weight: up,
-                                bias: None,
-                                out: Rows::columns(n, 2 * f, f, f),
-                            },
-                        ],
-                        &mut s.gu,
-                    );
-                    be.swiglu_matmul(
-                        &s.gu,
-                        Rows::dense(n, 2 * f),
-                        &mut s.act,
-                        Rows::dense(n, f),
-                        down,
-                        &mut s.tmp,
-                        hidden,
-                    );
-                }
+                Ffn::Dense { gate_up, down } => dense_ffn(
+                    be, c, gate_up, down, input, n, &mut s.gu, &mut s.act, &mut s.tmp,
+                ),
                 Ffn::Moe(moe) => {
                     let ms = s
                         .moe
                         .as_mut()
                         .ok_or_else(|| Error::Weights("MoE layer without MoE state".into()))?;
-                    let ne = moe.experts.len();
-                    be.matmul(
-                        &s.xn,
-                        hidden,
-                        &moe.router,
-                        None,
-                        &mut ms.router_logits,
-                        Rows::dense(n, ne),
-                    );
-                    be.read(&ms.router_logits, 0, &mut ms.host_logits[..n * ne]);
-                    ms.router
-                        .route(&ms.host_logits[..n * ne], n, &mut ms.counts[li]);
-                    let batches = ms.router.batches();
-                    let t0 = std::time::Instant::now();
-                    be.moe_ffn(
-                        &s.xn,
-                        hidden,
-                        &moe.experts,
-                        &batches,
-                        &mut ms.scratch,
-                        &mut s.tmp,
-                        hidden,
-                    );
-                    // Backends that run asynchronously will need a sync here to time this.
-                    ms.expert_secs += t0.elapsed().as_secs_f64();
+                    moe_block(be, moe, ms, li, input, n, hidden, &mut s.tmp);
                 }
             }
             // The next layer's input norm rides on this residual add; after the last layer
             // the residual stream is left unnormalised for the output head.
-            match self.layers.get(li + 1) {
-                Some(next) => be.add_rms_norm(
-                    &mut s.x,
-                    hidden,
-                    &s.tmp,
-                    hidden,
-                    &next.attn_norm,
-                    c.rms_eps,
-                    &mut s.xn,
-                    hidden,
-                ),
-                None => be.add_inplace(&mut s.x, hidden, &s.tmp, hidden),
-            }
+            let next_in = self
+                .layers
+                .get(li + 1)
+                .and_then(|l| l.norms.attn_in.as_ref());
+            residual(be, c, s, n, layer.norms.ffn_out.as_ref(), next_in);
         }
         Ok(())
     }
@@ -730,6 +555,9 @@ impl<B: Backend> Decoder<B> {
             &mut s.logits,
             Rows::dense(count, vocab),
         );
+        if c.logit_scale != 1.0 {
+            be.scale_inplace(&mut s.logits, Rows::dense(count, vocab), c.logit_scale);
+        }
     }
 
     /// Copies the first `rows` rows of `state.logits` into `out` (its contents replaced).
@@ -741,4 +569,86 @@ impl<B: Backend> Decoder<B> {
             self.backend.read(&self.state.logits, 0, out);
         }
     }
+}
+
+/// A block's output (`state.tmp`) into the residual stream: its post-norm and multiplier
+/// where the family has them, then `x += tmp`, fused with the next norm into `xn` when one
+/// follows.
+fn residual<B: Backend>(
+    be: &B,
+    c: &ModelConfig,
+    s: &mut State<B>,
+    n: usize,
+    post_norm: Option<&B::Weight>,
+    next_norm: Option<&B::Weight>,
+) {
+    let hidden = Rows::dense(n, c.hidden_size);
+    if let Some(w) = post_norm {
+        be.rms_norm_inplace(&mut s.tmp, hidden, w, c.rms_eps);
+    }
+    if c.residual_scale != 1.0 {
+        be.scale_inplace(&mut s.tmp, hidden, c.residual_scale);
+    }
+    match next_norm {
+        Some(w) => be.add_rms_norm(
+            &mut s.x, hidden, &s.tmp, hidden, w, c.rms_eps, &mut s.xn, hidden,
+        ),
+        None => be.add_inplace(&mut s.x, hidden, &s.tmp, hidden),
+    }
+}
+
+/// Routes the `n` rows of `x` (router matmul, then top-k on the host) and runs the selected
+/// experts into `out`.
+#[allow(clippy::too_many_arguments)]
+fn moe_block<B: Backend>(
+    be: &B,
+    moe: &MoeLayer<B>,
+    ms: &mut MoeState<B>,
+    layer: usize,
+    x: &B::Buf,
+    n: usize,
+    hidden: Rows,
+    out: &mut B::Buf,
+) {
+    let ne = moe.experts.len();
+    be.matmul(
+        x,
+        hidden,
+        &moe.router,
+        None,
+        &mut ms.router_logits,
+        Rows::dense(n, ne),
+    );
+    be.read(&ms.router_logits, 0, &mut ms.host_logits[..n * ne]);
+    ms.router
+        .route(&ms.host_logits[..n * ne], n, &mut ms.counts[layer]);
+    let batches = ms.router.batches();
+    let t0 = std::time::Instant::now();
+    be.moe_ffn(
+        x,
+        hidden,
+        &moe.experts,
+        &batches,
+        &mut ms.scratch,
+        out,
+        hidden,
+    );
+    // Backends that run asynchronously will need a sync here to time this.
+    ms.expert_secs += t0.elapsed().as_secs_f64();
+}
+
+/// A 1-D f32 tensor of `len` values (RoPE frequency factors), if the file has it.
+fn f32_vector(src: &WeightSource, name: &str, len: usize) -> Result<Option<Vec<f32>>> {
+    let Some(t) = src.store.get(&src.name(name, 0)) else {
+        return Ok(None);
+    };
+    if t.dtype != ferrum_core::DType::F32 || t.bytes().len() != 4 * len || t.numel() != len {
+        return Err(Error::Weights(format!("{name} must be F32 [{len}]")));
+    }
+    Ok(Some(
+        t.bytes()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+    ))
 }

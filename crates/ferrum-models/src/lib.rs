@@ -1,13 +1,14 @@
 //! Model architectures over the backend trait.
 //!
-//! Llama (SmolLM2, TinyLlama, Llama 3, Mistral), Qwen2 and Qwen3 dense are one decoder
-//! ([`decoder`]) with variant flags set from the configuration ([`config`]): QKV bias for
-//! Qwen2, QK-norm for Qwen3, the interleaved RoPE layout for Llama GGUFs. An architecture
-//! that changes the layer itself (Qwen3-MoE's FFN, Gemma's norms) adds a variant to the
-//! decoder's enums rather than a copy of the forward pass.
+//! One forward driver ([`decoder`]) runs layers built from shared pieces ([`layers`]:
+//! attention, dense and MoE FFNs, norms); each family has a file in [`arch`] that says what
+//! its configuration keys mean and how its layers differ from Llama's, and a row in
+//! [`arch::ARCHS`]. [`config`] holds the typed configuration they produce.
 
+pub mod arch;
 pub mod config;
 pub mod decoder;
+pub mod layers;
 pub mod moe;
 pub mod names;
 
@@ -25,16 +26,16 @@ pub use decoder::{Decoder, KvCache, Logits, SeqChunk, WeightSource};
 /// `architectures` class / `model_type`.
 pub fn detect_arch(file: &ModelFile) -> Result<Arch> {
     match file {
-        ModelFile::Gguf(g) => match g.architecture()? {
-            "llama" | "mistral" => Ok(Arch::Llama),
-            "qwen2" => Ok(Arch::Qwen2),
-            "qwen3" => Ok(Arch::Qwen3),
-            "qwen3moe" => Ok(Arch::Qwen3Moe),
-            other => Err(Error::Unsupported(format!(
-                "{}: architecture {other:?} (supported: llama, qwen2, qwen3, qwen3moe)",
-                g.path.display()
-            ))),
-        },
+        ModelFile::Gguf(g) => {
+            let name = g.architecture()?;
+            Arch::from_gguf_name(name).ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "{}: architecture {name:?} (supported: {})",
+                    g.path.display(),
+                    Arch::supported_gguf()
+                ))
+            })
+        }
         ModelFile::Hf(h) => {
             let class = h
                 .config
@@ -42,22 +43,15 @@ pub fn detect_arch(file: &ModelFile) -> Result<Arch> {
                 .and_then(|a| a.get(0))
                 .and_then(|a| a.as_str());
             let model_type = h.config.get("model_type").and_then(|a| a.as_str());
-            match (class, model_type) {
-                (Some("LlamaForCausalLM" | "MistralForCausalLM"), _) => Ok(Arch::Llama),
-                (Some("Qwen2ForCausalLM"), _) => Ok(Arch::Qwen2),
-                (Some("Qwen3ForCausalLM"), _) => Ok(Arch::Qwen3),
-                (Some("Qwen3MoeForCausalLM"), _) => Ok(Arch::Qwen3Moe),
-                (None, Some("llama" | "mistral")) => Ok(Arch::Llama),
-                (None, Some("qwen2")) => Ok(Arch::Qwen2),
-                (None, Some("qwen3")) => Ok(Arch::Qwen3),
-                (None, Some("qwen3_moe")) => Ok(Arch::Qwen3Moe),
-                _ => Err(Error::Unsupported(format!(
-                    "{}: architecture {:?} / model_type {:?} (supported: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE)",
+            Arch::from_hf(class, model_type).ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "{}: architecture {:?} / model_type {:?} (supported: {})",
                     h.dir.display(),
                     class,
-                    model_type
-                ))),
-            }
+                    model_type,
+                    Arch::supported_hf()
+                ))
+            })
         }
     }
 }
@@ -67,7 +61,7 @@ pub fn detect_arch(file: &ModelFile) -> Result<Arch> {
 pub fn read_config(file: &ModelFile) -> Result<ModelConfig> {
     let arch = detect_arch(file)?;
     match file {
-        ModelFile::Hf(h) => ModelConfig::from_hf(arch, &h.config),
+        ModelFile::Hf(h) => (arch.info().from_hf)(&h.config),
         ModelFile::Gguf(g) => {
             let store = file.tensors();
             let embd = store.get("token_embd.weight").ok_or_else(|| {
@@ -75,7 +69,7 @@ pub fn read_config(file: &ModelFile) -> Result<ModelConfig> {
             })?;
             let vocab = embd.n_rows();
             let tied = !store.contains("output.weight");
-            ModelConfig::from_gguf(arch, g, vocab, tied)
+            (arch.info().from_gguf)(g, vocab, tied)
         }
     }
 }
@@ -124,6 +118,7 @@ impl<B: Backend> Model<B> {
         let src = WeightSource {
             store: &store,
             gguf,
+            names: arch.info().names,
         };
         let decoder = Decoder::load(backend, config, &src, context)?;
         let mut by_type: std::collections::HashMap<DType, usize> = Default::default();

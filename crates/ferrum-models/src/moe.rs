@@ -9,7 +9,7 @@ use ferrum_backend::{Backend, ExpertBatch, ExpertWeights};
 use ferrum_core::{Error, Result};
 
 use crate::config::{ModelConfig, MoeConfig};
-use crate::decoder::WeightSource;
+use crate::layers::WeightSource;
 use crate::names;
 
 pub struct MoeLayer<B: Backend> {

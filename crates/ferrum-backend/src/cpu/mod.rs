@@ -22,8 +22,8 @@ pub use kv::{CpuKv, KvDtype};
 use pool::ThreadPool;
 
 use crate::{
-    moe_ffn_default, AttentionParams, AttnSeq, Backend, ExpertBatch, ExpertWeights, KvShape,
-    KvTable, MatmulPart, MoeScratch, RopeLayout, RopeParams, Rows,
+    moe_ffn_default, Activation, AttentionParams, AttnSeq, Backend, ExpertBatch, ExpertWeights,
+    KvShape, KvTable, MatmulPart, MoeScratch, RopeLayout, RopeParams, Rows,
 };
 
 pub struct CpuBackend {
@@ -37,7 +37,7 @@ pub struct CpuBackend {
     /// The last pass's rotary cos/sin: every layer rotates queries and keys at the same
     /// positions, so they are computed once per pass rather than twice per layer (in f64,
     /// they cost more per token than the rotation itself).
-    rope_cache: Arc<std::sync::Mutex<RopeCache>>,
+    rope_cache: Arc<std::sync::Mutex<Vec<RopeCache>>>,
     /// Where weight matrices live: on huge pages, several to a page (see [`arena`]).
     arena: Arc<arena::Arena>,
     /// The same for KV caches, apart: a short-lived cache (an embedding request's) then never
@@ -49,10 +49,45 @@ pub struct CpuBackend {
 struct RopeCache {
     positions: Vec<u32>,
     inv_freq: Vec<f32>,
+    factor: f32,
     /// cos and sin of position `positions[t]` and pair `i`, each at `t * inv_freq.len() + i`
     /// (two arrays, so that a head's rotation is element-wise over slices and vectorises).
     cos: Vec<f32>,
     sin: Vec<f32>,
+}
+
+impl RopeCache {
+    fn new(positions: &[u32], p: &RopeParams) -> RopeCache {
+        let mut c = RopeCache {
+            positions: positions.to_vec(),
+            inv_freq: p.inv_freq.to_vec(),
+            factor: p.factor,
+            cos: Vec::with_capacity(positions.len() * p.inv_freq.len()),
+            sin: Vec::with_capacity(positions.len() * p.inv_freq.len()),
+        };
+        for &pos in positions {
+            for &f in p.inv_freq {
+                // Hugging Face forms the angle in f32 and takes cos/sin of that f32 value
+                // (then multiplies by the attention factor, in f32).
+                let angle = (pos as f32 * f) as f64;
+                c.cos.push(angle.cos() as f32 * p.factor);
+                c.sin.push(angle.sin() as f32 * p.factor);
+            }
+        }
+        c
+    }
+
+    /// By bits: equal floats of different bits (0.0 and -0.0) give sines of other signs.
+    fn matches(&self, positions: &[u32], p: &RopeParams) -> bool {
+        self.positions == positions
+            && self.factor.to_bits() == p.factor.to_bits()
+            && self.inv_freq.len() == p.inv_freq.len()
+            && self
+                .inv_freq
+                .iter()
+                .zip(p.inv_freq)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+    }
 }
 
 impl Default for CpuBackend {
@@ -763,32 +798,20 @@ impl Backend for CpuBackend {
         assert_eq!(positions.len(), xv.count);
         let half = p.inv_freq.len();
         assert!(2 * half <= xv.head_dim);
-        // The key is written last, so a fill cut short (a poisoned lock) is never reused.
-        let mut cache = self.rope_cache.lock().unwrap_or_else(|e| e.into_inner());
-        // By bits: equal floats of different bits (0.0 and -0.0) give sines of other signs.
-        let same_freqs = cache.inv_freq.len() == p.inv_freq.len()
-            && cache
-                .inv_freq
-                .iter()
-                .zip(p.inv_freq)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-        if cache.positions != positions || !same_freqs {
-            let c = &mut *cache;
-            c.positions.clear();
-            c.cos.clear();
-            c.sin.clear();
-            for &pos in positions {
-                for &f in p.inv_freq {
-                    // Hugging Face forms the angle in f32 and takes cos/sin of that f32 value.
-                    let angle = (pos as f32 * f) as f64;
-                    c.cos.push(angle.cos() as f32);
-                    c.sin.push(angle.sin() as f32);
+        let mut caches = self.rope_cache.lock().unwrap_or_else(|e| e.into_inner());
+        // Models with two frequency sets (Gemma 3's local and global layers) alternate between
+        // them every few layers: a cache per set, so neither is recomputed each layer.
+        let hit = caches.iter().position(|c| c.matches(positions, &p));
+        let cache = match hit {
+            Some(i) => &caches[i],
+            None => {
+                if caches.len() >= 4 {
+                    caches.remove(0);
                 }
+                caches.push(RopeCache::new(positions, &p));
+                &caches[caches.len() - 1]
             }
-            c.inv_freq.clear();
-            c.inv_freq.extend_from_slice(p.inv_freq);
-            c.positions.extend_from_slice(positions);
-        }
+        };
         for t in 0..positions.len() {
             let cos = &cache.cos[t * half..(t + 1) * half];
             let sin = &cache.sin[t * half..(t + 1) * half];
@@ -850,18 +873,23 @@ impl Backend for CpuBackend {
         kv::attention(&self.pool, q, qv, k_cache, v_cache, seqs, out, ov, p);
     }
 
-    fn silu_mul(&self, x: &Vec<f32>, xv: Rows, out: &mut Vec<f32>, ov: Rows) {
-        let f = check_silu_mul(xv, x.len(), ov, out.len());
+    fn glu(&self, x: &Vec<f32>, xv: Rows, out: &mut Vec<f32>, ov: Rows, act: Activation) {
+        let f = check_glu(xv, x.len(), ov, out.len());
         for t in 0..xv.count {
             let xi = xv.offset + t * xv.stride;
             let oi = ov.offset + t * ov.stride;
-            simd::silu_mul(&x[xi..xi + f], &x[xi + f..xi + 2 * f], &mut out[oi..oi + f]);
+            simd::glu(
+                &x[xi..xi + f],
+                &x[xi + f..xi + 2 * f],
+                &mut out[oi..oi + f],
+                act,
+            );
         }
     }
 
     /// On the integer path, each token's SwiGLU row is computed by the task that quantises it,
     /// in the matmul's hand-off: a decode batch's rows no longer wait for one thread.
-    fn swiglu_matmul(
+    fn glu_matmul(
         &self,
         gu: &Vec<f32>,
         gv: Rows,
@@ -870,12 +898,13 @@ impl Backend for CpuBackend {
         w: &CpuWeight,
         out: &mut Vec<f32>,
         ov: Rows,
+        fun: Activation,
     ) {
         let Some(part) = self.quant_part(av, w, None, ov, out.len()) else {
-            self.silu_mul(gu, gv, act, av);
+            self.glu(gu, gv, act, av, fun);
             return self.matmul(act, av, w, None, out, ov);
         };
-        let f = check_silu_mul(gv, gu.len(), av, act.len());
+        let f = check_glu(gv, gu.len(), av, act.len());
         assert!(
             av.count <= 1 || av.stride >= f,
             "swiglu: activation rows overlap"
@@ -887,7 +916,7 @@ impl Backend for CpuBackend {
             // calls this once per token, so row t is written by this call alone and read only
             // through the returned slice.
             let o = unsafe { a.slice(av.offset + t * av.stride, f) };
-            simd::silu_mul(&gu[gi..gi + f], &gu[gi + f..gi + 2 * f], o);
+            simd::glu(&gu[gi..gi + f], &gu[gi + f..gi + 2 * f], o, fun);
             o
         };
         quantized_matmuls(
@@ -1043,11 +1072,12 @@ impl Backend for CpuBackend {
         if scratch.act.len() < k * f {
             scratch.act.resize(k * f, 0.0);
         }
-        self.silu_mul(
+        self.glu(
             &scratch.gu,
             Rows::dense(k, 2 * f),
             &mut scratch.act,
             Rows::dense(k, f),
+            Activation::Silu,
         );
         let acts: Vec<ActRow> = sel
             .iter()
@@ -1236,7 +1266,7 @@ struct QuantPart<'a> {
 /// to the threads. Rows are split across tasks; each task reads its weight rows once for all
 /// tokens. Results do not depend on how many parts share the pass.
 /// `input(t)` gives token `t`'s row of `k` values; it is called once per token, before any
-/// matmul task starts (so it may compute the row: [`Backend::swiglu_matmul`]).
+/// matmul task starts (so it may compute the row: [`Backend::glu_matmul`]).
 fn quantized_matmuls<'x>(
     pool: &ThreadPool,
     input: &(dyn Fn(usize) -> &'x [f32] + Sync),
@@ -1431,14 +1461,14 @@ fn quantized_rows<'a, B: PackedRows>(
     }
 }
 
-/// `silu_mul`'s shape checks (gate/up rows `xv` of a buffer of `x_len`, output rows `ov` of one
+/// `glu`'s shape checks (gate/up rows `xv` of a buffer of `x_len`, output rows `ov` of one
 /// of `out_len`); returns the output width.
-fn check_silu_mul(xv: Rows, x_len: usize, ov: Rows, out_len: usize) -> usize {
+fn check_glu(xv: Rows, x_len: usize, ov: Rows, out_len: usize) -> usize {
     let f = ov.width();
     assert_eq!(xv.width(), 2 * f);
     assert_eq!(xv.count, ov.count);
-    check_view("silu_mul x", xv, x_len);
-    check_view("silu_mul out", ov, out_len);
+    check_view("glu x", xv, x_len);
+    check_view("glu out", ov, out_len);
     f
 }
 

@@ -278,6 +278,39 @@ pub fn silu_mul_scalar(g: &[f32], u: &[f32], out: &mut [f32]) {
     }
 }
 
+/// `2·√(2/π)`, and the cubic coefficient of the tanh approximation of GELU.
+const GELU_2C: f32 = 1.595_769_2;
+const GELU_K: f32 = 0.044_715;
+
+/// GeGLU's gate, tanh-approximated GELU: `0.5·g·(1 + tanh(c·(g + k·g³)))·u`, computed as
+/// `g / (1 + e^−2c(g + k·g³)) · u` (the same function: `1 + tanh(y) = 2 / (1 + e^−2y)`), with
+/// [`exp_f32`], so it shares SiLU's kernel shape.
+pub fn gelu_tanh_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx2_fma() {
+            // SAFETY: AVX2 and FMA detected just above.
+            return unsafe { avx2::gelu_tanh_mul(g, u, out) };
+        }
+    }
+    gelu_tanh_mul_scalar(g, u, out)
+}
+
+pub fn gelu_tanh_mul_scalar(g: &[f32], u: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
+        let z = GELU_2C * (g + GELU_K * (g * g * g));
+        *o = g / (1.0 + exp_f32(-z)) * u;
+    }
+}
+
+/// A gated FFN's gate with the given nonlinearity.
+pub fn glu(g: &[f32], u: &[f32], out: &mut [f32], act: crate::Activation) {
+    match act {
+        crate::Activation::Silu => silu_mul(g, u, out),
+        crate::Activation::GeluTanh => gelu_tanh_mul(g, u, out),
+    }
+}
+
 /// bf16 (as its bits) → f32 for a slice (rows of bf16 weights), as `half::bf16::to_f32`:
 /// the bits moved up sixteen, a NaN's quiet bit set.
 pub fn bf16_to_f32(src: &[u16], dst: &mut [f32]) {
@@ -868,6 +901,31 @@ mod avx2 {
         super::silu_mul_scalar(&g[main..n], &u[main..n], &mut out[main..n]);
     }
 
+    /// Plain products and sums (no fused multiply-add), in the scalar twin's order: the
+    /// same bits.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn gelu_tanh_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
+        let n = out.len().min(g.len()).min(u.len());
+        let main = n - n % 8;
+        let (pg, pu, po) = (g.as_ptr(), u.as_ptr(), out.as_mut_ptr());
+        let one = _mm256_set1_ps(1.0);
+        let (c2, k) = (
+            _mm256_set1_ps(super::GELU_2C),
+            _mm256_set1_ps(super::GELU_K),
+        );
+        let mut i = 0;
+        while i < main {
+            let x = _mm256_loadu_ps(pg.add(i));
+            let x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+            let z = _mm256_mul_ps(c2, _mm256_add_ps(x, _mm256_mul_ps(k, x3)));
+            let e = exp_f32(_mm256_sub_ps(_mm256_setzero_ps(), z));
+            let s = _mm256_div_ps(x, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(po.add(i), _mm256_mul_ps(s, _mm256_loadu_ps(pu.add(i))));
+            i += 8;
+        }
+        super::gelu_tanh_mul_scalar(&g[main..n], &u[main..n], &mut out[main..n]);
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn softmax(s: &mut [f32], scale: f32) {
         let n = s.len();
@@ -1178,6 +1236,30 @@ mod tests {
                     (a[i] as f64 - want).abs() <= 1e-6 * want.abs() + 1e-30,
                     "silu({})",
                     g[i]
+                );
+            }
+        }
+        for n in [1, 8, 13, 640] {
+            let g: Vec<f32> = (0..n).map(|_| rng.gen_range(-12.0..12.0)).collect();
+            let u: Vec<f32> = (0..n).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+            gelu_tanh_mul(&g, &u, &mut a);
+            gelu_tanh_mul_scalar(&g, &u, &mut b);
+            assert_eq!(
+                a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                b.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "gelu n={n}"
+            );
+            for i in 0..n {
+                // PyTorch's formula, in f64.
+                let x = g[i] as f64;
+                let c = (2.0 / std::f64::consts::PI).sqrt();
+                let want = 0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh()) * u[i] as f64;
+                assert!(
+                    (a[i] as f64 - want).abs() <= 2e-6 * want.abs() + 1e-30,
+                    "gelu({x}) · {} = {}, want {want}",
+                    u[i],
+                    a[i]
                 );
             }
         }

@@ -291,6 +291,7 @@ fn interleaved_rope_is_neox_rope_on_permuted_dims() {
         RopeParams {
             layout: RopeLayout::Neox,
             inv_freq: &inv,
+            factor: 1.0,
         },
     );
     // Interleave the halves: dims (i, i + hd/2) become (2i, 2i + 1).
@@ -312,6 +313,7 @@ fn interleaved_rope_is_neox_rope_on_permuted_dims() {
         RopeParams {
             layout: RopeLayout::Interleaved,
             inv_freq: &inv,
+            factor: 1.0,
         },
     );
     assert_eq!(inter, perm(&neox));
@@ -324,9 +326,35 @@ fn interleaved_rope_is_neox_rope_on_permuted_dims() {
         RopeParams {
             layout: RopeLayout::Neox,
             inv_freq: &inv,
+            factor: 1.0,
         },
     );
     assert_eq!(same, x);
+    // Partial rotary with an attention factor (Phi-3's LongRoPE): the first 2·len(freqs)
+    // dimensions rotate and are scaled, the rest pass through untouched.
+    let quarter = &inv[..hd / 4];
+    let mut part = x.clone();
+    be.rope(
+        &mut part,
+        v,
+        &pos,
+        RopeParams {
+            layout: RopeLayout::Neox,
+            inv_freq: quarter,
+            factor: 1.5,
+        },
+    );
+    for t in 0..2 {
+        let (row, got) = (&x[t * hd..(t + 1) * hd], &part[t * hd..(t + 1) * hd]);
+        assert_eq!(&got[hd / 2..], &row[hd / 2..]);
+        for i in 0..hd / 4 {
+            let a = pos[t] as f32 * quarter[i];
+            let (c, s) = ((a as f64).cos() as f32 * 1.5, (a as f64).sin() as f32 * 1.5);
+            let (x0, x1) = (row[i], row[i + hd / 4]);
+            assert_eq!(got[i], x0 * c - x1 * s);
+            assert_eq!(got[i + hd / 4], x1 * c + x0 * s);
+        }
+    }
 }
 
 #[test]
@@ -358,7 +386,13 @@ fn silu_mul_and_embed() {
     let be = CpuBackend::new();
     let x = vec![1.0f32, -2.0, 3.0, 0.5];
     let mut out = vec![0.0; 2];
-    be.silu_mul(&x, Rows::dense(1, 4), &mut out, Rows::dense(1, 2));
+    be.glu(
+        &x,
+        Rows::dense(1, 4),
+        &mut out,
+        Rows::dense(1, 2),
+        Activation::Silu,
+    );
     let silu = |g: f32| g / (1.0 + (-g).exp());
     assert!((out[0] - silu(1.0) * 3.0).abs() < 1e-6);
     assert!((out[1] - silu(-2.0) * 0.5).abs() < 1e-6);

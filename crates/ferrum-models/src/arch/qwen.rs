@@ -1,0 +1,113 @@
+//! Qwen2 (QKV bias), Qwen3 (QK-norm per head) and Qwen3-MoE (Qwen3 attention, routed
+//! SwiGLU experts).
+
+use ferrum_core::{Error, Result};
+use ferrum_loader::GgufFile;
+use serde_json::Value as Json;
+
+use super::{Arch, ArchInfo};
+use crate::config::{hf_opt_usize, hf_usize, ModelConfig, MoeConfig, QkNorm};
+
+pub const QWEN2: ArchInfo = ArchInfo {
+    arch: Arch::Qwen2,
+    name: "qwen2",
+    gguf_aliases: &[],
+    hf_classes: &["Qwen2ForCausalLM"],
+    model_types: &["qwen2"],
+    from_hf: |j| {
+        let mut c = ModelConfig::hf_base(Arch::Qwen2, j)?;
+        c.qkv_bias = true;
+        c.check("config.json")
+    },
+    from_gguf: |g, vocab, tied| {
+        let mut c = ModelConfig::gguf_base(Arch::Qwen2, g, vocab, tied)?;
+        c.qkv_bias = true;
+        c.check(&g.path.display().to_string())
+    },
+    names: &[],
+};
+
+pub const QWEN3: ArchInfo = ArchInfo {
+    arch: Arch::Qwen3,
+    name: "qwen3",
+    gguf_aliases: &[],
+    hf_classes: &["Qwen3ForCausalLM"],
+    model_types: &["qwen3"],
+    from_hf: |j| {
+        let mut c = ModelConfig::hf_base(Arch::Qwen3, j)?;
+        c.qk_norm = QkNorm::PerHead;
+        c.check("config.json")
+    },
+    from_gguf: |g, vocab, tied| {
+        let mut c = ModelConfig::gguf_base(Arch::Qwen3, g, vocab, tied)?;
+        c.qk_norm = QkNorm::PerHead;
+        c.check(&g.path.display().to_string())
+    },
+    names: &[],
+};
+
+pub const QWEN3_MOE: ArchInfo = ArchInfo {
+    arch: Arch::Qwen3Moe,
+    name: "qwen3moe",
+    gguf_aliases: &[],
+    hf_classes: &["Qwen3MoeForCausalLM"],
+    model_types: &["qwen3_moe"],
+    from_hf: moe_from_hf,
+    from_gguf: moe_from_gguf,
+    names: &[],
+};
+
+fn moe_from_hf(j: &Json) -> Result<ModelConfig> {
+    let mut c = ModelConfig::hf_base(Arch::Qwen3Moe, j)?;
+    c.qk_norm = QkNorm::PerHead;
+    // Published checkpoints say `num_experts`; transformers 5 writes `num_local_experts`.
+    let n_experts = hf_opt_usize(j, "num_experts")
+        .or_else(|| hf_opt_usize(j, "num_local_experts"))
+        .ok_or_else(|| Error::Weights("config.json: no num_experts".into()))?;
+    let m = MoeConfig {
+        n_experts,
+        n_active: hf_usize(j, "num_experts_per_tok")?,
+        expert_ffn: hf_usize(j, "moe_intermediate_size")?,
+        norm_topk_prob: j
+            .get("norm_topk_prob")
+            .and_then(Json::as_bool)
+            .unwrap_or(false),
+        mlp_only_layers: j
+            .get("mlp_only_layers")
+            .and_then(Json::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(Json::as_u64)
+                    .map(|v| v as usize)
+                    .collect()
+            })
+            .unwrap_or_default(),
+        sparse_step: hf_opt_usize(j, "decoder_sparse_step").unwrap_or(1),
+    };
+    if c.intermediate_size == 0 {
+        c.intermediate_size = m.expert_ffn;
+    }
+    c.moe = Some(m);
+    c.check("config.json")
+}
+
+fn moe_from_gguf(g: &GgufFile, vocab: usize, tied: bool) -> Result<ModelConfig> {
+    let mut c = ModelConfig::gguf_base(Arch::Qwen3Moe, g, vocab, tied)?;
+    c.qk_norm = QkNorm::PerHead;
+    let key = |k: &str| format!("qwen3moe.{k}");
+    // llama.cpp's qwen3moe graph routes every layer and always renormalises the top-k
+    // weights, and its GGUFs carry no key saying otherwise.
+    let m = MoeConfig {
+        n_experts: g.require_usize(&key("expert_count"))?,
+        n_active: g.require_usize(&key("expert_used_count"))?,
+        expert_ffn: g.require_usize(&key("expert_feed_forward_length"))?,
+        norm_topk_prob: true,
+        mlp_only_layers: Vec::new(),
+        sparse_step: 1,
+    };
+    if c.intermediate_size == 0 {
+        c.intermediate_size = m.expert_ffn;
+    }
+    c.moe = Some(m);
+    c.check(&g.path.display().to_string())
+}

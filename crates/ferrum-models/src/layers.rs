@@ -1,0 +1,384 @@
+//! The shared pieces every architecture is built from: attention (separate or fused QKV,
+//! biases, QK-norm per head or over the whole projection, RoPE or none, a window or none),
+//! the gated FFN (SwiGLU or GeGLU, separate or fused gate/up), the MoE FFN, and the norms
+//! around them. What a layer has comes from its [`ModelConfig`]; the order they run in is
+//! [`crate::decoder`]'s.
+
+use ferrum_backend::{AttentionParams, AttnSeq, Backend, MatmulPart, RopeParams, Rows};
+use ferrum_core::{DType, Error, Result};
+use ferrum_loader::{RawTensor, TensorStore};
+
+use crate::config::{LayerSpec, ModelConfig, QkNorm};
+use crate::moe::MoeLayer;
+use crate::names;
+
+/// Looks tensors up by Hugging Face name in either kind of file.
+pub struct WeightSource<'a> {
+    pub store: &'a TensorStore,
+    pub gguf: bool,
+    /// The family's own Hugging Face → GGUF names, consulted before the shared table.
+    pub names: &'static [(&'static str, &'static str)],
+}
+
+impl WeightSource<'_> {
+    pub fn name(&self, hf: &str, layer: usize) -> String {
+        let i = layer.to_string();
+        if self.gguf {
+            return match self.names.iter().find(|(h, _)| *h == hf) {
+                Some((_, g)) => g.replace("{i}", &i),
+                None => names::gguf_name(hf, layer).unwrap_or_else(|| hf.to_string()),
+            };
+        }
+        let name = hf.replace("{i}", &i);
+        if self.store.contains(&name) {
+            return name;
+        }
+        // Multimodal checkpoints (Gemma 3) keep the language model under a prefix of its own
+        // (transformers 5, then 4).
+        if let Some(rest) = name.strip_prefix("model.") {
+            for prefix in ["model.language_model.", "language_model.model."] {
+                let alt = format!("{prefix}{rest}");
+                if self.store.contains(&alt) {
+                    return alt;
+                }
+            }
+        }
+        name
+    }
+
+    pub fn tensor(&self, hf: &str, layer: usize) -> Option<&RawTensor> {
+        self.store.get(&self.name(hf, layer))
+    }
+
+    pub fn get<B: Backend>(&self, be: &B, hf: &str, layer: usize) -> Result<Option<B::Weight>> {
+        match self.tensor(hf, layer) {
+            Some(t) => Ok(Some(be.load_weight(t)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// A tensor that must exist, with its expected `(rows, cols)` checked.
+    pub fn require<B: Backend>(
+        &self,
+        be: &B,
+        hf: &str,
+        layer: usize,
+        shape: (usize, usize),
+    ) -> Result<B::Weight> {
+        let name = self.name(hf, layer);
+        let w = self
+            .get(be, hf, layer)?
+            .ok_or_else(|| Error::Weights(format!("missing tensor {name:?}")))?;
+        let got = be.weight_shape(&w);
+        if got != shape {
+            return Err(Error::Weights(format!(
+                "tensor {name:?} has shape {got:?}, expected {shape:?}"
+            )));
+        }
+        Ok(w)
+    }
+
+    /// A norm's weight of `len` values with `offset` added to each (Hugging Face Gemma's
+    /// `1 + w`; a plain load when the offset is 0).
+    pub fn norm<B: Backend>(
+        &self,
+        be: &B,
+        hf: &str,
+        layer: usize,
+        len: usize,
+        offset: f32,
+    ) -> Result<B::Weight> {
+        if offset == 0.0 {
+            return self.require(be, hf, layer, (1, len));
+        }
+        let name = self.name(hf, layer);
+        let t = self
+            .tensor(hf, layer)
+            .ok_or_else(|| Error::Weights(format!("missing tensor {name:?}")))?;
+        if t.numel() != len || t.shape.len() != 1 {
+            return Err(Error::Weights(format!(
+                "tensor {name:?} has shape {:?}, expected [{len}]",
+                t.shape
+            )));
+        }
+        let mut v = vec![0f32; len];
+        if !ferrum_backend::cpu::quant::dequantize(t.dtype, t.bytes(), &mut v) {
+            return Err(Error::Weights(format!("tensor {name:?}: cannot convert")));
+        }
+        let bytes = v.iter().flat_map(|x| (x + offset).to_le_bytes()).collect();
+        let shifted = RawTensor::from_bytes(&name, DType::F32, vec![len], bytes)
+            .ok_or_else(|| Error::Weights(format!("tensor {name:?}: bad size")))?;
+        be.load_weight(&shifted)
+    }
+}
+
+/// Q, K and V projections: three matrices, or one whose rows are Q's, then K's, then V's
+/// (Phi-3) — the layout of the decoder's QKV buffer, so one matmul fills it.
+pub enum Qkv<W> {
+    Split { q: W, k: W, v: W },
+    Fused(W),
+}
+
+pub struct Attention<B: Backend> {
+    qkv: Qkv<B::Weight>,
+    bias: Option<[B::Weight; 3]>,
+    qk_norm: Option<[B::Weight; 2]>,
+    o: B::Weight,
+}
+
+/// Gate and up projections, separate or as one matrix of gate rows then up rows (Phi-3).
+pub enum GateUp<W> {
+    Split { gate: W, up: W },
+    Fused(W),
+}
+
+pub enum Ffn<B: Backend> {
+    /// `down(act(gate(x)) · up(x))`.
+    Dense {
+        gate_up: GateUp<B::Weight>,
+        down: B::Weight,
+    },
+    /// Mixture of experts (Qwen3-MoE).
+    Moe(MoeLayer<B>),
+}
+
+/// A layer's norms, where its family has them (see [`crate::config::NormPlan`]).
+pub struct Norms<W> {
+    pub attn_in: Option<W>,
+    pub attn_out: Option<W>,
+    pub ffn_in: Option<W>,
+    pub ffn_out: Option<W>,
+}
+
+pub struct Layer<B: Backend> {
+    pub norms: Norms<B::Weight>,
+    pub attn: Attention<B>,
+    pub ffn: Ffn<B>,
+    pub spec: LayerSpec,
+}
+
+impl<B: Backend> Layer<B> {
+    pub fn load(be: &B, src: &WeightSource, i: usize, c: &ModelConfig) -> Result<Self> {
+        let (h, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let l = |name: &str, shape| src.require(be, name, i, shape);
+        let norm = |name: Option<&str>| -> Result<Option<B::Weight>> {
+            name.map(|n| src.norm(be, n, i, h, c.norm_offset))
+                .transpose()
+        };
+        let norms = Norms {
+            attn_in: norm(c.norms.attn_in)?,
+            attn_out: norm(c.norms.attn_out)?,
+            ffn_in: norm(c.norms.ffn_in)?,
+            ffn_out: norm(c.norms.ffn_out)?,
+        };
+        let fused_qkv = "model.layers.{i}.self_attn.qkv_proj.weight";
+        let qkv = if src
+            .tensor("model.layers.{i}.self_attn.q_proj.weight", i)
+            .is_none()
+            && src.tensor(fused_qkv, i).is_some()
+        {
+            Qkv::Fused(l(fused_qkv, (qd + 2 * kvd, h))?)
+        } else {
+            Qkv::Split {
+                q: l("model.layers.{i}.self_attn.q_proj.weight", (qd, h))?,
+                k: l("model.layers.{i}.self_attn.k_proj.weight", (kvd, h))?,
+                v: l("model.layers.{i}.self_attn.v_proj.weight", (kvd, h))?,
+            }
+        };
+        let bias = if c.qkv_bias {
+            if matches!(qkv, Qkv::Fused(_)) {
+                return Err(Error::Unsupported(
+                    "a fused QKV projection with biases".into(),
+                ));
+            }
+            Some([
+                l("model.layers.{i}.self_attn.q_proj.bias", (1, qd))?,
+                l("model.layers.{i}.self_attn.k_proj.bias", (1, kvd))?,
+                l("model.layers.{i}.self_attn.v_proj.bias", (1, kvd))?,
+            ])
+        } else {
+            None
+        };
+        let qk_len = match c.qk_norm {
+            QkNorm::None => None,
+            QkNorm::PerHead => Some((c.head_dim, c.head_dim)),
+            QkNorm::Whole => Some((qd, kvd)),
+        };
+        let qk_norm = match qk_len {
+            None => None,
+            Some((lq, lk)) => Some([
+                src.norm(
+                    be,
+                    "model.layers.{i}.self_attn.q_norm.weight",
+                    i,
+                    lq,
+                    c.norm_offset,
+                )?,
+                src.norm(
+                    be,
+                    "model.layers.{i}.self_attn.k_norm.weight",
+                    i,
+                    lk,
+                    c.norm_offset,
+                )?,
+            ]),
+        };
+        let attn = Attention {
+            qkv,
+            bias,
+            qk_norm,
+            o: l("model.layers.{i}.self_attn.o_proj.weight", (h, qd))?,
+        };
+        let ffn = match &c.moe {
+            Some(m) if m.is_moe_layer(i) => Ffn::Moe(MoeLayer::load(be, src, i, c, m)?),
+            _ => {
+                let fused = "model.layers.{i}.mlp.gate_up_proj.weight";
+                let gate_up = if src
+                    .tensor("model.layers.{i}.mlp.gate_proj.weight", i)
+                    .is_none()
+                    && src.tensor(fused, i).is_some()
+                {
+                    GateUp::Fused(l(fused, (2 * f, h))?)
+                } else {
+                    GateUp::Split {
+                        gate: l("model.layers.{i}.mlp.gate_proj.weight", (f, h))?,
+                        up: l("model.layers.{i}.mlp.up_proj.weight", (f, h))?,
+                    }
+                };
+                Ffn::Dense {
+                    gate_up,
+                    down: l("model.layers.{i}.mlp.down_proj.weight", (h, f))?,
+                }
+            }
+        };
+        Ok(Layer {
+            norms,
+            attn,
+            ffn,
+            spec: c.layers[i],
+        })
+    }
+}
+
+/// What one layer's attention needs besides its weights and buffers.
+pub struct AttnInputs<'a> {
+    pub positions: &'a [u32],
+    pub seqs: &'a [AttnSeq<'a>],
+    /// `None`: this layer does not rotate.
+    pub rope: Option<RopeParams<'a>>,
+    pub params: AttentionParams,
+}
+
+impl<B: Backend> Attention<B> {
+    /// `out = o(attention(rope(norm(qkv(x)))))` for the `n` rows of `x`, writing each
+    /// sequence's keys and values into the caches on the way.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        be: &B,
+        c: &ModelConfig,
+        x: &B::Buf,
+        n: usize,
+        qkv: &mut B::Buf,
+        attn: &mut B::Buf,
+        out: &mut B::Buf,
+        k_cache: &mut B::KvBuf,
+        v_cache: &mut B::KvBuf,
+        a: &AttnInputs,
+    ) {
+        let (h, qd, kvd, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim);
+        let w = qd + 2 * kvd;
+        let hidden = Rows::dense(n, h);
+        let (q_cols, k_cols) = (Rows::columns(n, w, 0, qd), Rows::columns(n, w, qd, kvd));
+        let v_view = Rows::columns(n, w, qd + kvd, kvd);
+        let (q_view, k_view) = (q_cols.split_heads(hd), k_cols.split_heads(hd));
+        match &self.qkv {
+            Qkv::Split { q, k, v } => {
+                let bias = self.bias.as_ref();
+                let part = |weight, i: usize, out| MatmulPart {
+                    weight,
+                    bias: bias.map(|b| &b[i]),
+                    out,
+                };
+                be.matmul_many(
+                    x,
+                    hidden,
+                    &[part(q, 0, q_cols), part(k, 1, k_cols), part(v, 2, v_view)],
+                    qkv,
+                );
+            }
+            Qkv::Fused(wqkv) => be.matmul(x, hidden, wqkv, None, qkv, Rows::dense(n, w)),
+        }
+        if let Some([qn, kn]) = &self.qk_norm {
+            let (qv, kv) = match c.qk_norm {
+                QkNorm::Whole => (q_cols, k_cols),
+                _ => (q_view, k_view),
+            };
+            be.rms_norm_inplace(qkv, qv, qn, c.rms_eps);
+            be.rms_norm_inplace(qkv, kv, kn, c.rms_eps);
+        }
+        if let Some(rope) = a.rope {
+            be.rope(qkv, q_view, a.positions, rope);
+            be.rope(qkv, k_view, a.positions, rope);
+        }
+        let mut row = 0;
+        for s in a.seqs {
+            let (ks, vs) = (k_view.slice(row, s.rows), v_view.slice(row, s.rows));
+            be.write_kv(qkv, ks, k_cache, s.table, s.first_pos);
+            be.write_kv(qkv, vs, v_cache, s.table, s.first_pos);
+            row += s.rows;
+        }
+        let attn_view = Rows::dense(n, qd).split_heads(hd);
+        be.attention(
+            qkv, q_view, k_cache, v_cache, a.seqs, attn, attn_view, a.params,
+        );
+        be.matmul(attn, Rows::dense(n, qd), &self.o, None, out, hidden);
+    }
+}
+
+/// The dense FFN: `out = down(act(gate(x)) · up(x))` over `n` rows.
+#[allow(clippy::too_many_arguments)]
+pub fn dense_ffn<B: Backend>(
+    be: &B,
+    c: &ModelConfig,
+    gate_up: &GateUp<B::Weight>,
+    down: &B::Weight,
+    x: &B::Buf,
+    n: usize,
+    gu: &mut B::Buf,
+    act: &mut B::Buf,
+    out: &mut B::Buf,
+) {
+    let (h, f) = (c.hidden_size, c.intermediate_size);
+    let hidden = Rows::dense(n, h);
+    match gate_up {
+        GateUp::Split { gate, up } => be.matmul_many(
+            x,
+            hidden,
+            &[
+                MatmulPart {
+                    weight: gate,
+                    bias: None,
+                    out: Rows::columns(n, 2 * f, 0, f),
+                },
+                MatmulPart {
+                    weight: up,
+                    bias: None,
+                    out: Rows::columns(n, 2 * f, f, f),
+                },
+            ],
+            gu,
+        ),
+        GateUp::Fused(w) => be.matmul(x, hidden, w, None, gu, Rows::dense(n, 2 * f)),
+    }
+    be.glu_matmul(
+        gu,
+        Rows::dense(n, 2 * f),
+        act,
+        Rows::dense(n, f),
+        down,
+        out,
+        hidden,
+        c.activation,
+    );
+}
