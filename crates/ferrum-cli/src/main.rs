@@ -287,14 +287,22 @@ fn serve(a: ServeArgs) -> Result<()> {
             .map_err(|e| ferrum_core::Error::Weights(format!("{e:#}")))?;
         let engine_tok =
             tokenizer(&file).map_err(|e| ferrum_core::Error::Tokenizer(format!("{e:#}")))?;
-        let mut config =
-            EngineConfig::with_kv_tokens(kv_tokens.unwrap_or(4 * model.decoder.context));
+        // By default room for four sequences of the whole context.
+        let mut config = match kv_tokens {
+            Some(t) => EngineConfig::for_model(&model.decoder, t),
+            None => {
+                let mut c = EngineConfig::for_model(&model.decoder, model.decoder.context);
+                c.kv_blocks *= 4;
+                c
+            }
+        };
         config.prefix_caching = prefix;
         let engine = ferrum_generate::Engine::new(model, engine_tok, config)?;
         eprintln!(
-            "ferrum: KV cache {} tokens ({:.1} MB), prefix caching {}; ready",
-            engine.config().kv_blocks * engine.config().block_size,
+            "ferrum: KV cache {} tokens ({:.1} MB{}), prefix caching {}; ready",
+            engine.kv_tokens(),
             engine.kv_bytes() as f64 / 1e6,
+            window_note(&engine.model.decoder),
             if prefix { "on" } else { "off" }
         );
         Ok(engine)
@@ -467,9 +475,10 @@ fn run(a: RunArgs) -> Result<()> {
     let mut session = Session::new(model, tokenizer)?;
     let e = &session.engine;
     eprintln!(
-        "ferrum: KV cache {} tokens ({:.1} MB), prefix caching {}",
-        e.config().kv_blocks * e.config().block_size,
+        "ferrum: KV cache {} tokens ({:.1} MB{}), prefix caching {}",
+        e.kv_tokens(),
         e.kv_bytes() as f64 / 1e6,
+        window_note(&e.model.decoder),
         if e.config().prefix_caching {
             "on"
         } else {
@@ -635,4 +644,18 @@ fn log_softmax_at(row: &[f32], i: usize) -> f64 {
     let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
     let z: f64 = row.iter().map(|&l| (l as f64 - max).exp()).sum();
     row[i] as f64 - max - z.ln()
+}
+
+/// How the KV line describes windowed layers: what they keep per sequence.
+fn window_note<B: ferrum_backend::Backend>(d: &ferrum_models::Decoder<B>) -> String {
+    let g = &d.kv_groups;
+    let windowed = g.groups.iter().filter(|(_, w)| w.is_some()).count();
+    match g.groups.iter().find_map(|(_, w)| *w) {
+        Some(w) => format!(
+            "; {} of {} layers keep only their last {w} positions",
+            windowed * g.slots,
+            d.config.n_layers
+        ),
+        None => String::new(),
+    }
 }

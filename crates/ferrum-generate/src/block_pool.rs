@@ -7,11 +7,19 @@
 //! longest run of cached blocks that matches its prompt and computes only the rest. Cached
 //! blocks are reclaimed least-recently-released first when the free list runs dry.
 //!
+//! A model whose layers have different attention windows (Gemma 3) holds its KV in groups of
+//! layers ([`ferrum_models::KvGroups`]), each with a block table per sequence, all drawing
+//! from this one pool; a cached block is keyed by its group as well. A windowed group needs
+//! only the blocks inside its window behind a prefix, so a prefix is reused when the full
+//! groups hold all of it and each windowed group holds its last window.
+//!
 //! The pool holds only accounts; the memory itself is the model's [`ferrum_models::KvCache`],
 //! indexed by the block ids handed out here.
 
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{Hash, Hasher};
+
+use ferrum_models::NO_BLOCK;
 
 /// Prefix-cache counters, since the pool was made.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -37,6 +45,7 @@ struct Block {
 /// wrong keys and values.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct BlockKey {
+    group: usize,
     hash: u64,
     parent: u64,
     tokens: Vec<u32>,
@@ -51,7 +60,7 @@ pub struct BlockPool {
     evictable: BTreeSet<(u64, u32)>,
     /// Release tick of each evictable block (its key in `evictable`).
     released_at: Vec<u64>,
-    cached: HashMap<u64, u32>,
+    cached: HashMap<(usize, u64), u32>,
     tick: u64,
     prefix_caching: bool,
     stats: PrefixStats,
@@ -116,7 +125,7 @@ impl BlockPool {
                 let &(t, id) = self.evictable.iter().next()?;
                 self.evictable.remove(&(t, id));
                 if let Some(key) = self.blocks[id as usize].key.take() {
-                    self.cached.remove(&key.hash);
+                    self.cached.remove(&(key.group, key.hash));
                 }
                 self.stats.evictions += 1;
                 id
@@ -147,14 +156,21 @@ impl BlockPool {
     /// Makes a full block findable: `tokens` are its contents, `parent` the hash of the block
     /// before it (0 for the first). Returns this block's hash, the parent of the next.
     pub fn register(&mut self, id: u32, parent: u64, tokens: &[u32]) -> u64 {
+        self.register_in(0, id, parent, tokens)
+    }
+
+    /// [`register`](Self::register) for a block of KV group `group`. The hash chain is the
+    /// tokens', the same for every group.
+    pub fn register_in(&mut self, group: usize, id: u32, parent: u64, tokens: &[u32]) -> u64 {
         let hash = chain_hash(parent, tokens);
         if !self.prefix_caching || self.blocks[id as usize].key.is_some() {
             return hash;
         }
         // A second copy of the same contents stays private; the first one is found.
-        if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
+        if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry((group, hash)) {
             e.insert(id);
             self.blocks[id as usize].key = Some(BlockKey {
+                group,
                 hash,
                 parent,
                 tokens: tokens.to_vec(),
@@ -166,34 +182,87 @@ impl BlockPool {
     /// Takes a reference on each cached block that continues `tokens`' chain, at most
     /// `max_blocks` of them. Returns the blocks and the chain hashes of each.
     pub fn lookup(&mut self, tokens: &[u32], max_blocks: usize) -> (Vec<u32>, Vec<u64>) {
-        let (mut blocks, mut hashes) = (Vec::new(), Vec::new());
-        if !self.prefix_caching {
-            return (blocks, hashes);
+        let (mut tables, hashes) = self.lookup_groups(tokens, max_blocks, &[None]);
+        (tables.pop().unwrap_or_default(), hashes)
+    }
+
+    /// The longest cached prefix of `tokens` (at most `max_blocks` blocks) that every KV
+    /// group can serve: groups without a window (`windows[g] == None`) hold all of its
+    /// blocks, windowed ones the blocks their window reaches back to from its end. Takes a
+    /// reference on each; returns each group's table (windowed groups' earlier entries
+    /// [`NO_BLOCK`]) and the chain hashes of the prefix's blocks.
+    pub fn lookup_groups(
+        &mut self,
+        tokens: &[u32],
+        max_blocks: usize,
+        windows: &[Option<usize>],
+    ) -> (Vec<Vec<u32>>, Vec<u64>) {
+        let mut tables = vec![Vec::new(); windows.len()];
+        if !self.prefix_caching || windows.is_empty() {
+            return (tables, Vec::new());
         }
+        let bs = self.block_size;
+        let mut hashes = Vec::new();
         let mut parent = 0;
-        for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
-            self.stats.queries += 1;
-            let hash = chain_hash(parent, chunk);
-            let Some(&id) = self.cached.get(&hash) else {
-                break;
-            };
-            let b = &mut self.blocks[id as usize];
-            match &b.key {
-                Some(k) if k.parent == parent && k.tokens == chunk => {}
-                _ => break,
+        for chunk in tokens.chunks_exact(bs).take(max_blocks) {
+            parent = chain_hash(parent, chunk);
+            hashes.push(parent);
+        }
+        let found = |pool: &Self, g: usize, k: usize| -> Option<u32> {
+            let &id = pool.cached.get(&(g, hashes[k]))?;
+            let parent = if k == 0 { 0 } else { hashes[k - 1] };
+            match &pool.blocks[id as usize].key {
+                Some(key) if key.parent == parent && key.tokens == tokens[k * bs..(k + 1) * bs] => {
+                    Some(id)
+                }
+                _ => None,
             }
-            if b.refs == 0 {
-                self.evictable.remove(&(self.released_at[id as usize], id));
-            }
-            b.refs += 1;
-            self.stats.hits += 1;
-            self.stats.tokens_saved += self.block_size as u64;
-            blocks.push(id);
-            hashes.push(hash);
-            parent = hash;
+        };
+        // The full groups bound the prefix; then it shrinks until every window is there.
+        let mut len = hashes.len();
+        let full: Vec<usize> = (0..windows.len())
+            .filter(|&g| windows[g].is_none())
+            .collect();
+        if !full.is_empty() {
+            len = (0..hashes.len())
+                .find(|&k| full.iter().any(|&g| found(self, g, k).is_none()))
+                .unwrap_or(hashes.len());
         }
         // Queries past the first miss were not made.
-        (blocks, hashes)
+        self.stats.queries += (len + 1).min(hashes.len()) as u64;
+        while len > 0 {
+            let served = windows.iter().enumerate().all(|(g, w)| {
+                let first = ferrum_models::KvGroups::first_needed(*w, len * bs, bs);
+                (first..len).all(|k| found(self, g, k).is_some())
+            });
+            if served {
+                break;
+            }
+            len -= 1;
+        }
+        for (g, w) in windows.iter().enumerate() {
+            let first = ferrum_models::KvGroups::first_needed(*w, len * bs, bs);
+            for k in 0..len {
+                if k < first {
+                    tables[g].push(NO_BLOCK);
+                    continue;
+                }
+                let Some(id) = found(self, g, k) else {
+                    // Checked just above; a table cut short is only a shorter prefix.
+                    break;
+                };
+                let b = &mut self.blocks[id as usize];
+                if b.refs == 0 {
+                    self.evictable.remove(&(self.released_at[id as usize], id));
+                }
+                b.refs += 1;
+                tables[g].push(id);
+            }
+        }
+        self.stats.hits += len as u64;
+        self.stats.tokens_saved += (len * bs) as u64;
+        hashes.truncate(len);
+        (tables, hashes)
     }
 
     /// Every block back unreferenced (a test's leak check).

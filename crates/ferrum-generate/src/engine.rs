@@ -7,12 +7,17 @@
 //! When a running sequence needs a block and none is left, the newest running sequence is
 //! preempted: its blocks go back (cached blocks stay findable) and it waits to be recomputed
 //! from its tokens, which it keeps. A prompt that could never fit is refused when it arrives.
+//!
+//! A model with windowed layers keeps a block table per KV group ([`KvGroups`]); a windowed
+//! group's blocks that fall behind its window go back to the pool as the sequence grows
+//! (still findable by the prefix cache until reclaimed), so a long sequence holds its full
+//! layers' blocks plus a window per windowed group.
 
 use std::collections::VecDeque;
 
 use ferrum_backend::Backend;
 use ferrum_core::{Error, Result};
-use ferrum_models::{KvCache, Logits, Model, SeqChunk};
+use ferrum_models::{Decoder, KvCache, KvGroups, Logits, Model, SeqChunk, NO_BLOCK};
 use ferrum_tokenizer::Tokenizer;
 
 use crate::block_pool::{BlockPool, PrefixStats};
@@ -27,7 +32,8 @@ use crate::FinishReason;
 pub struct EngineConfig {
     /// Positions per KV block.
     pub block_size: usize,
-    /// KV capacity in blocks.
+    /// KV capacity in blocks (each holds one KV group's layers: every layer for a model
+    /// without windows).
     pub kv_blocks: usize,
     /// Tokens one step may carry (decode tokens plus prefill chunks); at most
     /// [`ferrum_models::decoder::CHUNK`].
@@ -50,6 +56,17 @@ impl EngineConfig {
             max_running: 64,
             prefix_caching: true,
         }
+    }
+
+    /// A pool in which one sequence of `kv_tokens` positions fits, for this decoder's KV
+    /// groups (a windowed group holds a window, not the whole sequence).
+    pub fn for_model<B: Backend>(decoder: &Decoder<B>, kv_tokens: usize) -> EngineConfig {
+        let mut c = EngineConfig::with_kv_tokens(kv_tokens);
+        c.kv_blocks = decoder
+            .kv_groups
+            .blocks_for(kv_tokens.max(1), c.block_size, c.max_batch_tokens)
+            .max(1);
+        c
     }
 }
 
@@ -149,7 +166,8 @@ struct Seq {
     tokens: Vec<u32>,
     /// Leading tokens whose keys and values are in the cache.
     computed: usize,
-    blocks: Vec<u32>,
+    /// A block table per KV group.
+    blocks: Vec<Vec<u32>>,
     /// Chain hash of each full block registered so far.
     hashes: Vec<u64>,
     cached_tokens: usize,
@@ -174,6 +192,8 @@ pub struct Engine<B: Backend> {
     pub tokenizer: Tokenizer,
     kv: KvCache<B>,
     pool: BlockPool,
+    /// Each KV group's window.
+    windows: Vec<Option<usize>>,
     config: EngineConfig,
     /// Oldest first: the scheduling priority.
     running: Vec<Seq>,
@@ -205,12 +225,14 @@ impl<B: Backend> Engine<B> {
         }
         let kv = model.decoder.alloc_kv(config.kv_blocks, config.block_size);
         let pool = BlockPool::new(config.kv_blocks, config.block_size, config.prefix_caching);
+        let windows = model.decoder.kv_groups.groups.iter().map(|g| g.1).collect();
         let eos = tokenizer.eos_ids().to_vec();
         Ok(Engine {
             model,
             tokenizer,
             kv,
             pool,
+            windows,
             config,
             running: Vec::new(),
             waiting: VecDeque::new(),
@@ -234,15 +256,21 @@ impl<B: Backend> Engine<B> {
 
     /// The longest sequence (prompt and output) one request can reach.
     pub fn max_sequence(&self) -> usize {
+        self.model.decoder.context.min(self.kv_tokens())
+    }
+
+    /// The longest sequence the KV pool holds on its own.
+    pub fn kv_tokens(&self) -> usize {
+        let c = &self.config;
         self.model
             .decoder
-            .context
-            .min(self.config.kv_blocks * self.config.block_size)
+            .kv_groups
+            .tokens_for(c.kv_blocks, c.block_size, c.max_batch_tokens)
     }
 
     /// Bytes of KV memory the pool holds.
     pub fn kv_bytes(&self) -> usize {
-        self.kv.capacity() * self.model.decoder.kv_bytes_per_token()
+        self.config.kv_blocks * self.model.decoder.kv_block_bytes(self.config.block_size)
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -284,7 +312,7 @@ impl<B: Backend> Engine<B> {
                 req.prompt.len(),
                 max - 1,
                 self.model.decoder.context,
-                self.config.kv_blocks * self.config.block_size
+                self.kv_tokens()
             )));
         }
         let mask = match &req.constraint {
@@ -314,7 +342,7 @@ impl<B: Backend> Engine<B> {
             prompt_len: req.prompt.len(),
             tokens: req.prompt,
             computed: 0,
-            blocks: Vec::new(),
+            blocks: vec![Vec::new(); self.windows.len()],
             hashes: Vec::new(),
             cached_tokens: 0,
             max_tokens: req.max_tokens,
@@ -382,7 +410,7 @@ impl<B: Backend> Engine<B> {
                     SeqChunk {
                         tokens: &s.tokens[s.computed..s.computed + n],
                         start: s.computed,
-                        blocks: &s.blocks,
+                        tables: &s.blocks,
                         logits: if s.computed + n == s.tokens.len() {
                             Logits::Last
                         } else {
@@ -401,6 +429,7 @@ impl<B: Backend> Engine<B> {
             let s = &mut self.running[i];
             s.computed += n;
             register_full_blocks(&mut self.pool, s);
+            trim_windows(&mut self.pool, s, &self.windows);
             if s.computed < s.tokens.len() {
                 continue;
             }
@@ -429,10 +458,7 @@ impl<B: Backend> Engine<B> {
     }
 
     fn finish(&mut self, mut s: Seq, reason: FinishReason, out: &mut Vec<Output>) {
-        for &b in &s.blocks {
-            self.pool.release(b);
-        }
-        s.blocks.clear();
+        release_all(&mut self.pool, &mut s.blocks);
         // Whatever is held back is released, unless a stop string already ended the text.
         let mut text = String::new();
         if s.stops.matched().is_none() {
@@ -513,12 +539,14 @@ impl<B: Backend> Engine<B> {
             let Some(mut s) = self.waiting.pop_front() else {
                 break;
             };
-            if s.blocks.is_empty() {
+            if s.blocks.iter().all(Vec::is_empty) {
                 let bs = self.config.block_size;
                 // At least the last token is computed: its logits start the generation.
                 let max_blocks = (s.tokens.len() - 1) / bs;
-                let (blocks, hashes) = self.pool.lookup(&s.tokens, max_blocks);
-                s.computed = blocks.len() * bs;
+                let (blocks, hashes) =
+                    self.pool
+                        .lookup_groups(&s.tokens, max_blocks, &self.windows);
+                s.computed = hashes.len() * bs;
                 if s.generated() == 0 {
                     s.cached_tokens = s.computed;
                 }
@@ -529,10 +557,7 @@ impl<B: Backend> Engine<B> {
             let upto = s.computed + n;
             if !grow(&mut self.pool, &mut s, upto) {
                 // Not enough room: hand back what it took and wait for running ones to end.
-                for &b in &s.blocks {
-                    self.pool.release(b);
-                }
-                s.blocks.clear();
+                release_all(&mut self.pool, &mut s.blocks);
                 s.hashes.clear();
                 s.computed = 0;
                 self.waiting.push_front(s);
@@ -546,10 +571,7 @@ impl<B: Backend> Engine<B> {
     }
 
     fn preempt(&mut self, mut s: Seq) {
-        for &b in &s.blocks {
-            self.pool.release(b);
-        }
-        s.blocks.clear();
+        release_all(&mut self.pool, &mut s.blocks);
         s.hashes.clear();
         s.computed = 0;
         self.stats.preemptions += 1;
@@ -557,31 +579,66 @@ impl<B: Backend> Engine<B> {
     }
 }
 
-/// Gives `s` blocks for positions `0..upto`; false (taking nothing) when the pool lacks them.
+/// Gives `s` blocks for positions `0..upto` in every KV group; false (taking nothing) when
+/// the pool lacks them.
 fn grow(pool: &mut BlockPool, s: &mut Seq, upto: usize) -> bool {
-    let need = upto
-        .div_ceil(pool.block_size())
-        .saturating_sub(s.blocks.len());
+    let want = upto.div_ceil(pool.block_size());
+    let need: usize = s.blocks.iter().map(|t| want.saturating_sub(t.len())).sum();
     if need > pool.available() {
         return false;
     }
-    for _ in 0..need {
-        match pool.allocate() {
-            Some(b) => s.blocks.push(b),
-            None => return false,
+    for t in &mut s.blocks {
+        while t.len() < want {
+            match pool.allocate() {
+                Some(b) => t.push(b),
+                None => return false,
+            }
         }
     }
     true
 }
 
-/// Makes `s`'s newly completed blocks findable by later requests.
+/// Makes `s`'s newly completed blocks findable by later requests, in every group that still
+/// holds them.
 fn register_full_blocks(pool: &mut BlockPool, s: &mut Seq) {
     let bs = pool.block_size();
     while s.hashes.len() < s.computed / bs {
         let k = s.hashes.len();
         let parent = if k == 0 { 0 } else { s.hashes[k - 1] };
-        let h = pool.register(s.blocks[k], parent, &s.tokens[k * bs..(k + 1) * bs]);
-        s.hashes.push(h);
+        let tokens = &s.tokens[k * bs..(k + 1) * bs];
+        let mut hash = crate::block_pool::chain_hash(parent, tokens);
+        for (g, t) in s.blocks.iter().enumerate() {
+            if t[k] != NO_BLOCK {
+                hash = pool.register_in(g, t[k], parent, tokens);
+            }
+        }
+        s.hashes.push(hash);
+    }
+}
+
+/// Gives back the blocks each windowed group of `s` no longer sees (they stay findable in
+/// the prefix cache until reclaimed).
+fn trim_windows(pool: &mut BlockPool, s: &mut Seq, windows: &[Option<usize>]) {
+    for (t, w) in s.blocks.iter_mut().zip(windows) {
+        let first = KvGroups::first_needed(*w, s.computed, pool.block_size());
+        for b in t.iter_mut().take(first) {
+            if *b != NO_BLOCK {
+                pool.release(*b);
+                *b = NO_BLOCK;
+            }
+        }
+    }
+}
+
+/// Gives back every block of every table.
+fn release_all(pool: &mut BlockPool, tables: &mut [Vec<u32>]) {
+    for t in tables {
+        for &b in t.iter() {
+            if b != NO_BLOCK {
+                pool.release(b);
+            }
+        }
+        t.clear();
     }
 }
 

@@ -81,7 +81,7 @@ pub struct Session<B: Backend> {
 impl<B: Backend> Session<B> {
     /// A session whose KV pool holds one sequence of the model's context.
     pub fn new(model: Model<B>, tokenizer: Tokenizer) -> Result<Self> {
-        let config = EngineConfig::with_kv_tokens(model.decoder.context);
+        let config = EngineConfig::for_model(&model.decoder, model.decoder.context);
         Ok(Session {
             engine: Engine::new(model, tokenizer, config)?,
         })

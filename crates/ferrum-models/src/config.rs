@@ -234,10 +234,12 @@ impl ModelConfig {
             Some(s) => parse_hf_scaling(s)?,
             None => None,
         };
-        let partial = hf_f64(j, "partial_rotary_factor").unwrap_or(1.0);
+        let partial = hf_f64(j, "partial_rotary_factor")
+            .or_else(|| rope_params.and_then(|p| hf_f64(p, "partial_rotary_factor")))
+            .unwrap_or(1.0);
         let rotary_dim = ((head_dim as f64 * partial) as usize) & !1;
         let sliding_window = if j.get("use_sliding_window").and_then(Json::as_bool) == Some(true) {
-            hf_opt_usize(j, "sliding_window")
+            hf_opt_usize(j, "sliding_window").filter(|&w| w > 0)
         } else {
             None
         };
@@ -321,8 +323,10 @@ impl ModelConfig {
         let rotary_dim = g
             .get_u64(&key("rope.dimension_count"))
             .map_or(head_dim, |v| v as usize);
+        // Converters write 0 for "no window".
         let sliding_window = g
             .get_u64(&key("attention.sliding_window"))
+            .filter(|&v| v > 0)
             .map(|v| v as usize);
         ModelConfig {
             arch,
@@ -530,4 +534,148 @@ pub(crate) fn parse_hf_scaling(s: &Json) -> Result<Option<RopeScaling>> {
             return Err(Error::Unsupported(format!("RoPE scaling type {other:?}")));
         }
     })
+}
+
+/// How a model's layers share KV blocks. Layers with the same attention window form groups
+/// of equal size (the greatest common divisor of the counts), and a block holds the keys and
+/// values of one group's layers for `block_size` positions: every group draws from one pool
+/// of equal blocks, and each sequence has a block table per group. A windowed group needs
+/// only its last `window` positions, so its older blocks go back to the pool as a sequence
+/// grows (Gemma 3 270M: one group of its 3 global layers, five of its 15 local ones). A model
+/// without windows is one group of every layer: one table, as before.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvGroups {
+    /// Each group's layers, and their window.
+    pub groups: Vec<(Vec<usize>, Option<usize>)>,
+    /// `(group, slot within the group)` of each layer.
+    pub slot_of: Vec<(usize, usize)>,
+    /// Layers per group: the KV storage holds this many layers' worth of every block.
+    pub slots: usize,
+}
+
+/// The table entry of a block a windowed group has given back (positions it no longer sees).
+pub const NO_BLOCK: u32 = u32::MAX;
+
+impl KvGroups {
+    pub fn new(layers: &[LayerSpec]) -> KvGroups {
+        let mut by_window: Vec<(Option<usize>, Vec<usize>)> = Vec::new();
+        for (i, l) in layers.iter().enumerate() {
+            match by_window.iter_mut().find(|(w, _)| *w == l.window) {
+                Some((_, v)) => v.push(i),
+                None => by_window.push((l.window, vec![i])),
+            }
+        }
+        let gcd = |mut a: usize, mut b: usize| {
+            while b != 0 {
+                (a, b) = (b, a % b);
+            }
+            a
+        };
+        let slots = by_window.iter().fold(0, |g, (_, v)| gcd(g, v.len())).max(1);
+        let mut groups = Vec::new();
+        let mut slot_of = vec![(0, 0); layers.len()];
+        for (w, v) in by_window {
+            for chunk in v.chunks(slots) {
+                for (s, &li) in chunk.iter().enumerate() {
+                    slot_of[li] = (groups.len(), s);
+                }
+                groups.push((chunk.to_vec(), w));
+            }
+        }
+        KvGroups {
+            groups,
+            slot_of,
+            slots,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.groups.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.groups.is_empty()
+    }
+
+    /// Whether some group gives blocks back as sequences grow.
+    pub fn windowed(&self) -> bool {
+        self.groups.iter().any(|(_, w)| w.is_some())
+    }
+
+    /// The first block a group must still hold once a sequence's first `computed`
+    /// positions are cached: the next query (at `computed` or later) sees keys past
+    /// `computed - window`.
+    pub fn first_needed(window: Option<usize>, computed: usize, block_size: usize) -> usize {
+        window.map_or(0, |w| (computed + 1).saturating_sub(w) / block_size)
+    }
+
+    /// Blocks one sequence of `tokens` positions holds at most, over all groups, when it
+    /// is computed in passes of up to `chunk` tokens.
+    pub fn blocks_for(&self, tokens: usize, block_size: usize, chunk: usize) -> usize {
+        let full = tokens.div_ceil(block_size);
+        self.groups
+            .iter()
+            .map(|(_, w)| match w {
+                // The window behind a pass's first query, the pass itself, and a block of
+                // slack on either side for positions that do not start a block.
+                Some(w) => full.min((w + chunk).div_ceil(block_size) + 2),
+                None => full,
+            })
+            .sum()
+    }
+
+    /// The longest sequence `blocks` blocks hold (the inverse of [`Self::blocks_for`]).
+    pub fn tokens_for(&self, blocks: usize, block_size: usize, chunk: usize) -> usize {
+        let (mut lo, mut hi) = (0usize, blocks.saturating_mul(block_size));
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if self.blocks_for(mid, block_size, chunk) <= blocks {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(window: Option<usize>) -> LayerSpec {
+        LayerSpec {
+            window,
+            rope: Rope::Global,
+        }
+    }
+
+    #[test]
+    fn kv_groups_of_equal_size() {
+        // Gemma 3 270M: 18 layers, every sixth global.
+        let layers: Vec<_> = (0..18)
+            .map(|i| spec((!(i + 1usize).is_multiple_of(6)).then_some(512)))
+            .collect();
+        let g = KvGroups::new(&layers);
+        assert_eq!(g.slots, 3);
+        assert_eq!(g.len(), 6);
+        assert_eq!(g.groups[0], (vec![0, 1, 2], Some(512)));
+        assert_eq!(g.groups[5], (vec![5, 11, 17], None));
+        assert_eq!(g.slot_of[11], (5, 1));
+        // Full attention everywhere: one group, one table.
+        let g = KvGroups::new(&vec![spec(None); 30]);
+        assert_eq!((g.len(), g.slots, g.windowed()), (1, 30, false));
+        // 32k positions: the global group's 2048 blocks, five windows of 38.
+        let g = KvGroups::new(&layers);
+        assert_eq!(g.blocks_for(32768, 16, 64), 2048 + 5 * 38);
+        assert_eq!(g.blocks_for(100, 16, 64), 6 * 7);
+        for blocks in [1, 7, 42, 100, 2238, 5000] {
+            let t = g.tokens_for(blocks, 16, 64);
+            assert!(g.blocks_for(t, 16, 64) <= blocks);
+            assert!(g.blocks_for(t + 1, 16, 64) > blocks);
+        }
+        assert_eq!(KvGroups::first_needed(Some(512), 600, 16), 5);
+        assert_eq!(KvGroups::first_needed(Some(512), 400, 16), 0);
+        assert_eq!(KvGroups::first_needed(None, 600, 16), 0);
+    }
 }

@@ -14,6 +14,7 @@ use ferrum_backend::{
 };
 use ferrum_core::{Error, Result};
 
+pub use crate::config::{KvGroups, NO_BLOCK};
 use crate::config::{ModelConfig, Rope, RopeScaling};
 pub use crate::layers::WeightSource;
 use crate::layers::{dense_ffn, AttnInputs, Ffn, Layer};
@@ -36,31 +37,37 @@ pub enum Logits {
     All,
 }
 
-/// Keys and values of every layer, `block_size` rows to a block. Sequences find their rows
-/// through block tables; the engine's block pool decides who owns which block.
+/// Keys and values of every layer in blocks of `block_size` positions, each block holding
+/// one KV group's layers (see [`KvGroups`]: one group of every layer for models without
+/// windows). Sequences find their rows through a block table per group; the engine's block
+/// pool decides who owns which block.
 pub struct KvCache<B: Backend> {
+    /// One buffer per slot of a group: slot `s` of a block belongs to the `s`-th layer of
+    /// whichever group the block was handed to.
     k: Vec<B::KvBuf>,
     v: Vec<B::KvBuf>,
     pub block_size: usize,
     pub n_blocks: usize,
-    /// `0, 1, 2, …`: the table of a single sequence that owns the whole cache.
-    identity: Vec<u32>,
+    /// The tables of a single sequence that owns the whole cache: the blocks split evenly
+    /// between the groups, in order.
+    identity: Vec<Vec<u32>>,
 }
 
 impl<B: Backend> KvCache<B> {
-    /// Positions the cache holds.
+    /// Positions one sequence owning the whole cache can reach.
     pub fn capacity(&self) -> usize {
-        self.block_size * self.n_blocks
+        self.block_size * self.identity.first().map_or(0, Vec::len)
     }
 }
 
 /// One sequence's share of a forward pass: `tokens` at positions `start..`, its cache rows
-/// found through `blocks`, and which of its positions need logits.
+/// found through `tables` (one per KV group; a windowed group's entries before its window
+/// may be [`NO_BLOCK`]), and which of its positions need logits.
 #[derive(Debug, Clone, Copy)]
 pub struct SeqChunk<'a> {
     pub tokens: &'a [u32],
     pub start: usize,
-    pub blocks: &'a [u32],
+    pub tables: &'a [Vec<u32>],
     pub logits: Logits,
 }
 
@@ -100,6 +107,8 @@ pub struct Decoder<B: Backend> {
     inv_freq: Vec<f32>,
     /// Gemma 3's local layers' RoPE frequencies.
     local_inv_freq: Option<Vec<f32>>,
+    /// How the layers share KV blocks.
+    pub kv_groups: KvGroups,
     /// The longest sequence this decoder will run (positions), whatever the cache holds.
     pub context: usize,
     state: State<B>,
@@ -160,7 +169,11 @@ impl<B: Backend> Decoder<B> {
             });
         }
         if let Some(RopeScaling::LongRope { short, long, .. }) = &config.rope_scaling {
-            if short.len() != half || long.len() != half {
+            // The converter writes the original context for every Phi-3; only a file with
+            // the factor tensors stretches its RoPE.
+            if short.is_empty() && long.is_empty() {
+                config.rope_scaling = None;
+            } else if short.len() != half || long.len() != half {
                 return Err(Error::Weights(format!(
                     "LongRoPE needs {half} short and long factors, found {} and {}",
                     short.len(),
@@ -199,6 +212,7 @@ impl<B: Backend> Decoder<B> {
         Ok(Decoder {
             inv_freq: config.rope_inv_freq(),
             local_inv_freq: config.local_inv_freq(),
+            kv_groups: KvGroups::new(&config.layers),
             config,
             backend,
             embed,
@@ -232,7 +246,8 @@ impl<B: Backend> Decoder<B> {
         }
     }
 
-    /// A KV cache of `n_blocks` blocks of `block_size` positions for every layer.
+    /// A KV cache of `n_blocks` blocks of `block_size` positions, each for one KV group's
+    /// layers.
     pub fn alloc_kv(&self, n_blocks: usize, block_size: usize) -> KvCache<B> {
         let block_size = block_size.max(1);
         let shape = KvShape {
@@ -242,24 +257,36 @@ impl<B: Backend> Decoder<B> {
             head_dim: self.config.head_dim,
         };
         let be = &self.backend;
-        let layers = self.config.n_layers;
+        let slots = self.kv_groups.slots;
+        let groups = self.kv_groups.len();
+        let per = n_blocks / groups;
         KvCache {
-            k: (0..layers).map(|_| be.alloc_kv(shape)).collect(),
-            v: (0..layers).map(|_| be.alloc_kv(shape)).collect(),
+            k: (0..slots).map(|_| be.alloc_kv(shape)).collect(),
+            v: (0..slots).map(|_| be.alloc_kv(shape)).collect(),
             block_size,
             n_blocks,
-            identity: (0..n_blocks as u32).collect(),
+            identity: (0..groups)
+                .map(|g| ((g * per) as u32..((g + 1) * per) as u32).collect())
+                .collect(),
         }
     }
 
-    /// A cache for one sequence of up to `tokens` positions (see [`Decoder::forward`]).
+    /// A cache for one sequence of up to `tokens` positions (see [`Decoder::forward`]):
+    /// every group holds every position (windowed groups give nothing back here).
     pub fn alloc_kv_tokens(&self, tokens: usize) -> KvCache<B> {
-        self.alloc_kv(tokens.max(1).div_ceil(BLOCK_SIZE), BLOCK_SIZE)
+        let per = tokens.max(1).div_ceil(BLOCK_SIZE);
+        self.alloc_kv(per * self.kv_groups.len(), BLOCK_SIZE)
     }
 
-    /// Bytes of cache one position takes across all layers (keys and values).
+    /// Bytes of cache one position takes across all layers (keys and values), where every
+    /// layer holds every position.
     pub fn kv_bytes_per_token(&self) -> usize {
         2 * self.config.n_layers * self.backend.kv_row_bytes(self.config.kv_dim())
+    }
+
+    /// Bytes of one KV block (a group's layers, keys and values, `block_size` positions).
+    pub fn kv_block_bytes(&self, block_size: usize) -> usize {
+        2 * self.kv_groups.slots * block_size * self.backend.kv_row_bytes(self.config.kv_dim())
     }
 
     /// Runs one sequence that owns the whole of `kv` (scoring, benchmarks, tests): `tokens`
@@ -290,8 +317,8 @@ impl<B: Backend> Decoder<B> {
         want: Logits,
         mut after: impl FnMut(&mut Self, &[u32], Vec<f32>),
     ) -> Result<()> {
-        // Taken out for the duration, so the table can be borrowed while `kv` is written.
-        let blocks = std::mem::take(&mut kv.identity);
+        // Taken out for the duration, so the tables can be borrowed while `kv` is written.
+        let tables = std::mem::take(&mut kv.identity);
         let end = start + tokens.len();
         let mut pos = start;
         let mut result = Ok(());
@@ -303,7 +330,7 @@ impl<B: Backend> Decoder<B> {
             let seq = SeqChunk {
                 tokens: chunk,
                 start: pos,
-                blocks: &blocks,
+                tables: &tables,
                 logits,
             };
             match self.forward_batch(kv, &[seq]) {
@@ -315,7 +342,7 @@ impl<B: Backend> Decoder<B> {
             }
             pos += chunk.len();
         }
-        kv.identity = blocks;
+        kv.identity = tables;
         result
     }
 
@@ -384,7 +411,8 @@ impl<B: Backend> Decoder<B> {
                 "a pass carries at most {CHUNK} tokens, got {n}"
             )));
         }
-        if kv.k.len() != self.config.n_layers {
+        let groups = &self.kv_groups;
+        if kv.k.len() != groups.slots {
             return Err(Error::InvalidRequest("KV cache of another model".into()));
         }
         let mut tokens = Vec::with_capacity(n);
@@ -403,13 +431,23 @@ impl<B: Backend> Decoder<B> {
                     self.context
                 )));
             }
-            if end > s.blocks.len() * kv.block_size
-                || s.blocks.iter().any(|&b| b as usize >= kv.n_blocks)
-            {
+            if s.tables.len() != groups.len() {
                 return Err(Error::InvalidRequest(format!(
-                    "sequence of {end} tokens does not fit its {} KV blocks",
-                    s.blocks.len()
+                    "{} block tables for {} KV groups",
+                    s.tables.len(),
+                    groups.len()
                 )));
+            }
+            for (t, (_, window)) in s.tables.iter().zip(&groups.groups) {
+                // Every block this pass reads or writes must be there.
+                let first = KvGroups::first_needed(*window, s.start, kv.block_size);
+                let needed = t.get(first..end.div_ceil(kv.block_size));
+                if needed.is_none_or(|b| b.iter().any(|&b| b as usize >= kv.n_blocks)) {
+                    return Err(Error::InvalidRequest(format!(
+                        "sequence of {end} tokens does not fit its {} KV blocks",
+                        t.len()
+                    )));
+                }
             }
             let row = tokens.len();
             let m = s.tokens.len();
@@ -442,15 +480,19 @@ impl<B: Backend> Decoder<B> {
         let s = &mut self.state;
         let n = tokens.len();
         let hidden = Rows::dense(n, c.hidden_size);
-        let attn_seqs: Vec<AttnSeq> = seqs
-            .iter()
-            .map(|q| AttnSeq {
-                rows: q.tokens.len(),
-                first_pos: q.start,
-                table: KvTable {
-                    blocks: q.blocks,
-                    block_size: kv.block_size,
-                },
+        // Each KV group's view of the batch: its own block tables.
+        let attn_seqs: Vec<Vec<AttnSeq>> = (0..self.kv_groups.len())
+            .map(|g| {
+                seqs.iter()
+                    .map(|q| AttnSeq {
+                        rows: q.tokens.len(),
+                        first_pos: q.start,
+                        table: KvTable {
+                            blocks: &q.tables[g],
+                            block_size: kv.block_size,
+                        },
+                    })
+                    .collect()
             })
             .collect();
         be.embed(&self.embed, tokens, &mut s.x, hidden);
@@ -474,9 +516,10 @@ impl<B: Backend> Decoder<B> {
                 }),
                 Rope::None => None,
             };
+            let (group, slot) = self.kv_groups.slot_of[li];
             let inputs = AttnInputs {
                 positions,
-                seqs: &attn_seqs,
+                seqs: &attn_seqs[group],
                 rope,
                 params: AttentionParams {
                     n_kv_heads: c.n_kv_heads,
@@ -500,8 +543,8 @@ impl<B: Backend> Decoder<B> {
                 &mut s.qkv,
                 &mut s.attn,
                 &mut s.tmp,
-                &mut kv.k[li],
-                &mut kv.v[li],
+                &mut kv.k[slot],
+                &mut kv.v[slot],
                 &inputs,
             );
             let ffn_in = layer.norms.ffn_in.as_ref();

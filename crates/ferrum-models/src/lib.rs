@@ -20,7 +20,7 @@ use ferrum_core::{DType, Error, Result};
 use ferrum_loader::ModelFile;
 
 pub use config::{Arch, ModelConfig, MoeConfig};
-pub use decoder::{Decoder, KvCache, Logits, SeqChunk, WeightSource};
+pub use decoder::{Decoder, KvCache, KvGroups, Logits, SeqChunk, WeightSource, NO_BLOCK};
 
 /// Which architecture a file holds: GGUF `general.architecture`, or a Hugging Face
 /// `architectures` class / `model_type`.

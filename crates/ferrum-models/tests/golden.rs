@@ -217,7 +217,7 @@ fn batch_logits_read_in_place_equal_the_copied_ones() {
     let mut m = Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(64) }).unwrap();
     let v = m.decoder.config.vocab_size;
     let (a, b) = (&r.tokens[..5], &r.tokens[2..9]);
-    let (ta, tb) = ([0u32, 1], [2u32, 3]);
+    let (ta, tb) = ([vec![0u32, 1]], [vec![2u32, 3]]);
     let mut copied_kv = m.decoder.alloc_kv(4, 16);
     let mut viewed_kv = m.decoder.alloc_kv(4, 16);
     let mut spare = Vec::new();
@@ -236,13 +236,13 @@ fn batch_logits_read_in_place_equal_the_copied_ones() {
             SeqChunk {
                 tokens: sa,
                 start: start.0,
-                blocks: &ta,
+                tables: &ta,
                 logits: la,
             },
             SeqChunk {
                 tokens: sb,
                 start: start.1,
-                blocks: &tb,
+                tables: &tb,
                 logits: lb,
             },
         ];

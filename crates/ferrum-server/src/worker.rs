@@ -121,7 +121,7 @@ pub fn spawn(
                 created,
                 context: engine.model.decoder.context,
                 max_sequence: engine.max_sequence(),
-                kv_tokens: engine.config().kv_blocks * engine.config().block_size,
+                kv_tokens: engine.kv_tokens(),
                 kv_bytes: engine.kv_bytes(),
                 vocab_size: engine.model.decoder.config.vocab_size,
                 arch: engine.model.info.arch.name().to_string(),

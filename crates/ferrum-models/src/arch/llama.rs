@@ -24,7 +24,7 @@ fn from_hf(j: &Json) -> Result<ModelConfig> {
     let mut c = ModelConfig::hf_base(Arch::Llama, j)?;
     // Mistral checkpoints load as Llama and carry the window without `use_sliding_window`.
     if c.sliding_window.is_none() {
-        c.set_window_all(hf_opt_usize(j, "sliding_window"));
+        c.set_window_all(hf_opt_usize(j, "sliding_window").filter(|&w| w > 0));
     }
     c.check("config.json")
 }

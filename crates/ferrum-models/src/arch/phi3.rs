@@ -37,7 +37,7 @@ pub const INFO: ArchInfo = ArchInfo {
 fn from_hf(j: &Json) -> Result<ModelConfig> {
     let mut c = ModelConfig::hf_base(Arch::Phi3, j)?;
     // transformers' Phi-3 attention always honours the window.
-    c.set_window_all(hf_opt_usize(j, "sliding_window"));
+    c.set_window_all(hf_opt_usize(j, "sliding_window").filter(|&w| w > 0));
     if let Some(RopeScaling::LongRope {
         original_max_position,
         ..
