@@ -146,7 +146,9 @@ impl KvShape {
 
 /// Where one sequence's keys and values sit in a paged KV cache: position `p` is cache row
 /// `blocks[p / block_size] * block_size + p % block_size`. The engine's block pool owns the
-/// cache and hands each forward pass the tables of the sequences it carries.
+/// cache and hands each forward pass the tables of the sequences it carries. With a sliding
+/// window, entries of blocks wholly behind every query's window are never read (they may name
+/// no block at all).
 #[derive(Debug, Clone, Copy)]
 pub struct KvTable<'a> {
     pub blocks: &'a [u32],

@@ -2,7 +2,8 @@
 //! lengths and cancellations against a deliberately small KV pool. Every request finishes or
 //! is refused with a reason, no block leaks, nothing panics — and greedy outputs equal the
 //! same requests run alone, so preemption and recomputation, prefix reuse and batching
-//! change nothing.
+//! change nothing. The same on a tiny random Gemma 3 (a window of 6 positions in five of its
+//! six layers), whose windowed KV groups give blocks back as sequences grow.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -10,15 +11,17 @@ use std::path::PathBuf;
 use ferrum_backend::CpuBackend;
 use ferrum_generate::{Engine, EngineConfig, FinishReason, OutputKind, Request};
 use ferrum_loader::ModelFile;
-use ferrum_models::{LoadOptions, Model};
+use ferrum_models::{LoadOptions, Logits, Model};
 use ferrum_tokenizer::Tokenizer;
 use rand::{Rng, SeedableRng};
 
 fn engine(config: EngineConfig) -> Engine<CpuBackend> {
-    let dir = PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/fixtures/tiny/llama"
-    ));
+    engine_of("tiny/llama", config)
+}
+
+fn engine_of(fixture: &str, config: EngineConfig) -> Engine<CpuBackend> {
+    let dir =
+        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures")).join(fixture);
     let file = ModelFile::open(&dir).unwrap();
     let model = Model::load(&file, CpuBackend::new(), &LoadOptions::default()).unwrap();
     let tok = Tokenizer::from_hf_dir(&dir).unwrap();
@@ -102,13 +105,24 @@ fn drive(e: &mut Engine<CpuBackend>, specs: &[Spec]) -> (Vec<Option<Outcome>>, V
 
 #[test]
 fn random_traffic_on_a_tiny_pool_finishes_everything_and_leaks_nothing() {
+    // 12 blocks of 4: 48 positions shared by up to 8 sequences.
+    random_traffic("tiny/llama", 12, 64);
+}
+
+/// Gemma 3's six layers are six KV groups of one layer, five of them windowed: 60 blocks
+/// hold one sequence of 80 positions.
+#[test]
+fn random_traffic_with_windowed_layers_finishes_everything_and_leaks_nothing() {
+    random_traffic("arch/gemma3", 60, 400);
+}
+
+fn random_traffic(fixture: &str, tight: usize, roomy: usize) {
     let mut preemptions = 0;
     let mut evictions = 0;
     let mut checked = 0;
     for seed in 0..12u64 {
         let mut r = rand::rngs::StdRng::seed_from_u64(seed);
-        // 12 blocks of 4: 48 positions shared by up to 8 sequences.
-        let mut e = engine(small(12, 4, 16));
+        let mut e = engine_of(fixture, small(tight, 4, 16));
         let vocab = e.model.decoder.config.vocab_size as u32;
         // A few prompts share a prefix, so the prefix cache is exercised too.
         let shared: Vec<u32> = (0..9).map(|_| r.gen_range(0..vocab)).collect();
@@ -155,7 +169,7 @@ fn random_traffic_on_a_tiny_pool_finishes_everything_and_leaks_nothing() {
         evictions += st.prefix.evictions;
 
         // Alone, with a roomy pool, each finished request produces the same tokens.
-        let mut alone = engine(small(64, 4, 16));
+        let mut alone = engine_of(fixture, small(roomy, 4, 16));
         for (s, o) in specs.iter().zip(&outcomes) {
             let Some(Outcome {
                 tokens,
@@ -226,4 +240,89 @@ fn cancelling_frees_blocks_at_the_next_step() {
         })
     ));
     assert!(e.kv_all_free() && !e.has_work());
+}
+
+/// A long Gemma 3 sequence holds its global layer's blocks plus a window per local layer
+/// (counted every step), and its greedy tokens are those of the decoder run alone over a
+/// cache that keeps every position.
+#[test]
+fn windowed_layers_hold_a_window_and_change_no_token() {
+    let mut e = engine_of("arch/gemma3", small(400, 4, 16));
+    let prompt: Vec<u32> = (0..30).map(|i| (i * 37 % 300) as u32 + 3).collect();
+    let mut r = Request::new(prompt.clone(), 90);
+    r.ignore_eos = true;
+    e.add(r).unwrap();
+    let (mut tokens, mut peak) = (Vec::new(), 0);
+    while e.has_work() {
+        for o in e.step().unwrap() {
+            if let OutputKind::Token { token, .. } = o.kind {
+                tokens.push(token);
+            }
+        }
+        peak = peak.max(e.stats().kv_blocks_used);
+    }
+    assert_eq!(tokens.len(), 90);
+    // 120 positions: 30 blocks in the global group; a local group needs the blocks its
+    // window and a 16-token pass reach, at most (6 + 16) / 4 + 2 = 8 (6 × 30 = 180 without).
+    assert!(peak <= 30 + 5 * 8, "{peak} blocks in use at the peak");
+    assert!(e.kv_all_free());
+
+    let m = &mut e.model.decoder;
+    let mut kv = m.alloc_kv_tokens(prompt.len() + tokens.len());
+    let mut want = Vec::new();
+    let mut seq = prompt.clone();
+    let mut logits = m.forward(&mut kv, &seq, 0, Logits::Last).unwrap();
+    for _ in 0..tokens.len() {
+        let next = argmax(&logits);
+        want.push(next);
+        seq.push(next);
+        logits = m
+            .forward(&mut kv, &[next], seq.len() - 1, Logits::Last)
+            .unwrap();
+    }
+    assert_eq!(tokens, want);
+}
+
+/// A second request sharing a long prefix with a finished one reuses it, though the
+/// windowed layers gave most of its blocks back, and gives the tokens it gives without the
+/// prefix cache.
+#[test]
+fn windowed_layers_keep_the_prefix_cache() {
+    let prefix: Vec<u32> = (0..64).map(|i| (i * 53 % 300) as u32 + 3).collect();
+    let first = [prefix.clone(), vec![7, 8, 9]].concat();
+    let second = [prefix.clone(), vec![11, 12]].concat();
+    let run = |e: &mut Engine<CpuBackend>, p: &[u32]| {
+        let spec = [Spec {
+            prompt: p.to_vec(),
+            max_tokens: 20,
+            arrive: 0,
+            cancel: None,
+        }];
+        drive(e, &spec).0.remove(0).unwrap().tokens
+    };
+    let mut e = engine_of("arch/gemma3", small(400, 4, 16));
+    run(&mut e, &first);
+    let before = e.stats().prefix.tokens_saved;
+    let got = run(&mut e, &second);
+    let saved = e.stats().prefix.tokens_saved - before;
+    assert_eq!(saved, 64, "the shared 64 positions come from the cache");
+    let mut cold = engine_of(
+        "arch/gemma3",
+        EngineConfig {
+            prefix_caching: false,
+            ..small(400, 4, 16)
+        },
+    );
+    assert_eq!(got, run(&mut cold, &second));
+    assert!(e.kv_all_free());
+}
+
+fn argmax(r: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in r.iter().enumerate() {
+        if x > r[best] {
+            best = i;
+        }
+    }
+    best as u32
 }

@@ -21,3 +21,11 @@ pub fn cache_dir() -> PathBuf {
 pub fn default_model_path() -> PathBuf {
     cache_dir().join(DEFAULT_MODEL)
 }
+
+/// The real Gemma 3 270M Q4_K_M the tests use (`FERRUM_GEMMA3_GGUF`, else where
+/// scripts/fetch-test-assets.sh puts it). Gemma's terms keep it out of the repository.
+pub fn gemma3_test_model_path() -> PathBuf {
+    std::env::var_os("FERRUM_GEMMA3_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("gemma3-270m/gemma-3-270m-q4_k_m.gguf"))
+}

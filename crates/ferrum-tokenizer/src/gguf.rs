@@ -191,12 +191,9 @@ pub(crate) fn load(g: &GgufFile) -> Result<Tokenizer> {
     let bos = match (add_bos, bos_id) {
         (false, _) => None,
         (true, Some(id)) => Some((id, text_of(id))),
-        (true, None) => {
-            return Err(Error::Tokenizer(format!(
-                "{}: tokenizer.ggml.add_bos_token is set but there is no valid bos_token_id",
-                g.path.display()
-            )))
-        }
+        // llama.cpp's converter marks BOS for tokenizers that have none (SmolLM3's): there
+        // is nothing to add.
+        (true, None) => None,
     };
     let eos = match (add_eos, eos_id) {
         (false, _) => None,

@@ -183,7 +183,12 @@ pub(super) fn attention(
             "block table of another block size"
         );
         assert!(kv_len <= t.capacity(), "attention past the block table");
-        let max_row = t.blocks[..kv_len.div_ceil(t.block_size)]
+        // Blocks wholly behind a window are never read (a windowed KV group gives them
+        // back, marking them with an id past the cache).
+        let first = p
+            .window
+            .map_or(0, |w| (s.first_pos + 1).saturating_sub(w) / t.block_size);
+        let max_row = t.blocks[first..kv_len.div_ceil(t.block_size)]
             .iter()
             .map(|&b| (b as usize + 1) * t.block_size)
             .max()
