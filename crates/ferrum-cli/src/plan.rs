@@ -61,7 +61,19 @@ pub fn run(a: PlanArgs) -> Result<()> {
         .unwrap_or_else(|| c.max_position.min(ferrum_models::DEFAULT_MAX_CONTEXT));
     let kv_tokens = a.kv_tokens.unwrap_or(ctx * a.concurrency.max(1));
     let kv_per_token = (2 * c.n_layers * c.kv_dim()) as f64 * a.kv_bytes_per_value;
-    let kv = kv_per_token * kv_tokens as f64;
+    // As the engine sizes its pool: blocks of one KV group's layers, windowed groups holding
+    // only their window of each sequence (see `KvGroups`).
+    let groups = ferrum_models::KvGroups::new(&c.layers);
+    let (bs, chunk_tokens) = (
+        ferrum_models::decoder::BLOCK_SIZE,
+        ferrum_models::decoder::CHUNK,
+    );
+    let block_bytes = (2 * groups.slots * bs * c.kv_dim()) as f64 * a.kv_bytes_per_value;
+    let kv_blocks = match a.kv_tokens {
+        Some(t) => groups.blocks_for(t, bs, chunk_tokens),
+        None => a.concurrency.max(1) * groups.blocks_for(ctx, bs, chunk_tokens),
+    };
+    let kv = block_bytes * kv_blocks as f64;
     let weights = file.file_bytes() as f64;
     // The decoder's buffers for one pass of CHUNK tokens, the logits of up to CHUNK rows
     // (and the engine's copy of them), the MoE scratch.
@@ -91,7 +103,13 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let available = meminfo("MemAvailable:") as f64;
     let mem_total = meminfo("MemTotal:") as f64;
     let fits = with_grammar <= available;
-    let spare_kv_tokens = ((available - (with_grammar - kv)) / kv_per_token).max(0.0) as u64;
+    let spare_blocks = ((available - (with_grammar - kv)) / block_bytes).max(0.0) as usize;
+    let spare_kv_tokens = groups.tokens_for(spare_blocks, bs, chunk_tokens) as u64;
+    let windowed: Vec<(usize, usize)> = groups
+        .groups
+        .iter()
+        .filter_map(|(l, w)| w.map(|w| (l.len(), w)))
+        .collect();
     let mb = |b: f64| b / 1e6;
     if a.json {
         println!(
@@ -103,6 +121,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
                 "concurrency": a.concurrency,
                 "kv_tokens": kv_tokens,
                 "kv_bytes_per_token": kv_per_token,
+                "kv_blocks": kv_blocks,
+                "kv_block_bytes": block_bytes,
+                "windowed_layers": windowed.iter().map(|(n, _)| n).sum::<usize>(),
                 "weights_bytes": weights,
                 "kv_bytes": kv,
                 "activation_bytes": act,
@@ -133,8 +154,16 @@ pub fn run(a: PlanArgs) -> Result<()> {
     println!(
         "  KV cache                {:>10.1} MB  ({kv_tokens} tokens × {:.1} KB: {why})",
         mb(kv),
-        kv_per_token / 1e3
+        kv / kv_tokens.max(1) as f64 / 1e3
     );
+    if let Some(&(_, w)) = windowed.first() {
+        println!(
+            "                                         ({} of {} layers keep only their last {w} positions of a sequence; {:.1} KB a token without)",
+            windowed.iter().map(|(n, _)| n).sum::<usize>(),
+            c.n_layers,
+            kv_per_token / 1e3
+        );
+    }
     println!("  activations             {:>10.1} MB", mb(act));
     println!("  runtime + tokenizer     {:>10.1} MB", mb(runtime));
     println!("  total                   {:>10.1} MB", mb(total));

@@ -30,6 +30,8 @@ const MODELS: &[&str] = &[
     "gemma3",
     "gemma3-pattern",
     "gemma3-linear",
+    // gemma3's weights as a Gemma3ForConditionalGeneration checkpoint (text part only).
+    "gemma3-multimodal",
     "phi3",
     "phi3-plain",
     "smollm3",
@@ -150,4 +152,28 @@ fn prefill_equals_token_by_token_decode() {
             }
         }
     }
+}
+
+/// An architecture we do not have is a clear error naming every one we do.
+#[test]
+fn unknown_architecture_lists_every_supported_one() {
+    use ferrum_loader::gguf::{writer::write, Value};
+    let bytes = write(
+        &[("general.architecture", Value::String("gemma4".into()))],
+        &[],
+    );
+    let path =
+        std::env::temp_dir().join(format!("ferrum-unknown-arch-{}.gguf", std::process::id()));
+    std::fs::write(&path, bytes).unwrap();
+    let err = match Model::open(&path, CpuBackend::new(), &LoadOptions::default()) {
+        Ok(_) => panic!("a gemma4 file loaded"),
+        Err(e) => e.to_string(),
+    };
+    std::fs::remove_file(&path).ok();
+    for name in [
+        "llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "smollm3", "granite", "olmo2",
+    ] {
+        assert!(err.contains(name), "{err}");
+    }
+    assert!(err.contains("\"gemma4\""), "{err}");
 }
