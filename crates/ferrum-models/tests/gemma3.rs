@@ -104,13 +104,12 @@ fn greedy_continuation_matches_transformers() {
         .decoder
         .forward(&mut kv, &g.prompt_tokens, 0, Logits::Last)
         .unwrap();
-    let mut pos = g.prompt_tokens.len();
+    let start = g.prompt_tokens.len();
     let mut got = Vec::new();
-    for _ in 0..g.continuation_tokens.len() {
+    for pos in start..start + g.continuation_tokens.len() {
         let t = argmax(&logits);
         got.push(t);
         logits = m.decoder.forward(&mut kv, &[t], pos, Logits::Last).unwrap();
-        pos += 1;
     }
     assert_eq!(got, g.continuation_tokens);
 }
