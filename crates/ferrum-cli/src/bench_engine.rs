@@ -80,7 +80,7 @@ pub fn run(
     });
     let vocab = model.as_ref().map_or(1, |m| m.decoder.config.vocab_size) as u64;
     // Room for every stream at once: the benchmark measures batching, not preemption.
-    let kv_tokens = max_c * per_seq.next_multiple_of(ferrum_models::decoder::BLOCK_SIZE);
+    let room = (per_seq, max_c);
     // Each round runs every level once, so a slow spell of a noisy machine falls on all the
     // levels alike, and `× one` is taken within a round.
     let mut rounds: Vec<Vec<Sample>> = Vec::new();
@@ -90,7 +90,7 @@ pub fn run(
             let (Some(m), Some(t)) = (model.take(), tokenizer.take()) else {
                 bail!("model lost between levels");
             };
-            let (sample, m, t) = measure(m, t, kv_tokens, vocab, c, prompt_len, gen)?;
+            let (sample, m, t) = measure(m, t, room, vocab, c, prompt_len, gen)?;
             round.push(sample);
             model = Some(m);
             tokenizer = Some(t);
@@ -186,13 +186,14 @@ pub fn run(
 fn measure(
     model: Model<CpuBackend>,
     tokenizer: Tokenizer,
-    kv_tokens: usize,
+    (per_seq, streams): (usize, usize),
     vocab: u64,
     c: usize,
     prompt_len: usize,
     gen: usize,
 ) -> Result<(Sample, Model<CpuBackend>, Tokenizer)> {
-    let mut config = EngineConfig::for_model(&model.decoder, kv_tokens);
+    let mut config = EngineConfig::for_model(&model.decoder, per_seq);
+    config.kv_blocks *= streams;
     config.prefix_caching = false;
     let mut engine = Engine::new(model, tokenizer, config)?;
     // A short request first, not timed, so no level runs cold (the first one did, by 2–9%:
