@@ -8,6 +8,9 @@
 #     (vendor/llama.cpp/models/ggml-vocab-*.gguf{,.inp,.out} from the
 #     llama-cpp-python==0.3.36 source distribution), flattened into
 #       -> $CACHE/llama-vocab/ggml-vocab-<name>.gguf{,.inp,.out}
+#     and, from the same download, the published models' chat templates that llama.cpp
+#     keeps for its own tests (vendor/llama.cpp/models/templates/*.jinja)
+#       -> $CACHE/llama-templates/<model>.jinja
 #  3. A Python venv with the official `openai` client, pytest, jsonschema and selenium, for
 #     the OpenAI-compatibility suite and the chat-page test (tests/openai, run by
 #     crates/ferrum-cli/tests/openai_client.rs)
@@ -21,7 +24,7 @@
 #
 # Cache dir: ${FERRUM_CACHE:-$HOME/.cache/ferrum}.
 # Prints "KEY=path" lines on stdout (FERRUM_SMOLLM2_GGUF, FERRUM_LLAMA_VOCAB_DIR,
-# FERRUM_OPENAI_VENV, FERRUM_GEMMA3_GGUF);
+# FERRUM_LLAMA_TEMPLATES_DIR, FERRUM_OPENAI_VENV, FERRUM_GEMMA3_GGUF);
 # progress goes to stderr.
 set -euo pipefail
 
@@ -33,6 +36,8 @@ export FERRUM_CACHE="$CACHE" PYTHON
 LLAMACPP_SDIST="llama-cpp-python==0.3.36"
 VOCAB_DIR="$CACHE/llama-vocab"
 VOCAB_MARKER="$VOCAB_DIR/.complete-llama-cpp-python-0.3.36"
+TEMPLATES_DIR="$CACHE/llama-templates"
+TEMPLATES_MARKER="$TEMPLATES_DIR/.complete-llama-cpp-python-0.3.36"
 
 log() { echo "[fetch-test-assets] $*" >&2; }
 
@@ -41,46 +46,69 @@ mkdir -p "$CACHE"
 # --- 1. SmolLM2 -------------------------------------------------------------
 SMOL_GGUF="$("$SCRIPT_DIR/fetch-default-model.sh" | tail -n 1)"
 
-# --- 2. llama.cpp vocab GGUFs -------------------------------------------------
-if [[ -f "$VOCAB_MARKER" ]] && compgen -G "$VOCAB_DIR/ggml-vocab-*.gguf" >/dev/null; then
-    log "llama.cpp vocab files already present"
+# --- 2. llama.cpp vocab GGUFs and chat templates ---------------------------------
+vocab_ok() { [[ -f "$VOCAB_MARKER" ]] && compgen -G "$VOCAB_DIR/ggml-vocab-*.gguf" >/dev/null; }
+templates_ok() { [[ -f "$TEMPLATES_MARKER" ]] && compgen -G "$TEMPLATES_DIR/*.jinja" >/dev/null; }
+if vocab_ok && templates_ok; then
+    log "llama.cpp vocab files and chat templates already present"
 else
     log "downloading $LLAMACPP_SDIST source distribution (~77 MB)"
-    # --no-binary for this package only: the sdist is what carries the vocab files.
-    # (pip prepares the sdist's metadata in an isolated env; that takes seconds and
-    # builds nothing.)
+    # --no-binary for this package only: the sdist is what carries the vocab files and
+    # templates. (pip prepares the sdist's metadata in an isolated env; that takes seconds
+    # and builds nothing.)
     tmp="$(mktemp -d "$CACHE/.llama-vocab.tmp.XXXXXX")"
     trap 'rm -rf "$tmp"' EXIT
     "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps \
         --no-binary llama-cpp-python -d "$tmp/dl" "$LLAMACPP_SDIST" >&2
-    mkdir -p "$tmp/out"
-    # Extract only vendor/llama.cpp/models/ggml-vocab-* (flattened), with tarfile
-    # so this works the same with any tar flavour.
-    "$PYTHON" - "$tmp/dl" "$tmp/out" <<'PY'
+    mkdir -p "$tmp/vocab" "$tmp/templates"
+    # Extract only vendor/llama.cpp/models/ggml-vocab-* and
+    # vendor/llama.cpp/models/templates/*.jinja (each set flattened into its own folder),
+    # with tarfile so this works the same with any tar flavour.
+    "$PYTHON" - "$tmp/dl" "$tmp/vocab" "$tmp/templates" <<'PY'
 import glob, os, shutil, sys, tarfile
-dl, out = sys.argv[1], sys.argv[2]
+dl, vocab_out, templates_out = sys.argv[1], sys.argv[2], sys.argv[3]
 tarballs = glob.glob(os.path.join(dl, "*.tar.gz"))
 if len(tarballs) != 1:
     sys.exit(f"expected one sdist tarball in {dl}, found {tarballs}")
-n = 0
+n_vocab = n_templates = 0
 with tarfile.open(tarballs[0], "r:gz") as tf:
     for m in tf:
         parts = m.name.split("/")
+        if not m.isfile() or parts[1:4] != ["vendor", "llama.cpp", "models"]:
+            continue
         # <top>/vendor/llama.cpp/models/ggml-vocab-*
-        if (m.isfile() and len(parts) == 5 and parts[1:4] == ["vendor", "llama.cpp", "models"]
-                and parts[4].startswith("ggml-vocab-")):
-            src = tf.extractfile(m)
-            with open(os.path.join(out, parts[4]), "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            n += 1
-if n == 0:
+        if len(parts) == 5 and parts[4].startswith("ggml-vocab-"):
+            dst_path = os.path.join(vocab_out, parts[4])
+            n_vocab += 1
+        # <top>/vendor/llama.cpp/models/templates/<name>.jinja
+        elif len(parts) == 6 and parts[4] == "templates" and parts[5].endswith(".jinja"):
+            dst_path = os.path.join(templates_out, parts[5])
+            n_templates += 1
+        else:
+            continue
+        src = tf.extractfile(m)
+        with open(dst_path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+if n_vocab == 0:
     sys.exit("no vendor/llama.cpp/models/ggml-vocab-* files in the sdist")
-print(f"[fetch-test-assets] extracted {n} ggml-vocab files", file=sys.stderr)
+if n_templates == 0:
+    sys.exit("no vendor/llama.cpp/models/templates/*.jinja files in the sdist")
+print(f"[fetch-test-assets] extracted {n_vocab} ggml-vocab files and {n_templates} chat templates",
+      file=sys.stderr)
 PY
-    rm -rf "$VOCAB_DIR"
-    chmod 755 "$tmp/out"
-    mv "$tmp/out" "$VOCAB_DIR"
-    touch "$VOCAB_MARKER"
+    # Only what is missing is replaced: tests may be reading the other one.
+    if ! vocab_ok; then
+        rm -rf "$VOCAB_DIR"
+        chmod 755 "$tmp/vocab"
+        mv "$tmp/vocab" "$VOCAB_DIR"
+        touch "$VOCAB_MARKER"
+    fi
+    if ! templates_ok; then
+        rm -rf "$TEMPLATES_DIR"
+        chmod 755 "$tmp/templates"
+        mv "$tmp/templates" "$TEMPLATES_DIR"
+        touch "$TEMPLATES_MARKER"
+    fi
     rm -rf "$tmp"   # the tarball goes with it
     trap - EXIT
 fi
@@ -160,7 +188,9 @@ fi
 log "SmolLM2 GGUF:      $SMOL_GGUF"
 log "Gemma 3 270M GGUF: $GEMMA_GGUF"
 log "llama.cpp vocabs:  $VOCAB_DIR ($(find "$VOCAB_DIR" -maxdepth 1 -name "ggml-vocab-*.gguf" | wc -l | tr -d " ") vocab GGUFs)"
+log "llama.cpp chat templates: $TEMPLATES_DIR ($(find "$TEMPLATES_DIR" -maxdepth 1 -name "*.jinja" | wc -l | tr -d " ") templates)"
 echo "FERRUM_SMOLLM2_GGUF=$SMOL_GGUF"
 echo "FERRUM_LLAMA_VOCAB_DIR=$VOCAB_DIR"
+echo "FERRUM_LLAMA_TEMPLATES_DIR=$TEMPLATES_DIR"
 echo "FERRUM_OPENAI_VENV=$VENV"
 echo "FERRUM_GEMMA3_GGUF=$GEMMA_GGUF"

@@ -34,6 +34,15 @@ pub fn llama_vocab(name: &str) -> PathBuf {
     require(dir.join(format!("ggml-vocab-{name}.gguf")))
 }
 
+/// A published model's chat template as llama.cpp keeps it for its tests
+/// (`vendor/llama.cpp/models/templates/<name>`, e.g. `google-gemma-2-2b-it.jinja`).
+pub fn llama_template(name: &str) -> PathBuf {
+    let dir = std::env::var_os("FERRUM_LLAMA_TEMPLATES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("llama-templates"));
+    require(dir.join(name))
+}
+
 pub fn smollm2_gguf() -> PathBuf {
     let path = std::env::var_os("FERRUM_SMOLLM2_GGUF")
         .map(PathBuf::from)
