@@ -1251,12 +1251,14 @@ mod tests {
                 "gelu n={n}"
             );
             for i in 0..n {
-                // PyTorch's formula, in f64.
+                // PyTorch's formula, in f64. Far in the negative tail (GELU below 1e-9) the
+                // f32 cube and exponent leave ~1e-5 relative error on a vanishing value: the
+                // absolute floor covers it.
                 let x = g[i] as f64;
                 let c = (2.0 / std::f64::consts::PI).sqrt();
                 let want = 0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh()) * u[i] as f64;
                 assert!(
-                    (a[i] as f64 - want).abs() <= 2e-6 * want.abs() + 1e-30,
+                    (a[i] as f64 - want).abs() <= 2e-6 * want.abs() + 1e-9 * (u[i] as f64).abs(),
                     "gelu({x}) · {} = {}, want {want}",
                     u[i],
                     a[i]
