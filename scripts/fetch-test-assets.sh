@@ -115,15 +115,16 @@ fi
 
 # --- 3. the OpenAI client venv -------------------------------------------------
 VENV="$CACHE/venv-openai"
-VENV_MARKER="$VENV/.complete-openai-2"
+VENV_MARKER="$VENV/.complete-openai-3"
 if [[ -f "$VENV_MARKER" ]]; then
     log "OpenAI client venv already present"
 else
-    log "creating $VENV (openai, pytest, jsonschema, selenium)"
+    log "creating $VENV (openai, anthropic, pytest, jsonschema, selenium)"
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-        "openai>=1.50,<3" "pytest>=8,<10" "jsonschema>=4,<5" "selenium>=4.20,<5" >&2
+        "openai>=1.50,<3" "anthropic>=0.40,<1" "pytest>=8,<10" "jsonschema>=4,<5" \
+        "selenium>=4.20,<5" >&2
     touch "$VENV_MARKER"
 fi
 

@@ -301,7 +301,19 @@ pub fn openai_request(data: &[u8]) {
         }
         return;
     }
-    let Ok(req) = api::parse::<ChatRequest>(data, api::CHAT_FIELDS, true) else {
+    // Anthropic's Messages (`a`) and OpenAI's Responses (`r`) bodies become chat requests.
+    let template = tok.chat_template().map_or("", |t| t.source());
+    let parsed = match data.first() {
+        Some(b'a') => ferrum_server::anthropic::parse(
+            &data[1..],
+            ferrum_server::anthropic::FIELDS,
+            false,
+            template,
+        ),
+        Some(b'r') => ferrum_server::responses::parse(&data[1..], template).map(|(r, _)| r),
+        _ => api::parse::<ChatRequest>(data, api::CHAT_FIELDS, true),
+    };
+    let Ok(req) = parsed else {
         return;
     };
     let Ok(tools) = req.tools() else { return };
@@ -426,6 +438,8 @@ pub mod seeds {
             br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}, "logprobs": true, "top_logprobs": 3, "stop": ["a", "b"], "logit_bias": {"5": -1}}"#.to_vec(),
             br#"c{"model": "m", "prompt": ["a", "b"], "max_tokens": 3, "logprobs": 2, "parse_special": false}"#.to_vec(),
             br#"c{"model": "m", "prompt": [[1, 2, 3]], "echo": false, "stream": true, "stream_options": {"include_usage": true}}"#.to_vec(),
+            br#"a{"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "s"}], "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "text", "text": "t"}, {"type": "tool_use", "id": "u1", "name": "w", "input": {"c": "x"}}]}, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "u1", "content": [{"type": "text", "text": "r"}], "is_error": true}]}], "tools": [{"name": "w", "input_schema": {"type": "object", "properties": {"c": {"type": "string"}}}}], "tool_choice": {"type": "any"}, "stop_sequences": ["z"], "top_k": 3}"#.to_vec(),
+            br#"r{"model": "m", "instructions": "i", "input": [{"role": "user", "content": [{"type": "input_text", "text": "q"}]}, {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"}, {"type": "function_call_output", "call_id": "c1", "output": "o"}], "tools": [{"type": "function", "name": "w", "parameters": {"type": "object"}}], "tool_choice": {"type": "function", "name": "w"}, "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}, "strict": true}}, "max_output_tokens": 4, "store": false}"#.to_vec(),
         ]
     }
 

@@ -136,6 +136,8 @@ pub enum OutputKind {
         reason: FinishReason,
         text: String,
         usage: Usage,
+        /// The stop string that ended the text, if one did (Anthropic's `stop_sequence`).
+        stop_string: Option<String>,
     },
 }
 
@@ -469,11 +471,13 @@ impl<B: Backend> Engine<B> {
                 text.push_str(&s.stops.flush());
             }
         }
+        let stop_string = s.stops.matched().map(str::to_string);
         out.push(Output {
             id: s.id,
             kind: OutputKind::Finished {
                 reason,
                 text,
+                stop_string,
                 usage: Usage {
                     prompt_tokens: s.prompt_len,
                     completion_tokens: s.generated(),

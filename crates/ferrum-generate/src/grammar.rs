@@ -31,10 +31,7 @@ impl Constraint {
     pub fn after_reasoning(&self) -> Constraint {
         let body = match self {
             Constraint::JsonObject => {
-                format!(
-                    "body: %json {}",
-                    compact(serde_json::json!({"type": "object"}))
-                )
+                format!("body: %json {}", any_object())
             }
             Constraint::JsonSchema(s) => format!("body: %json {}", compact(s.clone())),
             Constraint::Lark(g) => g.replacen("start:", "body:", 1),
@@ -122,8 +119,18 @@ fn token_bytes(tok: &Tokenizer, vocab: usize) -> Vec<Vec<u8>> {
 
 /// JSON without free whitespace (one space after `:` and `,`), unless the schema sets its
 /// own `x-guidance` options: a small model given room for whitespace can fill `max_tokens`
-/// with newlines and never close the object.
-pub fn compact(mut schema: serde_json::Value) -> serde_json::Value {
+/// with newlines and never close the object. The schema is [`tighten`]ed first.
+pub fn compact(schema: serde_json::Value) -> serde_json::Value {
+    no_free_whitespace(tighten(schema))
+}
+
+/// Any JSON object (`json_object`), without free whitespace: not tightened, since it has no
+/// properties of its own to close it over.
+fn any_object() -> serde_json::Value {
+    no_free_whitespace(serde_json::json!({"type": "object"}))
+}
+
+fn no_free_whitespace(mut schema: serde_json::Value) -> serde_json::Value {
     if let Some(obj) = schema.as_object_mut() {
         obj.entry("x-guidance").or_insert_with(|| {
             serde_json::json!({
@@ -134,6 +141,78 @@ pub fn compact(mut schema: serde_json::Value) -> serde_json::Value {
         });
     }
     schema
+}
+
+/// The largest integer part a bound-less `integer` or `number` may have: 15 digits (as
+/// llama.cpp's schema converter bounds integers to 16), exactly representable as an f64.
+const MAX_INT_PART: f64 = 999_999_999_999_999.0;
+
+/// The schema a small model can satisfy, as OpenAI's strict mode and llama.cpp's converter
+/// read it: every object closed unless the schema opens it (no `additionalProperties`,
+/// `patternProperties` or `unevaluatedProperties` of its own — left alone inside `allOf`,
+/// whose branches are merged), and every `integer` / `number` without a bound given one of
+/// ±[`MAX_INT_PART`]. Without these a model may add keys until `max_tokens`, or run an
+/// integer to a hundred digits, and never finish the JSON.
+pub fn tighten(mut schema: serde_json::Value) -> serde_json::Value {
+    tighten_in(&mut schema, false);
+    schema
+}
+
+fn tighten_in(v: &mut serde_json::Value, in_all_of: bool) {
+    use serde_json::Value;
+    let Value::Object(o) = v else {
+        if let Value::Array(a) = v {
+            a.iter_mut().for_each(|x| tighten_in(x, in_all_of));
+        }
+        return;
+    };
+    let types: Vec<&str> = match o.get("type") {
+        Some(Value::String(t)) => vec![t.as_str()],
+        Some(Value::Array(a)) => a.iter().filter_map(Value::as_str).collect(),
+        _ => Vec::new(),
+    };
+    let is_object = types.contains(&"object") || o.contains_key("properties");
+    let opened = [
+        "additionalProperties",
+        "patternProperties",
+        "unevaluatedProperties",
+    ]
+    .iter()
+    .any(|k| o.contains_key(*k));
+    let numeric = types.iter().any(|t| *t == "integer" || *t == "number");
+    if is_object && !opened && !in_all_of {
+        o.insert("additionalProperties".into(), Value::Bool(false));
+    }
+    if numeric {
+        if !o.contains_key("minimum") && !o.contains_key("exclusiveMinimum") {
+            o.insert("minimum".into(), serde_json::json!(-MAX_INT_PART));
+        }
+        if !o.contains_key("maximum") && !o.contains_key("exclusiveMaximum") {
+            o.insert("maximum".into(), serde_json::json!(MAX_INT_PART));
+        }
+    }
+    for (k, child) in o.iter_mut() {
+        match k.as_str() {
+            "properties" | "$defs" | "definitions" | "patternProperties" | "dependentSchemas" => {
+                if let Value::Object(m) = child {
+                    m.values_mut().for_each(|x| tighten_in(x, false));
+                }
+            }
+            "allOf" => tighten_in(child, true),
+            "items"
+            | "prefixItems"
+            | "anyOf"
+            | "oneOf"
+            | "additionalProperties"
+            | "not"
+            | "if"
+            | "then"
+            | "else"
+            | "contains"
+            | "additionalItems" => tighten_in(child, false),
+            _ => {}
+        }
+    }
 }
 
 /// Compiles constraints for one model's vocabulary.
@@ -166,9 +245,7 @@ impl GrammarCompiler {
     /// before any generation.
     pub fn compile(&self, c: &Constraint) -> Result<TokenMask> {
         let grammar = match c {
-            Constraint::JsonObject => {
-                TopLevelGrammar::from_json_schema(compact(serde_json::json!({"type": "object"})))
-            }
+            Constraint::JsonObject => TopLevelGrammar::from_json_schema(any_object()),
             Constraint::JsonSchema(s) => TopLevelGrammar::from_json_schema(compact(s.clone())),
             Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
         };
@@ -261,5 +338,36 @@ mod tests {
         assert!(accepts(&r, "<think>hmm, a number</think>\n\n{\"a\": 3}"));
         assert!(accepts(&r, "{\"a\": 3}"));
         assert!(!accepts(&r, "<think>x</think>nope"));
+    }
+}
+
+#[cfg(test)]
+mod tighten_tests {
+    use super::tighten;
+    use serde_json::json;
+
+    #[test]
+    fn objects_close_unless_opened_and_numbers_get_bounds() {
+        let got = tighten(json!({
+            "type": "object",
+            "properties": {
+                "n": {"type": "integer"},
+                "x": {"type": "number", "minimum": 0},
+                "open": {"type": "object", "additionalProperties": {"type": "string"}},
+                "list": {"type": "array", "items": {"properties": {"a": {"type": "string"}}}},
+                "both": {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]},
+            },
+            "$defs": {"d": {"type": "object"}},
+        }));
+        assert_eq!(got["additionalProperties"], false);
+        let p = &got["properties"];
+        assert_eq!(p["n"]["minimum"], json!(-999_999_999_999_999.0));
+        assert_eq!(p["n"]["maximum"], json!(999_999_999_999_999.0));
+        assert_eq!(p["x"]["minimum"], 0);
+        assert_eq!(p["open"]["additionalProperties"], json!({"type": "string"}));
+        assert_eq!(p["list"]["items"]["additionalProperties"], false);
+        // allOf branches are merged: closing one would forbid the other's keys.
+        assert!(p["both"]["allOf"][0].get("additionalProperties").is_none());
+        assert_eq!(got["$defs"]["d"]["additionalProperties"], false);
     }
 }

@@ -154,6 +154,7 @@ impl<B: Backend> Session<B> {
                         reason,
                         text,
                         usage,
+                        ..
                     } => {
                         if !text.is_empty() && reason != FinishReason::Cancelled {
                             on_text(&text);

@@ -63,6 +63,7 @@ fn run(e: &mut Engine<CpuBackend>, reqs: Vec<Request>, arrive: &[usize]) -> Vec<
                     reason,
                     text,
                     usage,
+                    ..
                 } => {
                     let (tokens, mut t, logprobs) = std::mem::take(a);
                     t.push_str(&text);

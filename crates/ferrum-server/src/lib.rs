@@ -5,12 +5,15 @@
 //! come back per request → JSON body or SSE chunks. Errors take one shape (`error`); counters
 //! and latency histograms are served at `/metrics` (`metrics`).
 
+pub mod anthropic;
 pub mod api;
 pub mod error;
 pub mod guard;
 pub mod metrics;
 pub mod reasoning;
+pub mod responses;
 pub mod routes;
+pub mod tokenize;
 pub mod tools;
 pub mod worker;
 
@@ -54,6 +57,13 @@ pub fn router(state: Arc<routes::AppState>, max_body: usize) -> Router {
         .route("/v1/completions", post(routes::completions))
         .route("/v1/embeddings", post(routes::embeddings))
         .route("/v1/models", get(routes::models))
+        .route("/v1/responses", post(responses::create))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
+        .route("/v1/chat/completions/render", post(tokenize::render_chat))
+        .route("/v1/completions/render", post(tokenize::render_completion))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             routes::auth,

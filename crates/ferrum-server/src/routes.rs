@@ -48,7 +48,7 @@ pub struct AppState {
 type App = State<Arc<AppState>>;
 
 impl AppState {
-    fn card(&self) -> Result<&ModelCard, ApiError> {
+    pub(crate) fn card(&self) -> Result<&ModelCard, ApiError> {
         if let Some(e) = self.handle.shared.load_error.get() {
             return Err(ApiError::not_ready(format!(
                 "the model failed to load: {e}"
@@ -61,7 +61,7 @@ impl AppState {
             .ok_or_else(|| ApiError::not_ready("the model is still loading"))
     }
 
-    fn check_model(&self, model: &str) -> Result<&ModelCard, ApiError> {
+    pub(crate) fn check_model(&self, model: &str) -> Result<&ModelCard, ApiError> {
         let card = self.card()?;
         if model != card.id {
             return Err(ApiError::not_found(
@@ -75,7 +75,7 @@ impl AppState {
         Ok(card)
     }
 
-    fn check_load(&self) -> Result<(), ApiError> {
+    pub(crate) fn check_load(&self) -> Result<(), ApiError> {
         let waiting = self.handle.shared.stats.lock().map_or(0, |s| s.waiting);
         if waiting >= self.max_waiting {
             return Err(ApiError::overloaded(1));
@@ -84,24 +84,24 @@ impl AppState {
     }
 
     /// The bound on `n × max_tokens`.
-    fn request_tokens(&self, card: &ModelCard) -> usize {
+    pub(crate) fn request_tokens(&self, card: &ModelCard) -> usize {
         self.max_request_tokens.unwrap_or(card.kv_tokens).max(1)
     }
 
-    fn new_id(&self, prefix: &str) -> String {
+    pub(crate) fn new_id(&self, prefix: &str) -> String {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         format!("{prefix}-{:x}{n:06x}", now())
     }
 }
 
-fn now() -> u64 {
+pub(crate) fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
 }
 
 /// The response, or the error's; failures are counted.
-fn respond(st: &AppState, r: Result<Response, ApiError>) -> Response {
+pub(crate) fn respond(st: &AppState, r: Result<Response, ApiError>) -> Response {
     r.unwrap_or_else(|e| {
         st.metrics.request_failed();
         tracing::info!(
@@ -114,15 +114,17 @@ fn respond(st: &AppState, r: Result<Response, ApiError>) -> Response {
     })
 }
 
-/// Bearer-token check for the API routes when the server has a key.
+/// API-key check for the API routes when the server has a key: `Authorization: Bearer …`,
+/// or `x-api-key: …` as Anthropic's clients send it.
 pub async fn auth(State(st): App, req: HttpRequest, next: Next) -> Response {
     if let Some(key) = &st.api_key {
-        let ok = req
-            .headers()
+        let h = req.headers();
+        let bearer = h
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|k| k == key);
+            .and_then(|v| v.strip_prefix("Bearer "));
+        let x_api_key = h.get("x-api-key").and_then(|v| v.to_str().ok());
+        let ok = bearer.is_some_and(|k| k == key) || x_api_key.is_some_and(|k| k == key);
         if !ok {
             return ApiError::unauthorized().into_response();
         }
@@ -130,7 +132,7 @@ pub async fn auth(State(st): App, req: HttpRequest, next: Next) -> Response {
     next.run(req).await
 }
 
-fn body(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+pub(crate) fn body(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     b.map_err(|e| {
         if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::too_large("the request body is too large")
@@ -207,17 +209,19 @@ pub async fn models(State(st): App) -> Result<Response, ApiError> {
 
 /// One generated choice, accumulated.
 #[derive(Default)]
-struct Choice {
-    text: String,
-    logprobs: Vec<(u32, TokenLogprob)>,
-    finish: Option<FinishReason>,
-    usage: Usage,
-    first_token: Option<Instant>,
+pub(crate) struct Choice {
+    pub text: String,
+    pub logprobs: Vec<(u32, TokenLogprob)>,
+    pub finish: Option<FinishReason>,
+    pub usage: Usage,
+    pub first_token: Option<Instant>,
+    /// The stop string that ended the text, if one did.
+    pub stop_string: Option<String>,
 }
 
 impl Choice {
     /// Takes in one event of this choice; true when it was the last.
-    fn absorb(&mut self, kind: &OutputKind) -> bool {
+    pub(crate) fn absorb(&mut self, kind: &OutputKind) -> bool {
         match kind {
             OutputKind::Token {
                 token,
@@ -235,7 +239,9 @@ impl Choice {
                 reason,
                 text,
                 usage,
+                stop_string,
             } => {
+                self.stop_string = stop_string.clone();
                 self.text.push_str(text);
                 self.finish = Some(*reason);
                 self.usage = *usage;
@@ -245,7 +251,7 @@ impl Choice {
     }
 }
 
-fn finish_name(r: FinishReason) -> &'static str {
+pub(crate) fn finish_name(r: FinishReason) -> &'static str {
     match r {
         FinishReason::Stop => "stop",
         FinishReason::Length => "length",
@@ -254,7 +260,7 @@ fn finish_name(r: FinishReason) -> &'static str {
 }
 
 /// Submits one engine request per choice; returns a channel of `(choice, event)`.
-async fn launch(
+pub(crate) async fn launch(
     st: &AppState,
     plans: Vec<Request>,
 ) -> Result<mpsc::UnboundedReceiver<(usize, Output)>, ApiError> {
@@ -276,7 +282,7 @@ async fn launch(
 }
 
 /// `n` engine requests from one plan; with a seed, choice `i` uses `seed + i`.
-fn choices(plan: &Plan) -> Vec<Request> {
+pub(crate) fn choices(plan: &Plan) -> Vec<Request> {
     (0..plan.n)
         .map(|i| {
             let mut r = plan.base.clone();
@@ -286,7 +292,7 @@ fn choices(plan: &Plan) -> Vec<Request> {
         .collect()
 }
 
-fn token_text(tok: &Tokenizer, id: u32) -> String {
+pub(crate) fn token_text(tok: &Tokenizer, id: u32) -> String {
     tok.decode(&[id], false).unwrap_or_default()
 }
 
@@ -326,7 +332,7 @@ fn completion_logprobs(tok: &Tokenizer, lps: &[(u32, TokenLogprob)], offset0: us
 }
 
 /// Usage of `u` (choices in prompt-major order, `n` per prompt): each prompt counts once.
-fn usage_json(u: &[Usage], n: usize) -> Value {
+pub(crate) fn usage_json(u: &[Usage], n: usize) -> Value {
     let per_prompt = u.iter().step_by(n.max(1));
     let prompt: usize = per_prompt.clone().map(|x| x.prompt_tokens).sum();
     let cached: usize = per_prompt.map(|x| x.cached_tokens).sum();
@@ -341,7 +347,7 @@ fn usage_json(u: &[Usage], n: usize) -> Value {
 
 /// The assistant message for an answer, and its finish reason: with tools, calls are parsed
 /// out (`finish_reason: "tool_calls"`) and content is null when there is none.
-fn assistant_message(
+pub(crate) fn assistant_message(
     st: &AppState,
     tools: Option<&Tools>,
     text: &str,
@@ -385,18 +391,20 @@ fn assistant_message(
 /// The conversation as prompt ids, rendered off the async threads: the render has its own
 /// thread and deadline (the template's sandbox), and this waits for it without holding up
 /// other requests.
-async fn render_prompt(
+pub(crate) async fn render_prompt(
     st: &Arc<AppState>,
     messages: Vec<Value>,
     kwargs: serde_json::Map<String, Value>,
+    add_generation_prompt: bool,
 ) -> Result<Vec<u32>, ApiError> {
     let st = st.clone();
+    let gen = add_generation_prompt;
     let ids = tokio::task::spawn_blocking(move || match st.content_special {
         // `template_inputs` escaped the request's strings already.
-        SpecialTokens::Text => st.tokenizer.chat_prompt_escaped(&messages, true, &kwargs),
+        SpecialTokens::Text => st.tokenizer.chat_prompt_escaped(&messages, gen, &kwargs),
         SpecialTokens::Control => {
             st.tokenizer
-                .chat_prompt(&messages, true, &kwargs, SpecialTokens::Control)
+                .chat_prompt(&messages, gen, &kwargs, SpecialTokens::Control)
         }
     })
     .await
@@ -405,7 +413,7 @@ async fn render_prompt(
 }
 
 /// Waits for every choice to finish.
-async fn collect(
+pub(crate) async fn collect(
     mut rx: mpsc::UnboundedReceiver<(usize, Output)>,
     n: usize,
 ) -> Result<Vec<Choice>, ApiError> {
@@ -424,7 +432,7 @@ async fn collect(
 
 /// Metrics and the one log line of a finished request.
 /// `choices` come `per_prompt` to a prompt; each prompt counts once.
-fn record(st: &AppState, id: &str, t0: Instant, choices: &[Choice], per_prompt: usize) {
+pub(crate) fn record(st: &AppState, id: &str, t0: Instant, choices: &[Choice], per_prompt: usize) {
     let prompt: usize = choices
         .iter()
         .step_by(per_prompt.max(1))
@@ -453,25 +461,35 @@ fn record(st: &AppState, id: &str, t0: Instant, choices: &[Choice], per_prompt: 
     );
 }
 
-pub async fn chat(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
-    let r = chat_inner(st.clone(), b).await;
-    respond(&st, r)
+/// A chat-shaped request checked, rendered and planned: what Chat Completions, Responses and
+/// Messages each submit once they have parsed their own shapes into an [`api::ChatRequest`].
+pub(crate) struct Prepared {
+    pub card: ModelCard,
+    pub plan: Plan,
+    /// The tools in play, when a call may be made.
+    pub tools: Option<Tools>,
+    pub logprobs: Option<usize>,
 }
 
-async fn chat_inner(
-    st: Arc<AppState>,
-    b: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    let t0 = Instant::now();
-    let bytes = body(b)?;
-    let req: api::ChatRequest = api::parse(&bytes, api::CHAT_FIELDS, true)?;
+/// The prompt ids `req` renders to: chat template, tools, special-token rules.
+pub(crate) async fn chat_prompt_ids(
+    st: &Arc<AppState>,
+    req: &api::ChatRequest,
+    tools: Option<&Tools>,
+) -> Result<Vec<u32>, ApiError> {
+    let (messages, kwargs) = req.template_inputs(&st.tokenizer, tools, st.content_special)?;
+    render_prompt(st, messages, kwargs, true).await
+}
+
+pub(crate) async fn prepare_chat(
+    st: &Arc<AppState>,
+    req: &api::ChatRequest,
+) -> Result<Prepared, ApiError> {
     let card = st.check_model(&req.model)?.clone();
     let tools = req.tools()?;
     let constraint = req.constraint(tools.as_ref())?;
     let logprobs = req.logprobs()?;
-    let (messages, kwargs) =
-        req.template_inputs(&st.tokenizer, tools.as_ref(), st.content_special)?;
-    let prompt = render_prompt(&st, messages, kwargs).await?;
+    let prompt = chat_prompt_ids(st, req, tools.as_ref()).await?;
     let limits = api::Limits {
         max_sequence: card.max_sequence,
         request_tokens: st.request_tokens(&card),
@@ -484,7 +502,32 @@ async fn chat_inner(
     } else {
         constraint
     };
-    let tools = tools.filter(|t| t.active());
+    Ok(Prepared {
+        card,
+        plan,
+        tools: tools.filter(|t| t.active()),
+        logprobs,
+    })
+}
+
+pub async fn chat(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
+    let r = chat_inner(st.clone(), b).await;
+    respond(&st, r)
+}
+
+async fn chat_inner(
+    st: Arc<AppState>,
+    b: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let t0 = Instant::now();
+    let bytes = body(b)?;
+    let req: api::ChatRequest = api::parse(&bytes, api::CHAT_FIELDS, true)?;
+    let Prepared {
+        card,
+        plan,
+        tools,
+        logprobs,
+    } = prepare_chat(&st, &req).await?;
     st.check_load()?;
     let rx = launch(&st, choices(&plan)).await?;
     let id = st.new_id("chatcmpl");

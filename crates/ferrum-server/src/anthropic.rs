@@ -1,0 +1,589 @@
+//! Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`), the one
+//! Claude Code and the `anthropic` SDKs speak. A request is translated into the chat request
+//! the rest of the server runs ([`crate::api::ChatRequest`]: system text, text / tool_use /
+//! tool_result blocks as messages and tool calls, `input_schema` tools, `tool_choice`,
+//! `stop_sequences`), and the engine's events back into Anthropic's message and stream
+//! events. Errors come in Anthropic's shape: `{"type": "error", "error": {type, message}}`.
+
+use std::collections::HashSet;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use ferrum_generate::{FinishReason, OutputKind};
+use serde_json::{json, Map, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::StreamExt;
+
+use crate::api;
+use crate::error::ApiError;
+use crate::reasoning::ReasoningSplitter;
+use crate::routes::{self, AppState, Choice, Prepared};
+
+pub const FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "messages",
+    "system",
+    "stop_sequences",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stream",
+    "tools",
+    "tool_choice",
+    "metadata",
+    "thinking",
+    "service_tier",
+];
+
+pub const COUNT_FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "system",
+    "tools",
+    "tool_choice",
+    "thinking",
+];
+
+/// An error in Anthropic's shape, with the status the server would give it.
+fn error_response(st: &AppState, e: ApiError) -> Response {
+    st.metrics.request_failed();
+    tracing::info!(status = e.status.as_u16(), "request refused: {}", e.message);
+    let kind = match e.status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 => "overloaded_error",
+        s if s >= 500 => "api_error",
+        _ => "invalid_request_error",
+    };
+    let body = json!({"type": "error", "error": {"type": kind, "message": e.message}});
+    (e.status, Json(body)).into_response()
+}
+
+fn template(st: &AppState) -> &str {
+    st.tokenizer.chat_template().map_or("", |t| t.source())
+}
+
+fn bad(message: impl Into<String>) -> ApiError {
+    ApiError::bad_request(message, None)
+}
+
+/// The text of a `system` field or a tool result's `content`: a string, or text blocks.
+fn text_of(v: &Value, what: &str) -> Result<String, ApiError> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(blocks) => {
+            let mut out = String::new();
+            for b in blocks {
+                match (b.get("type").and_then(Value::as_str), b.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => out.push_str(t),
+                    (t, _) => {
+                        return Err(bad(format!(
+                            "{what}: blocks of type {t:?} are not supported here (text only)"
+                        )))
+                    }
+                }
+            }
+            Ok(out)
+        }
+        Value::Null => Ok(String::new()),
+        _ => Err(bad(format!("{what} must be a string or a list of blocks"))),
+    }
+}
+
+/// The Messages request as the chat request the server runs (OpenAI's shape).
+fn to_chat(body: &Map<String, Value>, count_only: bool, template: &str) -> Result<Value, ApiError> {
+    let mut messages = Vec::new();
+    if let Some(system) = body.get("system") {
+        let text = text_of(system, "system")?;
+        if !text.is_empty() {
+            messages.push(json!({"role": "system", "content": text}));
+        }
+    }
+    let list = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| bad("messages: a list of messages is required"))?;
+    if list.is_empty() {
+        return Err(bad("messages: at least one message is required"));
+    }
+    let mut tool_uses: HashSet<String> = HashSet::new();
+    for (i, m) in list.iter().enumerate() {
+        let role = m.get("role").and_then(Value::as_str).unwrap_or("");
+        if role != "user" && role != "assistant" {
+            return Err(bad(format!(
+                "messages.{i}.role: {role:?} (user or assistant; the system text goes in `system`)"
+            )));
+        }
+        if let Some(k) = m
+            .as_object()
+            .and_then(|o| o.keys().find(|k| *k != "role" && *k != "content"))
+        {
+            return Err(bad(format!("messages.{i}.{k}: unknown field")));
+        }
+        let blocks = match m.get("content") {
+            Some(Value::String(s)) => {
+                messages.push(json!({"role": role, "content": s}));
+                continue;
+            }
+            Some(Value::Array(b)) => b,
+            _ => {
+                return Err(bad(format!(
+                    "messages.{i}.content: a string or a list of blocks"
+                )))
+            }
+        };
+        let mut text = String::new();
+        let mut calls = Vec::new();
+        for (j, b) in blocks.iter().enumerate() {
+            let at = format!("messages.{i}.content.{j}");
+            match b.get("type").and_then(Value::as_str) {
+                Some("text") => match b.get("text") {
+                    Some(Value::String(t)) => text.push_str(t),
+                    _ => return Err(bad(format!("{at}.text: a string is required"))),
+                },
+                // Earlier reasoning is not fed back (templates drop it too).
+                Some("thinking" | "redacted_thinking") if role == "assistant" => {}
+                Some("tool_use") if role == "assistant" => {
+                    let id = b.get("id").and_then(Value::as_str).unwrap_or("");
+                    let name = b.get("name").and_then(Value::as_str).unwrap_or("");
+                    if id.is_empty() || name.is_empty() {
+                        return Err(bad(format!("{at}: tool_use needs an id and a name")));
+                    }
+                    let input = b.get("input").cloned().unwrap_or(json!({}));
+                    if !input.is_object() {
+                        return Err(bad(format!("{at}.input: an object is required")));
+                    }
+                    tool_uses.insert(id.to_string());
+                    calls.push(json!({
+                        "id": id, "type": "function",
+                        "function": {"name": name, "arguments": input.to_string()},
+                    }));
+                }
+                Some("tool_result") if role == "user" => {
+                    let id = b.get("tool_use_id").and_then(Value::as_str).unwrap_or("");
+                    if !tool_uses.contains(id) {
+                        return Err(bad(format!(
+                            "{at}: tool_result for tool_use_id {id:?}, which no earlier \
+                             assistant tool_use has"
+                        )));
+                    }
+                    let mut content = text_of(b.get("content").unwrap_or(&Value::Null), &at)?;
+                    if b.get("is_error").and_then(Value::as_bool) == Some(true) {
+                        content = format!("Error: {content}");
+                    }
+                    messages.push(json!({"role": "tool", "tool_call_id": id, "content": content}));
+                }
+                other => {
+                    return Err(bad(format!(
+                        "{at}: blocks of type {other:?} are not supported in {role} messages"
+                    )))
+                }
+            }
+        }
+        if role == "assistant" {
+            let mut msg = json!({"role": "assistant", "content": text});
+            if !calls.is_empty() {
+                msg["tool_calls"] = json!(calls);
+            }
+            messages.push(msg);
+        } else if !text.is_empty() {
+            messages.push(json!({"role": "user", "content": text}));
+        }
+    }
+    let mut chat = Map::new();
+    chat.insert(
+        "model".into(),
+        body.get("model").cloned().unwrap_or(Value::Null),
+    );
+    chat.insert("messages".into(), Value::Array(messages));
+    if let Some(tools) = body.get("tools").filter(|t| !t.is_null()) {
+        let list = tools
+            .as_array()
+            .ok_or_else(|| bad("tools: a list is required"))?;
+        let mut out = Vec::new();
+        for (i, t) in list.iter().enumerate() {
+            if t.get("type")
+                .and_then(Value::as_str)
+                .is_some_and(|ty| ty != "custom")
+            {
+                return Err(bad(format!(
+                    "tools.{i}: server tools ({:?}) are not supported; give name, description \
+                     and input_schema",
+                    t["type"]
+                )));
+            }
+            let name = t.get("name").cloned().unwrap_or(Value::Null);
+            let schema = t
+                .get("input_schema")
+                .filter(|s| s.is_object())
+                .ok_or_else(|| bad(format!("tools.{i}.input_schema: an object is required")))?;
+            let mut f = json!({"name": name, "parameters": schema});
+            if let Some(d) = t.get("description") {
+                f["description"] = d.clone();
+            }
+            out.push(json!({"type": "function", "function": f}));
+        }
+        chat.insert("tools".into(), Value::Array(out));
+    }
+    if let Some(tc) = body.get("tool_choice").filter(|t| !t.is_null()) {
+        let choice = match tc.get("type").and_then(Value::as_str) {
+            Some("auto") => json!("auto"),
+            Some("any") => json!("required"),
+            Some("none") => json!("none"),
+            Some("tool") => json!({"type": "function", "function": {"name": tc["name"]}}),
+            other => {
+                return Err(bad(format!(
+                    "tool_choice.type {other:?} (auto, any, tool or none)"
+                )))
+            }
+        };
+        chat.insert("tool_choice".into(), choice);
+        if tc.get("disable_parallel_tool_use").and_then(Value::as_bool) == Some(true) {
+            chat.insert("parallel_tool_calls".into(), json!(false));
+        }
+    }
+    // A template with a thinking switch (Qwen3's `enable_thinking`) follows `thinking`.
+    if let Some(t) = body.get("thinking").filter(|t| !t.is_null()) {
+        let on = match t.get("type").and_then(Value::as_str) {
+            Some("enabled") => true,
+            Some("disabled") => false,
+            other => {
+                return Err(bad(format!(
+                    "thinking.type {other:?} (enabled or disabled)"
+                )))
+            }
+        };
+        if template.contains("enable_thinking") {
+            chat.insert(
+                "chat_template_kwargs".into(),
+                json!({ "enable_thinking": on }),
+            );
+        }
+    }
+    if count_only {
+        return Ok(Value::Object(chat));
+    }
+    match body.get("max_tokens") {
+        Some(v) if v.is_i64() || v.is_u64() => {
+            chat.insert("max_tokens".into(), v.clone());
+        }
+        _ => return Err(bad("max_tokens: an integer is required")),
+    }
+    for (from, to) in [
+        ("stop_sequences", "stop"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("top_k", "top_k"),
+        ("stream", "stream"),
+    ] {
+        if let Some(v) = body.get(from).filter(|v| !v.is_null()) {
+            chat.insert(to.into(), v.clone());
+        }
+    }
+    Ok(Value::Object(chat))
+}
+
+/// Parses the body (fields from `fields` only: [`FIELDS`] for a message, [`COUNT_FIELDS`]
+/// for counting) and translates it for a model whose chat template is `template`.
+pub fn parse(
+    bytes: &[u8],
+    fields: &[&str],
+    count_only: bool,
+    template: &str,
+) -> Result<api::ChatRequest, ApiError> {
+    let v: Value = serde_json::from_slice(bytes)
+        .map_err(|e| bad(format!("the body is not valid JSON: {e}")))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| bad("the body must be a JSON object"))?;
+    if let Some(k) = obj.keys().find(|k| !fields.contains(&k.as_str())) {
+        return Err(bad(format!("{k}: unsupported parameter")));
+    }
+    let chat = to_chat(obj, count_only, template)?;
+    let fields: Vec<&str> = api::CHAT_FIELDS.to_vec();
+    api::parse(chat.to_string().as_bytes(), &fields, true)
+}
+
+pub async fn count_tokens(
+    State(st): State<Arc<AppState>>,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    let r = async {
+        let bytes = routes::body(b)?;
+        let req = parse(&bytes, COUNT_FIELDS, true, template(&st))?;
+        st.check_model(&req.model)?;
+        let tools = req.tools()?;
+        let ids = routes::chat_prompt_ids(&st, &req, tools.as_ref().filter(|t| t.active())).await?;
+        Ok::<_, ApiError>(Json(json!({"input_tokens": ids.len()})).into_response())
+    }
+    .await;
+    r.unwrap_or_else(|e| error_response(&st, e))
+}
+
+pub async fn messages(
+    State(st): State<Arc<AppState>>,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    let r = messages_inner(st.clone(), b).await;
+    r.unwrap_or_else(|e| error_response(&st, e))
+}
+
+/// What an answer became: reasoning, text and tool calls (`input` objects).
+struct Blocks {
+    thinking: Option<String>,
+    text: String,
+    calls: Vec<(String, String, Value)>,
+}
+
+fn blocks(st: &AppState, p: &Prepared, text: &str) -> Blocks {
+    let (thinking, text) = if st.thinking {
+        ReasoningSplitter::split(text)
+    } else {
+        (None, text.to_string())
+    };
+    let (content, calls) = match &p.tools {
+        Some(t) => t.parse_output(&text),
+        None => (None, Vec::new()),
+    };
+    if calls.is_empty() {
+        return Blocks {
+            thinking,
+            text,
+            calls: Vec::new(),
+        };
+    }
+    let calls = calls
+        .into_iter()
+        .map(|c| {
+            let input = serde_json::from_str(&c.arguments).unwrap_or(json!({}));
+            (st.new_id("toolu").replace('-', "_"), c.name, input)
+        })
+        .collect();
+    Blocks {
+        thinking,
+        text: content.unwrap_or_default(),
+        calls,
+    }
+}
+
+fn stop_reason(c: &Choice, tool_use: bool) -> (&'static str, Value) {
+    if tool_use {
+        return ("tool_use", Value::Null);
+    }
+    match (c.finish, &c.stop_string) {
+        (Some(FinishReason::Length), _) => ("max_tokens", Value::Null),
+        (_, Some(s)) => ("stop_sequence", json!(s)),
+        _ => ("end_turn", Value::Null),
+    }
+}
+
+fn usage(c: &Choice) -> Value {
+    json!({
+        "input_tokens": c.usage.prompt_tokens,
+        "output_tokens": c.usage.completion_tokens,
+        "cache_read_input_tokens": c.usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    })
+}
+
+async fn messages_inner(
+    st: Arc<AppState>,
+    b: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let t0 = Instant::now();
+    let bytes = routes::body(b)?;
+    let req = parse(&bytes, FIELDS, false, template(&st))?;
+    let p = routes::prepare_chat(&st, &req).await?;
+    st.check_load()?;
+    let input_tokens = p.plan.base.prompt.len();
+    let mut rx = routes::launch(&st, vec![p.plan.base.clone()]).await?;
+    let id = st.new_id("msg").replace('-', "_");
+    if !p.plan.stream {
+        let out = routes::collect(rx, 1).await?;
+        routes::record(&st, &id, t0, &out, 1);
+        let c = &out[0];
+        let b = blocks(&st, &p, &c.text);
+        let mut content = Vec::new();
+        if let Some(t) = &b.thinking {
+            content.push(json!({"type": "thinking", "thinking": t, "signature": ""}));
+        }
+        if !b.text.is_empty() || (b.calls.is_empty() && b.thinking.is_none()) {
+            content.push(json!({"type": "text", "text": b.text}));
+        }
+        for (cid, name, input) in &b.calls {
+            content.push(json!({"type": "tool_use", "id": cid, "name": name, "input": input}));
+        }
+        let (reason, seq) = stop_reason(c, !b.calls.is_empty());
+        return Ok(Json(json!({
+            "id": id, "type": "message", "role": "assistant", "model": p.card.id,
+            "content": content, "stop_reason": reason, "stop_sequence": seq,
+            "usage": usage(c),
+        }))
+        .into_response());
+    }
+    let (tx, events) = mpsc::unbounded_channel::<Event>();
+    let model = p.card.id.clone();
+    tokio::spawn(async move {
+        let mut w = Writer {
+            tx,
+            open: None,
+            index: 0,
+        };
+        let start = json!({"type": "message_start", "message": {
+            "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+        }});
+        if !w.send("message_start", start) || !w.send("ping", json!({"type": "ping"})) {
+            return;
+        }
+        let mut splitter = ReasoningSplitter::default();
+        let mut choice = Choice::default();
+        // With tools the answer is held until it is complete: only then is it known
+        // whether it is text or calls.
+        let held = p.tools.is_some();
+        loop {
+            let Some((_, o)) = rx.recv().await else {
+                return;
+            };
+            let last = choice.absorb(&o.kind);
+            if !held {
+                let piece = match &o.kind {
+                    OutputKind::Token { text, .. } | OutputKind::Finished { text, .. } => text,
+                };
+                let (mut r, mut c) = if st.thinking {
+                    splitter.push(piece)
+                } else {
+                    (String::new(), piece.clone())
+                };
+                if last && st.thinking {
+                    let (r2, c2) = splitter.finish();
+                    r.push_str(&r2);
+                    c.push_str(&c2);
+                }
+                if !w.text("thinking", &r) || !w.text("text", &c) {
+                    return;
+                }
+            }
+            if last {
+                break;
+            }
+        }
+        routes::record(&st, &id, t0, std::slice::from_ref(&choice), 1);
+        let mut calls = Vec::new();
+        if held {
+            let b = blocks(&st, &p, &choice.text);
+            if !w.text("thinking", b.thinking.as_deref().unwrap_or("")) || !w.text("text", &b.text)
+            {
+                return;
+            }
+            calls = b.calls;
+        }
+        if !w.close() {
+            return;
+        }
+        for (cid, name, input) in &calls {
+            if !w.tool_use(cid, name, input) {
+                return;
+            }
+        }
+        let (reason, seq) = stop_reason(&choice, !calls.is_empty());
+        let delta = json!({"type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": seq},
+            "usage": {"output_tokens": choice.usage.completion_tokens}});
+        if w.send("message_delta", delta) {
+            let _ = w.send("message_stop", json!({"type": "message_stop"}));
+        }
+    });
+    let stream = UnboundedReceiverStream::new(events).map(Ok::<_, Infallible>);
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(10)))
+        .into_response())
+}
+
+/// Writes a message's content blocks as Anthropic stream events: a text or thinking block
+/// opened at its first piece and closed when another kind follows or at the end.
+struct Writer {
+    tx: mpsc::UnboundedSender<Event>,
+    /// The open block's kind ("thinking" or "text").
+    open: Option<&'static str>,
+    /// The open block's index, or the next one's.
+    index: usize,
+}
+
+impl Writer {
+    /// False once the client is gone.
+    fn send(&self, name: &str, v: Value) -> bool {
+        self.tx
+            .send(Event::default().event(name).data(v.to_string()))
+            .is_ok()
+    }
+
+    fn close(&mut self) -> bool {
+        if self.open.take().is_none() {
+            return true;
+        }
+        let ok = self.send(
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": self.index}),
+        );
+        self.index += 1;
+        ok
+    }
+
+    fn start(&mut self, block: Value) -> bool {
+        self.send(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": self.index, "content_block": block}),
+        )
+    }
+
+    fn delta(&self, delta: Value) -> bool {
+        self.send(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": self.index, "delta": delta}),
+        )
+    }
+
+    fn text(&mut self, kind: &'static str, piece: &str) -> bool {
+        if piece.is_empty() {
+            return true;
+        }
+        if self.open != Some(kind) {
+            if !self.close() {
+                return false;
+            }
+            let block = match kind {
+                "thinking" => json!({"type": "thinking", "thinking": "", "signature": ""}),
+                _ => json!({"type": "text", "text": ""}),
+            };
+            if !self.start(block) {
+                return false;
+            }
+            self.open = Some(kind);
+        }
+        self.delta(match kind {
+            "thinking" => json!({"type": "thinking_delta", "thinking": piece}),
+            _ => json!({"type": "text_delta", "text": piece}),
+        })
+    }
+
+    fn tool_use(&mut self, id: &str, name: &str, input: &Value) -> bool {
+        let ok = self.start(json!({"type": "tool_use", "id": id, "name": name, "input": {}}))
+            && self.delta(json!({"type": "input_json_delta", "partial_json": input.to_string()}));
+        self.open = Some("tool_use");
+        ok && self.close()
+    }
+}
