@@ -81,7 +81,7 @@ def test_responses_function_call_round_trip(server):
     assert follow.status == "completed" and follow.output_text
     # Streamed, a forced call arrives as its argument events and a final item.
     with c.responses.stream(model=server.model, input="Weather in Rome?", tools=[RESP_TOOL],
-                            tool_choice={"type": "function", "name": "get_weather"}) as s:
+                            tool_choice={"type": "function", "name": "get_weather"}, temperature=0) as s:
         kinds = [ev.type for ev in s]
         final = s.get_final_response()
     assert "response.function_call_arguments.done" in kinds
@@ -165,7 +165,7 @@ def test_messages_tool_use_round_trip(server):
                                                       "content": "Sunny, 22 C"}]}])
     assert follow.stop_reason in ("end_turn", "max_tokens", "tool_use")
     with c.messages.stream(model=server.model, max_tokens=100, tools=[ANTH_TOOL],
-                           tool_choice={"type": "tool", "name": "get_weather"},
+                           tool_choice={"type": "tool", "name": "get_weather"}, temperature=0,
                            messages=[{"role": "user", "content": "Weather in Rome?"}]) as s:
         final = s.get_final_message()
     (use,) = [b for b in final.content if b.type == "tool_use"]
@@ -309,3 +309,36 @@ def test_loose_schemas_finish_and_validate_at_temperature_0(server):
         except (AssertionError, ValueError, jsonschema.ValidationError) as e:
             failures.append((i, text, str(e)[:200]))
     assert good >= 19, failures
+
+
+# --------------------------------------------------------------------------- streamed calls
+
+def test_tool_call_arguments_stream_as_generated_in_all_three_apis(server):
+    import json as _json
+    ask = "What is the weather in Paris?"
+    # Chat Completions: the call's arguments arrive over several chunks.
+    chunks = list(server.client().chat.completions.create(
+        model=server.model, stream=True, messages=[{"role": "user", "content": ask}],
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}}],
+        tool_choice="required", temperature=0))
+    pieces = [tc.function.arguments for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])
+              if tc.function and tc.function.arguments]
+    assert len(pieces) >= 2, pieces
+    assert _json.loads("".join(pieces))["city"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # Responses.
+    with server.client().responses.stream(model=server.model, input=ask, tools=[RESP_TOOL],
+                                          tool_choice="required", temperature=0) as s:
+        deltas = [ev.delta for ev in s if ev.type == "response.function_call_arguments.delta"]
+        final = s.get_final_response()
+    (call,) = [o for o in final.output if o.type == "function_call"]
+    assert len(deltas) >= 2 and "".join(deltas) == call.arguments
+    # Messages.
+    with claude(server).messages.stream(model=server.model, max_tokens=100, tools=[ANTH_TOOL],
+                                        tool_choice={"type": "any"}, temperature=0,
+                                        messages=[{"role": "user", "content": ask}]) as s:
+        parts = [ev.delta.partial_json for ev in s
+                 if ev.type == "content_block_delta" and ev.delta.type == "input_json_delta"]
+        final = s.get_final_message()
+    (use,) = [b for b in final.content if b.type == "tool_use"]
+    assert len(parts) >= 2 and _json.loads("".join(parts)) == use.input

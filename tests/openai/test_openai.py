@@ -277,16 +277,20 @@ def test_tool_round_trip_and_streamed_calls(server):
     r = c.chat.completions.create(model=server.model, max_tokens=80, temperature=0, messages=msgs,
                                   tools=[WEATHER], tool_choice="required")
     call = r.choices[0].message.tool_calls[0]
-    # The same request streamed: the call arrives as a tool_calls delta.
+    # The same request streamed: the call arrives as tool_calls deltas, its name first, then
+    # its arguments as they are generated.
     stream = c.chat.completions.create(model=server.model, max_tokens=80, temperature=0, messages=msgs,
                                        tools=[WEATHER], tool_choice="required", stream=True)
-    calls, finish = [], None
+    deltas, finish = [], None
     for chunk in stream:
         for ch in chunk.choices:
-            calls.extend(ch.delta.tool_calls or [])
+            deltas.extend(ch.delta.tool_calls or [])
             finish = ch.finish_reason or finish
     assert finish == "tool_calls"
-    assert [(d.function.name, d.function.arguments) for d in calls] == [(call.function.name, call.function.arguments)]
+    assert {d.index for d in deltas} == {0}
+    assert deltas[0].id and deltas[0].function.name == call.function.name
+    args = "".join(d.function.arguments or "" for d in deltas)
+    assert json.loads(args) == json.loads(call.function.arguments)
     # Feed the result back as a tool message: the model answers in text.
     msgs += [r.choices[0].message.model_dump(exclude_none=True),
              {"role": "tool", "tool_call_id": call.id, "content": "{\"temp\": 21, \"sky\": \"clear\"}"}]

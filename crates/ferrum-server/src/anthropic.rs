@@ -26,6 +26,7 @@ use crate::api;
 use crate::error::ApiError;
 use crate::reasoning::ReasoningSplitter;
 use crate::routes::{self, AppState, Choice, Prepared};
+use crate::tools::{CallStreamer, ToolEvent};
 
 pub const FIELDS: &[&str] = &[
     "model",
@@ -451,55 +452,75 @@ async fn messages_inner(
         }
         let mut splitter = ReasoningSplitter::default();
         let mut choice = Choice::default();
-        // With tools the answer is held until it is complete: only then is it known
-        // whether it is text or calls.
-        let held = p.tools.is_some();
+        // With tools, calls are picked out as they are generated; the final parse sends any
+        // the stream could not follow.
+        let mut streamer = p.tools.as_ref().map(CallStreamer::new);
+        let mut calls = 0usize;
         loop {
             let Some((_, o)) = rx.recv().await else {
                 return;
             };
             let last = choice.absorb(&o.kind);
-            if !held {
-                let piece = match &o.kind {
-                    OutputKind::Token { text, .. } | OutputKind::Finished { text, .. } => text,
-                };
-                let (mut r, mut c) = if st.thinking {
-                    splitter.push(piece)
-                } else {
-                    (String::new(), piece.clone())
-                };
-                if last && st.thinking {
-                    let (r2, c2) = splitter.finish();
-                    r.push_str(&r2);
-                    c.push_str(&c2);
-                }
-                if !w.text("thinking", &r) || !w.text("text", &c) {
+            let piece = match &o.kind {
+                OutputKind::Token { text, .. } | OutputKind::Finished { text, .. } => text,
+            };
+            let (mut r, mut c) = if st.thinking {
+                splitter.push(piece)
+            } else {
+                (String::new(), piece.clone())
+            };
+            if last && st.thinking {
+                let (r2, c2) = splitter.finish();
+                r.push_str(&r2);
+                c.push_str(&c2);
+            }
+            if !w.text("thinking", &r) {
+                return;
+            }
+            let Some(cs) = streamer.as_mut() else {
+                if !w.text("text", &c) {
                     return;
                 }
-            }
+                if last {
+                    break;
+                }
+                continue;
+            };
+            let mut events = cs.push(&c);
             if last {
+                let streamed = calls
+                    + events
+                        .iter()
+                        .filter(|e| matches!(e, ToolEvent::Start(_)))
+                        .count();
+                let missed: Vec<_> = blocks(&st, &p, &choice.text)
+                    .calls
+                    .into_iter()
+                    .skip(streamed)
+                    .collect();
+                if missed.is_empty() {
+                    events.extend(cs.finish());
+                }
+                if !w.tool_events(&st, events, &mut calls) {
+                    return;
+                }
+                for (cid, name, input) in &missed {
+                    calls += 1;
+                    if !w.tool_use(cid, name, input) {
+                        return;
+                    }
+                }
                 break;
+            }
+            if !w.tool_events(&st, events, &mut calls) {
+                return;
             }
         }
         routes::record(&st, &id, t0, std::slice::from_ref(&choice), 1);
-        let mut calls = Vec::new();
-        if held {
-            let b = blocks(&st, &p, &choice.text);
-            if !w.text("thinking", b.thinking.as_deref().unwrap_or("")) || !w.text("text", &b.text)
-            {
-                return;
-            }
-            calls = b.calls;
-        }
         if !w.close() {
             return;
         }
-        for (cid, name, input) in &calls {
-            if !w.tool_use(cid, name, input) {
-                return;
-            }
-        }
-        let (reason, seq) = stop_reason(&choice, !calls.is_empty());
+        let (reason, seq) = stop_reason(&choice, calls > 0);
         let delta = json!({"type": "message_delta",
             "delta": {"stop_reason": reason, "stop_sequence": seq},
             "usage": {"output_tokens": choice.usage.completion_tokens}});
@@ -580,8 +601,37 @@ impl Writer {
         })
     }
 
+    /// The streamer's events: text into a text block, each call a tool_use block whose
+    /// input streams as `input_json_delta`s. Counts the calls begun into `calls`.
+    fn tool_events(&mut self, st: &AppState, events: Vec<ToolEvent>, calls: &mut usize) -> bool {
+        for e in events {
+            let ok = match e {
+                ToolEvent::Text(x) => self.text("text", &x),
+                ToolEvent::Start(name) => {
+                    *calls += 1;
+                    let id = st.new_id("toolu").replace('-', "_");
+                    let ok = self.close()
+                        && self.start(
+                            json!({"type": "tool_use", "id": id, "name": name, "input": {}}),
+                        );
+                    self.open = Some("tool_use");
+                    ok
+                }
+                ToolEvent::Args(a) => {
+                    self.delta(json!({"type": "input_json_delta", "partial_json": a}))
+                }
+                ToolEvent::End => self.close(),
+            };
+            if !ok {
+                return false;
+            }
+        }
+        true
+    }
+
     fn tool_use(&mut self, id: &str, name: &str, input: &Value) -> bool {
-        let ok = self.start(json!({"type": "tool_use", "id": id, "name": name, "input": {}}))
+        let ok = self.close()
+            && self.start(json!({"type": "tool_use", "id": id, "name": name, "input": {}}))
             && self.delta(json!({"type": "input_json_delta", "partial_json": input.to_string()}));
         self.open = Some("tool_use");
         ok && self.close()

@@ -27,6 +27,7 @@ use crate::api;
 use crate::error::ApiError;
 use crate::reasoning::ReasoningSplitter;
 use crate::routes::{self, AppState, Choice, Prepared};
+use crate::tools::{CallStreamer, ToolEvent};
 
 const FIELDS: &[&str] = &[
     "model",
@@ -487,6 +488,7 @@ async fn create_inner(
             seq: 0,
             output: Vec::new(),
             open: None,
+            call_open: None,
         };
         let shell = envelope(
             &id,
@@ -504,60 +506,78 @@ async fn create_inner(
         }
         let mut splitter = ReasoningSplitter::default();
         let mut choice = Choice::default();
-        let held = p.tools.is_some();
+        // With tools, calls are picked out as they are generated; the final parse sends any
+        // the stream could not follow.
+        let mut streamer = p.tools.as_ref().map(CallStreamer::new);
+        let mut calls = 0usize;
         loop {
             let Some((_, o)) = rx.recv().await else {
                 return;
             };
             let last = choice.absorb(&o.kind);
-            if !held {
-                let piece = match &o.kind {
-                    OutputKind::Token { text, .. } | OutputKind::Finished { text, .. } => text,
-                };
-                let (mut r, mut c) = if st.thinking {
-                    splitter.push(piece)
-                } else {
-                    (String::new(), piece.clone())
-                };
-                if last && st.thinking {
-                    let (r2, c2) = splitter.finish();
-                    r.push_str(&r2);
-                    c.push_str(&c2);
-                }
-                if !w.text(&st, Kind::Reasoning, &r) || !w.text(&st, Kind::Message, &c) {
+            let piece = match &o.kind {
+                OutputKind::Token { text, .. } | OutputKind::Finished { text, .. } => text,
+            };
+            let (mut r, mut c) = if st.thinking {
+                splitter.push(piece)
+            } else {
+                (String::new(), piece.clone())
+            };
+            if last && st.thinking {
+                let (r2, c2) = splitter.finish();
+                r.push_str(&r2);
+                c.push_str(&c2);
+            }
+            if !w.text(&st, Kind::Reasoning, &r) {
+                return;
+            }
+            let Some(cs) = streamer.as_mut() else {
+                if !w.text(&st, Kind::Message, &c) {
                     return;
                 }
-            }
+                if last {
+                    break;
+                }
+                continue;
+            };
+            let mut events = cs.push(&c);
             if last {
+                let streamed = calls
+                    + events
+                        .iter()
+                        .filter(|e| matches!(e, ToolEvent::Start(_)))
+                        .count();
+                let missed: Vec<_> = items(&st, &p, &choice.text)
+                    .calls
+                    .into_iter()
+                    .skip(streamed)
+                    .collect();
+                if missed.is_empty() {
+                    events.extend(cs.finish());
+                }
+                if !w.tool_events(&st, events, &mut calls) {
+                    return;
+                }
+                for (name, args) in &missed {
+                    calls += 1;
+                    if !w.call(&st, name, args) {
+                        return;
+                    }
+                }
                 break;
+            }
+            if !w.tool_events(&st, events, &mut calls) {
+                return;
             }
         }
         routes::record(&st, &id, t0, std::slice::from_ref(&choice), 1);
-        let mut calls = Vec::new();
-        if held {
-            let it = items(&st, &p, &choice.text);
-            if !w.text(&st, Kind::Reasoning, it.reasoning.as_deref().unwrap_or(""))
-                || !w.text(&st, Kind::Message, &it.text)
-            {
-                return;
-            }
-            calls = it.calls;
-        }
         // An empty answer is still a message.
-        if calls.is_empty()
-            && w.output.is_empty()
-            && w.open.is_none()
-            && !w.open_item(&st, Kind::Message)
+        if calls == 0 && w.output.is_empty() && w.open.is_none() && !w.open_item(&st, Kind::Message)
         {
             return;
         }
         if !w.close() {
             return;
-        }
-        for (name, args) in &calls {
-            if !w.call(&st, name, args) {
-                return;
-            }
         }
         let done = envelope(
             &id,
@@ -596,6 +616,8 @@ struct Writer {
     output: Vec<Value>,
     /// The open item: kind, id, text so far.
     open: Option<(Kind, String, String)>,
+    /// The open function call: item id, call id, name, arguments so far.
+    call_open: Option<(String, String, String, String)>,
 }
 
 impl Writer {
@@ -608,7 +630,11 @@ impl Writer {
             .is_ok()
     }
 
+    /// Closes the open item (a call cut short included).
     fn close(&mut self) -> bool {
+        if self.call_open.is_some() {
+            return self.end_call();
+        }
         let Some((kind, id, text)) = self.open.take() else {
             return true;
         };
@@ -688,7 +714,63 @@ impl Writer {
         }
     }
 
+    /// The streamer's events: text into a message item, each call a function_call item
+    /// whose arguments stream as `function_call_arguments.delta`s. Counts the calls begun.
+    fn tool_events(&mut self, st: &AppState, events: Vec<ToolEvent>, calls: &mut usize) -> bool {
+        for e in events {
+            let ok = match e {
+                ToolEvent::Text(x) => self.text(st, Kind::Message, &x),
+                ToolEvent::Start(name) => {
+                    *calls += 1;
+                    let (id, call_id) = (new_id(st, "fc"), new_id(st, "call"));
+                    let item = call_item(&id, &call_id, &name, "", "in_progress");
+                    let ok = self.close()
+                        && self.send(
+                            "response.output_item.added",
+                            json!({"output_index": self.output.len(), "item": item}),
+                        );
+                    self.call_open = Some((id, call_id, name, String::new()));
+                    ok
+                }
+                ToolEvent::Args(a) => match self.call_open.as_mut() {
+                    Some((id, _, _, args)) => {
+                        args.push_str(&a);
+                        let v =
+                            json!({"item_id": id, "output_index": self.output.len(), "delta": a});
+                        self.send("response.function_call_arguments.delta", v)
+                    }
+                    None => true,
+                },
+                ToolEvent::End => self.end_call(),
+            };
+            if !ok {
+                return false;
+            }
+        }
+        true
+    }
+
+    fn end_call(&mut self) -> bool {
+        let Some((id, call_id, name, args)) = self.call_open.take() else {
+            return true;
+        };
+        let index = self.output.len();
+        let item = call_item(&id, &call_id, &name, &args, "completed");
+        let ok = self.send(
+            "response.function_call_arguments.done",
+            json!({"item_id": id, "output_index": index, "name": name, "arguments": args}),
+        ) && self.send(
+            "response.output_item.done",
+            json!({"output_index": index, "item": item}),
+        );
+        self.output.push(item);
+        ok
+    }
+
     fn call(&mut self, st: &AppState, name: &str, args: &str) -> bool {
+        if !self.close() {
+            return false;
+        }
         let index = self.output.len();
         let (id, call_id) = (new_id(st, "fc"), new_id(st, "call"));
         let ok = self.send("response.output_item.added", json!({"output_index": index, "item": call_item(&id, &call_id, name, "", "in_progress")}))

@@ -25,7 +25,7 @@ use crate::api::{self, Plan};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::reasoning::ReasoningSplitter;
-use crate::tools::Tools;
+use crate::tools::{CallStreamer, ToolEvent, Tools};
 use crate::worker::{Handle, ModelCard};
 
 pub struct AppState {
@@ -577,9 +577,13 @@ async fn chat_inner(
         })
         .collect();
     let tok_st = st.clone();
-    // With tools in play the answer is held until it is complete: only then is it known
-    // whether it is text or calls.
+    // With tools in play, calls are picked out as they are generated (`CallStreamer`); the
+    // whole answer is kept for the final parse, which sends any call the stream missed.
     let mut held: Vec<String> = vec![String::new(); plan.n];
+    let mut streamers: Vec<Option<CallStreamer>> = (0..plan.n)
+        .map(|_| tools.as_ref().map(CallStreamer::new))
+        .collect();
+    let mut streamed_calls = vec![0usize; plan.n];
     let thinking = st.thinking;
     let mut splitters = vec![ReasoningSplitter::default(); plan.n];
     // Reasoning and answer text as delta fields (one chunk may carry both).
@@ -593,22 +597,94 @@ async fn chat_inner(
         }
         Value::Object(d)
     };
+    let delta_chunk = {
+        let chunk = chunk.clone();
+        move |i: usize, delta: Value| {
+            chunk(json!([{"index": i, "delta": delta, "logprobs": null, "finish_reason": null}]))
+        }
+    };
     let piece = move |i: usize, o: &Output| -> Vec<Value> {
-        match &o.kind {
-            OutputKind::Token {
-                token,
-                text,
-                logprob,
-            } => {
-                if tools.is_some() {
-                    held[i].push_str(text);
-                    return Vec::new();
+        let mut out = Vec::new();
+        let (text, last) = match &o.kind {
+            OutputKind::Token { text, .. } => (text, false),
+            OutputKind::Finished { text, .. } => (text, true),
+        };
+        held[i].push_str(text);
+        let (mut r, mut c) = if thinking {
+            splitters[i].push(text)
+        } else {
+            (String::new(), text.clone())
+        };
+        if last && thinking {
+            let (r2, c2) = splitters[i].finish();
+            r.push_str(&r2);
+            c.push_str(&c2);
+        }
+        if let Some(cs) = streamers[i].as_mut() {
+            if !r.is_empty() {
+                out.push(delta_chunk(i, text_delta(r, String::new())));
+            }
+            let mut events = cs.push(&c);
+            let mut tail = Vec::new();
+            if last {
+                tail = cs.finish();
+            }
+            // The final parse: calls the stream could not follow are sent whole.
+            let mut missed = Vec::new();
+            if last {
+                let (message, _) = assistant_message(&tok_st, tools.as_ref(), &held[i], None);
+                let calls = message["tool_calls"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default();
+                let streamed_here = events
+                    .iter()
+                    .filter(|e| matches!(e, ToolEvent::Start(_)))
+                    .count();
+                missed = calls
+                    .into_iter()
+                    .skip(streamed_calls[i] + streamed_here)
+                    .collect();
+            }
+            if missed.is_empty() {
+                events.extend(tail);
+            }
+            for e in events {
+                match e {
+                    ToolEvent::Text(x) => out.push(delta_chunk(i, json!({"content": x}))),
+                    ToolEvent::Start(name) => {
+                        let call = json!({"index": streamed_calls[i], "id": tok_st.new_id("call"),
+                            "type": "function", "function": {"name": name, "arguments": ""}});
+                        streamed_calls[i] += 1;
+                        out.push(delta_chunk(i, json!({"tool_calls": [call]})));
+                    }
+                    ToolEvent::Args(a) => {
+                        let call =
+                            json!({"index": streamed_calls[i] - 1, "function": {"arguments": a}});
+                        out.push(delta_chunk(i, json!({"tool_calls": [call]})));
+                    }
+                    ToolEvent::End => {}
                 }
-                let (r, c) = if thinking {
-                    splitters[i].push(text)
+            }
+            for mut c in missed {
+                c["index"] = json!(streamed_calls[i]);
+                streamed_calls[i] += 1;
+                out.push(delta_chunk(i, json!({"tool_calls": [c]})));
+            }
+            if let OutputKind::Finished { reason, .. } = &o.kind {
+                let finish = if streamed_calls[i] > 0 {
+                    "tool_calls"
                 } else {
-                    (String::new(), text.clone())
+                    finish_name(*reason)
                 };
+                out.push(chunk(
+                    json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": finish}]),
+                ));
+            }
+            return out;
+        }
+        match &o.kind {
+            OutputKind::Token { token, logprob, .. } => {
                 if r.is_empty() && c.is_empty() && logprob.is_none() {
                     return Vec::new();
                 }
@@ -619,63 +695,18 @@ async fn chat_inner(
                     "index": i, "delta": text_delta(r, c), "logprobs": lp, "finish_reason": null,
                 }]))]
             }
-            OutputKind::Finished { reason, text, .. } => {
-                let mut out = Vec::new();
-                let mut finish = finish_name(*reason);
-                let delta_text = if let Some(t) = &tools {
-                    held[i].push_str(text);
-                    let (message, f) = assistant_message(&tok_st, Some(t), &held[i], Some(*reason));
-                    finish = f.unwrap_or(finish);
-                    if let Some(calls) = message.get("tool_calls").and_then(Value::as_array) {
-                        let calls: Vec<Value> = calls
-                            .iter()
-                            .enumerate()
-                            .map(|(k, c)| {
-                                let mut c = c.clone();
-                                c["index"] = json!(k);
-                                c
-                            })
-                            .collect();
-                        let r = message["reasoning_content"]
-                            .as_str()
-                            .unwrap_or("")
-                            .to_string();
-                        let c = message["content"].as_str().unwrap_or("").to_string();
-                        if !r.is_empty() || !c.is_empty() {
-                            out.push(chunk(json!([{"index": i, "delta": text_delta(r, c),
-                                "logprobs": null, "finish_reason": null}])));
-                        }
-                        out.push(chunk(json!([{"index": i, "delta": {"tool_calls": calls},
-                            "logprobs": null, "finish_reason": null}])));
-                        String::new()
-                    } else {
-                        std::mem::take(&mut held[i])
-                    }
-                } else {
-                    text.clone()
-                };
-                let delta = if thinking {
-                    let (mut r, mut c) = splitters[i].push(&delta_text);
-                    let (r2, c2) = splitters[i].finish();
-                    r.push_str(&r2);
-                    c.push_str(&c2);
-                    if r.is_empty() && c.is_empty() {
-                        json!({})
-                    } else {
-                        text_delta(r, c)
-                    }
-                } else if delta_text.is_empty() {
+            OutputKind::Finished { reason, .. } => {
+                let delta = if r.is_empty() && c.is_empty() {
                     json!({})
                 } else {
-                    json!({"content": delta_text})
+                    text_delta(r, c)
                 };
-                out.push(chunk(json!([{
+                vec![chunk(json!([{
                     "index": i,
                     "delta": delta,
                     "logprobs": null,
-                    "finish_reason": finish,
-                }])));
-                out
+                    "finish_reason": finish_name(*reason),
+                }]))]
             }
         }
     };

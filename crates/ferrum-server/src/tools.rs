@@ -256,6 +256,220 @@ impl Tools {
     }
 }
 
+/// What an answer streams as, once its tool calls are picked out as they are generated.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolEvent {
+    /// Text outside any call.
+    Text(String),
+    /// A call of this function begins; its arguments follow.
+    Start(String),
+    /// More of the open call's arguments (JSON text).
+    Args(String),
+    /// The open call's arguments are complete.
+    End,
+}
+
+/// Picks Hermes-tagged calls out of an answer as it streams: text outside calls goes on at
+/// once (a possible start of `<tool_call>` held back), and a call's arguments stream as soon
+/// as its name is known, up to their closing brace. A call that does not read as
+/// `{"name": …, "arguments": {…}}` is not streamed; the answer's final parse
+/// ([`Tools::parse_output`]) still finds it, and callers send what the stream missed.
+pub struct CallStreamer {
+    known: Vec<String>,
+    buf: String,
+    state: StreamState,
+    /// Whether any text has gone out: an answer that opens with `{` is held whole, since it
+    /// may be a bare JSON call (Llama 3's), which only the final parse can tell.
+    emitted: bool,
+}
+
+enum StreamState {
+    Text,
+    /// After `<tool_call>`, before the arguments.
+    Header,
+    /// Inside the arguments object: nesting depth, inside a string, after a backslash.
+    Args {
+        depth: usize,
+        in_str: bool,
+        esc: bool,
+    },
+    /// After the arguments, until `</tool_call>`.
+    Tail,
+    /// Not a call this streamer can follow: the rest waits for the final parse.
+    Lost,
+}
+
+const OPEN_TAG: &str = "<tool_call>";
+const CLOSE_TAG: &str = "</tool_call>";
+
+impl CallStreamer {
+    pub fn new(tools: &Tools) -> CallStreamer {
+        CallStreamer {
+            known: tools.specs.iter().map(|s| s.name.clone()).collect(),
+            buf: String::new(),
+            state: StreamState::Text,
+            emitted: false,
+        }
+    }
+
+    pub fn push(&mut self, delta: &str) -> Vec<ToolEvent> {
+        self.buf.push_str(delta);
+        let mut out = Vec::new();
+        loop {
+            let progressed = match self.state {
+                StreamState::Text => self.text(&mut out),
+                StreamState::Header => self.header(&mut out),
+                StreamState::Args { .. } => self.args(&mut out),
+                StreamState::Tail => match self.buf.find(CLOSE_TAG) {
+                    Some(i) => {
+                        self.buf.drain(..i + CLOSE_TAG.len());
+                        self.state = StreamState::Text;
+                        true
+                    }
+                    None => false,
+                },
+                StreamState::Lost => {
+                    self.buf.clear();
+                    false
+                }
+            };
+            if !progressed {
+                return out;
+            }
+        }
+    }
+
+    /// The text still held back at the end of the answer (a caller whose final parse finds
+    /// calls the stream did not show drops it: it was their text).
+    pub fn finish(&mut self) -> Vec<ToolEvent> {
+        match self.state {
+            StreamState::Text if !self.buf.is_empty() => {
+                vec![ToolEvent::Text(std::mem::take(&mut self.buf))]
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    fn text(&mut self, out: &mut Vec<ToolEvent>) -> bool {
+        let head = self.buf.trim_start();
+        if !self.emitted && (head.is_empty() || head.starts_with('{')) {
+            return false;
+        }
+        if let Some(i) = self.buf.find(OPEN_TAG) {
+            if i > 0 {
+                self.emitted = true;
+                out.push(ToolEvent::Text(self.buf[..i].to_string()));
+            }
+            self.buf.drain(..i + OPEN_TAG.len());
+            self.state = StreamState::Header;
+            return true;
+        }
+        // Hold back the longest tail that could begin the tag.
+        let keep = (1..OPEN_TAG.len().min(self.buf.len() + 1))
+            .rev()
+            .find(|&n| {
+                self.buf.is_char_boundary(self.buf.len() - n)
+                    && OPEN_TAG.starts_with(&self.buf[self.buf.len() - n..])
+            })
+            .unwrap_or(0);
+        let cut = self.buf.len() - keep;
+        if cut > 0 {
+            self.emitted = true;
+            out.push(ToolEvent::Text(self.buf[..cut].to_string()));
+            self.buf.drain(..cut);
+        }
+        false
+    }
+
+    fn header(&mut self, out: &mut Vec<ToolEvent>) -> bool {
+        let h = self.buf.trim_start();
+        // `{"name": "…", "arguments": {`, with any spacing.
+        let parsed = (|| {
+            let rest = h.strip_prefix('{')?.trim_start();
+            let rest = rest.strip_prefix("\"name\"")?.trim_start();
+            let rest = rest.strip_prefix(':')?.trim_start();
+            let rest = rest.strip_prefix('"')?;
+            let end = rest.find('"')?;
+            let name = &rest[..end];
+            let rest = rest[end + 1..].trim_start().strip_prefix(',')?.trim_start();
+            let rest = rest.strip_prefix("\"arguments\"")?.trim_start();
+            let rest = rest.strip_prefix(':')?.trim_start();
+            rest.starts_with('{')
+                .then(|| (name.to_string(), h.len() - rest.len()))
+        })();
+        match parsed {
+            Some((name, used)) if self.known.contains(&name) => {
+                let skip = self.buf.len() - h.len() + used;
+                self.buf.drain(..skip);
+                out.push(ToolEvent::Start(name));
+                self.state = StreamState::Args {
+                    depth: 0,
+                    in_str: false,
+                    esc: false,
+                };
+                true
+            }
+            Some(_) => {
+                self.state = StreamState::Lost;
+                true
+            }
+            // Still arriving; a header this long is not the expected one.
+            None if h.len() > 256 || h.contains('}') => {
+                self.state = StreamState::Lost;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn args(&mut self, out: &mut Vec<ToolEvent>) -> bool {
+        let StreamState::Args {
+            mut depth,
+            mut in_str,
+            mut esc,
+        } = self.state
+        else {
+            return false;
+        };
+        let mut end = None;
+        for (i, c) in self.buf.char_indices() {
+            if in_str {
+                match (esc, c) {
+                    (true, _) => esc = false,
+                    (false, '\\') => esc = true,
+                    (false, '"') => in_str = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match c {
+                '"' => in_str = true,
+                '{' | '[' => depth += 1,
+                '}' | ']' => {
+                    depth = depth.saturating_sub(1);
+                    if depth == 0 {
+                        end = Some(i + 1);
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        let upto = end.unwrap_or(self.buf.len());
+        if upto > 0 {
+            out.push(ToolEvent::Args(self.buf[..upto].to_string()));
+            self.buf.drain(..upto);
+        }
+        if end.is_some() {
+            out.push(ToolEvent::End);
+            self.state = StreamState::Tail;
+            return true;
+        }
+        self.state = StreamState::Args { depth, in_str, esc };
+        false
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -313,5 +527,57 @@ mod tests {
             .unwrap()
             .contains("%json"));
         assert!(tools(json!("auto")).grammar().is_none());
+    }
+
+    #[test]
+    fn calls_stream_as_they_are_generated_in_any_split() {
+        let t = tools(json!("auto"));
+        let answer = "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Pa}ris\", \"n\": [1, {\"a\": \"\\\"\"}]}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>";
+        for step in [1, 2, 3, 7, answer.len()] {
+            let mut s = CallStreamer::new(&t);
+            let mut events = Vec::new();
+            let mut rest = answer;
+            while !rest.is_empty() {
+                let mut cut = step.min(rest.len());
+                while !rest.is_char_boundary(cut) {
+                    cut += 1;
+                }
+                events.extend(s.push(&rest[..cut]));
+                rest = &rest[cut..];
+            }
+            events.extend(s.finish());
+            // Merge adjacent pieces of one kind to compare.
+            let (mut text, mut calls) = (String::new(), Vec::<(String, String)>::new());
+            for e in events {
+                match e {
+                    ToolEvent::Text(x) => text.push_str(&x),
+                    ToolEvent::Start(n) => calls.push((n, String::new())),
+                    ToolEvent::Args(a) => calls.last_mut().unwrap().1.push_str(&a),
+                    ToolEvent::End => {}
+                }
+            }
+            // The newline between the calls is text too.
+            assert_eq!(text, "Let me look.\n\n", "step {step}");
+            let (_, parsed) = t.parse_output(answer);
+            assert_eq!(calls.len(), 2, "step {step}");
+            for (c, p) in calls.iter().zip(&parsed) {
+                assert_eq!(c.0, p.name);
+                let a: Value = serde_json::from_str(&c.1).unwrap();
+                assert_eq!(a.to_string(), p.arguments, "step {step}");
+            }
+        }
+        // An unknown function, or another layout, is left to the final parse.
+        let mut s = CallStreamer::new(&t);
+        let ev = s.push("<tool_call>{\"arguments\": {}, \"name\": \"get_weather\"}</tool_call>");
+        assert!(
+            ev.iter().all(|e| !matches!(e, ToolEvent::Start(_))),
+            "{ev:?}"
+        );
+        let mut s = CallStreamer::new(&t);
+        assert_eq!(
+            s.push("plain <tool"),
+            vec![ToolEvent::Text("plain ".into())]
+        );
+        assert_eq!(s.finish(), vec![ToolEvent::Text("<tool".into())]);
     }
 }
