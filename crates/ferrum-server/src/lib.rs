@@ -10,6 +10,7 @@ pub mod api;
 pub mod error;
 pub mod guard;
 pub mod metrics;
+pub mod openai;
 pub mod reasoning;
 pub mod responses;
 pub mod routes;
@@ -53,9 +54,9 @@ pub struct ServeConfig {
 
 pub fn router(state: Arc<routes::AppState>, max_body: usize) -> Router {
     let api = Router::new()
-        .route("/v1/chat/completions", post(routes::chat))
-        .route("/v1/completions", post(routes::completions))
-        .route("/v1/embeddings", post(routes::embeddings))
+        .route("/v1/chat/completions", post(openai::chat))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/embeddings", post(openai::embeddings))
         .route("/v1/models", get(routes::models))
         .route("/v1/responses", post(responses::create))
         .route("/tokenize", post(tokenize::tokenize))
