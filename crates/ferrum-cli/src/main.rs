@@ -157,6 +157,15 @@ struct RunArgs {
     /// Stop before this text (repeatable); it is not printed.
     #[arg(long)]
     stop: Vec<String>,
+    /// Speculative decoding: `ngram` drafts by prompt lookup (tokens that followed the same
+    /// few tokens earlier in the conversation) and checks the draft in one pass; the answer is
+    /// the same as without it.
+    #[arg(long, value_parser = ["off", "ngram"], default_value = "off")]
+    spec: String,
+    /// Most tokens drafted a step with --spec (4 is best measured on a 2-core CPU, where a
+    /// pass of many tokens costs more than one: see docs/performance.md).
+    #[arg(long, default_value_t = 4)]
+    spec_tokens: usize,
 }
 
 #[derive(Args)]
@@ -187,6 +196,15 @@ struct ServeArgs {
     /// Turn the prefix cache off.
     #[arg(long)]
     no_prefix_cache: bool,
+    /// Speculative decoding: `ngram` drafts by prompt lookup (tokens that followed the same
+    /// few tokens earlier in the conversation) and checks the draft in one pass; the answer is
+    /// the same as without it.
+    #[arg(long, value_parser = ["off", "ngram"], default_value = "off")]
+    spec: String,
+    /// Most tokens drafted a step with --spec (4 is best measured on a 2-core CPU, where a
+    /// pass of many tokens costs more than one: see docs/performance.md).
+    #[arg(long, default_value_t = 4)]
+    spec_tokens: usize,
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     max_body: usize,
@@ -282,6 +300,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         kv: a.kv_dtype,
     };
     let (ctx, kv_tokens, prefix) = (a.ctx, a.kv_tokens, !a.no_prefix_cache);
+    let spec_tokens = if a.spec == "ngram" { a.spec_tokens } else { 0 };
     let load = move || -> ferrum_core::Result<ferrum_generate::Engine<CpuBackend>> {
         let model = load_model(&path, &file, ctx, be)
             .map_err(|e| ferrum_core::Error::Weights(format!("{e:#}")))?;
@@ -297,6 +316,7 @@ fn serve(a: ServeArgs) -> Result<()> {
             }
         };
         config.prefix_caching = prefix;
+        config.spec_tokens = spec_tokens;
         let engine = ferrum_generate::Engine::new(model, engine_tok, config)?;
         eprintln!(
             "ferrum: KV cache {} tokens ({:.1} MB{}), prefix caching {}; ready",
@@ -472,7 +492,8 @@ fn run(a: RunArgs) -> Result<()> {
         kv: a.kv_dtype,
     };
     let (model, tokenizer) = load(&path, a.ctx, be)?;
-    let mut session = Session::new(model, tokenizer)?;
+    let spec_tokens = if a.spec == "ngram" { a.spec_tokens } else { 0 };
+    let mut session = Session::speculative(model, tokenizer, spec_tokens)?;
     let e = &session.engine;
     eprintln!(
         "ferrum: KV cache {} tokens ({:.1} MB{}), prefix caching {}",
@@ -553,6 +574,7 @@ pub(crate) fn answer(
     use std::sync::atomic::Ordering;
     let mut text = String::new();
     let stdout = std::io::stdout();
+    let before = session.engine.stats();
     let stats = session.generate_with(ids, opts, |delta| {
         text.push_str(delta);
         let mut out = stdout.lock();
@@ -564,8 +586,18 @@ pub(crate) fn answer(
     if stats.finish == ferrum_generate::FinishReason::Cancelled {
         eprintln!("[interrupted]");
     }
+    let after = session.engine.stats();
+    let drafted = after.drafted_tokens - before.drafted_tokens;
+    let spec = if session.engine.config().spec_tokens > 0 {
+        format!(
+            "; {} of {drafted} drafted tokens kept",
+            after.accepted_tokens - before.accepted_tokens
+        )
+    } else {
+        String::new()
+    };
     eprintln!(
-        "[{} prompt tokens ({} computed) in {:.2}s, {} tokens at {:.1} tok/s]",
+        "[{} prompt tokens ({} computed) in {:.2}s, {} tokens at {:.1} tok/s{spec}]",
         stats.prompt_tokens,
         stats.prefilled_tokens,
         stats.prefill_secs,

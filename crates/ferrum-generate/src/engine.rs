@@ -24,8 +24,17 @@ use crate::block_pool::{BlockPool, PrefixStats};
 use crate::detok::Detokenizer;
 use crate::grammar::{Constraint, GrammarCompiler, TokenMask};
 use crate::sampler::{Sampler, SamplingExtras, SamplingParams};
+use crate::spec::{DraftLen, Drafter, NgramDrafter};
 use crate::stop::StopMatcher;
 use crate::FinishReason;
+
+/// One sequence's share of a step: `n` tokens from its first uncomputed one, of which the
+/// last `draft.len()` are drafted (speculation) rather than its own.
+struct Work {
+    seq: usize,
+    n: usize,
+    draft: Vec<u32>,
+}
 
 /// How the engine sizes and schedules.
 #[derive(Debug, Clone)]
@@ -41,6 +50,10 @@ pub struct EngineConfig {
     /// Sequences running at once.
     pub max_running: usize,
     pub prefix_caching: bool,
+    /// Speculative decoding: the most tokens a decoding sequence drafts (prompt lookup,
+    /// [`crate::spec::NgramDrafter`]) and checks in one step; 0 leaves it off. The answer is
+    /// the same either way (see [`crate::spec`]).
+    pub spec_tokens: usize,
 }
 
 impl EngineConfig {
@@ -55,6 +68,7 @@ impl EngineConfig {
             max_batch_tokens: ferrum_models::decoder::CHUNK,
             max_running: 64,
             prefix_caching: true,
+            spec_tokens: 0,
         }
     }
 
@@ -87,6 +101,8 @@ pub struct Request {
     pub logprobs: Option<usize>,
     /// Output must match this (JSON schema, grammar), enforced token by token.
     pub constraint: Option<Constraint>,
+    /// Whether this request's decoding may be speculative (when the engine speculates).
+    pub speculate: bool,
 }
 
 impl Request {
@@ -101,6 +117,7 @@ impl Request {
             ignore_eos: false,
             logprobs: None,
             constraint: None,
+            speculate: true,
         }
     }
 }
@@ -159,6 +176,9 @@ pub struct EngineStats {
     pub steps: u64,
     pub prompt_tokens: u64,
     pub generated_tokens: u64,
+    /// Speculation: tokens drafted, and of them accepted.
+    pub drafted_tokens: u64,
+    pub accepted_tokens: u64,
 }
 
 struct Seq {
@@ -181,6 +201,8 @@ struct Seq {
     logprobs: Option<usize>,
     mask: Option<TokenMask>,
     cancelled: bool,
+    /// How many tokens this sequence drafts next (0: it does not speculate).
+    draft: DraftLen,
 }
 
 impl Seq {
@@ -210,6 +232,7 @@ pub struct Engine<B: Backend> {
     /// Where a step's logits rows are copied when the backend's buffers are not host
     /// memory; kept across steps (vocabulary-sized rows, faulted in once).
     logits: Vec<f32>,
+    drafter: Box<dyn Drafter>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -244,7 +267,14 @@ impl<B: Backend> Engine<B> {
             grammar: None,
             scratch: Vec::new(),
             logits: Vec::new(),
+            drafter: Box::new(NgramDrafter),
         })
+    }
+
+    /// Replaces the prompt-lookup drafter (tests use one that proposes noise: the answers
+    /// must not change).
+    pub fn set_drafter(&mut self, d: Box<dyn Drafter>) {
+        self.drafter = d;
     }
 
     /// Gives back the model and tokenizer (running requests are dropped).
@@ -355,6 +385,11 @@ impl<B: Backend> Engine<B> {
             logprobs: req.logprobs,
             mask,
             cancelled: false,
+            draft: DraftLen::new(if req.speculate {
+                self.config.spec_tokens
+            } else {
+                0
+            }),
         });
         Ok(id)
     }
@@ -404,16 +439,30 @@ impl<B: Backend> Engine<B> {
         let vocab = self.model.decoder.config.vocab_size;
         // Logits come back in batch order for the sequences that asked: read where the
         // backend left them (no copy on the CPU), so they borrow the model until sampled.
+        // A drafting sequence's input is its last token and the draft, with logits for each.
+        let inputs: Vec<Vec<u32>> = plan
+            .iter()
+            .map(|w| {
+                let s = &self.running[w.seq];
+                let own = w.n - w.draft.len();
+                let mut v = s.tokens[s.computed..s.computed + own].to_vec();
+                v.extend_from_slice(&w.draft);
+                v
+            })
+            .collect();
         let logits = {
             let seqs: Vec<SeqChunk> = plan
                 .iter()
-                .map(|&(i, n)| {
-                    let s = &self.running[i];
+                .zip(&inputs)
+                .map(|(w, input)| {
+                    let s = &self.running[w.seq];
                     SeqChunk {
-                        tokens: &s.tokens[s.computed..s.computed + n],
+                        tokens: input,
                         start: s.computed,
                         tables: &s.blocks,
-                        logits: if s.computed + n == s.tokens.len() {
+                        logits: if !w.draft.is_empty() {
+                            Logits::All
+                        } else if s.computed + w.n == s.tokens.len() {
                             Logits::Last
                         } else {
                             Logits::None
@@ -427,8 +476,50 @@ impl<B: Backend> Engine<B> {
         };
         let mut rows = logits.chunks_exact(vocab);
         let mut finished = Vec::new();
-        for &(i, n) in &plan {
+        for w in &plan {
+            let (i, n) = (w.seq, w.n);
             let s = &mut self.running[i];
+            if !w.draft.is_empty() {
+                let mut ctx = EmitCtx {
+                    scratch: &mut self.scratch,
+                    tokenizer: &self.tokenizer,
+                    stats: &mut self.stats,
+                    max_seq,
+                };
+                let seq_rows: Option<Vec<&[f32]>> = (0..n).map(|_| rows.next()).collect();
+                let Some(seq_rows) = seq_rows else {
+                    return Err(Error::InvalidRequest(
+                        "forward returned too few logits".into(),
+                    ));
+                };
+                // Sample position after position as plain decoding would; a drafted token is
+                // kept only while it is the one sampled before it.
+                let mut accepted = 0;
+                let mut reason = None;
+                for (j, row) in seq_rows.iter().enumerate() {
+                    reason = emit_token(s, row, &mut ctx, &mut out)?;
+                    if reason.is_some() {
+                        break;
+                    }
+                    if j < w.draft.len() && s.tokens.last() == Some(&w.draft[j]) {
+                        accepted += 1;
+                    } else {
+                        break;
+                    }
+                }
+                // The last token and the accepted drafts have their keys and values; the
+                // rejected drafts' rows lie past `computed` and are written over later.
+                s.computed += accepted + 1;
+                ctx.stats.drafted_tokens += w.draft.len() as u64;
+                ctx.stats.accepted_tokens += accepted as u64;
+                s.draft.update(w.draft.len(), accepted);
+                register_full_blocks(&mut self.pool, s);
+                trim_windows(&mut self.pool, s, &self.windows);
+                if let Some(r) = reason {
+                    finished.push((i, r));
+                }
+                continue;
+            }
             s.computed += n;
             register_full_blocks(&mut self.pool, s);
             trim_windows(&mut self.pool, s, &self.windows);
@@ -508,24 +599,44 @@ impl<B: Backend> Engine<B> {
         self.waiting = keep;
     }
 
-    /// Chooses this step's work: `(index into running, tokens to compute)`. Running
-    /// sequences go first, oldest first (each decode step or the next prefill chunk); then
-    /// waiting ones are admitted while the budget and the pool allow.
-    fn schedule(&mut self) -> Vec<(usize, usize)> {
+    /// Chooses this step's work. Running sequences go first, oldest first (each decode step —
+    /// with a draft when speculating — or the next prefill chunk); then waiting ones are
+    /// admitted while the budget and the pool allow.
+    fn schedule(&mut self) -> Vec<Work> {
         let mut budget = self.config.max_batch_tokens;
         let mut plan = Vec::new();
         let mut preempted = false;
+        let max_seq = self.max_sequence();
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let s = &self.running[i];
-            let n = (s.tokens.len() - s.computed).min(budget);
-            let upto = s.computed + n;
+            let mut n = (s.tokens.len() - s.computed).min(budget);
+            // A decoding sequence may draft: within the budget, its max_tokens and the context.
+            let mut draft = Vec::new();
+            if n == 1 && s.draft.current > 0 && s.computed + 1 == s.tokens.len() {
+                let k = s
+                    .draft
+                    .current
+                    .min(budget - 1)
+                    .min(s.max_tokens.saturating_sub(s.generated() + 1))
+                    .min(max_seq.saturating_sub(s.tokens.len()));
+                draft = self.drafter.propose(&s.tokens, k);
+                draft.truncate(k);
+                n += draft.len();
+            }
             loop {
+                let upto = self.running[i].computed + n;
                 if grow(&mut self.pool, &mut self.running[i], upto) {
-                    plan.push((i, n));
+                    plan.push(Work { seq: i, n, draft });
                     budget -= n;
                     i += 1;
                     break;
+                }
+                // A draft is the first thing to give up when blocks run short.
+                if !draft.is_empty() {
+                    n -= draft.len();
+                    draft.clear();
+                    continue;
                 }
                 // Out of blocks: give up the newest running sequence (this one if it is the
                 // newest; older ones always make progress).
@@ -568,7 +679,11 @@ impl<B: Backend> Engine<B> {
                 break;
             }
             self.running.push(s);
-            plan.push((self.running.len() - 1, n));
+            plan.push(Work {
+                seq: self.running.len() - 1,
+                n,
+                draft: Vec::new(),
+            });
             budget -= n;
         }
         plan

@@ -10,6 +10,7 @@ pub mod detok;
 pub mod engine;
 pub mod grammar;
 pub mod sampler;
+pub mod spec;
 pub mod stop;
 
 use std::time::Instant;
@@ -81,7 +82,13 @@ pub struct Session<B: Backend> {
 impl<B: Backend> Session<B> {
     /// A session whose KV pool holds one sequence of the model's context.
     pub fn new(model: Model<B>, tokenizer: Tokenizer) -> Result<Self> {
-        let config = EngineConfig::for_model(&model.decoder, model.decoder.context);
+        Self::speculative(model, tokenizer, 0)
+    }
+
+    /// [`Session::new`] drafting up to `spec_tokens` tokens a step by prompt lookup (0: off).
+    pub fn speculative(model: Model<B>, tokenizer: Tokenizer, spec_tokens: usize) -> Result<Self> {
+        let mut config = EngineConfig::for_model(&model.decoder, model.decoder.context);
+        config.spec_tokens = spec_tokens;
         Ok(Session {
             engine: Engine::new(model, tokenizer, config)?,
         })

@@ -35,6 +35,7 @@ fn small(blocks: usize, bs: usize, budget: usize) -> EngineConfig {
         max_batch_tokens: budget,
         max_running: 8,
         prefix_caching: true,
+        spec_tokens: 0,
     }
 }
 
@@ -106,23 +107,62 @@ fn drive(e: &mut Engine<CpuBackend>, specs: &[Spec]) -> (Vec<Option<Outcome>>, V
 #[test]
 fn random_traffic_on_a_tiny_pool_finishes_everything_and_leaks_nothing() {
     // 12 blocks of 4: 48 positions shared by up to 8 sequences.
-    random_traffic("tiny/llama", 12, 64);
+    random_traffic("tiny/llama", 12, 64, false);
+}
+
+/// The same traffic with speculative decoding fed noise drafts (now and then a prompt-lookup
+/// one): the same tokens as each request run alone without speculation, through preemption
+/// mid-draft, eviction and cancellation.
+#[test]
+fn random_traffic_with_noise_drafts_gives_the_plain_answers() {
+    random_traffic("tiny/llama", 12, 64, true);
+    random_traffic("arch/gemma3", 60, 400, true);
+}
+
+struct Noise {
+    rng: rand::rngs::StdRng,
+    vocab: u32,
+}
+
+impl ferrum_generate::spec::Drafter for Noise {
+    fn propose(&mut self, tokens: &[u32], max: usize) -> Vec<u32> {
+        let mut d = ferrum_generate::spec::NgramDrafter.propose(tokens, max);
+        if d.is_empty() || self.rng.gen_bool(0.3) {
+            let n = self.rng.gen_range(0..=max);
+            d = (0..n).map(|_| self.rng.gen_range(0..self.vocab)).collect();
+        }
+        d
+    }
 }
 
 /// Gemma 3's six layers are six KV groups of one layer, five of them windowed: 60 blocks
 /// hold one sequence of 80 positions.
 #[test]
 fn random_traffic_with_windowed_layers_finishes_everything_and_leaks_nothing() {
-    random_traffic("arch/gemma3", 60, 400);
+    random_traffic("arch/gemma3", 60, 400, false);
 }
 
-fn random_traffic(fixture: &str, tight: usize, roomy: usize) {
+fn random_traffic(fixture: &str, tight: usize, roomy: usize, spec: bool) {
+    let (mut drafted, mut accepted) = (0, 0);
     let mut preemptions = 0;
     let mut evictions = 0;
     let mut checked = 0;
     for seed in 0..12u64 {
         let mut r = rand::rngs::StdRng::seed_from_u64(seed);
-        let mut e = engine_of(fixture, small(tight, 4, 16));
+        let mut e = engine_of(
+            fixture,
+            EngineConfig {
+                spec_tokens: if spec { 4 } else { 0 },
+                ..small(tight, 4, 16)
+            },
+        );
+        if spec {
+            let vocab = e.model.decoder.config.vocab_size as u32;
+            e.set_drafter(Box::new(Noise {
+                rng: rand::rngs::StdRng::seed_from_u64(seed + 99),
+                vocab,
+            }));
+        }
         let vocab = e.model.decoder.config.vocab_size as u32;
         // A few prompts share a prefix, so the prefix cache is exercised too.
         let shared: Vec<u32> = (0..9).map(|_| r.gen_range(0..vocab)).collect();
@@ -167,6 +207,8 @@ fn random_traffic(fixture: &str, tight: usize, roomy: usize) {
         let st = e.stats();
         preemptions += st.preemptions;
         evictions += st.prefix.evictions;
+        drafted += st.drafted_tokens;
+        accepted += st.accepted_tokens;
 
         // Alone, with a roomy pool, each finished request produces the same tokens.
         let mut alone = engine_of(fixture, small(roomy, 4, 16));
@@ -196,6 +238,12 @@ fn random_traffic(fixture: &str, tight: usize, roomy: usize) {
     );
     assert!(evictions > 0, "cached blocks were never reclaimed");
     assert!(checked > 50, "too few requests compared ({checked})");
+    if spec {
+        assert!(
+            accepted > 0 && accepted < drafted,
+            "{accepted} of {drafted} drafts kept"
+        );
+    }
 }
 
 #[test]

@@ -381,6 +381,7 @@ impl Sampling {
             ignore_eos: self.ignore_eos.unwrap_or(false),
             logprobs,
             constraint: None,
+            speculate: true,
         };
         Ok(Plan {
             base,

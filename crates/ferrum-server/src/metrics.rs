@@ -134,6 +134,18 @@ impl Metrics {
             s.kv_blocks as f64,
         );
         gauge(
+            "ferrum_spec_draft_tokens_total",
+            "Tokens drafted by speculative decoding.",
+            "counter",
+            s.drafted_tokens as f64,
+        );
+        gauge(
+            "ferrum_spec_accepted_tokens_total",
+            "Drafted tokens kept (each the token decoding would have sampled).",
+            "counter",
+            s.accepted_tokens as f64,
+        );
+        gauge(
             "ferrum_prefix_cache_queries_total",
             "Prompt blocks looked up in the prefix cache.",
             "counter",
