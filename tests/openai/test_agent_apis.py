@@ -195,6 +195,7 @@ def test_messages_auth_takes_x_api_key(server):
     r = httpx.post(server.base + "/v1/messages", headers={"x-api-key": "wrong"}, timeout=60,
                    json={"model": server.model, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 401
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=server.base, api_key="wrong", max_retries=0).messages.create(
             model=server.model, max_tokens=5, messages=[{"role": "user", "content": "hi"}])

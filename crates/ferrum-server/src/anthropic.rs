@@ -55,7 +55,7 @@ pub const COUNT_FIELDS: &[&str] = &[
 ];
 
 /// An error in Anthropic's shape, with the status the server would give it.
-fn error_response(st: &AppState, e: ApiError) -> Response {
+pub(crate) fn error_response(st: &AppState, e: ApiError) -> Response {
     st.metrics.request_failed();
     tracing::info!(status = e.status.as_u16(), "request refused: {}", e.message);
     let kind = match e.status.as_u16() {

@@ -124,6 +124,10 @@ pub async fn auth(State(st): App, req: HttpRequest, next: Next) -> Response {
         let x_api_key = h.get("x-api-key").and_then(|v| v.to_str().ok());
         let ok = bearer.is_some_and(|k| k == key) || x_api_key.is_some_and(|k| k == key);
         if !ok {
+            // Each API's clients read errors in their own shape.
+            if req.uri().path().starts_with("/v1/messages") {
+                return crate::anthropic::error_response(&st, ApiError::unauthorized());
+            }
             return ApiError::unauthorized().into_response();
         }
     }
