@@ -5,26 +5,12 @@
 
 use ferrum_backend::CpuBackend;
 use ferrum_generate::{Engine, EngineConfig, OutputKind, Request, Usage};
-use ferrum_loader::ModelFile;
-use ferrum_models::{LoadOptions, Model};
-use ferrum_tokenizer::Tokenizer;
+
+mod common;
 
 fn engine(prefix_caching: bool) -> Engine<CpuBackend> {
     let p = ferrum_loader::assets::gemma3_test_model_path();
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/fetch-test-assets.sh",
-        p.display()
-    );
-    let file = ModelFile::open(&p).unwrap();
-    let ModelFile::Gguf(g) = &file else {
-        unreachable!()
-    };
-    let tok = Tokenizer::from_gguf(g).unwrap();
-    let opts = LoadOptions {
-        context: Some(4096),
-    };
-    let model = Model::load(&file, CpuBackend::new(), &opts).unwrap();
+    let (model, tok) = common::load(&p, CpuBackend::new(), 4096);
     let mut c = EngineConfig::for_model(&model.decoder, 4096);
     c.prefix_caching = prefix_caching;
     Engine::new(model, tok, c).unwrap()

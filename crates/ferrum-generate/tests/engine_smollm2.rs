@@ -11,7 +11,7 @@ use ferrum_generate::{
     TokenLogprob, Usage,
 };
 use ferrum_models::{Logits, Model};
-use ferrum_tokenizer::{Message, Tokenizer};
+use ferrum_tokenizer::Tokenizer;
 use unicode_segmentation::UnicodeSegmentation;
 
 fn load(context: usize) -> (Model<CpuBackend>, Tokenizer) {
@@ -87,14 +87,7 @@ fn run(e: &mut Engine<CpuBackend>, reqs: Vec<Request>, arrive: &[usize]) -> Vec<
         .collect()
 }
 
-fn chat(tok: &Tokenizer, q: &str) -> Vec<u32> {
-    let m = [Message {
-        role: "user".into(),
-        content: q.into(),
-    }];
-    let text = tok.chat_template().unwrap().render(&m, true).unwrap();
-    tok.encode(&text, false).unwrap()
-}
+use common::chat;
 
 const QUESTIONS: [&str; 8] = [
     "What is the capital of France?",

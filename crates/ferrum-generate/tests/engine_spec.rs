@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use ferrum_backend::CpuBackend;
 use ferrum_generate::spec::Drafter;
 use ferrum_generate::{Constraint, Engine, EngineConfig, OutputKind, Request, SamplingParams};
-use ferrum_tokenizer::{Message, Tokenizer};
+use ferrum_tokenizer::Tokenizer;
 use rand::{Rng, SeedableRng};
 
 fn engine(spec_tokens: usize) -> Engine<CpuBackend> {
@@ -20,14 +20,7 @@ fn engine(spec_tokens: usize) -> Engine<CpuBackend> {
     Engine::new(m, t, c).unwrap()
 }
 
-fn chat(tok: &Tokenizer, q: &str) -> Vec<u32> {
-    let m = [Message {
-        role: "user".into(),
-        content: q.into(),
-    }];
-    let text = tok.chat_template().unwrap().render(&m, true).unwrap();
-    tok.encode(&text, false).unwrap()
-}
+use common::chat;
 
 /// Runs `reqs` (all arriving at once) to completion; each request's tokens.
 fn run(e: &mut Engine<CpuBackend>, reqs: &[Request]) -> Vec<Vec<u32>> {

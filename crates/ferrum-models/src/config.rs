@@ -212,6 +212,53 @@ impl ModelConfig {
         Ok(self)
     }
 
+    /// Llama's choices for what the shared keys do not say (pre-norms, SwiGLU, full RoPE in
+    /// every layer, no multipliers), around placeholder sizes the readers fill in.
+    fn llama_layers(
+        n_layers: usize,
+        head_dim: usize,
+        rotary_dim: usize,
+        sliding_window: Option<usize>,
+    ) -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Llama,
+            vocab_size: 0,
+            hidden_size: 0,
+            n_layers,
+            n_heads: 0,
+            n_kv_heads: 0,
+            head_dim,
+            intermediate_size: 0,
+            rms_eps: 1e-6,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            rope_layout: RopeLayout::Neox,
+            max_position: 4096,
+            tie_embeddings: false,
+            qkv_bias: false,
+            qk_norm: QkNorm::None,
+            sliding_window,
+            moe: None,
+            layers: vec![
+                LayerSpec {
+                    window: sliding_window,
+                    rope: Rope::Global,
+                };
+                n_layers
+            ],
+            rotary_dim,
+            rope_factor: 1.0,
+            local_rope_theta: None,
+            norms: NormPlan::PRE,
+            norm_offset: 0.0,
+            activation: Activation::Silu,
+            embed_scale: None,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            residual_scale: 1.0,
+            logit_scale: 1.0,
+        }
+    }
+
     /// The keys every Llama-style `config.json` shares, with Llama's choices for the rest
     /// (pre-norms, SwiGLU, full RoPE in every layer, no bias unless `attention_bias`).
     pub fn hf_base(arch: Arch, j: &Json) -> Result<ModelConfig> {
@@ -265,26 +312,7 @@ impl ModelConfig {
                 .get("attention_bias")
                 .and_then(Json::as_bool)
                 .unwrap_or(false),
-            qk_norm: QkNorm::None,
-            sliding_window,
-            moe: None,
-            layers: vec![
-                LayerSpec {
-                    window: sliding_window,
-                    rope: Rope::Global,
-                };
-                n_layers
-            ],
-            rotary_dim,
-            rope_factor: 1.0,
-            local_rope_theta: None,
-            norms: NormPlan::PRE,
-            norm_offset: 0.0,
-            activation: Activation::Silu,
-            embed_scale: None,
-            attn_scale: 1.0 / (head_dim as f32).sqrt(),
-            residual_scale: 1.0,
-            logit_scale: 1.0,
+            ..ModelConfig::llama_layers(n_layers, head_dim, rotary_dim, sliding_window)
         }
         .validate("config.json")
     }
@@ -350,26 +378,7 @@ impl ModelConfig {
                 .map_or(4096, |v| v as usize),
             tie_embeddings,
             qkv_bias: false,
-            qk_norm: QkNorm::None,
-            sliding_window,
-            moe: None,
-            layers: vec![
-                LayerSpec {
-                    window: sliding_window,
-                    rope: Rope::Global,
-                };
-                n_layers
-            ],
-            rotary_dim,
-            rope_factor: 1.0,
-            local_rope_theta: None,
-            norms: NormPlan::PRE,
-            norm_offset: 0.0,
-            activation: Activation::Silu,
-            embed_scale: None,
-            attn_scale: 1.0 / (head_dim as f32).sqrt(),
-            residual_scale: 1.0,
-            logit_scale: 1.0,
+            ..ModelConfig::llama_layers(n_layers, head_dim, rotary_dim, sliding_window)
         }
         .validate(&g.path.display().to_string())
     }

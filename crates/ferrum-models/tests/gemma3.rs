@@ -45,23 +45,8 @@ fn fixture<T: for<'de> Deserialize<'de>>(name: &str) -> T {
 fn check(label: &str, be: CpuBackend, min_top1: f64, max_rel_ppl: f64) {
     let r: Reference = fixture("reference.json");
     assert!(r.tokens.len() >= 200);
-    let mut m = Model::open(model_path(), be, &LoadOptions { context: Some(512) }).unwrap();
-    let v = m.decoder.config.vocab_size;
-    let mut kv = m.decoder.alloc_kv_tokens(512);
-    let logits = m
-        .decoder
-        .forward(&mut kv, &r.tokens, 0, Logits::All)
-        .unwrap();
-    let (mut agree, mut nll) = (0, 0f64);
+    let (top1, ppl) = common::score_passage(&model_path(), be, &r.tokens, &r.argmax);
     let n = r.tokens.len() - 1;
-    for (pos, row) in logits.chunks(v).take(n).enumerate() {
-        let best = argmax(row);
-        agree += (best == r.argmax[pos]) as usize;
-        let max = row[best as usize] as f64;
-        let z: f64 = row.iter().map(|&l| (l as f64 - max).exp()).sum();
-        nll -= row[r.tokens[pos + 1] as usize] as f64 - max - z.ln();
-    }
-    let (top1, ppl) = (agree as f64 / n as f64, (nll / n as f64).exp());
     let rel = (ppl - r.perplexity) / r.perplexity;
     eprintln!(
         "Gemma 3 270M Q4_K_M {label}, {n} positions: top-1 agreement {:.1}%, perplexity {ppl:.4} vs reference {:.4} ({:+.3}%)",

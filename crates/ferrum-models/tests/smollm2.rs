@@ -6,11 +6,10 @@
 use std::path::PathBuf;
 
 use ferrum_backend::CpuBackend;
-use ferrum_models::{LoadOptions, Logits, Model};
+
 use serde::Deserialize;
 
 mod common;
-use common::argmax;
 
 #[derive(Deserialize)]
 struct Reference {
@@ -31,24 +30,7 @@ fn model_path() -> PathBuf {
 
 /// Top-1 agreement and perplexity of one backend over the passage.
 fn score(be: CpuBackend, r: &Reference) -> (f64, f64) {
-    let mut m = Model::open(model_path(), be, &LoadOptions { context: Some(512) }).unwrap();
-    let v = m.decoder.config.vocab_size;
-    let mut kv = m.decoder.alloc_kv_tokens(512);
-    let logits = m
-        .decoder
-        .forward(&mut kv, &r.tokens, 0, Logits::All)
-        .unwrap();
-    let mut agree = 0;
-    let mut nll = 0f64;
-    let n = r.tokens.len() - 1;
-    for (pos, row) in logits.chunks(v).take(n).enumerate() {
-        let best = argmax(row);
-        agree += (best == r.argmax[pos]) as usize;
-        let max = row[best as usize] as f64;
-        let z: f64 = row.iter().map(|&l| (l as f64 - max).exp()).sum();
-        nll -= row[r.tokens[pos + 1] as usize] as f64 - max - z.ln();
-    }
-    (agree as f64 / n as f64, (nll / n as f64).exp())
+    common::score_passage(&model_path(), be, &r.tokens, &r.argmax)
 }
 
 fn reference() -> Reference {

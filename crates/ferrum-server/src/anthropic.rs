@@ -22,11 +22,11 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
+use crate::answer::{Answer, AnswerStream, Piece};
 use crate::api;
 use crate::error::ApiError;
-use crate::reasoning::ReasoningSplitter;
-use crate::routes::{self, AppState, Choice, Prepared};
-use crate::tools::{CallStreamer, ToolEvent};
+use crate::routes::{self, AppState, Choice};
+use crate::tools::ToolCall;
 
 pub const FIELDS: &[&str] = &[
     "model",
@@ -341,42 +341,10 @@ pub async fn messages(
     r.unwrap_or_else(|e| error_response(&st, e))
 }
 
-/// What an answer became: reasoning, text and tool calls (`input` objects).
-struct Blocks {
-    thinking: Option<String>,
-    text: String,
-    calls: Vec<(String, String, Value)>,
-}
-
-fn blocks(st: &AppState, p: &Prepared, text: &str) -> Blocks {
-    let (thinking, text) = if st.thinking {
-        ReasoningSplitter::split(text)
-    } else {
-        (None, text.to_string())
-    };
-    let (content, calls) = match &p.tools {
-        Some(t) => t.parse_output(&text),
-        None => (None, Vec::new()),
-    };
-    if calls.is_empty() {
-        return Blocks {
-            thinking,
-            text,
-            calls: Vec::new(),
-        };
-    }
-    let calls = calls
-        .into_iter()
-        .map(|c| {
-            let input = serde_json::from_str(&c.arguments).unwrap_or(json!({}));
-            (st.new_id("toolu").replace('-', "_"), c.name, input)
-        })
-        .collect();
-    Blocks {
-        thinking,
-        text: content.unwrap_or_default(),
-        calls,
-    }
+/// A tool_use block's id and input for a call.
+fn tool_use(st: &AppState, c: &ToolCall) -> (String, Value) {
+    let input = serde_json::from_str(&c.arguments).unwrap_or(json!({}));
+    (st.new_id("toolu").replace('-', "_"), input)
 }
 
 fn stop_reason(c: &Choice, tool_use: bool) -> (&'static str, Value) {
@@ -415,16 +383,17 @@ async fn messages_inner(
         let out = routes::collect(rx, 1).await?;
         routes::record(&st, &id, t0, &out, 1);
         let c = &out[0];
-        let b = blocks(&st, &p, &c.text);
+        let b = Answer::of(st.thinking, p.tools.as_ref(), &c.text);
         let mut content = Vec::new();
-        if let Some(t) = &b.thinking {
+        if let Some(t) = &b.reasoning {
             content.push(json!({"type": "thinking", "thinking": t, "signature": ""}));
         }
-        if !b.text.is_empty() || (b.calls.is_empty() && b.thinking.is_none()) {
+        if !b.text.is_empty() || (b.calls.is_empty() && b.reasoning.is_none()) {
             content.push(json!({"type": "text", "text": b.text}));
         }
-        for (cid, name, input) in &b.calls {
-            content.push(json!({"type": "tool_use", "id": cid, "name": name, "input": input}));
+        for call in &b.calls {
+            let (cid, input) = tool_use(&st, call);
+            content.push(json!({"type": "tool_use", "id": cid, "name": call.name, "input": input}));
         }
         let (reason, seq) = stop_reason(c, !b.calls.is_empty());
         return Ok(Json(json!({
@@ -450,76 +419,30 @@ async fn messages_inner(
         if !w.send("message_start", start) || !w.send("ping", json!({"type": "ping"})) {
             return;
         }
-        let mut splitter = ReasoningSplitter::default();
+        let mut answer = AnswerStream::new(st.thinking, p.tools.as_ref());
         let mut choice = Choice::default();
-        // With tools, calls are picked out as they are generated; the final parse sends any
-        // the stream could not follow.
-        let mut streamer = p.tools.as_ref().map(CallStreamer::new);
-        let mut calls = 0usize;
         loop {
             let Some((_, o)) = rx.recv().await else {
                 return;
             };
             let last = choice.absorb(&o.kind);
-            let piece = match &o.kind {
+            let delta = match &o.kind {
                 OutputKind::Token { text, .. } | OutputKind::Finished { text, .. } => text,
             };
-            let (mut r, mut c) = if st.thinking {
-                splitter.push(piece)
-            } else {
-                (String::new(), piece.clone())
-            };
-            if last && st.thinking {
-                let (r2, c2) = splitter.finish();
-                r.push_str(&r2);
-                c.push_str(&c2);
-            }
-            if !w.text("thinking", &r) {
-                return;
-            }
-            let Some(cs) = streamer.as_mut() else {
-                if !w.text("text", &c) {
+            for piece in answer.push(delta, last) {
+                if !w.piece(&st, piece) {
                     return;
                 }
-                if last {
-                    break;
-                }
-                continue;
-            };
-            let mut events = cs.push(&c);
+            }
             if last {
-                let streamed = calls
-                    + events
-                        .iter()
-                        .filter(|e| matches!(e, ToolEvent::Start(_)))
-                        .count();
-                let missed: Vec<_> = blocks(&st, &p, &choice.text)
-                    .calls
-                    .into_iter()
-                    .skip(streamed)
-                    .collect();
-                if missed.is_empty() {
-                    events.extend(cs.finish());
-                }
-                if !w.tool_events(&st, events, &mut calls) {
-                    return;
-                }
-                for (cid, name, input) in &missed {
-                    calls += 1;
-                    if !w.tool_use(cid, name, input) {
-                        return;
-                    }
-                }
                 break;
-            }
-            if !w.tool_events(&st, events, &mut calls) {
-                return;
             }
         }
         routes::record(&st, &id, t0, std::slice::from_ref(&choice), 1);
         if !w.close() {
             return;
         }
+        let calls = answer.calls();
         let (reason, seq) = stop_reason(&choice, calls > 0);
         let delta = json!({"type": "message_delta",
             "delta": {"stop_reason": reason, "stop_sequence": seq},
@@ -601,39 +524,34 @@ impl Writer {
         })
     }
 
-    /// The streamer's events: text into a text block, each call a tool_use block whose
-    /// input streams as `input_json_delta`s. Counts the calls begun into `calls`.
-    fn tool_events(&mut self, st: &AppState, events: Vec<ToolEvent>, calls: &mut usize) -> bool {
-        for e in events {
-            let ok = match e {
-                ToolEvent::Text(x) => self.text("text", &x),
-                ToolEvent::Start(name) => {
-                    *calls += 1;
-                    let id = st.new_id("toolu").replace('-', "_");
-                    let ok = self.close()
-                        && self.start(
-                            json!({"type": "tool_use", "id": id, "name": name, "input": {}}),
-                        );
-                    self.open = Some("tool_use");
-                    ok
-                }
-                ToolEvent::Args(a) => {
-                    self.delta(json!({"type": "input_json_delta", "partial_json": a}))
-                }
-                ToolEvent::End => self.close(),
-            };
-            if !ok {
-                return false;
+    /// One piece of the answer: reasoning into a thinking block, text into a text block, each
+    /// call a tool_use block whose input streams as `input_json_delta`s.
+    fn piece(&mut self, st: &AppState, piece: Piece) -> bool {
+        match piece {
+            Piece::Reasoning(r) => self.text("thinking", &r),
+            Piece::Text(x) => self.text("text", &x),
+            Piece::CallStart(name) => {
+                let id = st.new_id("toolu").replace('-', "_");
+                let ok = self.close()
+                    && self.start(json!({"type": "tool_use", "id": id, "name": name, "input": {}}));
+                self.open = Some("tool_use");
+                ok
+            }
+            Piece::CallArgs(a) => {
+                self.delta(json!({"type": "input_json_delta", "partial_json": a}))
+            }
+            Piece::CallEnd => self.close(),
+            Piece::Call(c) => {
+                let (id, input) = tool_use(st, &c);
+                let ok = self.close()
+                    && self
+                        .start(json!({"type": "tool_use", "id": id, "name": c.name, "input": {}}))
+                    && self.delta(
+                        json!({"type": "input_json_delta", "partial_json": input.to_string()}),
+                    );
+                self.open = Some("tool_use");
+                ok && self.close()
             }
         }
-        true
-    }
-
-    fn tool_use(&mut self, id: &str, name: &str, input: &Value) -> bool {
-        let ok = self.close()
-            && self.start(json!({"type": "tool_use", "id": id, "name": name, "input": {}}))
-            && self.delta(json!({"type": "input_json_delta", "partial_json": input.to_string()}));
-        self.open = Some("tool_use");
-        ok && self.close()
     }
 }

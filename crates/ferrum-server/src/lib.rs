@@ -5,6 +5,7 @@
 //! come back per request → JSON body or SSE chunks. Errors take one shape (`error`); counters
 //! and latency histograms are served at `/metrics` (`metrics`).
 
+pub mod answer;
 pub mod anthropic;
 pub mod api;
 pub mod error;

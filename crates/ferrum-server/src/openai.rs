@@ -19,10 +19,10 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
+use crate::answer::{Answer, AnswerStream, Piece};
 use crate::api::{self};
 use crate::error::ApiError;
-use crate::reasoning::ReasoningSplitter;
-use crate::tools::{CallStreamer, ToolEvent, Tools};
+use crate::tools::Tools;
 
 use crate::routes::{
     body, choices, collect, finish_name, launch, now, prepare_chat, record, respond, token_text,
@@ -88,27 +88,21 @@ pub(crate) fn assistant_message(
     text: &str,
     finish: Option<FinishReason>,
 ) -> (Value, Option<&'static str>) {
-    let reason = finish.map(finish_name);
-    let (reasoning, text) = if st.thinking {
-        ReasoningSplitter::split(text)
+    let a = Answer::of(st.thinking, tools, text);
+    let content = if a.text.is_empty() && !a.calls.is_empty() {
+        Value::Null
     } else {
-        (None, text.to_string())
+        json!(a.text)
     };
-    let plain = |content: Value| {
-        let mut m = json!({"role": "assistant", "content": content});
-        if let Some(r) = &reasoning {
-            m["reasoning_content"] = json!(r);
-        }
-        m
-    };
-    let Some(t) = tools else {
-        return (plain(json!(text)), reason);
-    };
-    let (content, calls) = t.parse_output(&text);
-    if calls.is_empty() {
-        return (plain(json!(text)), reason);
+    let mut m = json!({"role": "assistant", "content": content});
+    if let Some(r) = &a.reasoning {
+        m["reasoning_content"] = json!(r);
     }
-    let calls: Vec<Value> = calls
+    if a.calls.is_empty() {
+        return (m, finish.map(finish_name));
+    }
+    let calls: Vec<Value> = a
+        .calls
         .into_iter()
         .map(|c| {
             json!({
@@ -118,7 +112,6 @@ pub(crate) fn assistant_message(
             })
         })
         .collect();
-    let mut m = plain(json!(content));
     m["tool_calls"] = json!(calls);
     (m, Some("tool_calls"))
 }
@@ -190,138 +183,69 @@ async fn chat_inner(
         })
         .collect();
     let tok_st = st.clone();
-    // With tools in play, calls are picked out as they are generated (`CallStreamer`); the
-    // whole answer is kept for the final parse, which sends any call the stream missed.
-    let mut held: Vec<String> = vec![String::new(); plan.n];
-    let mut streamers: Vec<Option<CallStreamer>> = (0..plan.n)
-        .map(|_| tools.as_ref().map(CallStreamer::new))
+    // Each choice's answer split as it streams (reasoning, text, tool calls as they are
+    // generated), the same way for every API.
+    let mut answers: Vec<AnswerStream> = (0..plan.n)
+        .map(|_| AnswerStream::new(st.thinking, tools.as_ref()))
         .collect();
-    let mut streamed_calls = vec![0usize; plan.n];
-    let thinking = st.thinking;
-    let mut splitters = vec![ReasoningSplitter::default(); plan.n];
-    // Reasoning and answer text as delta fields (one chunk may carry both).
-    let text_delta = move |r: String, c: String| {
-        let mut d = serde_json::Map::new();
-        if !r.is_empty() {
-            d.insert("reasoning_content".into(), json!(r));
-        }
-        if !c.is_empty() || r.is_empty() {
-            d.insert("content".into(), json!(c));
-        }
-        Value::Object(d)
-    };
-    let delta_chunk = {
-        let chunk = chunk.clone();
-        move |i: usize, delta: Value| {
-            chunk(json!([{"index": i, "delta": delta, "logprobs": null, "finish_reason": null}]))
-        }
-    };
     let piece = move |i: usize, o: &Output| -> Vec<Value> {
-        let mut out = Vec::new();
-        let (text, last) = match &o.kind {
-            OutputKind::Token { text, .. } => (text, false),
-            OutputKind::Finished { text, .. } => (text, true),
-        };
-        held[i].push_str(text);
-        let (mut r, mut c) = if thinking {
-            splitters[i].push(text)
-        } else {
-            (String::new(), text.clone())
-        };
-        if last && thinking {
-            let (r2, c2) = splitters[i].finish();
-            r.push_str(&r2);
-            c.push_str(&c2);
-        }
-        if let Some(cs) = streamers[i].as_mut() {
-            if !r.is_empty() {
-                out.push(delta_chunk(i, text_delta(r, String::new())));
-            }
-            let mut events = cs.push(&c);
-            let mut tail = Vec::new();
-            if last {
-                tail = cs.finish();
-            }
-            // The final parse: calls the stream could not follow are sent whole.
-            let mut missed = Vec::new();
-            if last {
-                let (message, _) = assistant_message(&tok_st, tools.as_ref(), &held[i], None);
-                let calls = message["tool_calls"]
-                    .as_array()
-                    .cloned()
-                    .unwrap_or_default();
-                let streamed_here = events
-                    .iter()
-                    .filter(|e| matches!(e, ToolEvent::Start(_)))
-                    .count();
-                missed = calls
-                    .into_iter()
-                    .skip(streamed_calls[i] + streamed_here)
-                    .collect();
-            }
-            if missed.is_empty() {
-                events.extend(tail);
-            }
-            for e in events {
-                match e {
-                    ToolEvent::Text(x) => out.push(delta_chunk(i, json!({"content": x}))),
-                    ToolEvent::Start(name) => {
-                        let call = json!({"index": streamed_calls[i], "id": tok_st.new_id("call"),
-                            "type": "function", "function": {"name": name, "arguments": ""}});
-                        streamed_calls[i] += 1;
-                        out.push(delta_chunk(i, json!({"tool_calls": [call]})));
-                    }
-                    ToolEvent::Args(a) => {
-                        let call =
-                            json!({"index": streamed_calls[i] - 1, "function": {"arguments": a}});
-                        out.push(delta_chunk(i, json!({"tool_calls": [call]})));
-                    }
-                    ToolEvent::End => {}
-                }
-            }
-            for mut c in missed {
-                c["index"] = json!(streamed_calls[i]);
-                streamed_calls[i] += 1;
-                out.push(delta_chunk(i, json!({"tool_calls": [c]})));
-            }
-            if let OutputKind::Finished { reason, .. } = &o.kind {
-                let finish = if streamed_calls[i] > 0 {
-                    "tool_calls"
-                } else {
-                    finish_name(*reason)
-                };
-                out.push(chunk(
-                    json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": finish}]),
-                ));
-            }
-            return out;
-        }
-        match &o.kind {
-            OutputKind::Token { token, logprob, .. } => {
-                if r.is_empty() && c.is_empty() && logprob.is_none() {
-                    return Vec::new();
-                }
-                let lp = logprob
+        let (text, last, mut lp) = match &o.kind {
+            OutputKind::Token {
+                token,
+                text,
+                logprob,
+            } => (
+                text,
+                false,
+                logprob
                     .as_ref()
-                    .map(|l| chat_logprobs(&tok_st.tokenizer, &[(*token, l.clone())]));
-                vec![chunk(json!([{
-                    "index": i, "delta": text_delta(r, c), "logprobs": lp, "finish_reason": null,
-                }]))]
-            }
-            OutputKind::Finished { reason, .. } => {
-                let delta = if r.is_empty() && c.is_empty() {
-                    json!({})
-                } else {
-                    text_delta(r, c)
-                };
-                vec![chunk(json!([{
-                    "index": i,
-                    "delta": delta,
-                    "logprobs": null,
-                    "finish_reason": finish_name(*reason),
-                }]))]
-            }
+                    .map(|l| chat_logprobs(&tok_st.tokenizer, &[(*token, l.clone())])),
+            ),
+            OutputKind::Finished { text, .. } => (text, true, None),
+        };
+        let mut call = answers[i].calls();
+        let mut out = Vec::new();
+        for p in answers[i].push(text, last) {
+            let delta = match p {
+                Piece::Reasoning(r) => json!({"reasoning_content": r}),
+                Piece::Text(x) => json!({"content": x}),
+                Piece::CallStart(name) => {
+                    call += 1;
+                    json!({"tool_calls": [{"index": call - 1, "id": tok_st.new_id("call"),
+                        "type": "function", "function": {"name": name, "arguments": ""}}]})
+                }
+                Piece::CallArgs(a) => {
+                    json!({"tool_calls": [{"index": call.saturating_sub(1), "function": {"arguments": a}}]})
+                }
+                Piece::CallEnd => continue,
+                Piece::Call(c) => {
+                    call += 1;
+                    json!({"tool_calls": [{"index": call - 1, "id": tok_st.new_id("call"),
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments}}]})
+                }
+            };
+            out.push(chunk(json!([{
+                "index": i, "delta": delta, "logprobs": lp.take(), "finish_reason": null,
+            }])));
         }
+        // A token whose text is still held back reports its log-probability all the same.
+        if let Some(lp) = lp {
+            out.push(chunk(json!([{
+                "index": i, "delta": {"content": ""}, "logprobs": lp, "finish_reason": null,
+            }])));
+        }
+        if let OutputKind::Finished { reason, .. } = &o.kind {
+            let finish = if answers[i].calls() > 0 {
+                "tool_calls"
+            } else {
+                finish_name(*reason)
+            };
+            out.push(chunk(json!([{
+                "index": i, "delta": {}, "logprobs": null, "finish_reason": finish,
+            }])));
+        }
+        out
     };
     let final_usage = {
         let (id, model) = (id.clone(), card.id.clone());

@@ -23,11 +23,10 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
+use crate::answer::{Answer, AnswerStream, Piece};
 use crate::api;
 use crate::error::ApiError;
-use crate::reasoning::ReasoningSplitter;
-use crate::routes::{self, AppState, Choice, Prepared};
-use crate::tools::{CallStreamer, ToolEvent};
+use crate::routes::{self, AppState, Choice};
 
 const FIELDS: &[&str] = &[
     "model",
@@ -385,37 +384,6 @@ fn status(c: &Choice) -> &'static str {
     }
 }
 
-/// The output items of a finished answer: reasoning, the message, function calls.
-struct Items {
-    reasoning: Option<String>,
-    text: String,
-    calls: Vec<(String, String)>,
-}
-
-fn items(st: &AppState, p: &Prepared, text: &str) -> Items {
-    let (reasoning, text) = if st.thinking {
-        ReasoningSplitter::split(text)
-    } else {
-        (None, text.to_string())
-    };
-    let (content, calls) = match &p.tools {
-        Some(t) => t.parse_output(&text),
-        None => (None, Vec::new()),
-    };
-    if calls.is_empty() {
-        return Items {
-            reasoning,
-            text,
-            calls: Vec::new(),
-        };
-    }
-    Items {
-        reasoning,
-        text: content.unwrap_or_default(),
-        calls: calls.into_iter().map(|c| (c.name, c.arguments)).collect(),
-    }
-}
-
 fn reasoning_item(id: &str, text: &str, status: &str) -> Value {
     json!({"type": "reasoning", "id": id, "status": status, "summary": [],
         "content": [{"type": "reasoning_text", "text": text}]})
@@ -453,7 +421,7 @@ async fn create_inner(
         let out = routes::collect(rx, 1).await?;
         routes::record(&st, &id, t0, &out, 1);
         let c = &out[0];
-        let it = items(&st, &p, &c.text);
+        let it = Answer::of(st.thinking, p.tools.as_ref(), &c.text);
         let mut output = Vec::new();
         if let Some(r) = &it.reasoning {
             output.push(reasoning_item(&new_id(&st, "rs"), r, "completed"));
@@ -461,14 +429,9 @@ async fn create_inner(
         if !it.text.is_empty() || it.calls.is_empty() {
             output.push(message_item(&new_id(&st, "msg"), &it.text, "completed"));
         }
-        for (name, args) in &it.calls {
-            output.push(call_item(
-                &new_id(&st, "fc"),
-                &new_id(&st, "call"),
-                name,
-                args,
-                "completed",
-            ));
+        for c in &it.calls {
+            let (fc, call) = (new_id(&st, "fc"), new_id(&st, "call"));
+            output.push(call_item(&fc, &call, &c.name, &c.arguments, "completed"));
         }
         return Ok(Json(envelope(
             &id,
@@ -504,72 +467,26 @@ async fn create_inner(
         {
             return;
         }
-        let mut splitter = ReasoningSplitter::default();
+        let mut answer = AnswerStream::new(st.thinking, p.tools.as_ref());
         let mut choice = Choice::default();
-        // With tools, calls are picked out as they are generated; the final parse sends any
-        // the stream could not follow.
-        let mut streamer = p.tools.as_ref().map(CallStreamer::new);
-        let mut calls = 0usize;
         loop {
             let Some((_, o)) = rx.recv().await else {
                 return;
             };
             let last = choice.absorb(&o.kind);
-            let piece = match &o.kind {
+            let delta = match &o.kind {
                 OutputKind::Token { text, .. } | OutputKind::Finished { text, .. } => text,
             };
-            let (mut r, mut c) = if st.thinking {
-                splitter.push(piece)
-            } else {
-                (String::new(), piece.clone())
-            };
-            if last && st.thinking {
-                let (r2, c2) = splitter.finish();
-                r.push_str(&r2);
-                c.push_str(&c2);
-            }
-            if !w.text(&st, Kind::Reasoning, &r) {
-                return;
-            }
-            let Some(cs) = streamer.as_mut() else {
-                if !w.text(&st, Kind::Message, &c) {
+            for piece in answer.push(delta, last) {
+                if !w.piece(&st, piece) {
                     return;
                 }
-                if last {
-                    break;
-                }
-                continue;
-            };
-            let mut events = cs.push(&c);
+            }
             if last {
-                let streamed = calls
-                    + events
-                        .iter()
-                        .filter(|e| matches!(e, ToolEvent::Start(_)))
-                        .count();
-                let missed: Vec<_> = items(&st, &p, &choice.text)
-                    .calls
-                    .into_iter()
-                    .skip(streamed)
-                    .collect();
-                if missed.is_empty() {
-                    events.extend(cs.finish());
-                }
-                if !w.tool_events(&st, events, &mut calls) {
-                    return;
-                }
-                for (name, args) in &missed {
-                    calls += 1;
-                    if !w.call(&st, name, args) {
-                        return;
-                    }
-                }
                 break;
             }
-            if !w.tool_events(&st, events, &mut calls) {
-                return;
-            }
         }
+        let calls = answer.calls();
         routes::record(&st, &id, t0, std::slice::from_ref(&choice), 1);
         // An empty answer is still a message.
         if calls == 0 && w.output.is_empty() && w.open.is_none() && !w.open_item(&st, Kind::Message)
@@ -714,40 +631,34 @@ impl Writer {
         }
     }
 
-    /// The streamer's events: text into a message item, each call a function_call item
-    /// whose arguments stream as `function_call_arguments.delta`s. Counts the calls begun.
-    fn tool_events(&mut self, st: &AppState, events: Vec<ToolEvent>, calls: &mut usize) -> bool {
-        for e in events {
-            let ok = match e {
-                ToolEvent::Text(x) => self.text(st, Kind::Message, &x),
-                ToolEvent::Start(name) => {
-                    *calls += 1;
-                    let (id, call_id) = (new_id(st, "fc"), new_id(st, "call"));
-                    let item = call_item(&id, &call_id, &name, "", "in_progress");
-                    let ok = self.close()
-                        && self.send(
-                            "response.output_item.added",
-                            json!({"output_index": self.output.len(), "item": item}),
-                        );
-                    self.call_open = Some((id, call_id, name, String::new()));
-                    ok
-                }
-                ToolEvent::Args(a) => match self.call_open.as_mut() {
-                    Some((id, _, _, args)) => {
-                        args.push_str(&a);
-                        let v =
-                            json!({"item_id": id, "output_index": self.output.len(), "delta": a});
-                        self.send("response.function_call_arguments.delta", v)
-                    }
-                    None => true,
-                },
-                ToolEvent::End => self.end_call(),
-            };
-            if !ok {
-                return false;
+    /// One piece of the answer: reasoning and text into their items, each call a
+    /// function_call item whose arguments stream as `function_call_arguments.delta`s.
+    fn piece(&mut self, st: &AppState, piece: Piece) -> bool {
+        match piece {
+            Piece::Reasoning(r) => self.text(st, Kind::Reasoning, &r),
+            Piece::Text(x) => self.text(st, Kind::Message, &x),
+            Piece::CallStart(name) => {
+                let (id, call_id) = (new_id(st, "fc"), new_id(st, "call"));
+                let item = call_item(&id, &call_id, &name, "", "in_progress");
+                let ok = self.close()
+                    && self.send(
+                        "response.output_item.added",
+                        json!({"output_index": self.output.len(), "item": item}),
+                    );
+                self.call_open = Some((id, call_id, name, String::new()));
+                ok
             }
+            Piece::CallArgs(a) => match self.call_open.as_mut() {
+                Some((id, _, _, args)) => {
+                    args.push_str(&a);
+                    let v = json!({"item_id": id, "output_index": self.output.len(), "delta": a});
+                    self.send("response.function_call_arguments.delta", v)
+                }
+                None => true,
+            },
+            Piece::CallEnd => self.end_call(),
+            Piece::Call(c) => self.call(st, &c.name, &c.arguments),
         }
-        true
     }
 
     fn end_call(&mut self) -> bool {

@@ -29,3 +29,28 @@ pub fn assert_close(label: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
     }
     eprintln!("{label}: worst relative |Δlogit| {worst:.2e}");
 }
+
+/// Teacher-forced over `tokens` on the model at `path`: the share of positions whose argmax is
+/// the reference's (`argmax[i]` predicts token `i + 1`), and the perplexity of the passage.
+pub fn score_passage(
+    path: &std::path::Path,
+    be: ferrum_backend::CpuBackend,
+    tokens: &[u32],
+    reference_argmax: &[u32],
+) -> (f64, f64) {
+    use ferrum_models::{LoadOptions, Logits, Model};
+    let mut m = Model::open(path, be, &LoadOptions { context: Some(512) }).unwrap();
+    let v = m.decoder.config.vocab_size;
+    let mut kv = m.decoder.alloc_kv_tokens(512);
+    let logits = m.decoder.forward(&mut kv, tokens, 0, Logits::All).unwrap();
+    let (mut agree, mut nll) = (0, 0f64);
+    let n = tokens.len() - 1;
+    for (pos, row) in logits.chunks(v).take(n).enumerate() {
+        let best = argmax(row);
+        agree += (best == reference_argmax[pos]) as usize;
+        let max = row[best as usize] as f64;
+        let z: f64 = row.iter().map(|&l| (l as f64 - max).exp()).sum();
+        nll -= row[tokens[pos + 1] as usize] as f64 - max - z.ln();
+    }
+    (agree as f64 / n as f64, (nll / n as f64).exp())
+}
