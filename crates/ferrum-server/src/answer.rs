@@ -2,7 +2,11 @@
 //! ([`Answer`]) or as it streams ([`AnswerStream`]). Chat Completions, Responses and Messages
 //! each turn these into their own shapes; the splitting is done once, here.
 
+use ferrum_generate::{Output, OutputKind};
+use tokio::sync::mpsc::UnboundedReceiver;
+
 use crate::reasoning::ReasoningSplitter;
+use crate::routes::Choice;
 use crate::tools::{CallStreamer, ToolCall, ToolEvent, Tools};
 
 /// A finished answer, split.
@@ -73,6 +77,32 @@ impl AnswerStream {
             streamer: tools.map(CallStreamer::new),
             text: String::new(),
             calls: 0,
+        }
+    }
+
+    /// Feeds one request's events through the splitter into `emit` until the answer ends;
+    /// the finished choice, or `None` once the engine or the client (`emit` returning false)
+    /// is gone.
+    pub(crate) async fn drive(
+        &mut self,
+        rx: &mut UnboundedReceiver<(usize, Output)>,
+        mut emit: impl FnMut(Piece) -> bool,
+    ) -> Option<Choice> {
+        let mut choice = Choice::default();
+        loop {
+            let (_, o) = rx.recv().await?;
+            let last = choice.absorb(&o.kind);
+            let delta = match &o.kind {
+                OutputKind::Token { text, .. } | OutputKind::Finished { text, .. } => text,
+            };
+            for piece in self.push(delta, last) {
+                if !emit(piece) {
+                    return None;
+                }
+            }
+            if last {
+                return Some(choice);
+            }
         }
     }
 

@@ -17,7 +17,7 @@ use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use ferrum_generate::{FinishReason, OutputKind};
+use ferrum_generate::FinishReason;
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -468,24 +468,9 @@ async fn create_inner(
             return;
         }
         let mut answer = AnswerStream::new(st.thinking, p.tools.as_ref());
-        let mut choice = Choice::default();
-        loop {
-            let Some((_, o)) = rx.recv().await else {
-                return;
-            };
-            let last = choice.absorb(&o.kind);
-            let delta = match &o.kind {
-                OutputKind::Token { text, .. } | OutputKind::Finished { text, .. } => text,
-            };
-            for piece in answer.push(delta, last) {
-                if !w.piece(&st, piece) {
-                    return;
-                }
-            }
-            if last {
-                break;
-            }
-        }
+        let Some(choice) = answer.drive(&mut rx, |piece| w.piece(&st, piece)).await else {
+            return;
+        };
         let calls = answer.calls();
         routes::record(&st, &id, t0, std::slice::from_ref(&choice), 1);
         // An empty answer is still a message.

@@ -54,3 +54,31 @@ pub fn score_passage(
     }
     (agree as f64 / n as f64, (nll / n as f64).exp())
 }
+
+/// Checks a teacher-forced run against its reference: top-1 agreement of at least `min_top1`
+/// and a perplexity within `max_rel_ppl` of the reference's (printed either way).
+#[allow(clippy::too_many_arguments)]
+pub fn check_passage(
+    label: &str,
+    path: &std::path::Path,
+    be: ferrum_backend::CpuBackend,
+    tokens: &[u32],
+    reference_argmax: &[u32],
+    reference_ppl: f64,
+    min_top1: f64,
+    max_rel_ppl: f64,
+) {
+    let (top1, ppl) = score_passage(path, be, tokens, reference_argmax);
+    let rel = (ppl - reference_ppl) / reference_ppl;
+    eprintln!(
+        "{label}, {} positions: top-1 agreement {:.1}%, perplexity {ppl:.4} vs reference {reference_ppl:.4} ({:+.3}%)",
+        tokens.len() - 1,
+        100.0 * top1,
+        100.0 * rel
+    );
+    assert!(top1 >= min_top1, "{label}: top-1 agreement {top1}");
+    assert!(
+        rel.abs() <= max_rel_ppl,
+        "{label}: perplexity {ppl} vs {reference_ppl}"
+    );
+}
