@@ -65,7 +65,12 @@ pub struct AnswerStream {
     splitter: ReasoningSplitter,
     streamer: Option<CallStreamer>,
     text: String,
-    calls: usize,
+    /// Calls streamed so far: name and arguments text.
+    streamed: Vec<(String, String)>,
+    /// Calls sent whole from the final parse.
+    whole: usize,
+    /// Calls the final parse found (known at the end).
+    confirmed: Option<usize>,
 }
 
 impl AnswerStream {
@@ -76,7 +81,9 @@ impl AnswerStream {
             splitter: ReasoningSplitter::default(),
             streamer: tools.map(CallStreamer::new),
             text: String::new(),
-            calls: 0,
+            streamed: Vec::new(),
+            whole: 0,
+            confirmed: None,
         }
     }
 
@@ -106,9 +113,16 @@ impl AnswerStream {
         }
     }
 
-    /// Calls begun so far (streamed or whole).
+    /// Calls begun in the stream so far (streamed or whole): the next call's index.
+    pub fn begun(&self) -> usize {
+        self.streamed.len() + self.whole
+    }
+
+    /// The answer's calls: once it has ended, those its final parse found (a streamed call
+    /// that turned out malformed or cut short does not count: the stop reason follows the
+    /// answer, not the stream); before, those begun.
     pub fn calls(&self) -> usize {
-        self.calls
+        self.confirmed.unwrap_or_else(|| self.begun())
     }
 
     /// The next delta of the answer; `last` for the final one.
@@ -135,15 +149,36 @@ impl AnswerStream {
             return out;
         };
         let mut events = cs.push(&c);
+        for e in &events {
+            match e {
+                ToolEvent::Start(name) => self.streamed.push((name.clone(), String::new())),
+                ToolEvent::Args(a) => {
+                    if let Some(call) = self.streamed.last_mut() {
+                        call.1.push_str(a);
+                    }
+                }
+                _ => {}
+            }
+        }
         let mut missed = Vec::new();
         if last {
-            let streamed = self.calls
-                + events
-                    .iter()
-                    .filter(|e| matches!(e, ToolEvent::Start(_)))
-                    .count();
-            missed = Answer::of(self.thinking, self.tools.as_ref(), &self.text).calls;
-            missed.drain(..streamed.min(missed.len()));
+            let fin = Answer::of(self.thinking, self.tools.as_ref(), &self.text).calls;
+            self.confirmed = Some(fin.len());
+            // A final call the stream did not carry (same name, same arguments) goes whole.
+            let same = |c: &ToolCall, (name, args): &(String, String)| {
+                c.name == *name
+                    && serde_json::from_str::<serde_json::Value>(args).ok()
+                        == serde_json::from_str::<serde_json::Value>(&c.arguments).ok()
+            };
+            let mut unmatched: Vec<&(String, String)> = self.streamed.iter().collect();
+            for c in fin {
+                match unmatched.iter().position(|s| same(&c, s)) {
+                    Some(k) => {
+                        unmatched.remove(k);
+                    }
+                    None => missed.push(c),
+                }
+            }
             if missed.is_empty() {
                 events.extend(cs.finish());
             }
@@ -151,16 +186,78 @@ impl AnswerStream {
         for e in events {
             out.push(match e {
                 ToolEvent::Text(x) => Piece::Text(x),
-                ToolEvent::Start(name) => {
-                    self.calls += 1;
-                    Piece::CallStart(name)
-                }
+                ToolEvent::Start(name) => Piece::CallStart(name),
                 ToolEvent::Args(a) => Piece::CallArgs(a),
                 ToolEvent::End => Piece::CallEnd,
             });
         }
-        self.calls += missed.len();
+        self.whole += missed.len();
         out.extend(missed.into_iter().map(Piece::Call));
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn tools() -> Tools {
+        let t = json!([{"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+        crate::tools::parse(Some(&t), None).unwrap().unwrap()
+    }
+
+    /// The answer `text` streamed `step` bytes at a time: the text pieces joined, the calls
+    /// (streamed or whole) and the call count the stream ends with.
+    fn stream(text: &str, step: usize) -> (String, Vec<(String, String)>, usize) {
+        let t = tools();
+        let mut a = AnswerStream::new(false, Some(&t));
+        let (mut out, mut calls) = (String::new(), Vec::new());
+        let mut rest = text;
+        while !rest.is_empty() || out.is_empty() && calls.is_empty() {
+            let mut cut = step.min(rest.len());
+            while !rest.is_char_boundary(cut) {
+                cut += 1;
+            }
+            let (piece, tail) = rest.split_at(cut);
+            rest = tail;
+            for p in a.push(piece, rest.is_empty()) {
+                match p {
+                    Piece::Text(x) => out.push_str(&x),
+                    Piece::CallStart(n) => calls.push((n, String::new())),
+                    Piece::CallArgs(x) => calls.last_mut().unwrap().1.push_str(&x),
+                    Piece::Call(c) => calls.push((c.name, c.arguments)),
+                    Piece::CallEnd | Piece::Reasoning(_) => {}
+                }
+            }
+            if rest.is_empty() {
+                break;
+            }
+        }
+        (out, calls, a.calls())
+    }
+
+    #[test]
+    fn what_is_not_a_call_stays_text_and_counts_follow_the_final_parse() {
+        for step in [1, 3, 1000] {
+            // An undeclared function: text, as the whole answer's parse says.
+            let text = "Try <tool_call>{\"name\": \"other\", \"arguments\": {}}</tool_call> now.";
+            let (out, calls, n) = stream(text, step);
+            assert_eq!((out.as_str(), calls.len(), n), (text, 0, 0), "step {step}");
+            // A call the answer ends inside: streamed, and the final parse agrees.
+            let text =
+                "<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}";
+            let (_, calls, n) = stream(text, step);
+            assert_eq!((calls.len(), n), (1, 1), "step {step}");
+            // Cut off inside its arguments: streamed as far as it got, but no call.
+            let text = "<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Os";
+            let (_, calls, n) = stream(text, step);
+            assert_eq!((calls.len(), n), (1, 0), "step {step}");
+            // Prose that mentions the tag, then more text: all of it text.
+            let text = "Write <tool_call> and then } more words follow here.";
+            let (out, _, n) = stream(text, step);
+            assert_eq!((out.as_str(), n), (text, 0), "step {step}");
+        }
     }
 }

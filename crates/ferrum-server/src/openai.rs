@@ -203,7 +203,7 @@ async fn chat_inner(
             ),
             OutputKind::Finished { text, .. } => (text, true, None),
         };
-        let mut call = answers[i].calls();
+        let mut call = answers[i].begun();
         let mut out = Vec::new();
         for p in answers[i].push(text, last) {
             let delta = match p {

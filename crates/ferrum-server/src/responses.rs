@@ -535,7 +535,8 @@ impl Writer {
     /// Closes the open item (a call cut short included).
     fn close(&mut self) -> bool {
         if self.call_open.is_some() {
-            return self.end_call();
+            // Cut short (max_output_tokens) before its arguments closed.
+            return self.end_call("incomplete");
         }
         let Some((kind, id, text)) = self.open.take() else {
             return true;
@@ -641,17 +642,17 @@ impl Writer {
                 }
                 None => true,
             },
-            Piece::CallEnd => self.end_call(),
+            Piece::CallEnd => self.end_call("completed"),
             Piece::Call(c) => self.call(st, &c.name, &c.arguments),
         }
     }
 
-    fn end_call(&mut self) -> bool {
+    fn end_call(&mut self, status: &str) -> bool {
         let Some((id, call_id, name, args)) = self.call_open.take() else {
             return true;
         };
         let index = self.output.len();
-        let item = call_item(&id, &call_id, &name, &args, "completed");
+        let item = call_item(&id, &call_id, &name, &args, status);
         let ok = self.send(
             "response.function_call_arguments.done",
             json!({"item_id": id, "output_index": index, "name": name, "arguments": args}),

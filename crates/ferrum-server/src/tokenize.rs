@@ -148,7 +148,11 @@ pub async fn detokenize(State(st): App, b: Result<Bytes, BytesRejection>) -> Res
         let ids: Vec<u32> = o
             .get("tokens")
             .and_then(Value::as_array)
-            .and_then(|a| a.iter().map(|v| v.as_u64().map(|x| x as u32)).collect())
+            .and_then(|a| {
+                a.iter()
+                    .map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok()))
+                    .collect()
+            })
             .ok_or_else(|| ApiError::param("tokens", "tokens must be a list of token ids"))?;
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= card.vocab_size) {
             return Err(ApiError::param(

@@ -221,9 +221,14 @@ impl Tools {
                 Some(Ok(v)) => {
                     let tail = &after[values.byte_offset()..];
                     let ws = tail.len() - tail.trim_start().len();
-                    tail.trim_start()
-                        .starts_with(CLOSE)
-                        .then(|| (call_of(&v), values.byte_offset() + ws + CLOSE.len()))
+                    if tail.trim_start().starts_with(CLOSE) {
+                        Some((call_of(&v), values.byte_offset() + ws + CLOSE.len()))
+                    } else if tail.trim().is_empty() {
+                        // The answer ended before the closing tag (end of sequence).
+                        Some((call_of(&v), after.len()))
+                    } else {
+                        None
+                    }
                 }
                 _ => None,
             };
@@ -278,6 +283,9 @@ pub struct CallStreamer {
     known: Vec<String>,
     buf: String,
     state: StreamState,
+    /// The text of a call not (yet) followed, from its `<tool_call>`: text again if it turns
+    /// out to be no call.
+    raw: String,
     /// Whether any text has gone out: an answer that opens with `{` is held whole, since it
     /// may be a bare JSON call (Llama 3's), which only the final parse can tell.
     emitted: bool,
@@ -308,6 +316,7 @@ impl CallStreamer {
             known: tools.specs.iter().map(|s| s.name.clone()).collect(),
             buf: String::new(),
             state: StreamState::Text,
+            raw: String::new(),
             emitted: false,
         }
     }
@@ -329,6 +338,7 @@ impl CallStreamer {
                     None => false,
                 },
                 StreamState::Lost => {
+                    self.raw.push_str(&self.buf);
                     self.buf.clear();
                     false
                 }
@@ -342,11 +352,20 @@ impl CallStreamer {
     /// The text still held back at the end of the answer (a caller whose final parse finds
     /// calls the stream did not show drops it: it was their text).
     pub fn finish(&mut self) -> Vec<ToolEvent> {
-        match self.state {
-            StreamState::Text if !self.buf.is_empty() => {
-                vec![ToolEvent::Text(std::mem::take(&mut self.buf))]
+        let text = match self.state {
+            StreamState::Text => std::mem::take(&mut self.buf),
+            // A call never followed: its text as it came.
+            StreamState::Header | StreamState::Lost => {
+                let mut t = std::mem::take(&mut self.raw);
+                t.push_str(&std::mem::take(&mut self.buf));
+                t
             }
-            _ => Vec::new(),
+            StreamState::Args { .. } | StreamState::Tail => String::new(),
+        };
+        if text.is_empty() {
+            Vec::new()
+        } else {
+            vec![ToolEvent::Text(text)]
         }
     }
 
@@ -361,6 +380,7 @@ impl CallStreamer {
                 out.push(ToolEvent::Text(self.buf[..i].to_string()));
             }
             self.buf.drain(..i + OPEN_TAG.len());
+            self.raw = OPEN_TAG.to_string();
             self.state = StreamState::Header;
             return true;
         }
@@ -401,6 +421,7 @@ impl CallStreamer {
             Some((name, used)) if self.known.contains(&name) => {
                 let skip = self.buf.len() - h.len() + used;
                 self.buf.drain(..skip);
+                self.raw.clear();
                 out.push(ToolEvent::Start(name));
                 self.state = StreamState::Args {
                     depth: 0,
