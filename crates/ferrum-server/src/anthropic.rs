@@ -266,12 +266,7 @@ fn to_chat(body: &Map<String, Value>, count_only: bool, template: &str) -> Resul
                 )))
             }
         };
-        if template.contains("enable_thinking") {
-            chat.insert(
-                "chat_template_kwargs".into(),
-                json!({ "enable_thinking": on }),
-            );
-        }
+        api::set_thinking(&mut chat, template, on);
     }
     if count_only {
         return Ok(Value::Object(chat));
@@ -282,17 +277,17 @@ fn to_chat(body: &Map<String, Value>, count_only: bool, template: &str) -> Resul
         }
         _ => return Err(bad("max_tokens: an integer is required")),
     }
-    for (from, to) in [
-        ("stop_sequences", "stop"),
-        ("temperature", "temperature"),
-        ("top_p", "top_p"),
-        ("top_k", "top_k"),
-        ("stream", "stream"),
-    ] {
-        if let Some(v) = body.get(from).filter(|v| !v.is_null()) {
-            chat.insert(to.into(), v.clone());
-        }
-    }
+    api::copy_fields(
+        body,
+        &mut chat,
+        &[
+            ("stop_sequences", "stop"),
+            ("temperature", "temperature"),
+            ("top_p", "top_p"),
+            ("top_k", "top_k"),
+            ("stream", "stream"),
+        ],
+    );
     Ok(Value::Object(chat))
 }
 
@@ -304,17 +299,9 @@ pub fn parse(
     count_only: bool,
     template: &str,
 ) -> Result<api::ChatRequest, ApiError> {
-    let v: Value = serde_json::from_slice(bytes)
-        .map_err(|e| bad(format!("the body is not valid JSON: {e}")))?;
-    let obj = v
-        .as_object()
-        .ok_or_else(|| bad("the body must be a JSON object"))?;
-    if let Some(k) = obj.keys().find(|k| !fields.contains(&k.as_str())) {
-        return Err(bad(format!("{k}: unsupported parameter")));
-    }
-    let chat = to_chat(obj, count_only, template)?;
-    let fields: Vec<&str> = api::CHAT_FIELDS.to_vec();
-    api::parse(chat.to_string().as_bytes(), &fields, true)
+    let obj = api::object(bytes, fields, false)?;
+    let chat = to_chat(&obj, count_only, template)?;
+    api::parse(chat.to_string().as_bytes(), api::CHAT_FIELDS, true)
 }
 
 pub async fn count_tokens(

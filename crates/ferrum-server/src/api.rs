@@ -177,16 +177,16 @@ pub const COMPLETION_FIELDS: &[&str] = &[
 
 pub const EMBEDDING_FIELDS: &[&str] = &["model", "input", "encoding_format", "dimensions", "user"];
 
-/// Parses a JSON object body whose fields must be among `fields` (plus the sampling fields
-/// when `sampling`), naming the offending field in the error.
-pub fn parse<T: serde::de::DeserializeOwned>(
+/// A JSON object body whose fields must be among `fields` (plus the sampling fields when
+/// `sampling`), naming the offending field in the error. Every API's body starts here.
+pub fn object(
     body: &[u8],
     fields: &[&str],
     sampling: bool,
-) -> Result<T, ApiError> {
+) -> Result<serde_json::Map<String, Value>, ApiError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}"), None))?;
-    let Some(obj) = v.as_object() else {
+    let Value::Object(obj) = v else {
         return Err(ApiError::bad_request(
             "the body must be a JSON object",
             None,
@@ -199,8 +199,44 @@ pub fn parse<T: serde::de::DeserializeOwned>(
             return Err(ApiError::param(k, format!("unsupported parameter {k:?}")));
         }
     }
+    Ok(obj)
+}
+
+/// Copies `body[from]` to `out[to]` for each pair where it is set (not null): the fields an
+/// API shares with the chat request under its own names.
+pub fn copy_fields(
+    body: &serde_json::Map<String, Value>,
+    out: &mut serde_json::Map<String, Value>,
+    pairs: &[(&str, &str)],
+) {
+    for (from, to) in pairs {
+        if let Some(v) = body.get(*from).filter(|v| !v.is_null()) {
+            out.insert((*to).into(), v.clone());
+        }
+    }
+}
+
+/// Turns the model's thinking on or off where its chat template has a switch for it
+/// (Qwen3's `enable_thinking`); elsewhere the request's wish has nothing to act on.
+pub fn set_thinking(chat: &mut serde_json::Map<String, Value>, template: &str, on: bool) {
+    if template.contains("enable_thinking") {
+        chat.insert(
+            "chat_template_kwargs".into(),
+            serde_json::json!({ "enable_thinking": on }),
+        );
+    }
+}
+
+/// Parses a JSON object body whose fields must be among `fields` (plus the sampling fields
+/// when `sampling`), naming the offending field in the error.
+pub fn parse<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    fields: &[&str],
+    sampling: bool,
+) -> Result<T, ApiError> {
+    let obj = object(body, fields, sampling)?;
     let keys: Vec<String> = obj.keys().cloned().collect();
-    serde_json::from_value(v).map_err(|e| {
+    serde_json::from_value(Value::Object(obj)).map_err(|e| {
         let msg = e.to_string();
         // Name the field serde complains about when it says which.
         let param = msg

@@ -277,24 +277,18 @@ fn to_chat(body: &Map<String, Value>, template: &str) -> Result<Value, ApiError>
         .and_then(|r| r.get("effort"))
         .and_then(Value::as_str)
     {
-        if template.contains("enable_thinking") {
-            let on = !matches!(effort, "none" | "minimal");
-            chat.insert(
-                "chat_template_kwargs".into(),
-                json!({"enable_thinking": on}),
-            );
-        }
+        api::set_thinking(&mut chat, template, !matches!(effort, "none" | "minimal"));
     }
-    for (from, to) in [
-        ("max_output_tokens", "max_tokens"),
-        ("temperature", "temperature"),
-        ("top_p", "top_p"),
-        ("stream", "stream"),
-    ] {
-        if let Some(v) = body.get(from).filter(|v| !v.is_null()) {
-            chat.insert(to.into(), v.clone());
-        }
-    }
+    api::copy_fields(
+        body,
+        &mut chat,
+        &[
+            ("max_output_tokens", "max_tokens"),
+            ("temperature", "temperature"),
+            ("top_p", "top_p"),
+            ("stream", "stream"),
+        ],
+    );
     Ok(Value::Object(chat))
 }
 
@@ -304,15 +298,8 @@ pub fn parse(
     bytes: &[u8],
     template: &str,
 ) -> Result<(api::ChatRequest, Map<String, Value>), ApiError> {
-    let v: Value = serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}"), None))?;
-    let obj = v
-        .as_object()
-        .ok_or_else(|| ApiError::bad_request("the body must be a JSON object", None))?;
-    if let Some(k) = obj.keys().find(|k| !FIELDS.contains(&k.as_str())) {
-        return Err(bad(k, format!("unsupported parameter {k:?}")));
-    }
-    let chat = to_chat(obj, template)?;
+    let obj = api::object(bytes, FIELDS, false)?;
+    let chat = to_chat(&obj, template)?;
     let req =
         api::parse(chat.to_string().as_bytes(), api::CHAT_FIELDS, true).map_err(|mut e| {
             // Name the Responses field, not the chat one it became.
@@ -324,7 +311,7 @@ pub fn parse(
             });
             e
         })?;
-    Ok((req, obj.clone()))
+    Ok((req, obj))
 }
 
 pub async fn create(State(st): State<Arc<AppState>>, b: Result<Bytes, BytesRejection>) -> Response {

@@ -20,20 +20,6 @@ use crate::routes::{self, AppState};
 
 type App = State<Arc<AppState>>;
 
-fn object(bytes: &[u8]) -> Result<Map<String, Value>, ApiError> {
-    match serde_json::from_slice::<Value>(bytes) {
-        Ok(Value::Object(o)) => Ok(o),
-        Ok(_) => Err(ApiError::bad_request(
-            "the body must be a JSON object",
-            None,
-        )),
-        Err(e) => Err(ApiError::bad_request(
-            format!("the body is not valid JSON: {e}"),
-            None,
-        )),
-    }
-}
-
 fn flag(o: &Map<String, Value>, keys: &[&str], default: bool) -> Result<bool, ApiError> {
     for k in keys {
         match o.get(*k) {
@@ -69,10 +55,7 @@ async fn tokenize_inner(
     st: &Arc<AppState>,
     b: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let o = object(&routes::body(b)?)?;
-    if let Some(k) = o.keys().find(|k| !TOKENIZE_FIELDS.contains(&k.as_str())) {
-        return Err(ApiError::param(k, format!("unsupported parameter {k:?}")));
-    }
+    let o = api::object(&routes::body(b)?, TOKENIZE_FIELDS, false)?;
     let card = st.card()?.clone();
     if let Some(m) = o.get("model").and_then(Value::as_str) {
         st.check_model(m)?;
@@ -137,10 +120,7 @@ async fn tokenize_inner(
 
 pub async fn detokenize(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
     let r = (|| {
-        let o = object(&routes::body(b)?)?;
-        if let Some(k) = o.keys().find(|k| *k != "tokens" && *k != "model") {
-            return Err(ApiError::param(k, format!("unsupported parameter {k:?}")));
-        }
+        let o = api::object(&routes::body(b)?, &["tokens", "model"], false)?;
         let card = st.card()?;
         if let Some(m) = o.get("model").and_then(Value::as_str) {
             st.check_model(m)?;
