@@ -372,3 +372,32 @@ def test_plan_predicts_the_servers_memory_within_10_percent(server):
     predicted = plan["total_with_grammar_bytes"]
     assert abs(predicted - rss) <= 0.10 * rss, (predicted, rss, plan)
     assert plan["fits"] and plan["kv_tokens"] == 8192
+
+
+def test_speculation_per_request_changes_speed_not_the_answer(server):
+    # The server runs without --spec; a request turns prompt lookup on for itself.
+    c = server.client()
+    code = "def area(w, h):\n    a = w * h\n    print('area', a)\n    return a\n"
+    msgs = [{"role": "user", "content": f"Repeat this code exactly:\n\n{code}"}]
+    kw = dict(model=server.model, messages=msgs, max_tokens=60, temperature=0,
+              logprobs=True, top_logprobs=2)
+    plain = c.chat.completions.create(extra_body={"speculative": False}, **kw)
+    drafted = metric(server, "ferrum_spec_draft_tokens_total")
+    for extra in ({"speculative": True}, {"speculative": {"n_max": 6}}, {"speculative.n_max": 3}):
+        r = c.chat.completions.create(extra_body=extra, **kw)
+        assert r.choices[0].message.content == plain.choices[0].message.content, extra
+        assert r.usage.completion_tokens == plain.usage.completion_tokens
+        # Log-probabilities are the accepted tokens' own, as plain decoding reports them.
+        got = [(e.token, e.logprob) for e in r.choices[0].logprobs.content]
+        want = [(e.token, e.logprob) for e in plain.choices[0].logprobs.content]
+        assert got == want, extra
+    now = metric(server, "ferrum_spec_draft_tokens_total")
+    assert now > drafted, "the requests drafted nothing"
+    assert metric(server, "ferrum_spec_accepted_tokens_total") > 0
+    assert 0 < metric(server, "ferrum_spec_acceptance_ratio") <= 1
+    assert metric(server, "vllm:spec_decode_num_draft_tokens_total") == now
+    for bad in ({"speculative": "yes"}, {"speculative": {"n_max": -1}},
+                {"speculative": {"depth": 2}}, {"speculative.n_max": 1000}):
+        r = server.raw("POST", "/v1/chat/completions", json={**kw, **bad})
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"].startswith("speculative"), r.text

@@ -37,6 +37,14 @@ pub struct BenchArgs {
     /// value in the list (e.g. 1,2,4,8), each stream a `--pp`-token prompt and `--tg` tokens.
     #[arg(long, value_delimiter = ',')]
     concurrency: Vec<usize>,
+    /// With --spec ngram|draft: instead of pp/tg, answer prompts (`--spec-prompt`, or three
+    /// built in: a code edit, a quoting summary, free text) greedily with speculation off and
+    /// on, `--tg` tokens each, and compare the decode rates.
+    #[command(flatten)]
+    spec: crate::SpecArgs,
+    /// A prompt for the speculative benchmark (repeatable).
+    #[arg(long)]
+    spec_prompt: Vec<String>,
 }
 
 /// The middle of the finite values (the upper of the two middle ones for an even count); NaN
@@ -90,6 +98,17 @@ pub fn run(a: BenchArgs) -> Result<()> {
         exact: a.exact,
         kv: a.kv_dtype,
     };
+    if a.spec.enabled() {
+        return crate::bench_spec::run(crate::bench_spec::SpecBench {
+            model: &a.model,
+            be,
+            spec: &a.spec,
+            prompts: &a.spec_prompt,
+            tg: a.tg,
+            reps: a.reps,
+            json: a.json,
+        });
+    }
     if !a.concurrency.is_empty() {
         return crate::bench_engine::run(
             &a.model,

@@ -3,6 +3,7 @@
 
 mod bench;
 mod bench_engine;
+mod bench_spec;
 mod default_model;
 mod models;
 mod plan;
@@ -157,15 +158,76 @@ struct RunArgs {
     /// Stop before this text (repeatable); it is not printed.
     #[arg(long)]
     stop: Vec<String>,
+    #[command(flatten)]
+    spec: SpecArgs,
+}
+
+/// Speculative decoding, for `run` and `serve`.
+#[derive(Args, Clone)]
+pub(crate) struct SpecArgs {
     /// Speculative decoding: `ngram` drafts by prompt lookup (tokens that followed the same
-    /// few tokens earlier in the conversation) and checks the draft in one pass; the answer is
-    /// the same as without it.
-    #[arg(long, value_parser = ["off", "ngram"], default_value = "off")]
+    /// few tokens earlier in the conversation), `draft` with the --draft model; the draft is
+    /// checked in one pass and the answer is the same as without it.
+    #[arg(long, value_parser = ["off", "ngram", "draft"], default_value = "off")]
     spec: String,
     /// Most tokens drafted a step with --spec (4 is best measured on a 2-core CPU, where a
     /// pass of many tokens costs more than one: see docs/performance.md).
     #[arg(long, default_value_t = 4)]
     spec_tokens: usize,
+    /// A smaller model of the same vocabulary that drafts (implies --spec draft): a .gguf
+    /// file, a Hugging Face folder or a reference as for the model.
+    #[arg(long)]
+    draft: Option<String>,
+}
+
+impl SpecArgs {
+    /// Whether speculation was asked for.
+    fn enabled(&self) -> bool {
+        self.spec != "off" || self.draft.is_some()
+    }
+
+    /// Tokens drafted a step (0: off) and the draft model's path, if drafts come from one.
+    fn resolve(&self) -> Result<(usize, Option<PathBuf>)> {
+        let mode = if self.draft.is_some() && self.spec == "off" {
+            "draft"
+        } else {
+            self.spec.as_str()
+        };
+        match (mode, &self.draft) {
+            ("off", _) => Ok((0, None)),
+            ("ngram", None) => Ok((self.spec_tokens, None)),
+            ("ngram", Some(_)) => anyhow::bail!("--draft goes with --spec draft, not ngram"),
+            (_, None) => anyhow::bail!("--spec draft needs a draft model: --draft MODEL"),
+            (_, Some(r)) => Ok((self.spec_tokens, Some(model_path(Some(r))?))),
+        }
+    }
+}
+
+/// Loads the draft model at `path` and drafts with it in `engine`.
+fn attach_draft(
+    engine: &mut ferrum_generate::Engine<CpuBackend>,
+    path: &Path,
+    ctx: Option<usize>,
+    be: BackendOpts,
+) -> Result<()> {
+    let (model, tok) = load(path, ctx, be)?;
+    engine
+        .set_draft_model(model, &tok)
+        .with_context(|| format!("drafting with {}", path.display()))?;
+    Ok(())
+}
+
+/// The summary line's note on speculative decoding.
+fn spec_note(e: &ferrum_generate::Engine<CpuBackend>) -> String {
+    match (e.draft_model(), e.config().spec_tokens) {
+        (Some(m), k) => format!(
+            ", drafting {k} tokens with a {:.0} M-parameter {} draft model",
+            m.info.params as f64 / 1e6,
+            m.info.main_dtype
+        ),
+        (None, 0) => String::new(),
+        (None, k) => format!(", drafting {k} tokens by prompt lookup"),
+    }
 }
 
 #[derive(Args)]
@@ -196,15 +258,8 @@ struct ServeArgs {
     /// Turn the prefix cache off.
     #[arg(long)]
     no_prefix_cache: bool,
-    /// Speculative decoding: `ngram` drafts by prompt lookup (tokens that followed the same
-    /// few tokens earlier in the conversation) and checks the draft in one pass; the answer is
-    /// the same as without it.
-    #[arg(long, value_parser = ["off", "ngram"], default_value = "off")]
-    spec: String,
-    /// Most tokens drafted a step with --spec (4 is best measured on a 2-core CPU, where a
-    /// pass of many tokens costs more than one: see docs/performance.md).
-    #[arg(long, default_value_t = 4)]
-    spec_tokens: usize,
+    #[command(flatten)]
+    spec: SpecArgs,
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     max_body: usize,
@@ -300,7 +355,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         kv: a.kv_dtype,
     };
     let (ctx, kv_tokens, prefix) = (a.ctx, a.kv_tokens, !a.no_prefix_cache);
-    let spec_tokens = if a.spec == "ngram" { a.spec_tokens } else { 0 };
+    let (spec_tokens, draft) = a.spec.resolve()?;
     let load = move || -> ferrum_core::Result<ferrum_generate::Engine<CpuBackend>> {
         let model = load_model(&path, &file, ctx, be)
             .map_err(|e| ferrum_core::Error::Weights(format!("{e:#}")))?;
@@ -317,13 +372,18 @@ fn serve(a: ServeArgs) -> Result<()> {
         };
         config.prefix_caching = prefix;
         config.spec_tokens = spec_tokens;
-        let engine = ferrum_generate::Engine::new(model, engine_tok, config)?;
+        let mut engine = ferrum_generate::Engine::new(model, engine_tok, config)?;
+        if let Some(d) = &draft {
+            attach_draft(&mut engine, d, ctx, be)
+                .map_err(|e| ferrum_core::Error::Weights(format!("{e:#}")))?;
+        }
         eprintln!(
-            "ferrum: KV cache {} tokens ({:.1} MB{}), prefix caching {}; ready",
+            "ferrum: KV cache {} tokens ({:.1} MB{}), prefix caching {}{}; ready",
             engine.kv_tokens(),
             engine.kv_bytes() as f64 / 1e6,
             window_note(&engine.model.decoder),
-            if prefix { "on" } else { "off" }
+            if prefix { "on" } else { "off" },
+            spec_note(&engine)
         );
         Ok(engine)
     };
@@ -491,12 +551,15 @@ fn run(a: RunArgs) -> Result<()> {
         exact: a.exact,
         kv: a.kv_dtype,
     };
+    let (spec_tokens, draft) = a.spec.resolve()?;
     let (model, tokenizer) = load(&path, a.ctx, be)?;
-    let spec_tokens = if a.spec == "ngram" { a.spec_tokens } else { 0 };
     let mut session = Session::speculative(model, tokenizer, spec_tokens)?;
+    if let Some(d) = &draft {
+        attach_draft(&mut session.engine, d, a.ctx, be)?;
+    }
     let e = &session.engine;
     eprintln!(
-        "ferrum: KV cache {} tokens ({:.1} MB{}), prefix caching {}",
+        "ferrum: KV cache {} tokens ({:.1} MB{}), prefix caching {}{}",
         e.kv_tokens(),
         e.kv_bytes() as f64 / 1e6,
         window_note(&e.model.decoder),
@@ -504,7 +567,8 @@ fn run(a: RunArgs) -> Result<()> {
             "on"
         } else {
             "off"
-        }
+        },
+        spec_note(e)
     );
     let opts = GenerateOptions {
         max_tokens: a.max_tokens,
@@ -588,7 +652,8 @@ pub(crate) fn answer(
     }
     let after = session.engine.stats();
     let drafted = after.drafted_tokens - before.drafted_tokens;
-    let spec = if session.engine.config().spec_tokens > 0 {
+    let spec = if session.engine.config().spec_tokens > 0 || session.engine.draft_model().is_some()
+    {
         format!(
             "; {} of {drafted} drafted tokens kept",
             after.accepted_tokens - before.accepted_tokens

@@ -60,6 +60,8 @@ pub struct BlockPool {
     evictable: BTreeSet<(u64, u32)>,
     /// Release tick of each evictable block (its key in `evictable`).
     released_at: Vec<u64>,
+    /// Times each block was handed out by [`BlockPool::allocate`].
+    allocations: Vec<u64>,
     cached: HashMap<(usize, u64), u32>,
     tick: u64,
     prefix_caching: bool,
@@ -84,6 +86,7 @@ impl BlockPool {
             free: (0..n_blocks as u32).rev().collect(),
             evictable: BTreeSet::new(),
             released_at: vec![0; n_blocks],
+            allocations: vec![0; n_blocks],
             cached: HashMap::new(),
             tick: 0,
             prefix_caching,
@@ -134,7 +137,14 @@ impl BlockPool {
         let b = &mut self.blocks[id as usize];
         debug_assert_eq!(b.refs, 0);
         b.refs = 1;
+        self.allocations[id as usize] += 1;
         Some(id)
+    }
+
+    /// How many times block `id` has been handed out: what it holds is the same while this
+    /// stays the same (a prefix-cache hit takes a block without handing it out anew).
+    pub fn allocations(&self, id: u32) -> u64 {
+        self.allocations.get(id as usize).copied().unwrap_or(0)
     }
 
     /// Drops one reference; an unreferenced block stays findable if it is cached.

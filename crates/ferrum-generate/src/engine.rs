@@ -24,7 +24,7 @@ use crate::block_pool::{BlockPool, PrefixStats};
 use crate::detok::Detokenizer;
 use crate::grammar::{Constraint, GrammarCompiler, TokenMask};
 use crate::sampler::{Sampler, SamplingExtras, SamplingParams};
-use crate::spec::{DraftLen, Drafter, NgramDrafter};
+use crate::spec::{DraftLen, DraftModel, DraftSeq, Drafter, NgramDrafter};
 use crate::stop::StopMatcher;
 use crate::FinishReason;
 
@@ -50,9 +50,10 @@ pub struct EngineConfig {
     /// Sequences running at once.
     pub max_running: usize,
     pub prefix_caching: bool,
-    /// Speculative decoding: the most tokens a decoding sequence drafts (prompt lookup,
-    /// [`crate::spec::NgramDrafter`]) and checks in one step; 0 leaves it off. The answer is
-    /// the same either way (see [`crate::spec`]).
+    /// Speculative decoding: the most tokens a decoding sequence drafts (by prompt lookup,
+    /// [`crate::spec::NgramDrafter`], or with a draft model once one is set) and checks in one
+    /// step; 0 leaves it off unless a request asks. The answer is the same either way (see
+    /// [`crate::spec`]).
     pub spec_tokens: usize,
 }
 
@@ -101,8 +102,8 @@ pub struct Request {
     pub logprobs: Option<usize>,
     /// Output must match this (JSON schema, grammar), enforced token by token.
     pub constraint: Option<Constraint>,
-    /// Whether this request's decoding may be speculative (when the engine speculates).
-    pub speculate: bool,
+    /// Whether and how far this request drafts (the answer is the same either way).
+    pub speculate: Speculate,
 }
 
 impl Request {
@@ -117,8 +118,40 @@ impl Request {
             ignore_eos: false,
             logprobs: None,
             constraint: None,
-            speculate: true,
+            speculate: Speculate::Default,
         }
+    }
+}
+
+/// A request's choice about speculative decoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Speculate {
+    /// The engine's [`EngineConfig::spec_tokens`].
+    #[default]
+    Default,
+    Off,
+    /// The engine's length, or [`Speculate::DEFAULT_TOKENS`] where the engine's default is off.
+    On,
+    /// Up to this many tokens a step (0: off), at most [`Speculate::MAX_TOKENS`].
+    Tokens(usize),
+}
+
+impl Speculate {
+    /// The draft length `On` means when the engine does not speculate by default.
+    pub const DEFAULT_TOKENS: usize = 4;
+    /// The most tokens one step can check for a sequence, besides its own.
+    pub const MAX_TOKENS: usize = ferrum_models::decoder::CHUNK - 1;
+
+    /// The most tokens drafted a step, given the engine's default.
+    pub fn tokens(self, engine: usize) -> usize {
+        let k = match self {
+            Speculate::Default => engine,
+            Speculate::Off => 0,
+            Speculate::On if engine > 0 => engine,
+            Speculate::On => Self::DEFAULT_TOKENS,
+            Speculate::Tokens(k) => k,
+        };
+        k.min(Self::MAX_TOKENS)
     }
 }
 
@@ -176,7 +209,9 @@ pub struct EngineStats {
     pub steps: u64,
     pub prompt_tokens: u64,
     pub generated_tokens: u64,
-    /// Speculation: tokens drafted, and of them accepted.
+    /// Speculation: drafts checked (one per sequence and step), tokens drafted, and of
+    /// them accepted.
+    pub drafts: u64,
     pub drafted_tokens: u64,
     pub accepted_tokens: u64,
 }
@@ -203,6 +238,14 @@ struct Seq {
     cancelled: bool,
     /// How many tokens this sequence drafts next (0: it does not speculate).
     draft: DraftLen,
+    /// With a draft model: leading positions whose draft rows are written, and this step's
+    /// draft (taken by the scheduler).
+    draft_computed: usize,
+    proposal: Vec<u32>,
+    /// For a sampled request drafting with a draft model: what samples its drafts, and the
+    /// distribution each token of `proposal` was drawn from.
+    draft_sampler: Option<Sampler>,
+    proposal_q: Vec<Vec<(u32, f32)>>,
 }
 
 impl Seq {
@@ -233,6 +276,8 @@ pub struct Engine<B: Backend> {
     /// memory; kept across steps (vocabulary-sized rows, faulted in once).
     logits: Vec<f32>,
     drafter: Box<dyn Drafter>,
+    /// Drafts come from this model rather than `drafter` when set.
+    draft_model: Option<DraftModel<B>>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -268,7 +313,37 @@ impl<B: Backend> Engine<B> {
             scratch: Vec::new(),
             logits: Vec::new(),
             drafter: Box::new(NgramDrafter),
+            draft_model: None,
         })
+    }
+
+    /// Drafts with a second, smaller model of the same vocabulary from now on (see
+    /// [`DraftModel`]); its KV rows go in this engine's blocks. Refused while requests run,
+    /// or when the model cannot draft for this one.
+    pub fn set_draft_model(&mut self, model: Model<B>, tokenizer: &Tokenizer) -> Result<()> {
+        if self.has_work() {
+            return Err(Error::InvalidRequest(
+                "a draft model can only be set while no request runs".into(),
+            ));
+        }
+        self.draft_model = Some(DraftModel::new(
+            model,
+            tokenizer,
+            &self.model.decoder,
+            &self.tokenizer,
+            (
+                self.model.info.params,
+                self.model.info.decode_bytes_per_token,
+            ),
+            self.config.kv_blocks,
+            self.config.block_size,
+        )?);
+        Ok(())
+    }
+
+    /// The draft model, if drafts come from one.
+    pub fn draft_model(&self) -> Option<&Model<B>> {
+        self.draft_model.as_ref().map(|d| &d.model)
     }
 
     /// Replaces the prompt-lookup drafter (tests use one that proposes noise: the answers
@@ -300,9 +375,10 @@ impl<B: Backend> Engine<B> {
             .tokens_for(c.kv_blocks, c.block_size, c.max_batch_tokens)
     }
 
-    /// Bytes of KV memory the pool holds.
+    /// Bytes of KV memory the pool holds (with a draft model, its rows too).
     pub fn kv_bytes(&self) -> usize {
-        self.config.kv_blocks * self.model.decoder.kv_block_bytes(self.config.block_size)
+        let draft = self.draft_model.as_ref().map_or(0, DraftModel::block_bytes);
+        self.config.kv_blocks * (self.model.decoder.kv_block_bytes(self.config.block_size) + draft)
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -362,6 +438,13 @@ impl<B: Backend> Engine<B> {
         };
         let id = self.next_id;
         self.next_id += 1;
+        // The draft model's sampler draws from a stream of its own (seeded from the request's
+        // seed), so the target's draws stay reproducible.
+        let draft_sampler = (req.params.temperature > 0.0).then(|| {
+            let mut p = req.params.clone();
+            p.seed = p.seed.map(|s| s ^ 0x9e37_79b9_7f4a_7c15);
+            Sampler::with_extras(p, SamplingExtras::default().with_min_p(req.extras.min_p))
+        });
         let mut sampler = Sampler::with_extras(req.params, req.extras);
         sampler.observe_prompt(&req.prompt);
         let mut stop_ids = req.stop_token_ids;
@@ -385,11 +468,14 @@ impl<B: Backend> Engine<B> {
             logprobs: req.logprobs,
             mask,
             cancelled: false,
-            draft: DraftLen::new(if req.speculate {
-                self.config.spec_tokens
-            } else {
-                0
-            }),
+            draft: DraftLen::new(
+                req.speculate.tokens(self.config.spec_tokens),
+                self.draft_model.as_ref().map_or(0.0, |d| d.relative_cost()),
+            ),
+            draft_computed: 0,
+            proposal: Vec::new(),
+            draft_sampler,
+            proposal_q: Vec::new(),
         });
         Ok(id)
     }
@@ -430,6 +516,9 @@ impl<B: Backend> Engine<B> {
     pub fn step(&mut self) -> Result<Vec<Output>> {
         let mut out = Vec::new();
         self.reap_cancelled(&mut out);
+        if self.draft_model.is_some() {
+            self.draft_round()?;
+        }
         let plan = self.schedule();
         if plan.is_empty() {
             return Ok(out);
@@ -496,8 +585,13 @@ impl<B: Backend> Engine<B> {
                 // kept only while it is the one sampled before it.
                 let mut accepted = 0;
                 let mut reason = None;
+                let q = std::mem::take(&mut s.proposal_q);
                 for (j, row) in seq_rows.iter().enumerate() {
-                    reason = emit_token(s, row, &mut ctx, &mut out)?;
+                    let against = match (w.draft.get(j), q.get(j)) {
+                        (Some(&d), Some(q)) => Some((d, &q[..])),
+                        _ => None,
+                    };
+                    reason = emit_token(s, row, against, &mut ctx, &mut out)?;
                     if reason.is_some() {
                         break;
                     }
@@ -508,8 +602,13 @@ impl<B: Backend> Engine<B> {
                     }
                 }
                 // The last token and the accepted drafts have their keys and values; the
-                // rejected drafts' rows lie past `computed` and are written over later.
+                // rejected drafts' rows lie past `computed` and are written over later. The
+                // draft model holds rows for the last token and all its drafts but the last.
+                if s.draft_computed == s.computed + 1 {
+                    s.draft_computed += accepted.min(w.draft.len() - 1);
+                }
                 s.computed += accepted + 1;
+                ctx.stats.drafts += 1;
                 ctx.stats.drafted_tokens += w.draft.len() as u64;
                 ctx.stats.accepted_tokens += accepted as u64;
                 s.draft.update(w.draft.len(), accepted);
@@ -537,7 +636,7 @@ impl<B: Backend> Engine<B> {
                 stats: &mut self.stats,
                 max_seq,
             };
-            if let Some(reason) = emit_token(s, row, &mut ctx, &mut out)? {
+            if let Some(reason) = emit_token(s, row, None, &mut ctx, &mut out)? {
                 finished.push((i, reason));
             }
         }
@@ -609,20 +708,22 @@ impl<B: Backend> Engine<B> {
         let max_seq = self.max_sequence();
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
-            let s = &self.running[i];
+            let s = &mut self.running[i];
             let mut n = (s.tokens.len() - s.computed).min(budget);
             // A decoding sequence may draft: within the budget, its max_tokens and the context.
-            let mut draft = Vec::new();
-            if n == 1 && s.draft.current > 0 && s.computed + 1 == s.tokens.len() {
-                let k = s
-                    .draft
-                    .current
-                    .min(budget - 1)
-                    .min(s.max_tokens.saturating_sub(s.generated() + 1))
-                    .min(max_seq.saturating_sub(s.tokens.len()));
-                draft = self.drafter.propose(&s.tokens, k);
-                draft.truncate(k);
+            let mut draft = std::mem::take(&mut s.proposal);
+            if n == 1 && s.computed + 1 == s.tokens.len() {
+                let room = (budget - 1).min(draft_room(s, max_seq));
+                if self.draft_model.is_none() {
+                    let k = s.draft.this_step().min(room);
+                    if k > 0 {
+                        draft = self.drafter.propose(&s.tokens, k);
+                    }
+                }
+                draft.truncate(room);
                 n += draft.len();
+            } else {
+                draft.clear();
             }
             loop {
                 let upto = self.running[i].computed + n;
@@ -689,13 +790,70 @@ impl<B: Backend> Engine<B> {
         plan
     }
 
+    /// With a draft model: drafts for every decoding sequence that speculates this step, in
+    /// batched passes of the draft model, left in each one's `proposal`. A sequence drafts only
+    /// if its blocks can grow to the drafted positions now (it never preempts another).
+    fn draft_round(&mut self) -> Result<()> {
+        let max_seq = self.max_sequence();
+        let mut ks = Vec::new();
+        for (i, s) in self.running.iter_mut().enumerate() {
+            s.proposal.clear();
+            s.proposal_q.clear();
+            if s.computed + 1 != s.tokens.len() {
+                continue;
+            }
+            let k = s.draft.this_step().min(draft_room(s, max_seq));
+            if k > 0 && grow(&mut self.pool, s, s.tokens.len() + k) {
+                ks.push((i, k));
+            }
+        }
+        let Some(dm) = self.draft_model.as_mut() else {
+            return Ok(());
+        };
+        if ks.is_empty() {
+            return Ok(());
+        }
+        let mut seqs: Vec<DraftSeq> = Vec::with_capacity(ks.len());
+        let mut picked = ks.iter().peekable();
+        for (i, s) in self.running.iter_mut().enumerate() {
+            if picked.peek().is_some_and(|&&(j, _)| j == i) {
+                let k = picked.next().map_or(0, |&(_, k)| k);
+                seqs.push(DraftSeq {
+                    tokens: &s.tokens,
+                    tables: &s.blocks,
+                    computed: &mut s.draft_computed,
+                    k,
+                    sampler: s.draft_sampler.as_mut(),
+                });
+            }
+        }
+        let drafts = dm.draft(&mut seqs, &self.pool)?;
+        drop(seqs);
+        for (&(i, _), d) in ks.iter().zip(drafts) {
+            self.running[i].proposal = d.tokens;
+            self.running[i].proposal_q = d.q;
+        }
+        Ok(())
+    }
+
     fn preempt(&mut self, mut s: Seq) {
         release_all(&mut self.pool, &mut s.blocks);
         s.hashes.clear();
         s.computed = 0;
+        s.draft_computed = 0;
+        s.proposal.clear();
+        s.proposal_q.clear();
         self.stats.preemptions += 1;
         self.waiting.push_front(s);
     }
+}
+
+/// How many tokens `s` may draft beyond its next one: drafts and the token after them
+/// within its max_tokens and the context.
+fn draft_room(s: &Seq, max_seq: usize) -> usize {
+    s.max_tokens
+        .saturating_sub(s.generated() + 1)
+        .min(max_seq.saturating_sub(s.tokens.len() + 1))
 }
 
 /// Gives `s` blocks for positions `0..upto` in every KV group; false (taking nothing) when
@@ -772,9 +930,12 @@ struct EmitCtx<'a> {
 }
 
 /// Samples the next token of `s` and reports it; returns why the sequence ends, if it does.
+/// `against` is a sampled draft token and the distribution it was drawn from, to be kept or
+/// replaced by the rejection rule.
 fn emit_token(
     s: &mut Seq,
     logits: &[f32],
+    against: Option<(u32, &[(u32, f32)])>,
     cx: &mut EmitCtx,
     out: &mut Vec<Output>,
 ) -> Result<Option<FinishReason>> {
@@ -792,7 +953,10 @@ fn emit_token(
         }
         None => logits,
     };
-    let token = s.sampler.sample(sample_from);
+    let token = match against {
+        Some((d, q)) => s.sampler.sample_against_draft(sample_from, d, q),
+        None => s.sampler.sample(sample_from),
+    };
     let logprob = s.logprobs.map(|n| {
         let (lp, top) = crate::sampler::logprobs(logits, token, n);
         TokenLogprob { logprob: lp, top }

@@ -23,7 +23,8 @@ use ferrum_tokenizer::Tokenizer;
 pub use block_pool::{BlockPool, PrefixStats};
 pub use detok::Detokenizer;
 pub use engine::{
-    Engine, EngineConfig, EngineStats, Output, OutputKind, Request, RequestId, TokenLogprob, Usage,
+    Engine, EngineConfig, EngineStats, Output, OutputKind, Request, RequestId, Speculate,
+    TokenLogprob, Usage,
 };
 pub use grammar::{Constraint, GrammarCompiler};
 pub use sampler::{argmax, Sampler, SamplingExtras, SamplingParams, TokenHistory};

@@ -284,12 +284,29 @@ impl Sampler {
         if self.params.temperature <= 0.0 && self.extras.leaves_logits() {
             return argmax(logits);
         }
+        if let Some(t) = self.distribution(logits) {
+            return t;
+        }
+        let total: f32 = self.cand.iter().map(|c| c.1).sum();
+        let r = self.rng.gen::<f32>() * total;
+        draw(&self.cand, r)
+    }
+
+    /// Whether this sampler draws at random (temperature above 0).
+    pub fn is_random(&self) -> bool {
+        self.params.temperature > 0.0
+    }
+
+    /// The distribution [`Sampler::sample`] draws from, left in `self.cand` as (token,
+    /// weight) pairs, highest first (the filters' survivors, not renormalised after the
+    /// nucleus and min-p cuts); or, when greedy, the token itself.
+    fn distribution(&mut self, logits: &[f32]) -> Option<u32> {
         self.work.clear();
         self.work.extend_from_slice(logits);
         apply_logit_bias(&mut self.work, &self.extras.logit_bias);
         apply_penalties(&mut self.work, &self.history, &self.extras);
         if self.params.temperature <= 0.0 {
-            return argmax(&self.work);
+            return Some(argmax(&self.work));
         }
         let t = self.params.temperature;
         self.cand.clear();
@@ -334,15 +351,66 @@ impl Sampler {
             let keep = self.cand.iter().take_while(|c| c.1 >= floor).count();
             self.cand.truncate(keep.max(1));
         }
+        None
+    }
+
+    /// [`Sampler::distribution`]'s weights scaled to sum to one.
+    fn normalise(&mut self) {
         let total: f32 = self.cand.iter().map(|c| c.1).sum();
-        let mut r = self.rng.gen::<f32>() * total;
-        for c in &self.cand {
-            r -= c.1;
-            if r <= 0.0 {
-                return c.0;
-            }
+        self.cand.iter_mut().for_each(|c| c.1 /= total);
+    }
+
+    /// Samples a draft token from `logits` (a draft model's) as [`Sampler::sample`] would and
+    /// returns it with the distribution it was drawn from, sorted by token id — what
+    /// [`Sampler::sample_against_draft`] needs. `None` when this sampler is greedy.
+    pub fn draft(&mut self, logits: &[f32]) -> Option<(u32, Vec<(u32, f32)>)> {
+        if !self.is_random() || self.distribution(logits).is_some() {
+            return None;
         }
-        self.cand.last().map_or(0, |c| c.0)
+        self.normalise();
+        let r = self.rng.gen::<f32>();
+        let token = draw(&self.cand, r);
+        let mut q = self.cand.clone();
+        q.sort_unstable_by_key(|c| c.0);
+        Some((token, q))
+    }
+
+    /// Speculative sampling's rejection rule (Leviathan et al. 2023; Chen et al. 2023): with
+    /// `draft` drawn from `q` (sorted by token id) and p this sampler's distribution over
+    /// `logits`, keeps `draft` with probability min(1, p/q), and otherwise draws from the
+    /// normalised (p − q)+ — which never gives `draft` back. Whatever q is, the token returned
+    /// follows p, as [`Sampler::sample`]'s would. Greedy samplers keep `draft` only if it is
+    /// the argmax.
+    pub fn sample_against_draft(&mut self, logits: &[f32], draft: u32, q: &[(u32, f32)]) -> u32 {
+        if !self.is_random() {
+            return self.sample(logits);
+        }
+        if let Some(t) = self.distribution(logits) {
+            return t;
+        }
+        self.normalise();
+        let q_of = |t: u32| q.binary_search_by_key(&t, |c| c.0).map_or(0.0, |i| q[i].1);
+        let p_d = self.cand.iter().find(|c| c.0 == draft).map_or(0.0, |c| c.1);
+        let q_d = q_of(draft);
+        let u = self.rng.gen::<f32>();
+        if q_d > 0.0 && u * q_d < p_d {
+            return draft;
+        }
+        // The residual keeps p's order (highest p first), so draws are reproducible.
+        let mut residual: Vec<(u32, f32)> = self
+            .cand
+            .iter()
+            .map(|&(t, p)| (t, (p - q_of(t)).max(0.0)))
+            .filter(|c| c.1 > 0.0 && c.0 != draft)
+            .collect();
+        let total: f32 = residual.iter().map(|c| c.1).sum();
+        let r = self.rng.gen::<f32>();
+        if total <= 0.0 {
+            // Only rounding leaves nothing: p and q agree, so p itself is the residual.
+            return draw(&self.cand, r);
+        }
+        residual.iter_mut().for_each(|c| c.1 /= total);
+        draw(&residual, r)
     }
 
     /// Samples as [`Sampler::sample`] does and also returns the chosen token's log-probability
@@ -359,6 +427,18 @@ impl Sampler {
         let (chosen, top) = logprobs(logits, token, top_n);
         (token, chosen, top)
     }
+}
+
+/// The token at which the running sum of `cand`'s weights passes `r` (in [0, their sum)).
+fn draw(cand: &[(u32, f32)], r: f32) -> u32 {
+    let mut r = r;
+    for c in cand {
+        r -= c.1;
+        if r <= 0.0 {
+            return c.0;
+        }
+    }
+    cand.last().map_or(0, |c| c.0)
 }
 
 /// The log-probability of `token` under `logits` (their log-softmax) and the `top_n` most
@@ -749,5 +829,101 @@ mod tests {
         ] {
             assert!(bad.validate().is_err(), "{bad:?}");
         }
+    }
+
+    /// Pearson's chi-square statistic of `counts` against the probabilities `want` (cells
+    /// with probability 0 must be empty).
+    fn chi_square(counts: &[usize], want: &[f64]) -> f64 {
+        let n: usize = counts.iter().sum();
+        counts
+            .iter()
+            .zip(want)
+            .map(|(&c, &p)| {
+                if p == 0.0 {
+                    assert_eq!(c, 0, "drawn where the target has no mass");
+                    0.0
+                } else {
+                    let e = p * n as f64;
+                    (c as f64 - e).powi(2) / e
+                }
+            })
+            .sum()
+    }
+
+    /// Softmax of `logits / t` over the `k` highest (all when 0), as f64.
+    fn target_probs(logits: &[f32], t: f32, k: usize) -> Vec<f64> {
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        let keep = if k == 0 { logits.len() } else { k };
+        let mut p = vec![0.0f64; logits.len()];
+        for &i in &order[..keep] {
+            p[i] = ((logits[i] - logits[order[0]]) as f64 / t as f64).exp();
+        }
+        let sum: f64 = p.iter().sum();
+        p.iter().map(|x| x / sum).collect()
+    }
+
+    /// Drafts drawn from a draft model's distribution q and kept or replaced by the
+    /// rejection rule give tokens distributed as the target's p, whatever q is — including a
+    /// q with mass where p has none (the target's top-k cuts it) and a q that misses p's
+    /// favourite; and they are kept at the rate Σ min(p, q).
+    #[test]
+    fn rejection_sampling_reproduces_the_target_distribution() {
+        let target = [2.0f32, 1.2, 0.9, 0.0, -0.5, -1.0, 0.4, -3.0];
+        let drafts: [[f32; 8]; 3] = [
+            [1.8, 1.0, 1.1, 0.2, -0.4, -1.2, 0.3, -2.5],
+            [-1.0, 0.5, 2.5, 0.0, 1.5, -2.0, 0.0, 1.0],
+            [0.0; 8],
+        ];
+        for (case, draft_logits) in drafts.iter().enumerate() {
+            for (t, k) in [(1.0f32, 0usize), (0.7, 5)] {
+                let p = target_probs(&target, t, k);
+                let q = target_probs(draft_logits, t, 0);
+                let mut d = Sampler::new(params(t, 0, 1.0, 100 + case as u64));
+                let mut s = Sampler::new(params(t, k, 1.0, 200 + case as u64));
+                let n = 60_000;
+                let (mut counts, mut kept) = (vec![0usize; 8], 0usize);
+                for _ in 0..n {
+                    let (tok, dist) = d.draft(draft_logits).unwrap();
+                    let got = s.sample_against_draft(&target, tok, &dist);
+                    kept += usize::from(got == tok);
+                    counts[got as usize] += 1;
+                }
+                // 8 cells, at most 7 degrees of freedom: 24.3 is the 0.1% tail.
+                let x2 = chi_square(&counts, &p);
+                assert!(
+                    x2 < 24.3,
+                    "case {case}, t {t}, k {k}: χ² {x2:.1}, {counts:?} vs {p:?}"
+                );
+                let overlap: f64 = p.iter().zip(&q).map(|(a, b)| a.min(*b)).sum();
+                let rate = kept as f64 / n as f64;
+                assert!(
+                    (rate - overlap).abs() < 0.01,
+                    "case {case}: kept {rate:.3}, Σ min(p, q) = {overlap:.3}"
+                );
+            }
+        }
+        // A point-mass draft (what prompt lookup proposes) is kept with probability p(d).
+        let p = target_probs(&target, 1.0, 0);
+        let mut s = Sampler::new(params(1.0, 0, 1.0, 7));
+        let mut counts = vec![0usize; 8];
+        for _ in 0..60_000 {
+            counts[s.sample_against_draft(&target, 1, &[(1, 1.0)]) as usize] += 1;
+        }
+        assert!(chi_square(&counts, &p) < 24.3, "{counts:?} vs {p:?}");
+        // Greedy keeps only the argmax, and seeded runs repeat.
+        let mut g = Sampler::new(SamplingParams::greedy());
+        assert_eq!(g.sample_against_draft(&target, 2, &[(2, 1.0)]), 0);
+        let run = || {
+            let mut d = Sampler::new(params(0.9, 0, 0.95, 5));
+            let mut s = Sampler::new(params(0.9, 0, 0.95, 6));
+            (0..200)
+                .map(|_| {
+                    let (t, q) = d.draft(&drafts[1]).unwrap();
+                    s.sample_against_draft(&target, t, &q)
+                })
+                .collect::<Vec<u32>>()
+        };
+        assert_eq!(run(), run());
     }
 }

@@ -20,11 +20,7 @@ fn engine(config: EngineConfig) -> Engine<CpuBackend> {
 }
 
 fn engine_of(fixture: &str, config: EngineConfig) -> Engine<CpuBackend> {
-    let dir =
-        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures")).join(fixture);
-    let file = ModelFile::open(&dir).unwrap();
-    let model = Model::load(&file, CpuBackend::new(), &LoadOptions::default()).unwrap();
-    let tok = Tokenizer::from_hf_dir(&dir).unwrap();
+    let (model, tok) = fixture_model(fixture);
     Engine::new(model, tok, config).unwrap()
 }
 
@@ -107,7 +103,7 @@ fn drive(e: &mut Engine<CpuBackend>, specs: &[Spec]) -> (Vec<Option<Outcome>>, V
 #[test]
 fn random_traffic_on_a_tiny_pool_finishes_everything_and_leaks_nothing() {
     // 12 blocks of 4: 48 positions shared by up to 8 sequences.
-    random_traffic("tiny/llama", 12, 64, false);
+    random_traffic("tiny/llama", 12, 64, Drafts::None);
 }
 
 /// The same traffic with speculative decoding fed noise drafts (now and then a prompt-lookup
@@ -115,8 +111,37 @@ fn random_traffic_on_a_tiny_pool_finishes_everything_and_leaks_nothing() {
 /// mid-draft, eviction and cancellation.
 #[test]
 fn random_traffic_with_noise_drafts_gives_the_plain_answers() {
-    random_traffic("tiny/llama", 12, 64, true);
-    random_traffic("arch/gemma3", 60, 400, true);
+    random_traffic("tiny/llama", 12, 64, Drafts::Noise);
+    random_traffic("arch/gemma3", 60, 400, Drafts::Noise);
+}
+
+/// A draft model of the same vocabulary under the same traffic: its rows share the target's
+/// blocks, survive preemption and come back with prefix-cache hits — and the answers are
+/// still the plain ones. The model drafting for itself has every draft kept (so a wrong row
+/// would show); other random weights have most rejected.
+#[test]
+fn random_traffic_with_a_draft_model_gives_the_plain_answers() {
+    random_traffic("tiny/llama", 12, 64, Drafts::Model("tiny/llama"));
+    random_traffic("tiny/qwen3", 12, 64, Drafts::Model("tiny/qwen2"));
+    // A windowed target: the draft uses its full-attention group's tables. (Every tiny Gemma
+    // has windows, which a draft may not; the tiny Llama's random weights, of the same 384
+    // ids, draft under the Gemma tokenizer.)
+    random_traffic("arch/gemma3", 60, 400, Drafts::Model("tiny/llama"));
+}
+
+#[derive(Clone, Copy)]
+enum Drafts {
+    None,
+    Noise,
+    Model(&'static str),
+}
+
+fn fixture_model(fixture: &str) -> (Model<CpuBackend>, Tokenizer) {
+    let dir =
+        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures")).join(fixture);
+    let file = ModelFile::open(&dir).unwrap();
+    let model = Model::load(&file, CpuBackend::new(), &LoadOptions::default()).unwrap();
+    (model, Tokenizer::from_hf_dir(&dir).unwrap())
 }
 
 struct Noise {
@@ -139,10 +164,11 @@ impl ferrum_generate::spec::Drafter for Noise {
 /// hold one sequence of 80 positions.
 #[test]
 fn random_traffic_with_windowed_layers_finishes_everything_and_leaks_nothing() {
-    random_traffic("arch/gemma3", 60, 400, false);
+    random_traffic("arch/gemma3", 60, 400, Drafts::None);
 }
 
-fn random_traffic(fixture: &str, tight: usize, roomy: usize, spec: bool) {
+fn random_traffic(fixture: &str, tight: usize, roomy: usize, drafts: Drafts) {
+    let spec = !matches!(drafts, Drafts::None);
     let (mut drafted, mut accepted) = (0, 0);
     let mut preemptions = 0;
     let mut evictions = 0;
@@ -156,12 +182,24 @@ fn random_traffic(fixture: &str, tight: usize, roomy: usize, spec: bool) {
                 ..small(tight, 4, 16)
             },
         );
-        if spec {
-            let vocab = e.model.decoder.config.vocab_size as u32;
-            e.set_drafter(Box::new(Noise {
-                rng: rand::rngs::StdRng::seed_from_u64(seed + 99),
-                vocab,
-            }));
+        match drafts {
+            Drafts::None => {}
+            Drafts::Noise => {
+                let vocab = e.model.decoder.config.vocab_size as u32;
+                e.set_drafter(Box::new(Noise {
+                    rng: rand::rngs::StdRng::seed_from_u64(seed + 99),
+                    vocab,
+                }));
+            }
+            Drafts::Model(d) => {
+                let (m, t) = fixture_model(d);
+                let t = if fixture.starts_with("arch/gemma3") {
+                    fixture_model(fixture).1
+                } else {
+                    t
+                };
+                e.set_draft_model(m, &t).unwrap();
+            }
         }
         let vocab = e.model.decoder.config.vocab_size as u32;
         // A few prompts share a prefix, so the prefix cache is exercised too.
@@ -238,11 +276,21 @@ fn random_traffic(fixture: &str, tight: usize, roomy: usize, spec: bool) {
     );
     assert!(evictions > 0, "cached blocks were never reclaimed");
     assert!(checked > 50, "too few requests compared ({checked})");
-    if spec {
-        assert!(
-            accepted > 0 && accepted < drafted,
+    match drafts {
+        Drafts::None => {}
+        // Noise is mostly rejected, so drafting soon pauses; the draft model drafting for
+        // itself is where kept drafts are exercised.
+        Drafts::Noise => assert!(
+            drafted > 0 && accepted < drafted,
             "{accepted} of {drafted} drafts kept"
-        );
+        ),
+        Drafts::Model(d) if d == fixture => {
+            assert!(
+                drafted > 0 && accepted == drafted,
+                "{accepted} of {drafted} drafts kept"
+            )
+        }
+        Drafts::Model(_) => assert!(drafted > 0, "nothing drafted"),
     }
 }
 

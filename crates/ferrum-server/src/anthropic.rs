@@ -30,6 +30,8 @@ use crate::tools::ToolCall;
 
 pub const FIELDS: &[&str] = &[
     "model",
+    // ferrum's extension, as in Chat Completions.
+    "speculative",
     "max_tokens",
     "messages",
     "system",
@@ -286,6 +288,7 @@ fn to_chat(body: &Map<String, Value>, count_only: bool, template: &str) -> Resul
             ("top_p", "top_p"),
             ("top_k", "top_k"),
             ("stream", "stream"),
+            ("speculative", "speculative"),
         ],
     );
     Ok(Value::Object(chat))

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use ferrum_generate::{Constraint, Request, SamplingExtras, SamplingParams};
+use ferrum_generate::{Constraint, Request, SamplingExtras, SamplingParams, Speculate};
 use ferrum_tokenizer::{SpecialTokens, Tokenizer};
 use serde::Deserialize;
 use serde_json::Value;
@@ -49,6 +49,12 @@ pub struct Sampling {
     pub stream_options: Option<StreamOptions>,
     pub ignore_eos: Option<bool>,
     pub user: Option<String>,
+    /// Speculative decoding for this request: `true`, `false`, or `{"n_max": K}` (the most
+    /// tokens drafted a step; 0 is off). The answer is the same either way.
+    pub speculative: Option<Value>,
+    /// llama.cpp server's spelling of `speculative.n_max`.
+    #[serde(rename = "speculative.n_max")]
+    pub speculative_n_max: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -151,6 +157,8 @@ const SAMPLING_FIELDS: &[&str] = &[
     "stream_options",
     "ignore_eos",
     "user",
+    "speculative",
+    "speculative.n_max",
 ];
 
 pub const CHAT_FIELDS: &[&str] = &[
@@ -247,6 +255,56 @@ pub fn parse<T: serde::de::DeserializeOwned>(
             .or_else(|| keys.iter().find(|k| msg.contains(k.as_str())).cloned());
         ApiError::bad_request(format!("invalid request: {msg}"), param.as_deref())
     })
+}
+
+impl Sampling {
+    fn speculate(&self) -> Result<Speculate, ApiError> {
+        let n_max = |v: i64, name: &str| {
+            usize::try_from(v)
+                .ok()
+                .filter(|&k| k <= Speculate::MAX_TOKENS)
+                .map(Speculate::Tokens)
+                .ok_or_else(|| {
+                    ApiError::param(
+                        name,
+                        format!(
+                            "{name} must be 0..={} (tokens drafted a step)",
+                            Speculate::MAX_TOKENS
+                        ),
+                    )
+                })
+        };
+        if let Some(v) = self.speculative_n_max {
+            return n_max(v, "speculative.n_max");
+        }
+        match &self.speculative {
+            None | Some(Value::Null) => Ok(Speculate::Default),
+            Some(Value::Bool(true)) => Ok(Speculate::On),
+            Some(Value::Bool(false)) => Ok(Speculate::Off),
+            Some(Value::Object(o)) => {
+                if let Some(k) = o.keys().find(|k| k.as_str() != "n_max") {
+                    return Err(ApiError::param(
+                        "speculative",
+                        format!("unsupported field {k:?} in speculative (it takes n_max)"),
+                    ));
+                }
+                match o.get("n_max") {
+                    None => Ok(Speculate::On),
+                    Some(v) => match v.as_i64() {
+                        Some(v) => n_max(v, "speculative.n_max"),
+                        None => Err(ApiError::param(
+                            "speculative.n_max",
+                            "speculative.n_max must be an integer",
+                        )),
+                    },
+                }
+            }
+            Some(_) => Err(ApiError::param(
+                "speculative",
+                "speculative must be true, false or {\"n_max\": K}",
+            )),
+        }
+    }
 }
 
 /// The parts of a request the handler needs besides the engine request.
@@ -417,7 +475,7 @@ impl Sampling {
             ignore_eos: self.ignore_eos.unwrap_or(false),
             logprobs,
             constraint: None,
-            speculate: true,
+            speculate: self.speculate()?,
         };
         Ok(Plan {
             base,

@@ -146,6 +146,35 @@ impl Metrics {
             s.accepted_tokens as f64,
         );
         gauge(
+            "ferrum_spec_acceptance_ratio",
+            "Share of drafted tokens kept, since start (0 before any draft).",
+            "gauge",
+            if s.drafted_tokens > 0 {
+                s.accepted_tokens as f64 / s.drafted_tokens as f64
+            } else {
+                0.0
+            },
+        );
+        // vLLM's names for the same counters, which dashboards and routers read.
+        gauge(
+            "vllm:spec_decode_num_drafts_total",
+            "Drafts checked (one per sequence and step that drafted).",
+            "counter",
+            s.drafts as f64,
+        );
+        gauge(
+            "vllm:spec_decode_num_draft_tokens_total",
+            "Tokens drafted by speculative decoding.",
+            "counter",
+            s.drafted_tokens as f64,
+        );
+        gauge(
+            "vllm:spec_decode_num_accepted_tokens_total",
+            "Drafted tokens kept.",
+            "counter",
+            s.accepted_tokens as f64,
+        );
+        gauge(
             "ferrum_prefix_cache_queries_total",
             "Prompt blocks looked up in the prefix cache.",
             "counter",

@@ -30,6 +30,8 @@ use crate::routes::{self, AppState, Choice};
 
 const FIELDS: &[&str] = &[
     "model",
+    // ferrum's extension, as in Chat Completions.
+    "speculative",
     "input",
     "instructions",
     "tools",
@@ -287,6 +289,7 @@ fn to_chat(body: &Map<String, Value>, template: &str) -> Result<Value, ApiError>
             ("temperature", "temperature"),
             ("top_p", "top_p"),
             ("stream", "stream"),
+            ("speculative", "speculative"),
         ],
     );
     Ok(Value::Object(chat))

@@ -1345,8 +1345,10 @@ fn quantized_matmuls<'x>(
                 }
                 // `run_after` has every prologue task claimed (by a thread that does not
                 // wait) before any matmul task starts: this ends.
+                let mut spins = 0;
                 while ready.load(Ordering::Acquire) < pre {
-                    std::hint::spin_loop();
+                    pool::relax(spins);
+                    spins += 1;
                 }
                 let task = task - pre;
                 let pi = starts.partition_point(|&s| s <= task) - 1;

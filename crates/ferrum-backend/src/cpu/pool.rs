@@ -17,8 +17,25 @@ use std::sync::atomic::{fence, AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::{self, JoinHandle, Thread};
 
-/// How long an idle worker spins before parking (iterations of `spin_loop`).
-const SPIN_LIMIT: u32 = 200_000;
+/// How long an idle worker waits before parking: checks of the generation counter, the
+/// first [`YIELD_AFTER`] with `spin_loop` between them, the rest with a yield (about 10 ms
+/// in all on an idle machine).
+const SPIN_LIMIT: u32 = 22_000;
+
+/// Spins after which a waiting thread yields its core between checks: a wait that long
+/// means the thread it waits for is not running (more busy threads than cores: another
+/// process, or tests running side by side), and spinning on would only keep it off the core
+/// for the rest of a time slice. On an otherwise idle machine a yield returns at once.
+const YIELD_AFTER: u32 = 2_000;
+
+/// One iteration of a wait that has run `spins` times.
+pub(crate) fn relax(spins: u32) {
+    if spins < YIELD_AFTER {
+        std::hint::spin_loop();
+    } else {
+        thread::yield_now();
+    }
+}
 
 type Job = dyn Fn(usize) + Sync;
 
@@ -146,8 +163,10 @@ impl ThreadPool {
         }
         // Even if a task panics here, wait for the workers: they still hold `f`.
         let mine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(s, 0, job)));
+        let mut spins = 0;
         while s.pending.load(Ordering::Acquire) != 0 {
-            std::hint::spin_loop();
+            relax(spins);
+            spins += 1;
         }
         if let Err(e) = mine {
             std::panic::resume_unwind(e);
@@ -197,7 +216,7 @@ fn worker(s: Arc<Shared>, me: usize) {
             }
             spins += 1;
             if spins < SPIN_LIMIT {
-                std::hint::spin_loop();
+                relax(spins);
             } else {
                 s.sleeping[me - 1].store(true, Ordering::Release);
                 fence(Ordering::SeqCst);
