@@ -497,6 +497,7 @@ pub fn simd_name() -> &'static str {
         if avx2_fma() {
             return match super::quant::packed::Isa::best() {
                 super::quant::packed::Isa::AvxVnni => "avx2+fma+avx-vnni",
+                super::quant::packed::Isa::Avx512Vnni => "avx2+fma+avx512-vnni",
                 _ => "avx2+fma",
             };
         }

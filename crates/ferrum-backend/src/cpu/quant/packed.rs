@@ -42,12 +42,15 @@ pub const ROWS: usize = 8;
 
 /// The instruction sets the packed kernels come in. AVX-VNNI (Intel since Alder Lake /
 /// Sapphire Rapids, AMD since Zen 5) adds `vpdpbusd`, which does the work of AVX2's
-/// `maddubs` + `madd` + `add` in one instruction; the integer sums, and so the results, are
-/// the same bit for bit in all three.
+/// `maddubs` + `madd` + `add` in one instruction. AVX512-VNNI with AVX512VL has the same
+/// instruction in its EVEX form on the same 256-bit registers: AMD Zen 4 has it without
+/// AVX-VNNI, as do Intel Ice Lake and Cascade Lake servers. The integer sums, and so the
+/// results, are the same bit for bit in all four.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
     Scalar,
     Avx2,
+    Avx512Vnni,
     AvxVnni,
 }
 
@@ -60,27 +63,45 @@ impl Isa {
             Isa::Avx2 => super::has_avx2(),
             #[cfg(target_arch = "x86_64")]
             Isa::AvxVnni => super::has_avx2() && std::is_x86_feature_detected!("avxvnni"),
+            // The detection checks that the OS saves the AVX-512 state (XCR0), so a VM that
+            // lists the instructions but does not enable them is not taken for one that runs
+            // them.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => {
+                super::has_avx2()
+                    && std::is_x86_feature_detected!("avx512f")
+                    && std::is_x86_feature_detected!("avx512vl")
+                    && std::is_x86_feature_detected!("avx512vnni")
+            }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }
     }
 
-    /// Every one this CPU runs, the portable one first.
+    /// Every one this CPU runs, the portable one first and the preferred one last (the VEX
+    /// AVX-VNNI where both VNNI forms run: the same speed, and the longer-measured one).
     pub fn available() -> Vec<Isa> {
-        [Isa::Scalar, Isa::Avx2, Isa::AvxVnni]
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni, Isa::AvxVnni]
             .into_iter()
             .filter(|i| i.runs())
             .collect()
     }
 
-    /// The fastest this CPU runs, fixed at the first call. `FERRUM_AVXVNNI=0` leaves AVX-VNNI
-    /// out, to compare with a build of another engine that does not use it.
+    /// The fastest this CPU runs, fixed at the first call. `FERRUM_AVXVNNI=0` leaves both
+    /// VNNI forms out, to compare with a build of another engine that does not use them;
+    /// `FERRUM_ISA=scalar|avx2|avx512-vnni|avx-vnni` picks one (if this CPU runs it), to
+    /// measure one instance against another on the same machine.
     pub fn best() -> Isa {
         static BEST: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
         *BEST.get_or_init(|| {
+            if let Ok(want) = std::env::var("FERRUM_ISA") {
+                if let Some(i) = Isa::available().into_iter().find(|i| i.name() == want) {
+                    return i;
+                }
+            }
             let vnni_allowed = std::env::var("FERRUM_AVXVNNI").map_or(true, |v| v != "0");
             let mut isas = Isa::available();
-            isas.retain(|&i| i != Isa::AvxVnni || vnni_allowed);
+            isas.retain(|&i| !matches!(i, Isa::AvxVnni | Isa::Avx512Vnni) || vnni_allowed);
             isas.last().copied().unwrap_or(Isa::Scalar)
         })
     }
@@ -90,6 +111,7 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
             Isa::AvxVnni => "avx-vnni",
+            Isa::Avx512Vnni => "avx512-vnni",
         }
     }
 }
@@ -676,6 +698,7 @@ impl Packed {
                     unsafe {
                         match isa {
                             Isa::AvxVnni => vnni::gemm(w, acts, out),
+                            Isa::Avx512Vnni => vnni512::gemm(w, acts, out),
                             _ => avx2::gemm(w, acts, out),
                         }
                     }
@@ -732,6 +755,15 @@ impl Packed {
                     (Isa::AvxVnni, Packed::Q4K(v, _)) => return vnni::gemm(&v[blocks], acts, out),
                     (Isa::AvxVnni, Packed::Q5K(v, _)) => return vnni::gemm(&v[blocks], acts, out),
                     (Isa::AvxVnni, Packed::Q6K(v, _)) => return vnni::gemm(&v[blocks], acts, out),
+                    (Isa::Avx512Vnni, Packed::Q4K(v, _)) => {
+                        return vnni512::gemm(&v[blocks], acts, out)
+                    }
+                    (Isa::Avx512Vnni, Packed::Q5K(v, _)) => {
+                        return vnni512::gemm(&v[blocks], acts, out)
+                    }
+                    (Isa::Avx512Vnni, Packed::Q6K(v, _)) => {
+                        return vnni512::gemm(&v[blocks], acts, out)
+                    }
                     _ => {}
                 }
             }
@@ -853,7 +885,7 @@ macro_rules! nibble_kernel {
 
 #[cfg(target_arch = "x86_64")]
 macro_rules! packed_kernels {
-    ($name:ident, $feat:literal, $vnni:expr) => {
+    ($name:ident, $feat:literal, $vnni:expr, $dpbusd:ident) => {
         mod $name {
             use super::*;
             use crate::cpu::quant::q8::{prefetch, prefetch_part};
@@ -864,12 +896,12 @@ macro_rules! packed_kernels {
             /// keeps exact integer sums either way, both instances give bit-equal results.
             const VNNI: bool = $vnni;
 
-            /// `acc + Σ u·s` over each lane's four byte pairs: one instruction with AVX-VNNI;
+            /// `acc + Σ u·s` over each lane's four byte pairs: one instruction with either VNNI;
             /// never called in the AVX2 instance (its kernels keep i16 partial sums instead).
             #[target_feature(enable = $feat)]
             unsafe fn dp(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
                 debug_assert!(VNNI);
-                _mm256_dpbusd_avx_epi32(acc, u, s)
+                $dpbusd(acc, u, s)
             }
 
             /// Eight rows' unsigned bytes, one per i32 lane.
@@ -882,9 +914,9 @@ macro_rules! packed_kernels {
             /// Q8 for the 32-value layouts, Q8_K for the K-quants).
             ///
             /// # Safety
-            /// The CPU runs this instance's features (AVX2, FMA and F16C; AVX-VNNI too for
-            /// `vnni`); every activation row has at least `w.len()` blocks; `out` is at least as
-            /// long as `acts`.
+            /// The CPU runs this instance's features (AVX2, FMA and F16C; AVX-VNNI for `vnni`,
+            /// AVX512 F/VL/VNNI for `vnni512`); every activation row has at least `w.len()`
+            /// blocks; `out` is at least as long as `acts`.
             #[target_feature(enable = $feat)]
             pub unsafe fn gemm<A, B: Tile<A>>(w: &[B], acts: &[&[A]], out: &mut [[f32; ROWS]]) {
                 let mut t = 0;
@@ -1386,6 +1418,13 @@ macro_rules! packed_kernels {
 }
 
 #[cfg(target_arch = "x86_64")]
-packed_kernels!(avx2, "avx2,fma,f16c", false);
+packed_kernels!(avx2, "avx2,fma,f16c", false, _mm256_dpbusd_avx_epi32);
 #[cfg(target_arch = "x86_64")]
-packed_kernels!(vnni, "avx2,fma,f16c,avxvnni", true);
+packed_kernels!(vnni, "avx2,fma,f16c,avxvnni", true, _mm256_dpbusd_avx_epi32);
+#[cfg(target_arch = "x86_64")]
+packed_kernels!(
+    vnni512,
+    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+    true,
+    _mm256_dpbusd_epi32
+);
