@@ -26,10 +26,14 @@
 #   LLAMA_BENCH=/path/llama-bench      use this llama-bench, build nothing
 #   LLAMACPP_BIN=/dir                  use llama-bench from this folder (e.g. an existing build)
 #   LLAMACPP_CMAKE_FLAGS="..."         override the CPU flags of the llama.cpp build
-#   AVXVNNI=auto|0|1                   both engines with AVX-VNNI (auto: if the CPU has it);
-#                                      llama.cpp is then built with GGML_AVX_VNNI=ON in its own
-#                                      folder, ferrum run with FERRUM_AVXVNNI=1, else =0. With
-#                                      LLAMACPP_BIN/LLAMA_BENCH, say AVXVNNI to match that build.
+#   ISA=native|avx2                    native (default): llama.cpp built for this machine — every
+#                                      x86 extension /proc/cpuinfo lists among AVX2, FMA, F16C,
+#                                      BMI2, AVX-VNNI, AVX-512 F/BW/VL/DQ, VBMI, VNNI, BF16; AMX
+#                                      off, as its kernels fault on some VMs here — and ferrum
+#                                      with every instance it detects; if that build faults on
+#                                      the first file it is replaced by the avx2 one. avx2: both
+#                                      engines on AVX2 + FMA only. With LLAMACPP_BIN/LLAMA_BENCH
+#                                      say which build it is (ISA=native or avx2).
 #   LLAMA_BENCH_ARGS="--repack 0"      extra llama-bench options (default: none, its defaults;
 #                                      not passed to llama-batched-bench)
 #   MOE_DIR=$FERRUM_CACHE/synth-moe    where the synthetic MoE files live (made if missing)
@@ -59,22 +63,35 @@ OUT_DIR="${OUT_DIR:-$ROOT/target/bench-vs-llamacpp/$(date +%Y%m%d-%H%M%S)}"
 log() { echo "[bench-vs-llamacpp] $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
-# The same instruction sets for both engines: ferrum picks AVX-VNNI at run time when the CPU
-# has it, llama.cpp only when built for it.
-AVXVNNI="${AVXVNNI:-auto}"
-CPU_VNNI=0
-grep -qw avx_vnni /proc/cpuinfo 2>/dev/null && CPU_VNNI=1
-case "$AVXVNNI" in
-    auto)
-        # An existing build's flags are unknown here: the caller must say.
-        [[ -n "${LLAMA_BENCH:-}${LLAMACPP_BIN:-}" && $CPU_VNNI == 1 ]] \
-            && die "with LLAMA_BENCH/LLAMACPP_BIN on an AVX-VNNI CPU, set AVXVNNI=1 or 0 to match that build"
-        AVXVNNI=$CPU_VNNI ;;
-    0) ;;
-    1) [[ $CPU_VNNI == 1 ]] || die "AVXVNNI=1 but this CPU has no AVX-VNNI" ;;
-    *) die "AVXVNNI must be auto, 0 or 1 (got $AVXVNNI)" ;;
+# Both engines on the same machine's instruction sets: ferrum picks its kernels at run time,
+# llama.cpp is built for them.
+ISA="${ISA:-native}"
+case "$ISA" in
+    native) unset FERRUM_AVXVNNI ;;
+    avx2) export FERRUM_AVXVNNI=0 ;;
+    *) die "ISA must be native or avx2 (got $ISA)" ;;
 esac
-export FERRUM_AVXVNNI="$AVXVNNI"
+
+# llama.cpp's CMake flags for the x86 extensions this CPU lists (native without AMX).
+native_flags() {
+    local f="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    local flags
+    flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+    has() { [[ "$flags" == *" $1 "* ]]; }
+    has avx && f+=" -DGGML_AVX=ON"
+    has avx2 && f+=" -DGGML_AVX2=ON"
+    has fma && f+=" -DGGML_FMA=ON"
+    has f16c && f+=" -DGGML_F16C=ON"
+    has bmi2 && f+=" -DGGML_BMI2=ON"
+    has avx_vnni && f+=" -DGGML_AVX_VNNI=ON"
+    if has avx512f && has avx512bw && has avx512vl && has avx512dq; then
+        f+=" -DGGML_AVX512=ON"
+        has avx512vbmi && f+=" -DGGML_AVX512_VBMI=ON"
+        has avx512_vnni && f+=" -DGGML_AVX512_VNNI=ON"
+        has avx512_bf16 && f+=" -DGGML_AVX512_BF16=ON"
+    fi
+    echo "$f"
+}
 
 MOE=0
 FILES=()
@@ -92,8 +109,7 @@ done
 # Built once from the llama-cpp-python sdist (which vendors llama.cpp) into the cache.
 build_llamacpp() {
     local dir="$CACHE/llamacpp-build"
-    local build="$dir/build"
-    [[ "$AVXVNNI" == 1 ]] && build="$dir/build-avxvnni"
+    local build="$dir/build-$ISA-noamx"
     local bin="$build/bin"
     if [[ -x "$bin/llama-bench" && -x "$bin/llama-quantize" && -x "$bin/llama-batched-bench" ]]; then
         echo "$bin"
@@ -111,18 +127,20 @@ build_llamacpp() {
         log "installing cmake and ninja with pip"
         "$PYTHON" -m pip install --quiet --disable-pip-version-check cmake ninja >&2
     fi
-    # Explicit x86 features instead of GGML_NATIVE: some virtual machines advertise AVX-512
-    # in /proc/cpuinfo but fault (SIGILL) on it, and ferrum's kernels are AVX2 anyway.
+    # Explicit x86 features instead of GGML_NATIVE, which also builds the AMX kernels: on
+    # the VMs here they fault (SIGSEGV in ldtilecfg).
     local cpu_flags
     if [[ -n "${LLAMACPP_CMAKE_FLAGS:-}" ]]; then
         cpu_flags="$LLAMACPP_CMAKE_FLAGS"
-        [[ "$AVXVNNI" == 1 ]] && cpu_flags+=" -DGGML_AVX_VNNI=ON"
-    elif [[ "$(uname -m)" == x86_64 ]]; then
-        cpu_flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
-        [[ "$AVXVNNI" == 1 ]] && cpu_flags+=" -DGGML_AVX_VNNI=ON"
-    else
+    elif [[ "$(uname -m)" != x86_64 ]]; then
         cpu_flags="-DGGML_NATIVE=ON"
+    elif [[ "$ISA" == native ]]; then
+        cpu_flags="$(native_flags)"
+    else
+        cpu_flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
     fi
+    log "llama.cpp CPU flags: $cpu_flags"
+    echo "$cpu_flags" >"$build.flags"
     log "building llama-bench, llama-batched-bench and llama-quantize (about 10 minutes on 2 cores)"
     # shellcheck disable=SC2086 # cpu_flags is a list of flags
     cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release $cpu_flags \
@@ -134,6 +152,7 @@ build_llamacpp() {
     echo "$bin"
 }
 
+LLAMA_BENCH_GIVEN="${LLAMA_BENCH:-}${LLAMACPP_BIN:-}"
 if [[ -n "${LLAMA_BENCH:-}" ]]; then
     [[ -x "$LLAMA_BENCH" ]] || die "LLAMA_BENCH=$LLAMA_BENCH is not executable"
 elif [[ -n "${LLAMACPP_BIN:-}" ]]; then
@@ -147,6 +166,10 @@ LLAMA_BATCHED="$(dirname "$LLAMA_BENCH")/llama-batched-bench"
 # The shared libraries sit beside the binaries.
 LD_LIBRARY_PATH="$(dirname "$LLAMA_BENCH")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export LD_LIBRARY_PATH
+# The CPU flags of a build this script made, for the table.
+flags_of() { local f; f="$(dirname "$(dirname "$1")").flags"; [[ -f "$f" ]] && cat "$f" || true; }
+LLAMACPP_FLAGS="$(flags_of "$LLAMA_BENCH")"
+export LLAMACPP_FLAGS
 
 # --- ferrum -------------------------------------------------------------------------------
 log "building ferrum (release)"
@@ -226,6 +249,20 @@ run_ferrum() { # file round
     "${FERRUM[@]}" bench "$1" --pp "$PP" --tg "$TG" --reps 1 "${extra[@]}" --json >"$out" \
         2>"$out.log" || die "ferrum bench failed on $1, see $out.log"
 }
+# A native build that faults here (a VM that lists an extension it does not run) gives way to
+# the AVX2 one, said aloud.
+if [[ "$ISA" == native && -z "${LLAMA_BENCH_GIVEN:-}" && ${#FILES[@]} -gt 0 ]]; then
+    if ! "$LLAMA_BENCH" -m "${FILES[0]}" -t "$THREADS" -p 8 -n 0 -r 1 >"$OUT_DIR/smoke.log" 2>&1; then
+        log "the native llama.cpp build fails here (see $OUT_DIR/smoke.log): using the AVX2 one, ferrum on AVX2 too"
+        ISA=avx2
+        export FERRUM_AVXVNNI=0
+        LLAMA_BENCH="$(build_llamacpp)/llama-bench"
+        LLAMA_BATCHED="$(dirname "$LLAMA_BENCH")/llama-batched-bench"
+        LD_LIBRARY_PATH="$(dirname "$LLAMA_BENCH")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        LLAMACPP_FLAGS="$(flags_of "$LLAMA_BENCH")"
+    fi
+fi
+export ISA
 for f in "${FILES[@]}"; do
     for ((r = 1; r <= ROUNDS; r++)); do
         log "$(basename "$f"): round $r/$ROUNDS"
@@ -363,7 +400,8 @@ print()
 print(f"- machine: {platform.machine()}, {cpu}, {os.cpu_count()} logical CPUs")
 extra = os.environ.get("LLAMA_BENCH_ARGS", "")
 print(f"- llama.cpp: llama-bench -t {threads} -p {pp} -n {tg} -r 1{' ' + extra if extra else ''} "
-      f"(build {llama_build or '?'}, AVX-VNNI {'on' if os.environ.get('FERRUM_AVXVNNI') == '1' else 'off'})")
+      f"(build {llama_build or '?'}, ISA {os.environ.get('ISA', 'native')}"
+      f"{': ' + os.environ['LLAMACPP_FLAGS'] if os.environ.get('LLAMACPP_FLAGS') else ''})")
 print(f"- ferrum: ferrum bench --pp {pp} --tg {tg} --reps 1, {backend or '?'} (git {rev})")
 print(f"- {rounds} alternating rounds per file; medians over rounds; the ratio is the median "
       "of the per-round ratios (ferrum / llama.cpp, > 1 means ferrum is faster)")
