@@ -397,7 +397,8 @@ def test_speculation_per_request_changes_speed_not_the_answer(server):
     assert 0 < metric(server, "ferrum_spec_acceptance_ratio") <= 1
     assert metric(server, "vllm:spec_decode_num_draft_tokens_total") == now
     for bad in ({"speculative": "yes"}, {"speculative": {"n_max": -1}},
-                {"speculative": {"depth": 2}}, {"speculative.n_max": 1000}):
+                {"speculative": {"depth": 2}}, {"speculative.n_max": 1000},
+                {"speculative": False, "speculative.n_max": 4}):
         r = server.raw("POST", "/v1/chat/completions", json={**kw, **bad})
         assert r.status_code == 400, (bad, r.text)
         assert r.json()["error"]["param"].startswith("speculative"), r.text

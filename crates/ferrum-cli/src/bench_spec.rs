@@ -104,7 +104,7 @@ pub fn run(b: SpecBench) -> Result<()> {
     let mut engine = Engine::new(model, tok, config)?;
     let mode = match &draft {
         Some(d) => {
-            crate::attach_draft(&mut engine, d, Some(ctx), b.be)?;
+            crate::attach_draft(&mut engine, d, b.be)?;
             format!("draft model {}", d.display())
         }
         None => "prompt lookup".to_string(),

@@ -188,6 +188,10 @@ impl SpecArgs {
 
     /// Tokens drafted a step (0: off) and the draft model's path, if drafts come from one.
     fn resolve(&self) -> Result<(usize, Option<PathBuf>)> {
+        let max = ferrum_generate::Speculate::MAX_TOKENS;
+        if self.enabled() && !(1..=max).contains(&self.spec_tokens) {
+            anyhow::bail!("--spec-tokens must be 1..={max}");
+        }
         let mode = if self.draft.is_some() && self.spec == "off" {
             "draft"
         } else {
@@ -207,13 +211,24 @@ impl SpecArgs {
 fn attach_draft(
     engine: &mut ferrum_generate::Engine<CpuBackend>,
     path: &Path,
-    ctx: Option<usize>,
     be: BackendOpts,
 ) -> Result<()> {
-    let (model, tok) = load(path, ctx, be)?;
+    // For as many positions as the model: the draft reads every one a sequence reaches.
+    let (model, tok) = load(path, Some(engine.model.decoder.context), be)?;
     engine
         .set_draft_model(model, &tok)
         .with_context(|| format!("drafting with {}", path.display()))?;
+    if let Some(c) = engine.draft_cost() {
+        if !ferrum_generate::spec::DraftLen::can_pay(c) {
+            eprintln!(
+                "ferrum: warning: the draft model costs {:.0}% of a decode step a token, too much \
+                 to ever pay (even with every draft kept, {:.0}% at most): it will not draft; \
+                 pick one a tenth of the model's size or less",
+                100.0 * c,
+                100.0 * (1.0 - ferrum_generate::spec::DraftLen::BETA)
+            );
+        }
+    }
     Ok(())
 }
 
@@ -374,7 +389,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         config.spec_tokens = spec_tokens;
         let mut engine = ferrum_generate::Engine::new(model, engine_tok, config)?;
         if let Some(d) = &draft {
-            attach_draft(&mut engine, d, ctx, be)
+            attach_draft(&mut engine, d, be)
                 .map_err(|e| ferrum_core::Error::Weights(format!("{e:#}")))?;
         }
         eprintln!(
@@ -555,7 +570,7 @@ fn run(a: RunArgs) -> Result<()> {
     let (model, tokenizer) = load(&path, a.ctx, be)?;
     let mut session = Session::speculative(model, tokenizer, spec_tokens)?;
     if let Some(d) = &draft {
-        attach_draft(&mut session.engine, d, a.ctx, be)?;
+        attach_draft(&mut session.engine, d, be)?;
     }
     let e = &session.engine;
     eprintln!(

@@ -346,6 +346,21 @@ impl<B: Backend> Engine<B> {
         self.draft_model.as_ref().map(|d| &d.model)
     }
 
+    /// What drafting a token costs relative to a decode step (see
+    /// [`DraftModel::relative_cost`]); `None` without a draft model.
+    pub fn draft_cost(&self) -> Option<f32> {
+        self.draft_model.as_ref().map(DraftModel::relative_cost)
+    }
+
+    /// Overrides the draft model's relative cost, for requests added from now on: for a
+    /// draft whose parameter and byte ratios misjudge it, and for tests that must draft with
+    /// a draft as large as the model.
+    pub fn set_draft_cost(&mut self, cost: f32) {
+        if let Some(d) = self.draft_model.as_mut() {
+            d.set_relative_cost(cost);
+        }
+    }
+
     /// Replaces the prompt-lookup drafter (tests use one that proposes noise: the answers
     /// must not change).
     pub fn set_drafter(&mut self, d: Box<dyn Drafter>) {
@@ -438,13 +453,18 @@ impl<B: Backend> Engine<B> {
         };
         let id = self.next_id;
         self.next_id += 1;
-        // The draft model's sampler draws from a stream of its own (seeded from the request's
-        // seed), so the target's draws stay reproducible.
-        let draft_sampler = (req.params.temperature > 0.0).then(|| {
-            let mut p = req.params.clone();
-            p.seed = p.seed.map(|s| s ^ 0x9e37_79b9_7f4a_7c15);
-            Sampler::with_extras(p, SamplingExtras::default().with_min_p(req.extras.min_p))
-        });
+        // A sampled request without a seed drafts by sampling the draft model (checked by the
+        // rejection rule: more drafts kept); a seeded one drafts greedily, checked by sample and
+        // compare, so that its answer is plain decoding's, whatever else the engine runs (how
+        // far a sequence drafts depends on the batch, and with sampled drafts so would the
+        // random draws).
+        let draft_sampler =
+            (req.params.temperature > 0.0 && req.params.seed.is_none()).then(|| {
+                Sampler::with_extras(
+                    req.params.clone(),
+                    SamplingExtras::default().with_min_p(req.extras.min_p),
+                )
+            });
         let mut sampler = Sampler::with_extras(req.params, req.extras);
         sampler.observe_prompt(&req.prompt);
         let mut stop_ids = req.stop_token_ids;
@@ -791,21 +811,73 @@ impl<B: Backend> Engine<B> {
     }
 
     /// With a draft model: drafts for every decoding sequence that speculates this step, in
-    /// batched passes of the draft model, left in each one's `proposal`. A sequence drafts only
-    /// if its blocks can grow to the drafted positions now (it never preempts another).
+    /// batched passes of the draft model, left in each one's `proposal`. The draft lengths are
+    /// the ones [`Engine::schedule`] will let through (the step's token budget taken in the
+    /// same order), and a draft's blocks come only from what is left once every running
+    /// sequence has room for its own next token, so a draft never costs another sequence its
+    /// place. A sequence holding a token the draft model cannot read (past its vocabulary:
+    /// a bias may favour such ids) does not draft; nor does anyone in a step where the draft
+    /// model fails (the step goes on without drafts).
     fn draft_round(&mut self) -> Result<()> {
+        let Some(width) = self.draft_model.as_ref().map(DraftModel::width) else {
+            return Ok(());
+        };
         let max_seq = self.max_sequence();
-        let mut ks = Vec::new();
-        for (i, s) in self.running.iter_mut().enumerate() {
+        let bs = self.pool.block_size();
+        // Blocks every running sequence needs for what it computes next, drafts aside.
+        let reserved: usize = self
+            .running
+            .iter()
+            .map(|s| {
+                let want = (s.tokens.len() + 1).div_ceil(bs);
+                s.blocks
+                    .iter()
+                    .map(|t| want.saturating_sub(t.len()))
+                    .sum::<usize>()
+            })
+            .sum();
+        let mut spare = self.pool.available().saturating_sub(reserved);
+        let mut budget = self.config.max_batch_tokens;
+        for s in &mut self.running {
             s.proposal.clear();
             s.proposal_q.clear();
-            if s.computed + 1 != s.tokens.len() {
+        }
+        let mut ks = Vec::new();
+        for (i, s) in self.running.iter_mut().enumerate() {
+            let pending = s.tokens.len() - s.computed;
+            if budget == 0 {
+                break;
+            }
+            if pending != 1 {
+                budget -= pending.min(budget);
                 continue;
             }
-            let k = s.draft.this_step().min(draft_room(s, max_seq));
-            if k > 0 && grow(&mut self.pool, s, s.tokens.len() + k) {
-                ks.push((i, k));
+            budget -= 1;
+            let mut k = s.draft.this_step().min(draft_room(s, max_seq)).min(budget);
+            let readable = s.tokens[s.draft_computed.min(s.tokens.len())..]
+                .iter()
+                .all(|&t| (t as usize) < width);
+            if !readable {
+                k = 0;
             }
+            if k == 0 {
+                continue;
+            }
+            let want = (s.tokens.len() + k).div_ceil(bs);
+            let more: usize = s.blocks.iter().map(|t| want.saturating_sub(t.len())).sum();
+            let own = {
+                let next = (s.tokens.len() + 1).div_ceil(bs);
+                s.blocks
+                    .iter()
+                    .map(|t| next.saturating_sub(t.len()))
+                    .sum::<usize>()
+            };
+            if more - own > spare || !grow(&mut self.pool, s, s.tokens.len() + k) {
+                continue;
+            }
+            spare -= more - own;
+            budget -= k;
+            ks.push((i, k));
         }
         let Some(dm) = self.draft_model.as_mut() else {
             return Ok(());
@@ -827,7 +899,15 @@ impl<B: Backend> Engine<B> {
                 });
             }
         }
-        let drafts = dm.draft(&mut seqs, &self.pool)?;
+        let drafts = match dm.draft(&mut seqs, &self.pool) {
+            Ok(d) => d,
+            Err(e) => {
+                // Rows it wrote are for the sequences' own tokens; any it did not are
+                // rewritten by the next round's catch-up.
+                eprintln!("ferrum: the draft model failed, drafting nothing this step: {e}");
+                return Ok(());
+            }
+        };
         drop(seqs);
         for (&(i, _), d) in ks.iter().zip(drafts) {
             self.running[i].proposal = d.tokens;

@@ -62,11 +62,11 @@ impl Drafter for NgramDrafter {
     }
 }
 
-/// A second, smaller model of the same vocabulary that drafts (`--draft MODEL`): greedily,
-/// or for a sampled request by sampling its own distribution q with the request's settings,
-/// the target then keeping or replacing each drafted token by the rejection rule
-/// ([`crate::Sampler::sample_against_draft`]: the answer follows the target's distribution,
-/// and repeats with a seed, though it is not the draw plain decoding makes). Its keys and values live in the target's KV blocks: the same block ids,
+/// A second, smaller model of the same vocabulary that drafts (`--draft MODEL`): greedily
+/// (checked by sample and compare: the answer is plain decoding's), or for a sampled request
+/// without a seed by sampling its own distribution q with the request's settings, the target
+/// then keeping or replacing each drafted token by the rejection rule
+/// ([`crate::Sampler::sample_against_draft`]: the answer follows the target's distribution). Its keys and values live in the target's KV blocks: the same block ids,
 /// through the target sequence's table of a KV group without a window (which holds every
 /// position), in buffers of its own. A block of the pool thus holds both models' rows for its
 /// positions and the pool's accounting covers both; [`DraftModel::block_bytes`] is what a
@@ -141,6 +141,12 @@ impl<B: Backend> DraftModel<B> {
     ) -> Result<DraftModel<B>> {
         same_vocabulary(draft_tok, target_tok)?;
         let d = &model.decoder;
+        if d.context < target_decoder.context {
+            return Err(Error::InvalidRequest(format!(
+                "the draft model was loaded for {} positions, the model for {}: load it for as many",
+                d.context, target_decoder.context
+            )));
+        }
         if d.kv_groups.windowed() || d.kv_groups.len() != 1 {
             return Err(Error::InvalidRequest(
                 "a draft model with sliding-window layers is not supported: pick one whose \
@@ -179,12 +185,21 @@ impl<B: Backend> DraftModel<B> {
         self.group
     }
 
+    /// Token ids the draft model reads (its embedding rows).
+    pub fn width(&self) -> usize {
+        self.model.decoder.config.vocab_size
+    }
+
     /// What drafting a token costs relative to a decode step of the model, taken as the
     /// larger of the ratios of their parameters and of the weight bytes each reads per token
     /// (a re-quantised copy of the model reads fewer bytes but does the same arithmetic,
     /// and on a model that fits in cache the arithmetic is the cost).
     pub fn relative_cost(&self) -> f32 {
         self.cost
+    }
+
+    pub fn set_relative_cost(&mut self, cost: f32) {
+        self.cost = cost.max(0.0);
     }
 
     /// Bytes the draft's rows add to each block of the pool.
@@ -201,6 +216,9 @@ impl<B: Backend> DraftModel<B> {
         let g = self.group;
         let (width, vocab) = (self.model.decoder.config.vocab_size, self.vocab);
         for s in seqs.iter_mut() {
+            // At least the last token goes in: its logits start the draft (a sequence whose
+            // previous draft the step then left out has all its tokens in already).
+            *s.computed = (*s.computed).min(s.tokens.len() - 1);
             let table = &s.tables[g];
             // Only whole blocks before the last token: its logits start the draft.
             while (*s.computed).is_multiple_of(bs) && *s.computed + bs < s.tokens.len() {
@@ -357,7 +375,9 @@ impl DraftLen {
     const RATE: f32 = 0.15;
 
     /// Up to `max` tokens a step, drafted at `gamma` (see above) the cost of a decode step each.
+    /// A drafter that could not pay even were every draft kept is not used at all.
     pub fn new(max: usize, gamma: f32) -> DraftLen {
+        let max = if Self::can_pay(gamma) { max } else { 0 };
         DraftLen {
             max,
             alpha: Self::PRIOR,
@@ -367,6 +387,12 @@ impl DraftLen {
             pause: Self::FIRST_PAUSE,
             seen: 0,
         }
+    }
+
+    /// Whether a drafter of relative cost `gamma` beats plain decoding when every draft is kept
+    /// (k + 1 tokens for 1 + (β + γ)k: only if β + γ < 1).
+    pub fn can_pay(gamma: f32) -> bool {
+        Self::BETA + gamma.max(0.0) < 1.0
     }
 
     /// Tokens per unit of cost when drafting `k`.

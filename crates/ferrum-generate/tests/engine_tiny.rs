@@ -199,6 +199,8 @@ fn random_traffic(fixture: &str, tight: usize, roomy: usize, drafts: Drafts) {
                     t
                 };
                 e.set_draft_model(m, &t).unwrap();
+                // As large as the model, it would not be used: count it as a tenth.
+                e.set_draft_cost(0.1);
             }
         }
         let vocab = e.model.decoder.config.vocab_size as u32;

@@ -275,6 +275,12 @@ impl Sampling {
                 })
         };
         if let Some(v) = self.speculative_n_max {
+            if self.speculative.as_ref().is_some_and(|v| !v.is_null()) {
+                return Err(ApiError::param(
+                    "speculative.n_max",
+                    "give speculative or speculative.n_max, not both",
+                ));
+            }
             return n_max(v, "speculative.n_max");
         }
         match &self.speculative {

@@ -1348,7 +1348,7 @@ fn quantized_matmuls<'x>(
                 let mut spins = 0;
                 while ready.load(Ordering::Acquire) < pre {
                     pool::relax(spins);
-                    spins += 1;
+                    spins = spins.saturating_add(1);
                 }
                 let task = task - pre;
                 let pi = starts.partition_point(|&s| s <= task) - 1;

@@ -166,7 +166,7 @@ impl ThreadPool {
         let mut spins = 0;
         while s.pending.load(Ordering::Acquire) != 0 {
             relax(spins);
-            spins += 1;
+            spins = spins.saturating_add(1);
         }
         if let Err(e) = mine {
             std::panic::resume_unwind(e);
