@@ -222,8 +222,8 @@ fn attach_draft(
         if !ferrum_generate::spec::DraftLen::can_pay(c) {
             eprintln!(
                 "ferrum: warning: the draft model costs {:.0}% of a decode step a token, too much \
-                 to ever pay (even with every draft kept, {:.0}% at most): it will not draft; \
-                 pick one a tenth of the model's size or less",
+                 to pay even with every draft kept ({:.0}% at most): expect slower decoding \
+                 (drafting pauses where it loses); a draft a tenth of the model's size pays",
                 100.0 * c,
                 100.0 * (1.0 - ferrum_generate::spec::DraftLen::BETA)
             );

@@ -375,9 +375,7 @@ impl DraftLen {
     const RATE: f32 = 0.15;
 
     /// Up to `max` tokens a step, drafted at `gamma` (see above) the cost of a decode step each.
-    /// A drafter that could not pay even were every draft kept is not used at all.
     pub fn new(max: usize, gamma: f32) -> DraftLen {
-        let max = if Self::can_pay(gamma) { max } else { 0 };
         DraftLen {
             max,
             alpha: Self::PRIOR,
