@@ -25,6 +25,7 @@ fn dequantize_matches_gguf_python_reference() {
         ("Q4_K", DType::Q4K),
         ("Q5_K", DType::Q5K),
         ("Q6_K", DType::Q6K),
+        ("MXFP4", DType::Mxfp4),
     ];
     for (name, dt) in types {
         let v = &json[name];

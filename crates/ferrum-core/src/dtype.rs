@@ -20,6 +20,8 @@ pub enum DType {
     Q5K,
     Q6K,
     Q8K,
+    /// OCP microscaling FP4 (gpt-oss's experts): 32 E2M1 values and one E8M0 exponent.
+    Mxfp4,
 }
 
 impl DType {
@@ -41,6 +43,7 @@ impl DType {
             14 => DType::Q6K,
             15 => DType::Q8K,
             30 => DType::BF16,
+            39 => DType::Mxfp4,
             _ => return None,
         })
     }
@@ -62,6 +65,7 @@ impl DType {
             DType::Q6K => 14,
             DType::Q8K => 15,
             DType::BF16 => 30,
+            DType::Mxfp4 => 39,
         }
     }
 
@@ -69,7 +73,13 @@ impl DType {
     pub fn block_len(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q8_1 => 32,
+            DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::Q8_0
+            | DType::Q8_1
+            | DType::Mxfp4 => 32,
             DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K | DType::Q8K => 256,
         }
     }
@@ -91,6 +101,7 @@ impl DType {
             DType::Q5K => 176,
             DType::Q6K => 210,
             DType::Q8K => 292,
+            DType::Mxfp4 => 17,
         }
     }
 
@@ -124,6 +135,7 @@ impl DType {
             DType::Q5K => "Q5_K",
             DType::Q6K => "Q6_K",
             DType::Q8K => "Q8_K",
+            DType::Mxfp4 => "MXFP4",
         }
     }
 }

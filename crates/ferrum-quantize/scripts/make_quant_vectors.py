@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Writes tests/fixtures/quant_vectors.json: f32 input rows and their quantisation
 - by the `gguf` Python package (`gguf.quants.quantize`, llama.cpp's reference round-to-nearest
-  quantisers in numpy) for F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 ("quantized_hex"), and
+  quantisers in numpy) for F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4 ("quantized_hex"; MXFP4
+  is checked against llama.cpp's bytes too when LIBGGML is set), and
 - by llama.cpp itself (`ggml_quantize_chunk` in libggml-base, no importance matrix, i.e. the
   `quantize_row_*_ref` functions) for Q2_K..Q6_K ("kquant_hex"), when LIBGGML points at a
   built libggml-base.so.
@@ -39,6 +40,7 @@ types = {
     "Q5_0": T.Q5_0,
     "Q5_1": T.Q5_1,
     "Q8_0": T.Q8_0,
+    "MXFP4": T.MXFP4,
 }
 out = {
     "rows": x.shape[0],
@@ -61,6 +63,11 @@ if lib_path:
         buf = ctypes.create_string_buffer(x.size * 4)
         n = lib.ggml_quantize_chunk(int(t), x.ctypes.data, buf, 0, x.shape[0], x.shape[1], None)
         out["kquant_hex"][name] = buf.raw[:n].hex()
+    # MXFP4 from llama.cpp too: it must be the bytes gguf-py gave.
+    lib.ggml_quantize_init(int(T.MXFP4))
+    buf = ctypes.create_string_buffer(x.size * 4)
+    n = lib.ggml_quantize_chunk(int(T.MXFP4), x.ctypes.data, buf, 0, x.shape[0], x.shape[1], None)
+    assert buf.raw[:n].hex() == out["quantized_hex"]["MXFP4"], "llama.cpp and gguf-py disagree on MXFP4"
 
 here = os.path.dirname(os.path.abspath(__file__))
 path = os.path.join(here, "..", "tests", "fixtures", "quant_vectors.json")

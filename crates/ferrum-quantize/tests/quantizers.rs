@@ -7,7 +7,7 @@ use ferrum_core::DType;
 use ferrum_quantize::quantize_row;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-const ALL: [DType; 13] = [
+const ALL: [DType; 14] = [
     DType::F32,
     DType::F16,
     DType::BF16,
@@ -21,6 +21,7 @@ const ALL: [DType; 13] = [
     DType::Q4K,
     DType::Q5K,
     DType::Q6K,
+    DType::Mxfp4,
 ];
 
 fn dtype_by_name(name: &str) -> DType {
@@ -85,8 +86,8 @@ fn byte_identical_to_gguf_python_and_llama_cpp() {
         }
     }
     assert_eq!(
-        checked, 12,
-        "fixture should hold 7 simple and 5 K-quant formats"
+        checked, 13,
+        "fixture should hold 8 simple formats (MXFP4 among them) and 5 K-quants"
     );
 }
 
@@ -110,6 +111,7 @@ fn total_error_within_llama_cpp_bounds() {
         let bound = match dtype {
             DType::Q2K => 0.0075,
             DType::Q3K => 0.0040,
+            DType::Mxfp4 => 0.0030,
             _ => 0.002,
         };
         let e = llama_cpp_total_error(dtype);
@@ -148,6 +150,8 @@ fn relative_error_on_random_and_normal_data() {
             DType::Q6K => 0.02,
             DType::Q5_0 | DType::Q5_1 | DType::Q5K => 0.045,
             DType::Q4_0 | DType::Q4_1 | DType::Q4K => 0.09,
+            // Power-of-two scales and the E2M1 grid (steps up to 2 at the top of 6).
+            DType::Mxfp4 => 0.15,
             DType::Q3K => 0.17,
             DType::Q2K => 0.32,
             _ => unreachable!(),

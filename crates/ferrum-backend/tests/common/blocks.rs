@@ -16,6 +16,7 @@ pub const FORMATS: &[DType] = &[
     DType::Q4K,
     DType::Q5K,
     DType::Q6K,
+    DType::Mxfp4,
 ];
 
 /// Byte offsets of each format's f16 scale fields inside a block: random bits there could
@@ -39,6 +40,10 @@ pub fn random_blocks(rng: &mut impl Rng, dt: DType, n: usize) -> Vec<u8> {
         for &off in f16_fields(dt) {
             let s = half::f16::from_f32(rng.gen_range(0.001..0.05));
             blk[off..off + 2].copy_from_slice(&s.to_le_bytes());
+        }
+        if dt == DType::Mxfp4 {
+            // The E8M0 exponent: scales 2^-9 .. 2^-2 (weights up to about ±1.5).
+            blk[0] = rng.gen_range(118..=125);
         }
     }
     b

@@ -5,6 +5,7 @@
 
 pub mod float;
 pub mod k_search;
+pub mod mxfp4;
 pub mod q2_k;
 pub mod q3_k;
 pub mod q4_0;

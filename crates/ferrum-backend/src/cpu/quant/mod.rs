@@ -3,6 +3,7 @@
 //! dequantisation to f32. The fast dot products against 8-bit activations build on these.
 
 pub mod k_quants;
+pub mod mxfp4;
 pub mod packed;
 pub mod q4_0;
 pub mod q4_1;
@@ -78,6 +79,7 @@ pub fn dequantize(dtype: DType, bytes: &[u8], out: &mut [f32]) -> bool {
         DType::Q4K => run(bytes, out, k_quants::dequantize_q4k),
         DType::Q5K => run(bytes, out, k_quants::dequantize_q5k),
         DType::Q6K => run(bytes, out, k_quants::dequantize_q6k),
+        DType::Mxfp4 => run(bytes, out, mxfp4::dequantize),
         DType::Q8_1 | DType::Q8K => false,
     }
 }
@@ -212,6 +214,7 @@ pub fn scalar_kernel(dtype: DType) -> Option<Kernel> {
         DType::Q4K => kernel!(Q8K, k_quants::BlockQ4K, k_quants::vec_dot_q4k),
         DType::Q5K => kernel!(Q8K, k_quants::BlockQ5K, k_quants::vec_dot_q5k),
         DType::Q6K => kernel!(Q8K, k_quants::BlockQ6K, k_quants::vec_dot_q6k),
+        DType::Mxfp4 => kernel!(Q8, mxfp4::BlockMxfp4, mxfp4::vec_dot),
         _ => return None,
     })
 }
@@ -282,6 +285,12 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
                 DType::Q6K => {
                     Some(kernel!(unsafe Q8K, k_quants::BlockQ6K, k_quants::avx2::vec_dot_q6k))
                 }
+                DType::Mxfp4 => Some(kernel!(
+                    unsafe Q8,
+                    mxfp4::BlockMxfp4,
+                    mxfp4::avx2::vec_dot,
+                    mxfp4::avx2::vec_dot_x4
+                )),
                 _ => None,
             };
             if k.is_some() {
