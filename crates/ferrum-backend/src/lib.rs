@@ -106,12 +106,15 @@ pub struct RopeParams<'a> {
 }
 
 /// The nonlinearity of a gated FFN.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Activation {
     /// SwiGLU: `x · sigmoid(x)`.
     Silu,
     /// GeGLU with the tanh approximation of GELU (Gemma's `gelu_pytorch_tanh`).
     GeluTanh,
+    /// gpt-oss's clamped SwiGLU: with `g = min(gate, limit)` and `u = clamp(up, ±limit)`,
+    /// `(u + 1) · g · sigmoid(alpha · g)`.
+    ClampedSwiglu { alpha: f32, limit: f32 },
 }
 
 /// One weight of a [`Backend::matmul_many`]: `out[t, j] = Σ_k x[t, k] · weight[j, k] (+ bias[j])`
@@ -178,20 +181,26 @@ pub struct AttnSeq<'a> {
 }
 
 #[derive(Debug, Clone, Copy)]
-pub struct AttentionParams {
+pub struct AttentionParams<'a> {
     pub n_kv_heads: usize,
     pub scale: f32,
     /// Sliding window: a query at position `p` sees keys at positions `> p - window`.
     pub window: Option<usize>,
     /// Gemma-2-style logit soft-capping: `cap * tanh(score / cap)`.
     pub softcap: Option<f32>,
+    /// Attention sinks (gpt-oss): one learned logit per query head that joins the softmax's
+    /// denominator and nothing else — `p_j = e^{s_j} / (Σ_i e^{s_i} + e^{sink})` — so a head
+    /// may attend to less than a whole token's worth of values.
+    pub sinks: Option<&'a [f32]>,
 }
 
-/// One expert's SwiGLU weights: `down(silu(gate(x)) · up(x))`.
+/// One expert's gated FFN weights: `down(act(gate(x)) · up(x))`, each projection with its
+/// bias where the family has them (gpt-oss).
 pub struct ExpertWeights<W> {
     pub gate: W,
     pub up: W,
     pub down: W,
+    pub biases: Option<[W; 3]>,
 }
 
 /// The tokens routed to one expert, with their routing weights. Token indices are rows of the
@@ -389,8 +398,9 @@ pub trait Backend: Send + Sync {
         scratch: &mut MoeScratch<Self::Buf>,
         out: &mut Self::Buf,
         ov: Rows,
+        act: Activation,
     ) {
-        moe_ffn_default(self, x, xv, experts, batches, scratch, out, ov)
+        moe_ffn_default(self, x, xv, experts, batches, scratch, out, ov, act)
     }
 
     /// Residual add followed by the next norm: `x += y; out = rms_norm(x)`. The default
@@ -425,10 +435,12 @@ pub fn moe_ffn_default<B: Backend + ?Sized>(
     scratch: &mut MoeScratch<B::Buf>,
     out: &mut B::Buf,
     ov: Rows,
+    act: Activation,
 ) {
     be.fill(out, ov, 0.0);
     for b in batches {
         let e = &experts[b.expert];
+        let bias = |i: usize| e.biases.as_ref().map(|b| &b[i]);
         let (f, h) = be.weight_shape(&e.gate);
         let m = b.tokens.len();
         let xe = Rows::dense(m, h);
@@ -437,7 +449,7 @@ pub fn moe_ffn_default<B: Backend + ?Sized>(
             &scratch.x,
             xe,
             &e.gate,
-            None,
+            bias(0),
             &mut scratch.gu,
             Rows::columns(m, 2 * f, 0, f),
         );
@@ -445,7 +457,7 @@ pub fn moe_ffn_default<B: Backend + ?Sized>(
             &scratch.x,
             xe,
             &e.up,
-            None,
+            bias(1),
             &mut scratch.gu,
             Rows::columns(m, 2 * f, f, f),
         );
@@ -454,13 +466,13 @@ pub fn moe_ffn_default<B: Backend + ?Sized>(
             Rows::dense(m, 2 * f),
             &mut scratch.act,
             Rows::dense(m, f),
-            Activation::Silu,
+            act,
         );
         be.matmul(
             &scratch.act,
             Rows::dense(m, f),
             &e.down,
-            None,
+            bias(2),
             &mut scratch.y,
             xe,
         );

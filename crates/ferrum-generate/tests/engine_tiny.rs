@@ -165,6 +165,8 @@ impl ferrum_generate::spec::Drafter for Noise {
 #[test]
 fn random_traffic_with_windowed_layers_finishes_everything_and_leaks_nothing() {
     random_traffic("arch/gemma3", 60, 400, Drafts::None);
+    // gpt-oss: two KV groups (sliding and full layers alternate), sinks, routed experts.
+    random_traffic("arch/gpt-oss", 24, 140, Drafts::None);
 }
 
 fn random_traffic(fixture: &str, tight: usize, roomy: usize, drafts: Drafts) {

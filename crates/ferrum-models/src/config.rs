@@ -34,11 +34,46 @@ pub enum RopeScaling {
         long: Vec<f32>,
         original_max_position: usize,
     },
+    /// YaRN (gpt-oss): frequencies blended between interpolated (÷ `factor`) and kept, by a
+    /// linear ramp over the dimensions whose rotations in `original_max_position` lie between
+    /// `beta_slow` and `beta_fast`; cos and sin are multiplied by [`RopeScaling::attention_factor`].
+    Yarn {
+        factor: f32,
+        beta_fast: f32,
+        beta_slow: f32,
+        original_max_position: f32,
+        /// Round the ramp's ends outwards to whole dimensions.
+        truncate: bool,
+        attention_factor: f32,
+    },
+}
+
+impl RopeScaling {
+    /// What cos and sin are multiplied by (YaRN's attention temperature); 1 for the others.
+    pub fn attention_factor(&self) -> f32 {
+        match self {
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => *attention_factor,
+            _ => 1.0,
+        }
+    }
+}
+
+/// How a family's experts are laid out and computed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MoeStyle {
+    /// Qwen3-MoE: SwiGLU experts without biases, a router without one.
+    Qwen,
+    /// gpt-oss: a router with a bias, experts with biases and the clamped SwiGLU; Hugging
+    /// Face files stack every expert in one tensor per projection.
+    GptOss { alpha: f32, limit: f32 },
 }
 
 /// The mixture-of-experts settings of a Qwen3-MoE-style model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeConfig {
+    pub style: MoeStyle,
     pub n_experts: usize,
     /// Experts per token (top-k).
     pub n_active: usize,
@@ -78,6 +113,10 @@ pub struct ModelConfig {
     pub max_position: usize,
     pub tie_embeddings: bool,
     pub qkv_bias: bool,
+    /// The output projection has a bias (gpt-oss).
+    pub o_bias: bool,
+    /// Each layer has one attention-sink logit per query head (gpt-oss).
+    pub attn_sinks: bool,
     pub qk_norm: QkNorm,
     /// The window of every windowed layer (Mistral's, Gemma 3's local layers'), for reports;
     /// [`LayerSpec::window`] says which layers use it.
@@ -236,6 +275,8 @@ impl ModelConfig {
             max_position: 4096,
             tie_embeddings: false,
             qkv_bias: false,
+            o_bias: false,
+            attn_sinks: false,
             qk_norm: QkNorm::None,
             sliding_window,
             moe: None,
@@ -341,6 +382,27 @@ impl ModelConfig {
             Some("linear") => Some(RopeScaling::Linear {
                 factor: g.get_f64(&key("rope.scaling.factor")).unwrap_or(1.0) as f32,
             }),
+            Some("yarn") => {
+                let f = |k: &str, d: f64| g.get_f64(&key(k)).unwrap_or(d) as f32;
+                let factor = f("rope.scaling.factor", 1.0);
+                // llama.cpp always rounds the ramp's ends outwards (`ggml_rope_yarn_corr_dims`),
+                // and scales cos/sin by 1 + 0.1 ln(factor) (times `yarn_attn_factor`).
+                let mscale = if factor > 1.0 {
+                    1.0 + 0.1 * factor.ln()
+                } else {
+                    1.0
+                };
+                Some(RopeScaling::Yarn {
+                    factor,
+                    beta_fast: f("rope.scaling.yarn_beta_fast", 32.0),
+                    beta_slow: f("rope.scaling.yarn_beta_slow", 1.0),
+                    original_max_position: g
+                        .get_u64(&key("rope.scaling.original_context_length"))
+                        .map_or(4096.0, |v| v as f32),
+                    truncate: true,
+                    attention_factor: mscale * f("rope.scaling.yarn_attn_factor", 1.0),
+                })
+            }
             Some(other) => {
                 return Err(Error::Unsupported(format!(
                     "{}: RoPE scaling {other:?}",
@@ -468,6 +530,38 @@ pub fn inv_freq(theta: f32, dims: usize, scaling: Option<&RopeScaling>) -> Vec<f
             .zip(div.iter().chain(std::iter::repeat(&1.0)))
             .map(|(f, d)| f / *d as f64)
             .collect(),
+        Some(RopeScaling::Yarn {
+            factor,
+            beta_fast,
+            beta_slow,
+            original_max_position,
+            truncate,
+            ..
+        }) => {
+            // transformers' `_compute_yarn_parameters`.
+            let (d, b) = (dims as f64, theta as f64);
+            let corr = |rotations: f64| {
+                d * (*original_max_position as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                    / (2.0 * b.ln())
+            };
+            let (mut lo, mut hi) = (corr(*beta_fast as f64), corr(*beta_slow as f64));
+            if *truncate {
+                lo = lo.floor();
+                hi = hi.ceil();
+            }
+            let (lo, mut hi) = (lo.max(0.0), hi.min(d - 1.0));
+            if lo == hi {
+                hi += 0.001;
+            }
+            base.iter()
+                .enumerate()
+                .map(|(i, &f)| {
+                    let ramp = ((i as f64 - lo) / (hi - lo)).clamp(0.0, 1.0);
+                    // Kept where the ramp is 0 (fast rotations), interpolated where it is 1.
+                    f / *factor as f64 * ramp + f * (1.0 - ramp)
+                })
+                .collect()
+        }
         Some(RopeScaling::Llama3 {
             factor,
             low_freq_factor,
@@ -531,6 +625,50 @@ pub(crate) fn parse_hf_scaling(s: &Json) -> Result<Option<RopeScaling>> {
                     .get("original_max_position_embeddings")
                     .and_then(Json::as_u64)
                     .unwrap_or(0) as usize,
+            })
+        }
+        "yarn" => {
+            let factor = f("factor", 1.0);
+            let mscale = |scale: f64, m: f64| {
+                if scale <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * scale.ln() + 1.0
+                }
+            };
+            let attention_factor = match (
+                s.get("attention_factor").and_then(Json::as_f64),
+                s.get("mscale").and_then(Json::as_f64).filter(|&m| m != 0.0),
+                s.get("mscale_all_dim")
+                    .and_then(Json::as_f64)
+                    .filter(|&m| m != 0.0),
+            ) {
+                (Some(a), _, _) => a,
+                (None, Some(m), Some(all)) => mscale(factor as f64, m) / mscale(factor as f64, all),
+                _ => mscale(factor as f64, 1.0),
+            } as f32;
+            Some(RopeScaling::Yarn {
+                factor,
+                beta_fast: s
+                    .get("beta_fast")
+                    .and_then(Json::as_f64)
+                    .filter(|&b| b != 0.0)
+                    .unwrap_or(32.0) as f32,
+                beta_slow: s
+                    .get("beta_slow")
+                    .and_then(Json::as_f64)
+                    .filter(|&b| b != 0.0)
+                    .unwrap_or(1.0) as f32,
+                original_max_position: s
+                    .get("original_max_position_embeddings")
+                    .and_then(Json::as_f64)
+                    .ok_or_else(|| {
+                        Error::Weights(
+                            "config.json: yarn without original_max_position_embeddings".into(),
+                        )
+                    })? as f32,
+                truncate: s.get("truncate").and_then(Json::as_bool).unwrap_or(true),
+                attention_factor,
             })
         }
         "llama3" => Some(RopeScaling::Llama3 {

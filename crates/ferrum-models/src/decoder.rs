@@ -526,6 +526,7 @@ impl<B: Backend> Decoder<B> {
                     scale: c.attn_scale,
                     window: layer.spec.window,
                     softcap: None,
+                    sinks: layer.attn.sinks.as_deref(),
                 },
             };
             // A block reads the normalised stream where its family has a norm before it,
@@ -658,7 +659,7 @@ fn moe_block<B: Backend>(
         x,
         hidden,
         &moe.router,
-        None,
+        moe.router_bias.as_ref(),
         &mut ms.router_logits,
         Rows::dense(n, ne),
     );
@@ -675,6 +676,7 @@ fn moe_block<B: Backend>(
         &mut ms.scratch,
         out,
         hidden,
+        moe.activation,
     );
     // Backends that run asynchronously will need a sync here to time this.
     ms.expert_secs += t0.elapsed().as_secs_f64();

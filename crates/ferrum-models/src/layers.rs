@@ -78,6 +78,26 @@ impl WeightSource<'_> {
         Ok(w)
     }
 
+    /// A tensor of `len` values read to the host as f32 (attention sinks, biases the host
+    /// applies).
+    pub fn vector(&self, hf: &str, layer: usize, len: usize) -> Result<Vec<f32>> {
+        let name = self.name(hf, layer);
+        let t = self
+            .tensor(hf, layer)
+            .ok_or_else(|| Error::Weights(format!("missing tensor {name:?}")))?;
+        if t.numel() != len {
+            return Err(Error::Weights(format!(
+                "tensor {name:?} has shape {:?}, expected [{len}]",
+                t.shape
+            )));
+        }
+        let mut v = vec![0f32; len];
+        if !ferrum_backend::cpu::quant::dequantize(t.dtype, t.bytes(), &mut v) {
+            return Err(Error::Weights(format!("tensor {name:?}: cannot convert")));
+        }
+        Ok(v)
+    }
+
     /// A norm's weight of `len` values with `offset` added to each (Hugging Face Gemma's
     /// `1 + w`; a plain load when the offset is 0).
     pub fn norm<B: Backend>(
@@ -124,6 +144,9 @@ pub struct Attention<B: Backend> {
     bias: Option<[B::Weight; 3]>,
     qk_norm: Option<[B::Weight; 2]>,
     o: B::Weight,
+    o_bias: Option<B::Weight>,
+    /// One logit per query head that joins each softmax's denominator (gpt-oss).
+    pub sinks: Option<Vec<f32>>,
 }
 
 /// Gate and up projections, separate or as one matrix of gate rows then up rows (Phi-3).
@@ -223,11 +246,22 @@ impl<B: Backend> Layer<B> {
                 )?,
             ]),
         };
+        let sinks = if c.attn_sinks {
+            Some(src.vector("model.layers.{i}.self_attn.sinks", i, c.n_heads)?)
+        } else {
+            None
+        };
         let attn = Attention {
             qkv,
             bias,
             qk_norm,
             o: l("model.layers.{i}.self_attn.o_proj.weight", (h, qd))?,
+            o_bias: if c.o_bias {
+                Some(l("model.layers.{i}.self_attn.o_proj.bias", (1, h))?)
+            } else {
+                None
+            },
+            sinks,
         };
         let ffn = match &c.moe {
             Some(m) if m.is_moe_layer(i) => Ffn::Moe(MoeLayer::load(be, src, i, c, m)?),
@@ -266,7 +300,7 @@ pub struct AttnInputs<'a> {
     pub seqs: &'a [AttnSeq<'a>],
     /// `None`: this layer does not rotate.
     pub rope: Option<RopeParams<'a>>,
-    pub params: AttentionParams,
+    pub params: AttentionParams<'a>,
 }
 
 impl<B: Backend> Attention<B> {
@@ -332,7 +366,14 @@ impl<B: Backend> Attention<B> {
         be.attention(
             qkv, q_view, k_cache, v_cache, a.seqs, attn, attn_view, a.params,
         );
-        be.matmul(attn, Rows::dense(n, qd), &self.o, None, out, hidden);
+        be.matmul(
+            attn,
+            Rows::dense(n, qd),
+            &self.o,
+            self.o_bias.as_ref(),
+            out,
+            hidden,
+        );
     }
 }
 

@@ -5,16 +5,21 @@
 //! grouped by expert so each active expert runs once over all of its tokens — a
 //! matrix-matrix product in prefill — through the backend's `moe_ffn`.
 
-use ferrum_backend::{Backend, ExpertBatch, ExpertWeights};
+use ferrum_backend::{Activation, Backend, ExpertBatch, ExpertWeights};
 use ferrum_core::{Error, Result};
 
-use crate::config::{ModelConfig, MoeConfig};
+use crate::config::{ModelConfig, MoeConfig, MoeStyle};
 use crate::layers::WeightSource;
 use crate::names;
+use ferrum_core::DType;
+use ferrum_loader::RawTensor;
 
 pub struct MoeLayer<B: Backend> {
     pub router: B::Weight,
+    /// gpt-oss's router has a bias.
+    pub router_bias: Option<B::Weight>,
     pub experts: Vec<ExpertWeights<B::Weight>>,
+    pub activation: Activation,
 }
 
 impl<B: Backend> MoeLayer<B> {
@@ -28,6 +33,16 @@ impl<B: Backend> MoeLayer<B> {
         m: &MoeConfig,
     ) -> Result<Self> {
         let (h, f, e) = (c.hidden_size, m.expert_ffn, m.n_experts);
+        if let MoeStyle::GptOss { alpha, limit } = m.style {
+            return Self::load_gpt_oss(
+                be,
+                src,
+                i,
+                c,
+                m,
+                Activation::ClampedSwiglu { alpha, limit },
+            );
+        }
         let router = src.require(be, "model.layers.{i}.mlp.gate.weight", i, (e, h))?;
         let experts = if src.gguf {
             let stacked = |template: &str, rows: usize, cols: usize| -> Result<B::Weight> {
@@ -52,6 +67,7 @@ impl<B: Backend> MoeLayer<B> {
                         gate: be.weight_rows(&gate, x * f, f)?,
                         up: be.weight_rows(&up, x * f, f)?,
                         down: be.weight_rows(&down, x * h, h)?,
+                        biases: None,
                     })
                 })
                 .collect::<Result<Vec<_>>>()?
@@ -63,11 +79,146 @@ impl<B: Backend> MoeLayer<B> {
                         gate: src.require(be, &n("gate_proj"), i, (f, h))?,
                         up: src.require(be, &n("up_proj"), i, (f, h))?,
                         down: src.require(be, &n("down_proj"), i, (h, f))?,
+                        biases: None,
                     })
                 })
                 .collect::<Result<Vec<_>>>()?
         };
-        Ok(MoeLayer { router, experts })
+        Ok(MoeLayer {
+            router,
+            router_bias: None,
+            experts,
+            activation: Activation::Silu,
+        })
+    }
+}
+
+impl<B: Backend> MoeLayer<B> {
+    /// gpt-oss's router (with a bias) and experts (with biases). GGUF stacks each projection
+    /// as `[E, rows, cols]` with its biases `[E, rows]`; Hugging Face files stack them as
+    /// `x · W`: `gate_up_proj` `[E, H, 2F]` with gate and up columns interleaved (gate even,
+    /// up odd, the bias likewise) and `down_proj` `[E, F, H]`, transposed here into the rows
+    /// the matmul reads (on the host, in f32).
+    fn load_gpt_oss(
+        be: &B,
+        src: &WeightSource,
+        i: usize,
+        c: &ModelConfig,
+        m: &MoeConfig,
+        activation: Activation,
+    ) -> Result<Self> {
+        let (h, f, e) = (c.hidden_size, m.expert_ffn, m.n_experts);
+        let router = src.require(be, "model.layers.{i}.mlp.router.weight", i, (e, h))?;
+        let router_bias = Some(src.require(be, "model.layers.{i}.mlp.router.bias", i, (1, e))?);
+        // A bias is a vector (`rows` 1): the backend keeps vectors as they are.
+        let f32_weight = |name: String, rows: usize, cols: usize, v: Vec<f32>| {
+            let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let shape = if rows == 1 {
+                vec![cols]
+            } else {
+                vec![rows, cols]
+            };
+            let t = RawTensor::from_bytes(&name, DType::F32, shape, bytes)
+                .ok_or_else(|| Error::Weights(format!("{name}: bad size")))?;
+            be.load_weight(&t)
+        };
+        let experts = if src.gguf {
+            let stacked = |name: &str, rows: usize, cols: usize| -> Result<B::Weight> {
+                let name = name.replace("{i}", &i.to_string());
+                let t = src
+                    .store
+                    .get(&name)
+                    .ok_or_else(|| Error::Weights(format!("missing tensor {name:?}")))?;
+                if t.shape != [e, rows, cols] {
+                    return Err(Error::Weights(format!(
+                        "tensor {name:?} has shape {:?}, expected [{e}, {rows}, {cols}]",
+                        t.shape
+                    )));
+                }
+                be.load_weight(t)
+            };
+            let (g, u, d) = names::GGUF_EXPERTS;
+            let (gate, up, down) = (stacked(g, f, h)?, stacked(u, f, h)?, stacked(d, h, f)?);
+            let bias = |base: &str, rows: usize| -> Result<Vec<f32>> {
+                let name = base
+                    .replace(".weight", ".bias")
+                    .replace("{i}", &i.to_string());
+                src.vector(&name, i, e * rows)
+            };
+            let (gb, ub, db) = (bias(g, f)?, bias(u, f)?, bias(d, h)?);
+            (0..e)
+                .map(|x| {
+                    let b = |v: &[f32], rows: usize, p: &str| {
+                        f32_weight(
+                            format!("blk.{i}.{p}.bias[{x}]"),
+                            1,
+                            rows,
+                            v[x * rows..(x + 1) * rows].to_vec(),
+                        )
+                    };
+                    Ok(ExpertWeights {
+                        gate: be.weight_rows(&gate, x * f, f)?,
+                        up: be.weight_rows(&up, x * f, f)?,
+                        down: be.weight_rows(&down, x * h, h)?,
+                        biases: Some([b(&gb, f, "gate")?, b(&ub, f, "up")?, b(&db, h, "down")?]),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            let p = "model.layers.{i}.mlp.experts.";
+            let gate_up = src.vector(&format!("{p}gate_up_proj"), i, e * h * 2 * f)?;
+            let gate_up_b = src.vector(&format!("{p}gate_up_proj_bias"), i, e * 2 * f)?;
+            let down = src.vector(&format!("{p}down_proj"), i, e * f * h)?;
+            let down_b = src.vector(&format!("{p}down_proj_bias"), i, e * h)?;
+            (0..e)
+                .map(|x| {
+                    let gu = &gate_up[x * h * 2 * f..(x + 1) * h * 2 * f];
+                    let gub = &gate_up_b[x * 2 * f..(x + 1) * 2 * f];
+                    // Row j of the gate is column 2j of `gu` (up: 2j + 1).
+                    let take = |odd: usize| -> Vec<f32> {
+                        (0..f)
+                            .flat_map(|j| (0..h).map(move |k| gu[k * 2 * f + 2 * j + odd]))
+                            .collect()
+                    };
+                    let dn = &down[x * f * h..(x + 1) * f * h];
+                    let down_rows: Vec<f32> = (0..h)
+                        .flat_map(|r| (0..f).map(move |j| dn[j * h + r]))
+                        .collect();
+                    let name = |s: &str| format!("model.layers.{i}.mlp.experts.{x}.{s}");
+                    Ok(ExpertWeights {
+                        gate: f32_weight(name("gate"), f, h, take(0))?,
+                        up: f32_weight(name("up"), f, h, take(1))?,
+                        down: f32_weight(name("down"), h, f, down_rows)?,
+                        biases: Some([
+                            f32_weight(
+                                name("gate_bias"),
+                                1,
+                                f,
+                                gub.iter().step_by(2).copied().collect(),
+                            )?,
+                            f32_weight(
+                                name("up_bias"),
+                                1,
+                                f,
+                                gub.iter().skip(1).step_by(2).copied().collect(),
+                            )?,
+                            f32_weight(
+                                name("down_bias"),
+                                1,
+                                h,
+                                down_b[x * h..(x + 1) * h].to_vec(),
+                            )?,
+                        ]),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?
+        };
+        Ok(MoeLayer {
+            router,
+            router_bias,
+            experts,
+            activation,
+        })
     }
 }
 
@@ -152,9 +303,11 @@ impl Router {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::MoeStyle;
 
     fn cfg(k: usize, norm: bool) -> MoeConfig {
         MoeConfig {
+            style: MoeStyle::Qwen,
             n_experts: 4,
             n_active: k,
             expert_ffn: 8,

@@ -37,6 +37,7 @@ const MODELS: &[&str] = &[
     "smollm3",
     "granite",
     "olmo2",
+    "gpt-oss",
 ];
 
 fn dir(name: &str) -> PathBuf {

@@ -169,6 +169,10 @@ pub(super) fn attention(
     let hd = qv.head_dim;
     assert!(k.shape == v.shape, "keys and values of different shapes");
     assert!(
+        p.sinks.is_none_or(|s| s.len() == qv.heads),
+        "attention: one sink per query head"
+    );
+    assert!(
         p.n_kv_heads == k.shape.heads && hd == k.shape.head_dim,
         "attention: {} KV heads of {hd} against a cache of {} of {}",
         p.n_kv_heads,
@@ -338,7 +342,7 @@ fn attend<T: Sync>(
         let lo_of = |pos: usize| p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let (klo, khi) = (lo_of(pos_of(lo_row)), pos_of(hi_row - 1));
         let span = khi + 1 - klo;
-        let softmax = |scores: &mut [f32]| {
+        let softmax = |scores: &mut [f32], h: usize| {
             let scale = match p.softcap {
                 // Gemma 2's cap goes between the scaling and the softmax.
                 Some(cap) => {
@@ -349,7 +353,10 @@ fn attend<T: Sync>(
                 }
                 None => p.scale,
             };
-            (kern.softmax)(scores, scale);
+            match p.sinks {
+                Some(sinks) => softmax_with_sink(scores, scale, sinks[h]),
+                None => (kern.softmax)(scores, scale),
+            }
         };
         // Output rows of heads `h..h + g` of query row `t`, zeroed (consecutive heads'
         // rows are adjacent).
@@ -397,7 +404,7 @@ fn attend<T: Sync>(
                             }
                         }
                         for i in 0..g {
-                            softmax(&mut scores[i * span..(i + 1) * span]);
+                            softmax(&mut scores[i * span..(i + 1) * span], h + i);
                         }
                         let o = out_rows(lo_row, h, g);
                         (dk.mix)(&scores[..g * span], g, v_cache, &offs, o);
@@ -431,13 +438,28 @@ fn attend<T: Sync>(
                             (kern.dot8)(qh, &kf[(lo + c) * hd..(lo + c + 8) * hd], &mut acc);
                             scores.extend_from_slice(&acc[..(n - c).min(8)]);
                         }
-                        softmax(&mut scores);
+                        softmax(&mut scores, h);
                         (kern.mix)(&scores, &vf[lo * hd..(lo + n) * hd], out_rows(t, h, 1));
                     }
                 }
             });
         });
     });
+}
+
+/// `scores · scale` turned into attention weights whose denominator also holds `e^sink`
+/// (the weights sum to less than one). Plain code: only models with sinks take it.
+fn softmax_with_sink(scores: &mut [f32], scale: f32, sink: f32) {
+    let m = scores.iter().fold(sink, |m, &s| m.max(s * scale));
+    let mut z = (sink - m).exp();
+    for s in scores.iter_mut() {
+        *s = (*s * scale - m).exp();
+        z += *s;
+    }
+    let inv = 1.0 / z;
+    for s in scores.iter_mut() {
+        *s *= inv;
+    }
 }
 
 /// Calls `f` with the storage offset of KV head `h` at each position `lo..=pos`, in order.

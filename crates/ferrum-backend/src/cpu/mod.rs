@@ -1022,9 +1022,11 @@ impl Backend for CpuBackend {
         scratch: &mut MoeScratch<Vec<f32>>,
         out: &mut Vec<f32>,
         ov: Rows,
+        act: Activation,
     ) {
-        if xv.count != 1 {
-            return moe_ffn_default(self, x, xv, experts, batches, scratch, out, ov);
+        // The one-token pass below has no biases.
+        if xv.count != 1 || experts.iter().any(|e| e.biases.is_some()) {
+            return moe_ffn_default(self, x, xv, experts, batches, scratch, out, ov, act);
         }
         check_view("moe x", xv, x.len());
         check_view("moe out", ov, out.len());
@@ -1077,7 +1079,7 @@ impl Backend for CpuBackend {
             Rows::dense(k, 2 * f),
             &mut scratch.act,
             Rows::dense(k, f),
-            Activation::Silu,
+            act,
         );
         let acts: Vec<ActRow> = sel
             .iter()

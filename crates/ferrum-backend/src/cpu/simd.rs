@@ -308,6 +308,19 @@ pub fn glu(g: &[f32], u: &[f32], out: &mut [f32], act: crate::Activation) {
     match act {
         crate::Activation::Silu => silu_mul(g, u, out),
         crate::Activation::GeluTanh => gelu_tanh_mul(g, u, out),
+        crate::Activation::ClampedSwiglu { alpha, limit } => {
+            clamped_swiglu(g, u, out, alpha, limit)
+        }
+    }
+}
+
+/// gpt-oss's gate (see [`crate::Activation::ClampedSwiglu`]), in plain code: only its
+/// experts use it.
+pub fn clamped_swiglu(g: &[f32], u: &[f32], out: &mut [f32], alpha: f32, limit: f32) {
+    for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
+        let g = g.min(limit);
+        let u = u.clamp(-limit, limit);
+        *o = (u + 1.0) * (g / (1.0 + (-alpha * g).exp()));
     }
 }
 

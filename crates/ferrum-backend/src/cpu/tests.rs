@@ -122,11 +122,13 @@ fn decode_attention_on_f16_cache_equals_prefill_rows_bit_for_bit() {
             be.write_kv(&vc, rows, &mut vb, table, 0);
             let qv = Rows::dense(n, heads * hd).split_heads(hd);
             for (window, softcap) in [(None, None), (Some(5), None), (None, Some(2.0))] {
+                let sinks: Vec<f32> = (0..heads).map(|h| h as f32 * 0.7 - 1.0).collect();
                 let p = AttentionParams {
                     n_kv_heads: kvh,
                     scale: 0.4,
                     window,
                     softcap,
+                    sinks: softcap.is_none().then_some(&sinks[..]),
                 };
                 let whole = [AttnSeq {
                     rows: n,
@@ -204,7 +206,15 @@ fn paged_attention_matches_naive_causal_gqa_with_window() {
         be.write_kv(&kc, rows.slice(0, 7), &mut kb, table, 0);
         be.write_kv(&kc, rows.slice(7, n - 7), &mut kb, table, 7);
         be.write_kv(&vc, rows, &mut vb, table, 0);
-        for window in [None, Some(3)] {
+        // Sinks of either sign and one far above every score (its head attends to almost
+        // nothing).
+        let sinks = [0.8f32, -1.5, 6.0, 0.0];
+        for (window, sink) in [
+            (None, None),
+            (Some(3), None),
+            (None, Some(sinks)),
+            (Some(3), Some(sinks)),
+        ] {
             let whole = [AttnSeq {
                 rows: n,
                 first_pos: 0,
@@ -215,6 +225,7 @@ fn paged_attention_matches_naive_causal_gqa_with_window() {
                 scale: 0.3,
                 window,
                 softcap: None,
+                sinks: sink.as_ref().map(|s| &s[..]),
             };
             let mut out = vec![0.0; n * heads * hd];
             be.attention(&q, qv, &kb, &vb, &whole, &mut out, qv, p);
@@ -252,9 +263,10 @@ fn paged_attention_matches_naive_causal_gqa_with_window() {
                                 * 0.3
                         })
                         .collect();
-                    let mx = s.iter().cloned().fold(f64::MIN, f64::max);
+                    let sk = sink.map(|s| s[h] as f64);
+                    let mx = s.iter().cloned().fold(sk.unwrap_or(f64::MIN), f64::max);
                     let e: Vec<f64> = s.iter().map(|v| (v - mx).exp()).collect();
-                    let z: f64 = e.iter().sum();
+                    let z: f64 = e.iter().sum::<f64>() + sk.map_or(0.0, |k| (k - mx).exp());
                     for d in 0..hd {
                         let want: f64 = (lo..=t)
                             .zip(&e)
@@ -263,7 +275,7 @@ fn paged_attention_matches_naive_causal_gqa_with_window() {
                         let got = out[t * heads * hd + h * hd + d] as f64;
                         assert!(
                             (got - want).abs() < tol,
-                            "{kv:?} t{t} h{h} d{d} {window:?}: {got} vs {want}"
+                            "{kv:?} t{t} h{h} d{d} {window:?} {sink:?}: {got} vs {want}"
                         );
                     }
                 }
@@ -434,6 +446,7 @@ fn moe_decode_override_equals_default_composition() {
                 gate: mk(&mut r, f, h, quantized),
                 up: mk(&mut r, f, h, quantized),
                 down: mk(&mut r, h, f, quantized),
+                biases: None,
             })
             .collect();
         let x = rand_vec(&mut r, h);
@@ -460,8 +473,9 @@ fn moe_decode_override_equals_default_composition() {
         let v = Rows::dense(1, h);
         let mut a = vec![0.0; h];
         let mut b = vec![1.0; h];
-        be.moe_ffn(&x, v, &experts, &batches, &mut scratch, &mut a, v);
-        moe_ffn_default(&be, &x, v, &experts, &batches, &mut scratch, &mut b, v);
+        let act = Activation::Silu;
+        be.moe_ffn(&x, v, &experts, &batches, &mut scratch, &mut a, v, act);
+        moe_ffn_default(&be, &x, v, &experts, &batches, &mut scratch, &mut b, v, act);
         assert_eq!(a, b, "quantized={quantized}");
     }
 }

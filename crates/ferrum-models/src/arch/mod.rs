@@ -4,6 +4,7 @@
 //! [`crate::layers`], run by [`crate::decoder`]. A new family is a new file and a row here.
 
 pub mod gemma3;
+pub mod gpt_oss;
 pub mod granite;
 pub mod llama;
 pub mod olmo2;
@@ -29,6 +30,7 @@ pub enum Arch {
     SmolLm3,
     Granite,
     Olmo2,
+    GptOss,
 }
 
 /// How one family is recognised and read.
@@ -60,6 +62,7 @@ pub const ARCHS: &[ArchInfo] = &[
     smollm3::INFO,
     granite::INFO,
     olmo2::INFO,
+    gpt_oss::INFO,
 ];
 
 impl Arch {
@@ -118,6 +121,7 @@ mod tests {
             Arch::SmolLm3,
             Arch::Granite,
             Arch::Olmo2,
+            Arch::GptOss,
         ] {
             assert_eq!(ARCHS.iter().filter(|i| i.arch == a).count(), 1, "{a:?}");
             assert_eq!(a.info().arch, a);

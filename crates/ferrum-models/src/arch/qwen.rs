@@ -6,7 +6,7 @@ use ferrum_loader::GgufFile;
 use serde_json::Value as Json;
 
 use super::{Arch, ArchInfo};
-use crate::config::{hf_opt_usize, hf_usize, ModelConfig, MoeConfig, QkNorm};
+use crate::config::{hf_opt_usize, hf_usize, ModelConfig, MoeConfig, MoeStyle, QkNorm};
 
 pub const QWEN2: ArchInfo = ArchInfo {
     arch: Arch::Qwen2,
@@ -65,6 +65,7 @@ fn moe_from_hf(j: &Json) -> Result<ModelConfig> {
         .or_else(|| hf_opt_usize(j, "num_local_experts"))
         .ok_or_else(|| Error::Weights("config.json: no num_experts".into()))?;
     let m = MoeConfig {
+        style: MoeStyle::Qwen,
         n_experts,
         n_active: hf_usize(j, "num_experts_per_tok")?,
         expert_ffn: hf_usize(j, "moe_intermediate_size")?,
@@ -98,6 +99,7 @@ fn moe_from_gguf(g: &GgufFile, vocab: usize, tied: bool) -> Result<ModelConfig> 
     // llama.cpp's qwen3moe graph routes every layer and always renormalises the top-k
     // weights, and its GGUFs carry no key saying otherwise.
     let m = MoeConfig {
+        style: MoeStyle::Qwen,
         n_experts: g.require_usize(&key("expert_count"))?,
         n_active: g.require_usize(&key("expert_used_count"))?,
         expert_ffn: g.require_usize(&key("expert_feed_forward_length"))?,
