@@ -42,10 +42,12 @@ pub enum FileType {
     Q5KS,
     Q5KM,
     Q6K,
+    /// gpt-oss's release format: expert stacks MXFP4, every other matrix Q8_0.
+    Mxfp4Moe,
 }
 
 impl FileType {
-    pub const ALL: [FileType; 17] = [
+    pub const ALL: [FileType; 18] = [
         FileType::F32,
         FileType::F16,
         FileType::BF16,
@@ -63,6 +65,7 @@ impl FileType {
         FileType::Q5KS,
         FileType::Q5KM,
         FileType::Q6K,
+        FileType::Mxfp4Moe,
     ];
 
     /// The name llama-quantize uses (`Q4_K_M`, ...).
@@ -85,6 +88,7 @@ impl FileType {
             FileType::Q5KS => "Q5_K_S",
             FileType::Q5KM => "Q5_K_M",
             FileType::Q6K => "Q6_K",
+            FileType::Mxfp4Moe => "MXFP4_MOE",
         }
     }
 
@@ -108,6 +112,7 @@ impl FileType {
             FileType::Q5KM => 17,
             FileType::Q6K => 18,
             FileType::BF16 => 32,
+            FileType::Mxfp4Moe => 38,
         }
     }
 
@@ -127,6 +132,7 @@ impl FileType {
             FileType::Q4KS | FileType::Q4KM => DType::Q4K,
             FileType::Q5KS | FileType::Q5KM => DType::Q5K,
             FileType::Q6K => DType::Q6K,
+            FileType::Mxfp4Moe => DType::Mxfp4,
         }
     }
 }

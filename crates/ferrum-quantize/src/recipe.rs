@@ -148,6 +148,13 @@ pub fn plan(ftype: FileType, model: &ModelInfo, tensors: &[PlanInput]) -> Vec<Op
         }
         let row_len = t.dims[0];
         let cat = category(t.name);
+        if ftype == F::Mxfp4Moe {
+            // llama.cpp: stacked experts (a third dimension above 1) MXFP4, the rest Q8_0.
+            let experts = t.dims.get(2).is_some_and(|&e| e > 1) && cat != Category::Output;
+            let ty = if experts { DType::Mxfp4 } else { DType::Q8_0 };
+            out.push(Some(fallback(ty, row_len)));
+            continue;
+        }
         let mut ty = default;
         match cat {
             Category::Output | Category::TokenEmbd if cat == Category::Output || tied => {
