@@ -127,6 +127,18 @@ fn q8_0_gguf_exact_backend_matches_transformers() {
     }
 }
 
+/// gpt-oss with MXFP4 experts (`llama-quantize MXFP4_MOE`) with f32 activations, against
+/// transformers on the gguf package's dequantisation of the same file. (Its routing has a
+/// near-tie of 0.0135, so only f32 activations can match it this closely; 8-bit ones move
+/// three routing decisions.)
+#[test]
+fn mxfp4_gguf_exact_backend_matches_transformers() {
+    let path = dir("gpt-oss").join("model-mxfp4.gguf");
+    let r = reference("gpt-oss", "reference-gguf-mxfp4.json").expect("an MXFP4 reference");
+    let got = run(CpuBackend::exact(), &path, &r.tokens);
+    assert_within("gpt-oss/model-mxfp4.gguf", &got, &r, 1e-5);
+}
+
 /// One pass over the prompt, and token-by-token decode, give the same logits (windows and
 /// per-layer RoPE included).
 #[test]

@@ -254,6 +254,35 @@ fn q8_0_gguf_requantised_to_q8_0_is_a_copy() {
     }
 }
 
+/// gpt-oss to MXFP4_MOE: every tensor's type and bytes are llama-quantize's
+/// (`tests/fixtures/arch/gpt-oss/model-mxfp4.gguf`, from the f32 file).
+#[test]
+fn gpt_oss_to_mxfp4_moe_matches_llama_quantize() {
+    let dir = repo().join("tests/fixtures/arch/gpt-oss");
+    let out = tmp("gpt-oss-mxfp4.gguf");
+    quantize_file(&dir.join("model-f32.gguf"), &out, FileType::Mxfp4Moe).unwrap();
+    let (ours, theirs) = (
+        GgufFile::open(&out).unwrap(),
+        GgufFile::open(&dir.join("model-mxfp4.gguf")).unwrap(),
+    );
+    let (to, tt) = (ours.tensors(), theirs.tensors());
+    assert_eq!(to.tensors.len(), tt.tensors.len());
+    let mut mxfp4 = 0;
+    for (name, t) in &to.tensors {
+        let r = tt
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} not in llama.cpp's file"));
+        assert_eq!((t.dtype, &t.shape), (r.dtype, &r.shape), "{name}");
+        assert!(
+            t.bytes() == r.bytes(),
+            "{name}: bytes differ from llama-quantize's"
+        );
+        mxfp4 += usize::from(t.dtype == DType::Mxfp4);
+    }
+    assert_eq!(mxfp4, 12, "three expert stacks in each of four layers");
+    assert_eq!(ours.get_u64("general.file_type"), Some(38));
+}
+
 #[test]
 fn llama_hf_folder_matches_llama_cpp_converter() {
     let dir = repo().join("tests/fixtures/tiny/llama");
