@@ -331,8 +331,13 @@ impl ModelConfig {
         } else {
             None
         };
+        // YaRN's attention temperature rides on cos and sin, for every family that uses it.
+        let rope_factor = rope_scaling
+            .as_ref()
+            .map_or(1.0, RopeScaling::attention_factor);
         ModelConfig {
             arch,
+            rope_factor,
             vocab_size: hf_usize(j, "vocab_size")?,
             hidden_size: hidden,
             n_layers,
@@ -386,7 +391,7 @@ impl ModelConfig {
                 let f = |k: &str, d: f64| g.get_f64(&key(k)).unwrap_or(d) as f32;
                 let factor = f("rope.scaling.factor", 1.0);
                 // llama.cpp always rounds the ramp's ends outwards (`ggml_rope_yarn_corr_dims`),
-                // and scales cos/sin by 1 + 0.1 ln(factor) (times `yarn_attn_factor`).
+                // and scales cos/sin by 1 + 0.1 ln(factor) times `rope.scaling.attn_factor`.
                 let mscale = if factor > 1.0 {
                     1.0 + 0.1 * factor.ln()
                 } else {
@@ -398,9 +403,10 @@ impl ModelConfig {
                     beta_slow: f("rope.scaling.yarn_beta_slow", 1.0),
                     original_max_position: g
                         .get_u64(&key("rope.scaling.original_context_length"))
+                        .or_else(|| g.get_u64(&key("context_length")))
                         .map_or(4096.0, |v| v as f32),
                     truncate: true,
-                    attention_factor: mscale * f("rope.scaling.yarn_attn_factor", 1.0),
+                    attention_factor: mscale * f("rope.scaling.attn_factor", 1.0),
                 })
             }
             Some(other) => {
@@ -418,8 +424,12 @@ impl ModelConfig {
             .get_u64(&key("attention.sliding_window"))
             .filter(|&v| v > 0)
             .map(|v| v as usize);
+        let rope_factor = rope_scaling
+            .as_ref()
+            .map_or(1.0, RopeScaling::attention_factor);
         ModelConfig {
             arch,
+            rope_factor,
             vocab_size,
             hidden_size: hidden,
             n_layers,

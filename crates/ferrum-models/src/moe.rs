@@ -166,6 +166,27 @@ impl<B: Backend> MoeLayer<B> {
                 .collect::<Result<Vec<_>>>()?
         } else {
             let p = "model.layers.{i}.mlp.experts.";
+            for (name, shape) in [("gate_up_proj", [e, h, 2 * f]), ("down_proj", [e, f, h])] {
+                let n = format!("{p}{name}");
+                match src.tensor(&n, i) {
+                    Some(t) if t.shape != shape => {
+                        return Err(Error::Weights(format!(
+                            "{}: shape {:?}, expected {shape:?} (gpt-oss stacks experts as x · W)",
+                            src.name(&n, i),
+                            t.shape
+                        )))
+                    }
+                    None if src.tensor(&format!("{n}_blocks"), i).is_some() => {
+                        return Err(Error::Unsupported(format!(
+                            "{}: MXFP4 experts in safetensors (`_blocks`/`_scales`) are not \
+                             read yet; convert the model to GGUF (llama.cpp's \
+                             convert_hf_to_gguf.py keeps them MXFP4)",
+                            src.name(&n, i)
+                        )))
+                    }
+                    _ => {}
+                }
+            }
             let gate_up = src.vector(&format!("{p}gate_up_proj"), i, e * h * 2 * f)?;
             let gate_up_b = src.vector(&format!("{p}gate_up_proj_bias"), i, e * 2 * f)?;
             let down = src.vector(&format!("{p}down_proj"), i, e * f * h)?;

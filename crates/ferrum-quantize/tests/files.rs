@@ -263,7 +263,7 @@ fn gpt_oss_to_mxfp4_moe_matches_llama_quantize() {
     quantize_file(&dir.join("model-f32.gguf"), &out, FileType::Mxfp4Moe).unwrap();
     let (ours, theirs) = (
         GgufFile::open(&out).unwrap(),
-        GgufFile::open(&dir.join("model-mxfp4.gguf")).unwrap(),
+        GgufFile::open(dir.join("model-mxfp4.gguf")).unwrap(),
     );
     let (to, tt) = (ours.tensors(), theirs.tensors());
     assert_eq!(to.tensors.len(), tt.tensors.len());

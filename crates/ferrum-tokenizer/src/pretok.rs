@@ -26,6 +26,11 @@ const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N
 /// Qwen3.5: Qwen2 with combining marks (`\p{M}`) kept inside words.
 const QWEN35: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// GPT-4o's o200k (gpt-oss, MiniMax-M2): words split at case changes (an upper-case run
+/// then lower-case letters, or an upper-case run alone), contractions kept on, numbers in
+/// threes, punctuation runs taking trailing newlines and slashes.
+const GPT4O: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 /// How a byte-level BPE vocabulary splits text before merging.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PreTokenizerSpec {
@@ -63,6 +68,7 @@ pub(crate) fn spec_for(pre: Option<&str>) -> Result<PreTokenizerSpec> {
         }
         "qwen2" | "deepseek-r1-qwen" | "stablelm2" | "megrez" => PreTokenizerSpec::new(&[QWEN2]),
         "qwen35" => PreTokenizerSpec::new(&[QWEN35]),
+        "gpt-4o" | "minimax-m2" => PreTokenizerSpec::new(&[GPT4O]),
         "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" => PreTokenizerSpec {
             regexes: vec![LLAMA3],
             ignore_merges: true,
@@ -82,8 +88,8 @@ pub(crate) fn spec_for(pre: Option<&str>) -> Result<PreTokenizerSpec> {
             return Err(Error::Tokenizer(format!(
                 "unsupported pre-tokenizer tokenizer.ggml.pre = {other:?} (supported: default, \
                  gpt-2, phi-2, mpt, olmo, starcoder, refact, command-r, smollm, codeshell, \
-                 qwen2, deepseek-r1-qwen, stablelm2, megrez, qwen35, llama3, llama-v3, \
-                 llama-bpe, falcon3, pixtral, falcon, deepseek-coder)"
+                 qwen2, deepseek-r1-qwen, stablelm2, megrez, qwen35, gpt-4o, minimax-m2, \
+                 llama3, llama-v3, llama-bpe, falcon3, pixtral, falcon, deepseek-coder)"
             )))
         }
     };
@@ -105,6 +111,42 @@ mod tests {
         assert_eq!(spec_for(None).unwrap(), spec_for(Some("default")).unwrap());
     }
 
+    /// The splits Python's `regex` module gives with o200k's pattern (the one tiktoken and
+    /// tokenizer.json use).
+    #[test]
+    fn gpt_4o_splits_at_case_changes_and_numbers_in_threes() {
+        use tokenizers::{PreTokenizedString, PreTokenizer};
+        let split = tokenizers::pre_tokenizers::split::Split::new(
+            tokenizers::pre_tokenizers::split::SplitPattern::Regex(GPT4O.into()),
+            tokenizers::SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .unwrap();
+        for (text, want) in [
+            (
+                "Hello world's 12345 HTTPServer",
+                &["Hello", " world's", " ", "123", "45", " HTTPServer"][..],
+            ),
+            (
+                "  x\n\n  y!!/\n",
+                &[" ", " x", "\n\n", " ", " y", "!!/\n"][..],
+            ),
+            ("ÉCOLE naïve CAFÉs", &["ÉCOLE", " naïve", " CAFÉs"][..]),
+        ] {
+            let mut p = PreTokenizedString::from(text);
+            split.pre_tokenize(&mut p).unwrap();
+            let got: Vec<String> = p
+                .get_splits(
+                    tokenizers::OffsetReferential::Original,
+                    tokenizers::OffsetType::Byte,
+                )
+                .into_iter()
+                .map(|(s, _, _)| s.to_string())
+                .collect();
+            assert_eq!(got, want, "{text:?}");
+        }
+    }
+
     #[test]
     fn every_regex_compiles() {
         for pre in [
@@ -113,6 +155,7 @@ mod tests {
             "smollm",
             "qwen2",
             "qwen35",
+            "gpt-4o",
             "llama-bpe",
             "falcon",
             "deepseek-coder",

@@ -74,7 +74,30 @@ fn finish(mut c: ModelConfig, moe: MoeConfig, window: usize, sliding: &[bool]) -
 }
 
 fn from_hf(j: &Json) -> Result<ModelConfig> {
-    let c = ModelConfig::hf_base(Arch::GptOss, j)?;
+    let mut c = ModelConfig::hf_base(Arch::GptOss, j)?;
+    // transformers' GptOssConfig defaults, where a config leaves them out.
+    let rope = j.get("rope_parameters");
+    if hf_f64(j, "rope_theta")
+        .or_else(|| rope.and_then(|p| hf_f64(p, "rope_theta")))
+        .is_none()
+    {
+        c.rope_theta = 150_000.0;
+    }
+    if c.rope_scaling.is_none() {
+        let s = RopeScaling::Yarn {
+            factor: 32.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            original_max_position: 4096.0,
+            truncate: false,
+            attention_factor: 1.0 + 0.1 * 32f32.ln(),
+        };
+        c.rope_factor = s.attention_factor();
+        c.rope_scaling = Some(s);
+    }
+    if hf_f64(j, "rms_norm_eps").is_none() {
+        c.rms_eps = 1e-5;
+    }
     let moe = MoeConfig {
         style: MoeStyle::GptOss {
             alpha: hf_f64(j, "swiglu_alpha").unwrap_or(ALPHA as f64) as f32,
@@ -83,7 +106,9 @@ fn from_hf(j: &Json) -> Result<ModelConfig> {
         n_experts: hf_opt_usize(j, "num_local_experts")
             .or_else(|| hf_opt_usize(j, "num_experts"))
             .ok_or_else(|| Error::Weights("config.json: no num_local_experts".into()))?,
-        n_active: hf_usize(j, "num_experts_per_tok")?,
+        n_active: hf_opt_usize(j, "num_experts_per_tok")
+            .or_else(|| hf_opt_usize(j, "experts_per_token"))
+            .unwrap_or(4),
         expert_ffn: hf_usize(j, "intermediate_size")?,
         // A softmax over the top-k logits is a softmax over all, cut and renormalised.
         norm_topk_prob: true,

@@ -28,7 +28,8 @@ pub fn quantize(x: &[f32], out: &mut [u8]) {
             .iter()
             .fold(0f32, |m, v| if m < v.abs() { v.abs() } else { m });
         let e = if amax > 0.0 {
-            (amax.log2().floor() as i32 - 2 + 127).clamp(0, 255) as u8
+            // In f32 until clamped: an infinite maximum must not overflow an integer.
+            (amax.log2().floor() - 2.0 + 127.0).clamp(0.0, 255.0) as u8
         } else {
             0
         };

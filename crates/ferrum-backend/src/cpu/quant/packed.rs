@@ -98,6 +98,7 @@ impl Isa {
                 if let Some(i) = Isa::available().into_iter().find(|i| i.name() == want) {
                     return i;
                 }
+                eprintln!("ferrum: FERRUM_ISA={want:?} is not an instance this CPU runs; ignored");
             }
             let vnni_allowed = std::env::var("FERRUM_AVXVNNI").map_or(true, |v| v != "0");
             let mut isas = Isa::available();
