@@ -88,6 +88,22 @@ pub struct MoeConfig {
 }
 
 impl MoeConfig {
+    /// The expert counts a MoE GGUF carries under `{arch}.`. llama.cpp's graphs route every
+    /// layer and renormalise the top-k weights (a softmax over the top-k logits is the same),
+    /// and the files carry no key saying otherwise.
+    pub fn from_gguf(g: &GgufFile, arch: &str, style: MoeStyle) -> Result<MoeConfig> {
+        let key = |k: &str| format!("{arch}.{k}");
+        Ok(MoeConfig {
+            style,
+            n_experts: g.require_usize(&key("expert_count"))?,
+            n_active: g.require_usize(&key("expert_used_count"))?,
+            expert_ffn: g.require_usize(&key("expert_feed_forward_length"))?,
+            norm_topk_prob: true,
+            mlp_only_layers: Vec::new(),
+            sparse_step: 1,
+        })
+    }
+
     /// Whether layer `i` routes to experts (the rule of transformers' `Qwen3MoeDecoderLayer`).
     pub fn is_moe_layer(&self, i: usize) -> bool {
         !self.mlp_only_layers.contains(&i)

@@ -112,19 +112,12 @@ impl WeightSource<'_> {
             return self.require(be, hf, layer, (1, len));
         }
         let name = self.name(hf, layer);
-        let t = self
-            .tensor(hf, layer)
-            .ok_or_else(|| Error::Weights(format!("missing tensor {name:?}")))?;
-        if t.numel() != len || t.shape.len() != 1 {
+        if self.tensor(hf, layer).is_some_and(|t| t.shape.len() != 1) {
             return Err(Error::Weights(format!(
-                "tensor {name:?} has shape {:?}, expected [{len}]",
-                t.shape
+                "tensor {name:?} is not a vector of {len}"
             )));
         }
-        let mut v = vec![0f32; len];
-        if !ferrum_backend::cpu::quant::dequantize(t.dtype, t.bytes(), &mut v) {
-            return Err(Error::Weights(format!("tensor {name:?}: cannot convert")));
-        }
+        let v = self.vector(hf, layer, len)?;
         let bytes = v.iter().flat_map(|x| (x + offset).to_le_bytes()).collect();
         let shifted = RawTensor::from_bytes(&name, DType::F32, vec![len], bytes)
             .ok_or_else(|| Error::Weights(format!("tensor {name:?}: bad size")))?;

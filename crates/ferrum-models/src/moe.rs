@@ -45,22 +45,7 @@ impl<B: Backend> MoeLayer<B> {
         }
         let router = src.require(be, "model.layers.{i}.mlp.gate.weight", i, (e, h))?;
         let experts = if src.gguf {
-            let stacked = |template: &str, rows: usize, cols: usize| -> Result<B::Weight> {
-                let name = template.replace("{i}", &i.to_string());
-                let t = src
-                    .store
-                    .get(&name)
-                    .ok_or_else(|| Error::Weights(format!("missing tensor {name:?}")))?;
-                if t.shape != [e, rows, cols] {
-                    return Err(Error::Weights(format!(
-                        "tensor {name:?} has shape {:?}, expected [{e}, {rows}, {cols}]",
-                        t.shape
-                    )));
-                }
-                be.load_weight(t)
-            };
-            let (g, u, d) = names::GGUF_EXPERTS;
-            let (gate, up, down) = (stacked(g, f, h)?, stacked(u, f, h)?, stacked(d, h, f)?);
+            let [gate, up, down] = gguf_stacks(be, src, i, e, f, h)?;
             (0..e)
                 .map(|x| {
                     Ok(ExpertWeights {
@@ -123,22 +108,8 @@ impl<B: Backend> MoeLayer<B> {
             be.load_weight(&t)
         };
         let experts = if src.gguf {
-            let stacked = |name: &str, rows: usize, cols: usize| -> Result<B::Weight> {
-                let name = name.replace("{i}", &i.to_string());
-                let t = src
-                    .store
-                    .get(&name)
-                    .ok_or_else(|| Error::Weights(format!("missing tensor {name:?}")))?;
-                if t.shape != [e, rows, cols] {
-                    return Err(Error::Weights(format!(
-                        "tensor {name:?} has shape {:?}, expected [{e}, {rows}, {cols}]",
-                        t.shape
-                    )));
-                }
-                be.load_weight(t)
-            };
+            let [gate, up, down] = gguf_stacks(be, src, i, e, f, h)?;
             let (g, u, d) = names::GGUF_EXPERTS;
-            let (gate, up, down) = (stacked(g, f, h)?, stacked(u, f, h)?, stacked(d, h, f)?);
             let bias = |base: &str, rows: usize| -> Result<Vec<f32>> {
                 let name = base
                     .replace(".weight", ".bias")
@@ -241,6 +212,34 @@ impl<B: Backend> MoeLayer<B> {
             activation,
         })
     }
+}
+
+/// Layer `i`'s stacked gate, up and down expert tensors of a GGUF file (`[E, F, H]`,
+/// `[E, F, H]`, `[E, H, F]`), shapes checked.
+fn gguf_stacks<B: Backend>(
+    be: &B,
+    src: &WeightSource,
+    i: usize,
+    e: usize,
+    f: usize,
+    h: usize,
+) -> Result<[B::Weight; 3]> {
+    let stacked = |template: &str, rows: usize, cols: usize| -> Result<B::Weight> {
+        let name = template.replace("{i}", &i.to_string());
+        let t = src
+            .store
+            .get(&name)
+            .ok_or_else(|| Error::Weights(format!("missing tensor {name:?}")))?;
+        if t.shape != [e, rows, cols] {
+            return Err(Error::Weights(format!(
+                "tensor {name:?} has shape {:?}, expected [{e}, {rows}, {cols}]",
+                t.shape
+            )));
+        }
+        be.load_weight(t)
+    };
+    let (g, u, d) = names::GGUF_EXPERTS;
+    Ok([stacked(g, f, h)?, stacked(u, f, h)?, stacked(d, h, f)?])
 }
 
 /// Per-token routing decisions and the per-expert token lists built from them. The vectors

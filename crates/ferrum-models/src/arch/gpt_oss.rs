@@ -135,18 +135,11 @@ fn from_hf(j: &Json) -> Result<ModelConfig> {
 fn from_gguf(g: &GgufFile, vocab: usize, tied: bool) -> Result<ModelConfig> {
     let c = ModelConfig::gguf_base(Arch::GptOss, g, vocab, tied)?;
     let key = |k: &str| format!("gpt-oss.{k}");
-    let moe = MoeConfig {
-        style: MoeStyle::GptOss {
-            alpha: ALPHA,
-            limit: g.get_f64(&key("swiglu_limit")).map_or(7.0, |v| v as f32),
-        },
-        n_experts: g.require_usize(&key("expert_count"))?,
-        n_active: g.require_usize(&key("expert_used_count"))?,
-        expert_ffn: g.require_usize(&key("expert_feed_forward_length"))?,
-        norm_topk_prob: true,
-        mlp_only_layers: Vec::new(),
-        sparse_step: 1,
+    let style = MoeStyle::GptOss {
+        alpha: ALPHA,
+        limit: g.get_f64(&key("swiglu_limit")).map_or(7.0, |v| v as f32),
     };
+    let moe = MoeConfig::from_gguf(g, "gpt-oss", style)?;
     let window = g
         .get_u64(&key("attention.sliding_window"))
         .map_or(128, |v| v as usize);

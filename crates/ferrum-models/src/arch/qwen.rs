@@ -95,18 +95,7 @@ fn moe_from_hf(j: &Json) -> Result<ModelConfig> {
 fn moe_from_gguf(g: &GgufFile, vocab: usize, tied: bool) -> Result<ModelConfig> {
     let mut c = ModelConfig::gguf_base(Arch::Qwen3Moe, g, vocab, tied)?;
     c.qk_norm = QkNorm::PerHead;
-    let key = |k: &str| format!("qwen3moe.{k}");
-    // llama.cpp's qwen3moe graph routes every layer and always renormalises the top-k
-    // weights, and its GGUFs carry no key saying otherwise.
-    let m = MoeConfig {
-        style: MoeStyle::Qwen,
-        n_experts: g.require_usize(&key("expert_count"))?,
-        n_active: g.require_usize(&key("expert_used_count"))?,
-        expert_ffn: g.require_usize(&key("expert_feed_forward_length"))?,
-        norm_topk_prob: true,
-        mlp_only_layers: Vec::new(),
-        sparse_step: 1,
-    };
+    let m = MoeConfig::from_gguf(g, "qwen3moe", MoeStyle::Qwen)?;
     if c.intermediate_size == 0 {
         c.intermediate_size = m.expert_ffn;
     }
