@@ -84,25 +84,15 @@ fn bad(message: impl Into<String>) -> ApiError {
 
 /// The text of a `system` field or a tool result's `content`: a string, or text blocks.
 fn text_of(v: &Value, what: &str) -> Result<String, ApiError> {
-    match v {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(blocks) => {
-            let mut out = String::new();
-            for b in blocks {
-                match (b.get("type").and_then(Value::as_str), b.get("text")) {
-                    (Some("text"), Some(Value::String(t))) => out.push_str(t),
-                    (t, _) => {
-                        return Err(bad(format!(
-                            "{what}: blocks of type {t:?} are not supported here (text only)"
-                        )))
-                    }
-                }
-            }
-            Ok(out)
-        }
-        Value::Null => Ok(String::new()),
-        _ => Err(bad(format!("{what} must be a string or a list of blocks"))),
+    if v.is_null() {
+        return Ok(String::new());
     }
+    api::text_parts(v, &["text"], &[]).map_err(|e| match e {
+        api::PartsError::Part { kind, .. } => bad(format!(
+            "{what}: blocks of type {kind:?} are not supported here (text only)"
+        )),
+        api::PartsError::Shape => bad(format!("{what} must be a string or a list of blocks")),
+    })
 }
 
 /// The Messages request as the chat request the server runs (OpenAI's shape).

@@ -210,6 +210,40 @@ pub fn object(
     Ok(obj)
 }
 
+/// Why [`text_parts`] refused a content value.
+pub enum PartsError<'a> {
+    /// Neither a string nor a list.
+    Shape,
+    /// Part `index`, of type `kind`, is neither text nor a part to leave out.
+    Part { index: usize, kind: Option<&'a str> },
+}
+
+/// The text of content given as a string or as a list of typed parts (the Messages and
+/// Responses APIs): each part whose `type` is one of `text` gives its `text`, which must be a
+/// string; parts of a type in `skip` are left out.
+pub fn text_parts<'a>(
+    v: &'a Value,
+    text: &[&str],
+    skip: &[&str],
+) -> Result<String, PartsError<'a>> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut out = String::new();
+            for (index, p) in parts.iter().enumerate() {
+                let kind = p.get("type").and_then(Value::as_str);
+                match (kind, p.get("text")) {
+                    (Some(k), Some(Value::String(t))) if text.contains(&k) => out.push_str(t),
+                    (Some(k), _) if skip.contains(&k) => {}
+                    _ => return Err(PartsError::Part { index, kind }),
+                }
+            }
+            Ok(out)
+        }
+        _ => Err(PartsError::Shape),
+    }
+}
+
 /// Copies `body[from]` to `out[to]` for each pair where it is set (not null): the fields an
 /// API shares with the chat request under its own names.
 pub fn copy_fields(

@@ -60,31 +60,16 @@ fn bad(param: &str, message: impl Into<String>) -> ApiError {
 
 /// The text of a message's content: a string, or text parts.
 fn text_of(v: &Value, at: &str) -> Result<String, ApiError> {
-    match v {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(parts) => {
-            let mut out = String::new();
-            for (k, p) in parts.iter().enumerate() {
-                match (p.get("type").and_then(Value::as_str), p.get("text")) {
-                    (Some("input_text" | "output_text" | "text"), Some(Value::String(t))) => {
-                        out.push_str(t)
-                    }
-                    (Some("refusal"), _) => {}
-                    (t, _) => {
-                        return Err(bad(
-                            "input",
-                            format!("{at}.content[{k}]: parts of type {t:?} are not supported"),
-                        ))
-                    }
-                }
-            }
-            Ok(out)
-        }
-        _ => Err(bad(
+    api::text_parts(v, &["input_text", "output_text", "text"], &["refusal"]).map_err(|e| match e {
+        api::PartsError::Part { index, kind } => bad(
+            "input",
+            format!("{at}.content[{index}]: parts of type {kind:?} are not supported"),
+        ),
+        api::PartsError::Shape => bad(
             "input",
             format!("{at}.content: a string or a list of parts"),
-        )),
-    }
+        ),
+    })
 }
 
 /// The Responses request as the chat request the server runs (Chat Completions' shape).
