@@ -127,6 +127,7 @@ pub fn run(b: SpecBench) -> Result<()> {
                     role: "user".into(),
                     content: text.clone(),
                 }],
+                &serde_json::Map::new(),
             )?,
             None => engine.tokenizer.encode(text, true)?,
         };

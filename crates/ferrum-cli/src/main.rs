@@ -158,6 +158,10 @@ struct RunArgs {
     /// Stop before this text (repeatable); it is not printed.
     #[arg(long)]
     stop: Vec<String>,
+    /// How hard a reasoning model thinks, where its format has the setting (gpt-oss's
+    /// harmony: low, medium or high).
+    #[arg(long)]
+    reasoning_effort: Option<String>,
     #[command(flatten)]
     spec: SpecArgs,
 }
@@ -599,8 +603,17 @@ fn run(a: RunArgs) -> Result<()> {
             .with_presence_penalty(a.presence_penalty)
             .with_frequency_penalty(a.frequency_penalty),
         stop: a.stop.clone(),
+        // Harmony's channels are control tokens: the answer is split at them below.
+        skip_special: !ferrum_tokenizer::harmony::is_harmony(session.tokenizer()),
     };
     opts.extras.validate()?;
+    let mut kwargs = serde_json::Map::new();
+    if let Some(e) = &a.reasoning_effort {
+        if !["low", "medium", "high"].contains(&e.as_str()) {
+            anyhow::bail!("--reasoning-effort {e:?}: low, medium or high");
+        }
+        kwargs.insert("reasoning_effort".into(), e.clone().into());
+    }
     let mut messages: Vec<Message> = a
         .system
         .iter()
@@ -618,7 +631,7 @@ fn run(a: RunArgs) -> Result<()> {
                 role: "user".into(),
                 content: prompt,
             });
-            render(session.tokenizer(), &messages)?
+            render(session.tokenizer(), &messages, &kwargs)?
         };
         answer(
             &mut session,
@@ -629,38 +642,69 @@ fn run(a: RunArgs) -> Result<()> {
         return Ok(());
     }
 
-    repl::chat(&mut session, messages, &opts)
+    repl::chat(&mut session, messages, &opts, &kwargs)
 }
 
-/// The conversation as prompt ids (special-token texts in what was typed stay plain text).
-pub(crate) fn render(tok: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
+/// The conversation as prompt ids (special-token texts in what was typed stay plain text),
+/// with the template's variables `kwargs`.
+pub(crate) fn render(
+    tok: &Tokenizer,
+    messages: &[Message],
+    kwargs: &serde_json::Map<String, serde_json::Value>,
+) -> Result<Vec<u32>> {
     Ok(tok.chat_prompt(
         messages,
         true,
-        &serde_json::Map::new(),
+        kwargs,
         ferrum_tokenizer::SpecialTokens::Text,
     )?)
 }
 
 /// Streams one answer to stdout and its figures to stderr; returns the text. Stops early
-/// (keeping what was said) when `interrupted` is set, e.g. by Ctrl-C.
+/// (keeping what was said) when `interrupted` is set, e.g. by Ctrl-C. A harmony answer
+/// (kept control tokens: `opts.skip_special` false) is split by channel: the analysis goes to
+/// stderr, dimmed, tool calls are shown as such, and the text returned is the final answer.
 pub(crate) fn answer(
     session: &mut Session<CpuBackend>,
     ids: &[u32],
     opts: &GenerateOptions,
     interrupted: &std::sync::atomic::AtomicBool,
 ) -> Result<String> {
+    use ferrum_tokenizer::harmony::{Event, Parser};
     use std::sync::atomic::Ordering;
     let mut text = String::new();
     let stdout = std::io::stdout();
     let before = session.engine.stats();
-    let stats = session.generate_with(ids, opts, |delta| {
-        text.push_str(delta);
+    let mut harmony = (!opts.skip_special).then(Parser::new);
+    let show = |events: Vec<Event>, text: &mut String| {
         let mut out = stdout.lock();
-        let _ = out.write_all(delta.as_bytes());
+        for e in events {
+            let _ = match e {
+                Event::Reasoning(r) => {
+                    eprint!("\x1b[2m{r}\x1b[0m");
+                    Ok(())
+                }
+                Event::Content(c) => {
+                    text.push_str(&c);
+                    out.write_all(c.as_bytes())
+                }
+                Event::CallStart(name) => write!(out, "[call {name}("),
+                Event::CallArgs(a) => out.write_all(a.as_bytes()),
+                Event::CallEnd => writeln!(out, ")]"),
+            };
+        }
         let _ = out.flush();
+    };
+    let stats = session.generate_with(ids, opts, |delta| {
+        match harmony.as_mut() {
+            Some(p) => show(p.push(delta), &mut text),
+            None => show(vec![Event::Content(delta.to_string())], &mut text),
+        }
         !interrupted.load(Ordering::SeqCst)
     })?;
+    if let Some(p) = harmony.as_mut() {
+        show(p.finish(), &mut text);
+    }
     println!();
     if stats.finish == ferrum_generate::FinishReason::Cancelled {
         eprintln!("[interrupted]");

@@ -65,6 +65,7 @@ pub fn chat(
     session: &mut Session<CpuBackend>,
     mut messages: Vec<Message>,
     opts: &GenerateOptions,
+    kwargs: &serde_json::Map<String, serde_json::Value>,
 ) -> Result<()> {
     // Ctrl-C interrupts the answer, not the program.
     if let Err(e) = ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst)) {
@@ -111,7 +112,7 @@ pub fn chat(
             continue;
         }
         messages.push(Message::new("user", text.clone()));
-        let ids = crate::render(session.tokenizer(), &messages)?;
+        let ids = crate::render(session.tokenizer(), &messages, kwargs)?;
         match crate::answer(session, &ids, opts, &INTERRUPTED) {
             Ok(answer) => messages.push(Message::new("assistant", answer)),
             Err(e) => {

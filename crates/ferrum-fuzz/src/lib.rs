@@ -317,7 +317,8 @@ pub fn openai_request(data: &[u8]) {
         return;
     };
     let Ok(tools) = req.tools() else { return };
-    let _ = req.constraint(tools.as_ref());
+    let _ = req.constraint(tools.as_ref(), false);
+    let _ = req.constraint(tools.as_ref(), true);
     let logprobs = req.logprobs().ok().flatten();
     let Ok((messages, kwargs)) = req.template_inputs(tok, tools.as_ref(), SpecialTokens::Text)
     else {

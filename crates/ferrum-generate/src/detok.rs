@@ -15,8 +15,10 @@ use ferrum_core::Result;
 use ferrum_tokenizer::Tokenizer;
 use unicode_segmentation::UnicodeSegmentation;
 
-#[derive(Default)]
 pub struct Detokenizer {
+    /// Control tokens' text is left out (the usual), or kept (a format whose structure is
+    /// written in control tokens, as harmony's channels are).
+    skip_special: bool,
     tokens: Vec<u32>,
     prefix: usize,
     read: usize,
@@ -24,16 +26,28 @@ pub struct Detokenizer {
     held: String,
 }
 
+impl Default for Detokenizer {
+    fn default() -> Self {
+        Detokenizer::new(true)
+    }
+}
+
 impl Detokenizer {
-    pub fn new() -> Self {
-        Self::default()
+    pub fn new(skip_special: bool) -> Self {
+        Detokenizer {
+            skip_special,
+            tokens: Vec::new(),
+            prefix: 0,
+            read: 0,
+            held: String::new(),
+        }
     }
 
     /// Adds one token; returns the newly completed text (possibly empty).
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
         self.tokens.push(id);
-        let before = tok.decode(&self.tokens[self.prefix..self.read], true)?;
-        let after = tok.decode(&self.tokens[self.prefix..], true)?;
+        let before = tok.decode(&self.tokens[self.prefix..self.read], self.skip_special)?;
+        let after = tok.decode(&self.tokens[self.prefix..], self.skip_special)?;
         // An incomplete UTF-8 sequence decodes to U+FFFD: wait for the rest of it.
         if after.len() > before.len() && !after.ends_with('\u{FFFD}') {
             let delta = match after.get(before.len()..) {
@@ -52,8 +66,8 @@ impl Detokenizer {
 
     /// Everything not yet returned, complete or not (the sequence has ended).
     pub fn flush(&mut self, tok: &Tokenizer) -> Result<String> {
-        let before = tok.decode(&self.tokens[self.prefix..self.read], true)?;
-        let after = tok.decode(&self.tokens[self.prefix..], true)?;
+        let before = tok.decode(&self.tokens[self.prefix..self.read], self.skip_special)?;
+        let after = tok.decode(&self.tokens[self.prefix..], self.skip_special)?;
         let mut out = std::mem::take(&mut self.held);
         if let Some(tail) = after.get(before.len()..) {
             if after.starts_with(&before) {

@@ -104,6 +104,9 @@ pub struct Request {
     pub constraint: Option<Constraint>,
     /// Whether and how far this request drafts (the answer is the same either way).
     pub speculate: Speculate,
+    /// Control tokens' text is left out of the output text (vLLM's `skip_special_tokens`);
+    /// harmony answers keep it, their channels being written in control tokens.
+    pub skip_special: bool,
 }
 
 impl Request {
@@ -119,6 +122,7 @@ impl Request {
             logprobs: None,
             constraint: None,
             speculate: Speculate::Default,
+            skip_special: true,
         }
     }
 }
@@ -482,7 +486,7 @@ impl<B: Backend> Engine<B> {
             cached_tokens: 0,
             max_tokens: req.max_tokens,
             sampler,
-            detok: Detokenizer::new(),
+            detok: Detokenizer::new(req.skip_special),
             stops: StopMatcher::new(req.stop),
             stop_ids,
             logprobs: req.logprobs,

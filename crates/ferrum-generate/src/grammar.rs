@@ -29,16 +29,40 @@ impl Constraint {
     /// reasoning models think first, and the thinking is not held to the answer's format.
     /// (The thinking may not contain `<`.)
     pub fn after_reasoning(&self) -> Constraint {
-        let body = match self {
-            Constraint::JsonObject => {
-                format!("body: %json {}", any_object())
-            }
-            Constraint::JsonSchema(s) => format!("body: %json {}", compact(s.clone())),
-            Constraint::Lark(g) => g.replacen("start:", "body:", 1),
-        };
+        let body = self.body("");
         Constraint::Lark(format!(
             "start: think? body\nthink: \"<think>\" /[^<]*/ \"</think>\" /[ \\n]*/\n{body}\n"
         ))
+    }
+
+    /// The same constraint on a harmony answer after an optional analysis message of at
+    /// most `max_analysis` tokens (so that what is constrained keeps room in the request's
+    /// budget): JSON goes in the `final` channel; a grammar (a tool call's) says its own
+    /// header.
+    pub fn after_harmony_analysis(&self, max_analysis: usize) -> Constraint {
+        let body = self.body("<|channel|> \"final\" <|message|> ");
+        let n = max_analysis.max(1);
+        Constraint::Lark(format!(
+            "start: analysis? body\n\
+             analysis: <|channel|> \"analysis\" <|message|> thought <|end|> <|start|> \"assistant\"\n\
+             thought[max_tokens={n}]: /(.|\\n)*/\n{body}\n"
+        ))
+    }
+
+    /// The constraint as a Lark rule `body`; JSON after `json_prefix` (Lark items).
+    fn body(&self, json_prefix: &str) -> String {
+        match self {
+            Constraint::JsonObject => {
+                format!("body: {json_prefix}json\njson: %json {}", any_object())
+            }
+            Constraint::JsonSchema(s) => {
+                format!(
+                    "body: {json_prefix}json\njson: %json {}",
+                    compact(s.clone())
+                )
+            }
+            Constraint::Lark(g) => g.replacen("start:", "body:", 1),
+        }
     }
 }
 

@@ -60,6 +60,8 @@ pub struct GenerateOptions {
     pub extras: SamplingExtras,
     /// Stop strings: generation ends before any of them, which is not emitted.
     pub stop: Vec<String>,
+    /// Control tokens' text is left out of the text (see [`Request::skip_special`]).
+    pub skip_special: bool,
 }
 
 impl Default for GenerateOptions {
@@ -69,6 +71,7 @@ impl Default for GenerateOptions {
             params: SamplingParams::default(),
             extras: SamplingExtras::default(),
             stop: Vec::new(),
+            skip_special: true,
         }
     }
 }
@@ -135,6 +138,7 @@ impl<B: Backend> Session<B> {
         req.params = opts.params.clone();
         req.extras = opts.extras.clone();
         req.stop = opts.stop.clone();
+        req.skip_special = opts.skip_special;
         let id = self.engine.add(req)?;
         let t0 = Instant::now();
         let mut first: Option<Instant> = None;

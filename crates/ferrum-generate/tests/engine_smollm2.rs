@@ -233,7 +233,7 @@ fn detokenised_deltas_never_split_a_grapheme() {
     let text = "Hi 👨‍👩‍👧‍👦 and 🇫🇷, 👍🏽 naïve café 한국어 done.";
     let ids = tok.encode(text, false).unwrap();
     assert!(ids.len() > 10);
-    let mut d = Detokenizer::new();
+    let mut d = Detokenizer::default();
     let mut out = String::new();
     let mut cuts = Vec::new();
     for &id in &ids {

@@ -5,9 +5,24 @@
 use ferrum_generate::{Output, OutputKind};
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use ferrum_tokenizer::harmony;
+
 use crate::reasoning::ReasoningSplitter;
 use crate::routes::Choice;
 use crate::tools::{CallStreamer, ToolCall, ToolEvent, Tools};
+
+/// How a model writes its reasoning and calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AnswerFormat {
+    /// Text, with Hermes-tagged or Llama 3 JSON calls.
+    #[default]
+    Plain,
+    /// Reasoning in a leading `<think>…</think>` block (its template mentions `<think>`).
+    Think,
+    /// gpt-oss's harmony channels (its vocabulary has the markers): analysis, final,
+    /// commentary to a function.
+    Harmony,
+}
 
 /// A finished answer, split.
 pub struct Answer {
@@ -17,9 +32,21 @@ pub struct Answer {
 }
 
 impl Answer {
-    /// `thinking`: the model reasons in `<think>` blocks; `tools`: calls may be made.
-    pub fn of(thinking: bool, tools: Option<&Tools>, text: &str) -> Answer {
-        let (reasoning, text) = if thinking {
+    /// `format`: how the model writes reasoning and calls; `tools`: calls may be made.
+    pub fn of(format: AnswerFormat, tools: Option<&Tools>, text: &str) -> Answer {
+        if format == AnswerFormat::Harmony {
+            let p = harmony::Parser::parse(text);
+            return Answer {
+                reasoning: p.reasoning,
+                text: p.content,
+                calls: p
+                    .calls
+                    .into_iter()
+                    .map(|(name, arguments)| ToolCall { name, arguments })
+                    .collect(),
+            };
+        }
+        let (reasoning, text) = if format == AnswerFormat::Think {
             ReasoningSplitter::split(text)
         } else {
             (None, text.to_string())
@@ -61,6 +88,8 @@ pub enum Piece {
 /// stream missed (and then drops the text held back, which was that call's).
 pub struct AnswerStream {
     thinking: bool,
+    /// Set for harmony answers, which it splits instead of everything below.
+    harmony: Option<harmony::Parser>,
     tools: Option<Tools>,
     splitter: ReasoningSplitter,
     streamer: Option<CallStreamer>,
@@ -74,9 +103,10 @@ pub struct AnswerStream {
 }
 
 impl AnswerStream {
-    pub fn new(thinking: bool, tools: Option<&Tools>) -> AnswerStream {
+    pub fn new(format: AnswerFormat, tools: Option<&Tools>) -> AnswerStream {
         AnswerStream {
-            thinking,
+            thinking: format == AnswerFormat::Think,
+            harmony: (format == AnswerFormat::Harmony).then(harmony::Parser::new),
             tools: tools.cloned(),
             splitter: ReasoningSplitter::default(),
             streamer: tools.map(CallStreamer::new),
@@ -127,6 +157,29 @@ impl AnswerStream {
 
     /// The next delta of the answer; `last` for the final one.
     pub fn push(&mut self, delta: &str, last: bool) -> Vec<Piece> {
+        if let Some(p) = self.harmony.as_mut() {
+            let mut events = p.push(delta);
+            if last {
+                events.extend(p.finish());
+            }
+            let mut out = Vec::new();
+            for e in events {
+                out.push(match e {
+                    harmony::Event::Reasoning(r) => Piece::Reasoning(r),
+                    harmony::Event::Content(c) => Piece::Text(c),
+                    harmony::Event::CallStart(name) => {
+                        self.streamed.push((name.clone(), String::new()));
+                        Piece::CallStart(name)
+                    }
+                    harmony::Event::CallArgs(a) => Piece::CallArgs(a),
+                    harmony::Event::CallEnd => Piece::CallEnd,
+                });
+            }
+            if last {
+                self.confirmed = Some(self.streamed.len());
+            }
+            return out;
+        }
         self.text.push_str(delta);
         let (mut r, mut c) = if self.thinking {
             self.splitter.push(delta)
@@ -162,7 +215,12 @@ impl AnswerStream {
         }
         let mut missed = Vec::new();
         if last {
-            let fin = Answer::of(self.thinking, self.tools.as_ref(), &self.text).calls;
+            let format = if self.thinking {
+                AnswerFormat::Think
+            } else {
+                AnswerFormat::Plain
+            };
+            let fin = Answer::of(format, self.tools.as_ref(), &self.text).calls;
             self.confirmed = Some(fin.len());
             // A final call the stream did not carry (same name, same arguments) goes whole.
             let same = |c: &ToolCall, (name, args): &(String, String)| {
@@ -212,7 +270,7 @@ mod tests {
     /// (streamed or whole) and the call count the stream ends with.
     fn stream(text: &str, step: usize) -> (String, Vec<(String, String)>, usize) {
         let t = tools();
-        let mut a = AnswerStream::new(false, Some(&t));
+        let mut a = AnswerStream::new(AnswerFormat::Plain, Some(&t));
         let (mut out, mut calls) = (String::new(), Vec::new());
         let mut rest = text;
         while !rest.is_empty() || out.is_empty() && calls.is_empty() {

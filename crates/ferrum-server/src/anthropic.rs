@@ -363,7 +363,7 @@ async fn messages_inner(
         let out = routes::collect(rx, 1).await?;
         routes::record(&st, &id, t0, &out, 1);
         let c = &out[0];
-        let b = Answer::of(st.thinking, p.tools.as_ref(), &c.text);
+        let b = Answer::of(st.format, p.tools.as_ref(), &c.text);
         let mut content = Vec::new();
         if let Some(t) = &b.reasoning {
             content.push(json!({"type": "thinking", "thinking": t, "signature": ""}));
@@ -399,7 +399,7 @@ async fn messages_inner(
         if !w.send("message_start", start) || !w.send("ping", json!({"type": "ping"})) {
             return;
         }
-        let mut answer = AnswerStream::new(st.thinking, p.tools.as_ref());
+        let mut answer = AnswerStream::new(st.format, p.tools.as_ref());
         let Some(choice) = answer.drive(&mut rx, |piece| w.piece(&st, piece)).await else {
             return;
         };

@@ -48,6 +48,8 @@ pub struct Sampling {
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub ignore_eos: Option<bool>,
+    /// vLLM's: whether control tokens' text is left out of the answer (default true).
+    pub skip_special_tokens: Option<bool>,
     pub user: Option<String>,
     /// Speculative decoding for this request: `true`, `false`, or `{"n_max": K}` (the most
     /// tokens drafted a step; 0 is off). The answer is the same either way.
@@ -80,6 +82,9 @@ pub struct ChatMessage {
     pub name: Option<String>,
     pub tool_calls: Option<Value>,
     pub tool_call_id: Option<String>,
+    /// An assistant turn's reasoning, as this server returns it (vLLM also reads `reasoning`).
+    pub reasoning_content: Option<String>,
+    pub reasoning: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -95,6 +100,8 @@ pub struct ChatRequest {
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
+    /// How hard a reasoning model thinks (gpt-oss's "Reasoning: low|medium|high").
+    pub reasoning_effort: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -156,6 +163,7 @@ const SAMPLING_FIELDS: &[&str] = &[
     "stream",
     "stream_options",
     "ignore_eos",
+    "skip_special_tokens",
     "user",
     "speculative",
     "speculative.n_max",
@@ -171,6 +179,7 @@ pub const CHAT_FIELDS: &[&str] = &[
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "reasoning_effort",
 ];
 
 pub const COMPLETION_FIELDS: &[&str] = &[
@@ -516,6 +525,7 @@ impl Sampling {
             logprobs,
             constraint: None,
             speculate: self.speculate()?,
+            skip_special: self.skip_special_tokens.unwrap_or(true),
         };
         Ok(Plan {
             base,
@@ -543,7 +553,13 @@ impl ChatRequest {
     }
 
     /// What the output must match: `response_format`'s JSON, or a required / named tool call.
-    pub fn constraint(&self, tools: Option<&Tools>) -> Result<Option<Constraint>, ApiError> {
+    /// The constraint on the answer: its `response_format`, or a forced tool call written
+    /// the way the model writes calls (`harmony`: gpt-oss's channels; else Hermes tags).
+    pub fn constraint(
+        &self,
+        tools: Option<&Tools>,
+        harmony: bool,
+    ) -> Result<Option<Constraint>, ApiError> {
         let format = match &self.response_format {
             None => None,
             Some(rf) => match rf.get("type").and_then(Value::as_str) {
@@ -572,7 +588,11 @@ impl ChatRequest {
                 }
             },
         };
-        let call = tools.and_then(Tools::grammar).map(Constraint::Lark);
+        let call = match harmony {
+            true => tools.and_then(Tools::harmony_grammar),
+            false => tools.and_then(Tools::grammar),
+        }
+        .map(Constraint::Lark);
         match (format, call) {
             (Some(_), Some(_)) => Err(ApiError::param(
                 "response_format",
@@ -590,13 +610,18 @@ impl ChatRequest {
     pub fn messages(
         &self,
         tools: Option<&Tools>,
-        template: &str,
+        template: &Traits,
         esc: &Escape,
     ) -> Result<Vec<Value>, ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::param("messages", "messages must not be empty"));
         }
-        let native = template.contains("tool_calls") || template.contains("tools");
+        let Traits {
+            native,
+            objects,
+            reasoning_key,
+            ..
+        } = *template;
         let mut out = Vec::with_capacity(self.messages.len() + 1);
         for (i, m) in self.messages.iter().enumerate() {
             let role = match m.role.as_str() {
@@ -638,7 +663,16 @@ impl ChatRequest {
                     ));
                 }
                 if native {
-                    msg.insert("tool_calls".into(), esc.json(calls.clone()));
+                    let mut calls = calls.clone();
+                    if objects {
+                        for c in calls.as_array_mut().into_iter().flatten() {
+                            let args = &mut c["function"]["arguments"];
+                            if let Some(Ok(v)) = args.as_str().map(serde_json::from_str::<Value>) {
+                                *args = v;
+                            }
+                        }
+                    }
+                    msg.insert("tool_calls".into(), esc.json(calls));
                 } else {
                     for c in calls.as_array().into_iter().flatten() {
                         let f = &c["function"];
@@ -659,6 +693,10 @@ impl ChatRequest {
             }
             msg.insert("role".into(), role.into());
             msg.insert("content".into(), content.into());
+            let reasoning = m.reasoning_content.as_ref().or(m.reasoning.as_ref());
+            if let Some(r) = reasoning.filter(|r| role == "assistant" && !r.is_empty()) {
+                msg.insert(reasoning_key.into(), esc.str(r).into());
+            }
             if let Some(id) = &m.tool_call_id {
                 msg.insert("tool_call_id".into(), esc.str(id).into());
             }
@@ -711,17 +749,76 @@ impl ChatRequest {
         special: SpecialTokens,
     ) -> Result<(Vec<Value>, serde_json::Map<String, Value>), ApiError> {
         let esc = Escape((special == SpecialTokens::Text).then_some(tok));
-        let source = tok.chat_template().map_or("", |t| t.source());
-        let messages = self.messages(tools, source, &esc)?;
+        let traits = Traits::of(tok);
+        let messages = self.messages(tools, &traits, &esc)?;
         let mut kwargs = self.chat_template_kwargs.clone().unwrap_or_default();
         if let Some(t) = tools.filter(|t| t.active()) {
             kwargs.insert("tools".into(), Value::Array(t.raw.clone()));
+        }
+        if let Some(e) = &self.reasoning_effort {
+            let effort = match e.as_str() {
+                "none" | "minimal" | "low" => "low",
+                "medium" => "medium",
+                "high" | "xhigh" => "high",
+                other => {
+                    return Err(ApiError::param(
+                        "reasoning_effort",
+                        format!("reasoning_effort {other:?} (low, medium or high)"),
+                    ))
+                }
+            };
+            if traits.effort {
+                kwargs.insert("reasoning_effort".into(), effort.into());
+            }
         }
         let kwargs = match esc.json(Value::Object(kwargs)) {
             Value::Object(m) => m,
             _ => serde_json::Map::new(),
         };
         Ok((messages, kwargs))
+    }
+}
+
+/// What a conversation's renderer (the chat template, or harmony's own rendering for a
+/// harmony model without one) expects of the messages.
+#[derive(Debug, Clone, Copy)]
+pub struct Traits {
+    /// It renders tool calls and results itself (else they become Hermes-tagged text).
+    pub native: bool,
+    /// It serialises tool-call arguments itself (`arguments | tojson`, as gpt-oss's and
+    /// Llama 3.1's templates do) and takes no string as it is: OpenAI sends arguments as a
+    /// JSON string, which it would quote, so it gets the object.
+    pub objects: bool,
+    /// The message field an assistant turn's reasoning goes in: Qwen3's templates read
+    /// `reasoning_content`, gpt-oss's `thinking`.
+    pub reasoning_key: &'static str,
+    /// It has a reasoning-effort setting (`reasoning_effort`).
+    pub effort: bool,
+}
+
+impl Traits {
+    pub fn of(tok: &Tokenizer) -> Traits {
+        let Some(t) = tok.chat_template() else {
+            let harmony = ferrum_tokenizer::harmony::is_harmony(tok);
+            return Traits {
+                native: harmony,
+                objects: harmony,
+                reasoning_key: "thinking",
+                effort: harmony,
+            };
+        };
+        let src = t.source();
+        let bare: String = src.chars().filter(|c| !c.is_whitespace()).collect();
+        Traits {
+            native: src.contains("tool_calls") || src.contains("tools"),
+            objects: bare.contains("arguments|tojson") && !bare.contains("argumentsisstring"),
+            reasoning_key: if src.contains("reasoning_content") {
+                "reasoning_content"
+            } else {
+                "thinking"
+            },
+            effort: src.contains("reasoning_effort"),
+        }
     }
 }
 

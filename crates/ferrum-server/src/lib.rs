@@ -103,9 +103,16 @@ pub fn serve(
             .await
             .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
         let handle = worker::spawn(cfg.model_id.clone(), load);
-        let thinking = tokenizer
+        let format = if ferrum_tokenizer::harmony::is_harmony(&tokenizer) {
+            answer::AnswerFormat::Harmony
+        } else if tokenizer
             .chat_template()
-            .is_some_and(|t| t.source().contains("<think>"));
+            .is_some_and(|t| t.source().contains("<think>"))
+        {
+            answer::AnswerFormat::Think
+        } else {
+            answer::AnswerFormat::Plain
+        };
         if let Some(t) = tokenizer.chat_template() {
             // A template that cannot render a four-turn chat within its limits is hostile or
             // broken: chat requests get that error at once instead of running it again.
@@ -115,7 +122,7 @@ pub fn serve(
         }
         let state = Arc::new(routes::AppState {
             handle,
-            thinking,
+            format,
             tokenizer,
             metrics: Default::default(),
             api_key: cfg.api_key.clone(),
@@ -217,7 +224,7 @@ mod tests {
             tokenizer,
             metrics: Default::default(),
             api_key: Some("k".into()),
-            thinking: false,
+            format: Default::default(),
             max_waiting: 4,
             next_id: AtomicU64::new(0),
             guard: guard::BrowserGuard::new("127.0.0.1", &[], &[]),

@@ -88,7 +88,7 @@ pub(crate) fn assistant_message(
     text: &str,
     finish: Option<FinishReason>,
 ) -> (Value, Option<&'static str>) {
-    let a = Answer::of(st.thinking, tools, text);
+    let a = Answer::of(st.format, tools, text);
     let content = if a.text.is_empty() && !a.calls.is_empty() {
         Value::Null
     } else {
@@ -186,7 +186,7 @@ async fn chat_inner(
     // Each choice's answer split as it streams (reasoning, text, tool calls as they are
     // generated), the same way for every API.
     let mut answers: Vec<AnswerStream> = (0..plan.n)
-        .map(|_| AnswerStream::new(st.thinking, tools.as_ref()))
+        .map(|_| AnswerStream::new(st.format, tools.as_ref()))
         .collect();
     let piece = move |i: usize, o: &Output| -> Vec<Value> {
         let (text, last, mut lp) = match &o.kind {

@@ -97,6 +97,7 @@ fn to_chat(body: &Map<String, Value>, template: &str) -> Result<Value, ApiError>
         messages.push(json!({"role": "system", "content": text}));
     }
     let mut calls_seen: HashSet<String> = HashSet::new();
+    let mut pending_reasoning = String::new();
     match body.get("input") {
         Some(Value::String(s)) => messages.push(json!({"role": "user", "content": s})),
         Some(Value::Array(items)) => {
@@ -165,13 +166,32 @@ fn to_chat(body: &Map<String, Value>, template: &str) -> Result<Value, ApiError>
                             json!({"role": "tool", "tool_call_id": call_id, "content": output}),
                         );
                     }
-                    // Earlier reasoning is not fed back (templates drop it too).
-                    "reasoning" => {}
+                    // Reasoning goes with the assistant turn it precedes (templates drop it
+                    // from turns before the last answer; harmony keeps a call's).
+                    "reasoning" => {
+                        let parts = it.get("content").and_then(Value::as_array);
+                        let text: String = parts
+                            .into_iter()
+                            .flatten()
+                            .filter_map(|p| p.get("text").and_then(Value::as_str))
+                            .collect();
+                        if !text.is_empty() {
+                            pending_reasoning.push_str(&text);
+                        }
+                    }
                     other => {
                         return Err(bad(
                             "input",
                             format!("{at}: items of type {other:?} are not supported"),
                         ))
+                    }
+                }
+                if kind != "reasoning" && !pending_reasoning.is_empty() {
+                    let text = std::mem::take(&mut pending_reasoning);
+                    if let Some(Value::Object(m)) = messages.last_mut() {
+                        if m.get("role").and_then(Value::as_str) == Some("assistant") {
+                            m.entry("reasoning_content").or_insert(text.into());
+                        }
                     }
                 }
             }
@@ -265,6 +285,7 @@ fn to_chat(body: &Map<String, Value>, template: &str) -> Result<Value, ApiError>
         .and_then(Value::as_str)
     {
         api::set_thinking(&mut chat, template, !matches!(effort, "none" | "minimal"));
+        chat.insert("reasoning_effort".into(), effort.into());
     }
     api::copy_fields(
         body,
@@ -396,7 +417,7 @@ async fn create_inner(
         let out = routes::collect(rx, 1).await?;
         routes::record(&st, &id, t0, &out, 1);
         let c = &out[0];
-        let it = Answer::of(st.thinking, p.tools.as_ref(), &c.text);
+        let it = Answer::of(st.format, p.tools.as_ref(), &c.text);
         let mut output = Vec::new();
         if let Some(r) = &it.reasoning {
             output.push(reasoning_item(&new_id(&st, "rs"), r, "completed"));
@@ -442,7 +463,7 @@ async fn create_inner(
         {
             return;
         }
-        let mut answer = AnswerStream::new(st.thinking, p.tools.as_ref());
+        let mut answer = AnswerStream::new(st.format, p.tools.as_ref());
         let Some(choice) = answer.drive(&mut rx, |piece| w.piece(&st, piece)).await else {
             return;
         };

@@ -20,6 +20,7 @@ use ferrum_tokenizer::{SpecialTokens, Tokenizer};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::answer::AnswerFormat;
 use crate::api::{self, Plan};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
@@ -31,8 +32,9 @@ pub struct AppState {
     pub tokenizer: Tokenizer,
     pub metrics: Metrics,
     pub api_key: Option<String>,
-    /// The chat template has `<think>` blocks: answers are split into reasoning and content.
-    pub thinking: bool,
+    /// How answers are split into reasoning, content and calls (`<think>` blocks where the
+    /// chat template has them, harmony channels where the vocabulary has them).
+    pub format: crate::answer::AnswerFormat,
     /// Waiting requests beyond which new ones get 429.
     pub max_waiting: usize,
     pub next_id: AtomicU64,
@@ -397,7 +399,8 @@ pub(crate) async fn prepare_chat(
 ) -> Result<Prepared, ApiError> {
     let card = st.check_model(&req.model)?.clone();
     let tools = req.tools()?;
-    let constraint = req.constraint(tools.as_ref())?;
+    let harmony = st.format == AnswerFormat::Harmony;
+    let constraint = req.constraint(tools.as_ref(), harmony)?;
     let logprobs = req.logprobs()?;
     let prompt = chat_prompt_ids(st, req, tools.as_ref()).await?;
     let limits = api::Limits {
@@ -407,11 +410,17 @@ pub(crate) async fn prepare_chat(
     let mut plan = req
         .sampling
         .plan(prompt, limits, card.vocab_size, logprobs)?;
-    plan.base.constraint = if st.thinking {
-        constraint.map(|c| c.after_reasoning())
-    } else {
-        constraint
+    plan.base.constraint = match st.format {
+        AnswerFormat::Think => constraint.map(|c| c.after_reasoning()),
+        // The analysis may take half the budget: the answer it leads to needs the rest.
+        AnswerFormat::Harmony => {
+            let max = plan.base.max_tokens / 2;
+            constraint.map(|c| c.after_harmony_analysis(max))
+        }
+        AnswerFormat::Plain => constraint,
     };
+    // Harmony's channels are control tokens: the answer is parsed with their text kept.
+    plan.base.skip_special &= !harmony;
     Ok(Prepared {
         card,
         plan,

@@ -162,14 +162,38 @@ impl Tools {
         )
     }
 
+    /// The functions `required` or a named choice allows (none: no call is forced).
+    fn forced(&self) -> Option<Vec<&ToolSpec>> {
+        match &self.choice {
+            ToolChoice::Required => Some(self.specs.iter().collect()),
+            ToolChoice::Named(n) => Some(self.specs.iter().filter(|s| &s.name == n).collect()),
+            _ => None,
+        }
+    }
+
+    /// For `required` and a named function, in harmony: a grammar for one message to an
+    /// allowed function (`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`
+    /// then arguments matching its schema, then `<|call|>`), the way gpt-oss writes calls.
+    pub fn harmony_grammar(&self) -> Option<String> {
+        let allowed = self.forced()?;
+        let mut g = String::from("start: <|channel|> \"commentary to=functions.\" call\ncall: ");
+        let alts: Vec<String> = (0..allowed.len()).map(|i| format!("c{i}")).collect();
+        g.push_str(&alts.join(" | "));
+        g.push('\n');
+        for (i, s) in allowed.iter().enumerate() {
+            let schema = ferrum_generate::grammar::compact(s.parameters.clone());
+            g.push_str(&format!(
+                "c{i}: {} \" \" <|constrain|> \"json\" <|message|> a{i} <|call|>\na{i}: %json {schema}\n",
+                Value::String(s.name.clone())
+            ));
+        }
+        Some(g)
+    }
+
     /// For `required` and a named function: a grammar (llguidance's Lark) that admits exactly
     /// one call of an allowed function with arguments matching its schema.
     pub fn grammar(&self) -> Option<String> {
-        let allowed: Vec<&ToolSpec> = match &self.choice {
-            ToolChoice::Required => self.specs.iter().collect(),
-            ToolChoice::Named(n) => self.specs.iter().filter(|s| &s.name == n).collect(),
-            _ => return None,
-        };
+        let allowed = self.forced()?;
         let calls: Vec<Value> = allowed
             .iter()
             .map(|s| {

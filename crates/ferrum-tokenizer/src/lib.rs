@@ -13,6 +13,7 @@
 pub mod chat;
 mod content;
 pub mod gguf;
+pub mod harmony;
 pub mod hf;
 mod pretok;
 
@@ -37,6 +38,8 @@ const END_OF_TURN_TEXTS: &[&str] = &[
     "<|eom_id|>",
     "<EOT>",
     "<end_of_utterance>",
+    "<|return|>",
+    "<|call|>",
 ];
 
 /// A tokenizer plus what the generation loop needs to know about its special tokens.
@@ -209,29 +212,34 @@ impl Tokenizer {
                 .map_err(|e| Error::Template(format!("the conversation is not JSON: {e}")))
         };
         let mut messages: serde_json::Value = to_json(messages)?;
-        let Some(template) = &self.chat_template else {
-            let text = messages
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|m| m["content"].as_str())
-                .collect::<Vec<_>>()
-                .join("\n");
-            if !escaped {
-                return self.encode_with(&text, true, special);
+        let harmony = self.chat_template.is_none() && harmony::is_harmony(self);
+        let template = match &self.chat_template {
+            Some(t) => Some(t),
+            None if harmony => None,
+            None => {
+                let text = messages
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|m| m["content"].as_str())
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                if !escaped {
+                    return self.encode_with(&text, true, special);
+                }
+                // The caller's markup is in the text: split at it, and add BOS/EOS as `encode`
+                // would (what it puts around any text).
+                let bare = self.encode("x", false)?;
+                let wrapped = self.encode("x", true)?;
+                let at = wrapped
+                    .windows(bare.len().max(1))
+                    .position(|w| w == bare.as_slice())
+                    .unwrap_or(0);
+                let mut ids = wrapped[..at].to_vec();
+                ids.extend(self.guard.encode_split(self, &text)?);
+                ids.extend_from_slice(&wrapped[(at + bare.len()).min(wrapped.len())..]);
+                return Ok(ids);
             }
-            // The caller's markup is in the text: split at it, and add BOS/EOS as `encode`
-            // would (what it puts around any text).
-            let bare = self.encode("x", false)?;
-            let wrapped = self.encode("x", true)?;
-            let at = wrapped
-                .windows(bare.len().max(1))
-                .position(|w| w == bare.as_slice())
-                .unwrap_or(0);
-            let mut ids = wrapped[..at].to_vec();
-            ids.extend(self.guard.encode_split(self, &text)?);
-            ids.extend_from_slice(&wrapped[(at + bare.len()).min(wrapped.len())..]);
-            return Ok(ids);
         };
         let mut kwargs = serde_json::Value::Object(kwargs.clone());
         if as_text && !escaped {
@@ -243,7 +251,12 @@ impl Tokenizer {
             return Err(Error::Template("messages must be a list".into()));
         };
         // Templates write the BOS token themselves where the model wants one.
-        let text = template.render_with(messages, add_generation_prompt, &kwargs)?;
+        let text = match template {
+            Some(t) => t.render_with(messages, add_generation_prompt, &kwargs)?,
+            // A harmony model without a template: the format's own rendering (always for
+            // the assistant's next turn).
+            None => harmony::render(messages, &kwargs, &chat::today())?,
+        };
         if as_text {
             self.guard.encode_rendered(self, &text)
         } else {
@@ -272,12 +285,21 @@ impl Tokenizer {
 
 /// Ids of the known end-of-turn tokens present in `inner`, appended to `ids` without
 /// duplicates.
+///
+/// Harmony (gpt-oss) ends a turn with `<|return|>` or `<|call|>`; its `<|end|>` closes one
+/// message of a turn (the analysis before the answer), so it is no end there, as in llama.cpp.
 fn add_end_of_turn_ids(inner: &tokenizers::Tokenizer, ids: &mut Vec<u32>) {
     for text in END_OF_TURN_TEXTS {
         if let Some(id) = inner.token_to_id(text) {
             if !ids.contains(&id) {
                 ids.push(id);
             }
+        }
+    }
+    let has = |t: &str| inner.token_to_id(t).is_some();
+    if has(harmony::RETURN) && has(harmony::CALL) {
+        if let Some(end) = inner.token_to_id(harmony::END) {
+            ids.retain(|&id| id != end);
         }
     }
 }
