@@ -265,6 +265,7 @@ fn packed_kernels_equal_scalar_twin_and_file_layout_kernel() {
         DType::Q5_0,
         DType::Q5_1,
         DType::Q8_0,
+        DType::Mxfp4,
     ] {
         let Some(Kernel::Q8 { dot, .. }) = scalar_kernel(dt) else {
             panic!("{dt}: a Q8 kernel")
@@ -320,6 +321,43 @@ fn packed_q5k_at_full_scale_equals_scalar_twin() {
         p.gemm_k_on(isa, 0, &acts, &mut got);
         for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
             assert_eq!(g.to_bits(), w.to_bits(), "{isa:?}: {g} vs scalar {w}");
+        }
+    }
+}
+
+/// The packed MXFP4 kernels at the top of their range: every weight ±6 (doubled, ±12: 24
+/// after the kernels' +12) against activations of ±127, where the AVX2 kernel's 16-bit partial
+/// sums come closest to overflowing. Each instruction set gives the scalar twin's bits.
+#[test]
+fn packed_mxfp4_at_full_scale_equals_scalar_twin() {
+    use ferrum_backend::cpu::quant::packed::{Isa, Packed, ROWS};
+    use ferrum_core::DType;
+    let (rows, k) = (ROWS, 256);
+    for (code, x) in [(0x77u8, 1.0f32), (0x77, -1.0), (0xff, 1.0), (0x7f, -1.0)] {
+        let mut block = vec![127u8]; // scale 1 (2^0)
+        block.extend_from_slice(&[code; 16]);
+        let bytes: Vec<u8> = (0..rows * k / 32).flat_map(|_| block.clone()).collect();
+        let wa = Aligned::new(&bytes);
+        let pool = ferrum_backend::cpu::pool::ThreadPool::new(2);
+        let arena = ferrum_backend::cpu::arena::Arena::default();
+        let p =
+            Packed::new(DType::Mxfp4, wa.bytes(), rows, k, &pool, &arena, &|_| {}).expect("packs");
+        let mut a = vec![BlockQ8::default(); k / 32];
+        quantize_q8(&vec![x; k], &mut a);
+        let acts: Vec<&[BlockQ8]> = vec![&a; 4];
+        let mut want = vec![[0f32; ROWS]; 4];
+        p.gemm_scalar(0, &acts, &mut want);
+        assert!(want[0][0] != 0.0 || code == 0x7f);
+        for isa in Isa::available() {
+            let mut got = vec![[0f32; ROWS]; 4];
+            p.gemm_on(isa, 0, &acts, &mut got);
+            for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+                assert_eq!(
+                    g.to_bits(),
+                    w.to_bits(),
+                    "{isa:?} {code:#x}: {g} vs scalar {w}"
+                );
+            }
         }
     }
 }

@@ -1,5 +1,5 @@
 //! Eight weight rows interleaved, made once at load for the 32-value block formats (Q4_0,
-//! Q4_1, Q5_0, Q5_1, Q8_0) and for Q4_K, Q5_K and Q6_K.
+//! Q4_1, Q5_0, Q5_1, Q8_0, MXFP4) and for Q4_K, Q5_K and Q6_K.
 //!
 //! In the file's layout one 256-bit register holds one block of one row, so every
 //! (row, token, block) needs its own convert-and-scale step (`cvtepi32_ps` + `fmadd`) on top of
@@ -31,7 +31,7 @@ use half::f16;
 
 use super::k_quants::{scales_mins, BlockQ4K, BlockQ5K, BlockQ6K, QK_K};
 use super::q8::{BlockQ8, BlockQ8K};
-use super::{cast_blocks, q4_0, q4_1, q5_0, q5_1, q8_0};
+use super::{cast_blocks, mxfp4, q4_0, q4_1, q5_0, q5_1, q8_0};
 use crate::cpu::arena::{Arena, ArenaVec};
 use crate::cpu::pool::ThreadPool;
 use crate::cpu::SharedMut;
@@ -161,6 +161,25 @@ pub struct Q5_1x8 {
     pub qs: [u8; 128],
 }
 const _: () = assert!(std::mem::size_of::<Q5_1x8>() == 8 * 24);
+
+/// MXFP4's eight exponent bytes, then its nibbles interleaved as Q4_0's (16 bytes a row): the
+/// file's 17 bytes a block and row, no more. The kernels look each nibble up as its doubled
+/// E2M1 value plus 12 (unsigned, for `maddubs` / `vpdpbusd`; −12 · Σ a starts each token's
+/// chain, so the integer sum is exactly Σ v·a) and make the scale 2^(e − 128) from the byte.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Mxfp4x8 {
+    pub e: [u8; ROWS],
+    pub qs: [u8; 128],
+}
+const _: () = assert!(std::mem::size_of::<Mxfp4x8>() == 8 * 17);
+
+impl Mxfp4x8 {
+    /// Element `e`'s doubled E2M1 value in row `r`.
+    fn value(&self, r: usize, e: usize) -> i32 {
+        mxfp4::VALUES[nibble(&self.qs, r, e) as usize] as i32
+    }
+}
 
 /// Q4_K, eight rows of one 256-value super-block. The 6-bit scales and minimums are unpacked
 /// to bytes, `[sub-block][row]` (2.8% more bytes than the file, for no bit twiddling in the
@@ -439,6 +458,13 @@ fn pack_q4_0(b: [&q4_0::BlockQ4_0; ROWS]) -> Q4_0x8 {
     }
 }
 
+fn pack_mxfp4(b: [&mxfp4::BlockMxfp4; ROWS]) -> Mxfp4x8 {
+    Mxfp4x8 {
+        e: b.map(|x| x.e),
+        qs: interleave(b.map(|x| &x.qs)),
+    }
+}
+
 fn pack_q4_1(b: [&q4_1::BlockQ4_1; ROWS]) -> Q4_1x8 {
     Q4_1x8 {
         d: b.map(|x| x.d),
@@ -517,6 +543,7 @@ pub enum Packed {
     Q4K(ArenaVec<Q4Kx8>, usize),
     Q5K(ArenaVec<Q5Kx8>, usize),
     Q6K(ArenaVec<Q6Kx8>, usize),
+    Mxfp4(ArenaVec<Mxfp4x8>, usize),
 }
 
 /// Applies `$body` to the variant's block vector and blocks per row.
@@ -528,8 +555,8 @@ macro_rules! with_blocks {
             Packed::Q4_1($v, $per_row) => $body,
             Packed::Q5_0($v, $per_row) => $body,
             Packed::Q5_1($v, $per_row) => $body,
-            Packed::Q4K(..) | Packed::Q5K(..) | Packed::Q6K(..) => {
-                unreachable!("K-quants have their own arms")
+            Packed::Q4K(..) | Packed::Q5K(..) | Packed::Q6K(..) | Packed::Mxfp4(..) => {
+                unreachable!("K-quants and MXFP4 have their own arms")
             }
         }
     };
@@ -579,6 +606,7 @@ impl Packed {
             DType::Q4_1 => packed!(Q4_1, pack_q4_1, per_row),
             DType::Q5_0 => packed!(Q5_0, pack_q5_0, per_row),
             DType::Q5_1 => packed!(Q5_1, pack_q5_1, per_row),
+            DType::Mxfp4 => packed!(Mxfp4, pack_mxfp4, per_row),
             _ => return None,
         })
     }
@@ -589,6 +617,7 @@ impl Packed {
             Packed::Q4K(v, per_row) => v.len() / per_row * ROWS,
             Packed::Q5K(v, per_row) => v.len() / per_row * ROWS,
             Packed::Q6K(v, per_row) => v.len() / per_row * ROWS,
+            Packed::Mxfp4(v, per_row) => v.len() / per_row * ROWS,
             p => with_blocks!(p, |v, per_row| v.len() / per_row * ROWS),
         }
     }
@@ -599,6 +628,7 @@ impl Packed {
             Packed::Q4K(v, _) => std::mem::size_of_val(&v[..]),
             Packed::Q5K(v, _) => std::mem::size_of_val(&v[..]),
             Packed::Q6K(v, _) => std::mem::size_of_val(&v[..]),
+            Packed::Mxfp4(v, _) => std::mem::size_of_val(&v[..]),
             p => with_blocks!(p, |v, _per_row| std::mem::size_of_val(&v[..])),
         }
     }
@@ -630,6 +660,19 @@ impl Packed {
             Packed::Q4K(v, per_row) => return k4_row(v, *per_row, j, out),
             Packed::Q5K(v, per_row) => return k4_row(v, *per_row, j, out),
             _ => {}
+        }
+        if let Packed::Mxfp4(v, per_row) = self {
+            let (g, r) = (j / ROWS, j % ROWS);
+            for (b, y) in v[g * per_row..(g + 1) * per_row]
+                .iter()
+                .zip(out.chunks_exact_mut(32))
+            {
+                let d = mxfp4::half_scale(b.e[r]);
+                for (e, y) in y.iter_mut().enumerate() {
+                    *y = b.value(r, e) as f32 * d;
+                }
+            }
+            return;
         }
         if let Packed::Q6K(v, per_row) = self {
             let (g, r) = (j / ROWS, j % ROWS);
@@ -689,6 +732,21 @@ impl Packed {
         out: &mut [[f32; ROWS]],
     ) {
         assert!(!self.is_k_quant(), "Q4_K takes Q8_K activations (gemm_k)");
+        if let Packed::Mxfp4(v, per_row) = self {
+            let w = &v[group * per_row..(group + 1) * per_row];
+            assert!(acts.iter().all(|a| a.len() >= *per_row) && out.len() >= acts.len());
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU runs `isa` (the contract); lengths checked just above.
+            unsafe {
+                match isa {
+                    Isa::AvxVnni => return vnni::gemm(w, acts, out),
+                    Isa::Avx512Vnni => return vnni512::gemm(w, acts, out),
+                    Isa::Avx2 => return avx2::gemm(w, acts, out),
+                    Isa::Scalar => {}
+                }
+            }
+            return gemm_mxfp4_scalar(w, acts, out);
+        }
         #[cfg(target_arch = "x86_64")]
         {
             if isa != Isa::Scalar {
@@ -784,6 +842,9 @@ impl Packed {
 
     /// The portable twin of [`gemm`](Self::gemm), the reference its tests hold it to.
     pub fn gemm_scalar(&self, group: usize, acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]) {
+        if let Packed::Mxfp4(v, per_row) = self {
+            return gemm_mxfp4_scalar(&v[group * per_row..(group + 1) * per_row], acts, out);
+        }
         with_blocks!(self, |v, per_row| {
             gemm_scalar(&v[group * per_row..(group + 1) * per_row], acts, out)
         })
@@ -831,6 +892,21 @@ fn gemm_q6k_scalar(w: &[Q6Kx8], acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
                     offs += b.sc[j][r] as i32 * q.bsums[j] as i32;
                 }
                 acc = ((dot - 32 * offs) as f32).mul_add(b.d[r].to_f32() * q.d, acc);
+            }
+            *or = acc;
+        }
+    }
+}
+
+/// Per (row, token) and block: the exact integer sum `Σ v·a` of the doubled E2M1 values, then
+/// `acc += isum · (2^(e − 128) · d_a)`, fused.
+fn gemm_mxfp4_scalar(w: &[Mxfp4x8], acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]) {
+    for (a, o) in acts.iter().zip(out.iter_mut()) {
+        for (r, or) in o.iter_mut().enumerate() {
+            let mut acc = 0f32;
+            for (b, q) in w.iter().zip(a.iter()) {
+                let isum: i32 = (0..32).map(|e| b.value(r, e) * q.qs[e] as i32).sum();
+                acc = (isum as f32).mul_add(mxfp4::half_scale(b.e[r]) * q.d, acc);
             }
             *or = acc;
         }
@@ -981,6 +1057,98 @@ macro_rules! packed_kernels {
             unsafe fn store<const N: usize>(acc: [__m256; N], out: &mut [[f32; ROWS]]) {
                 for (a, o) in acc.iter().zip(out.iter_mut()) {
                     _mm256_storeu_ps(o.as_mut_ptr(), *a);
+                }
+            }
+
+            /// Eight rows' MXFP4 scales 2^(e − 128) from their exponent bytes, as
+            /// `mxfp4::half_scale` makes them: `(e − 1) << 23` as float bits, and for e < 2 the
+            /// subnormals `0x0020_0000 << e`.
+            #[target_feature(enable = $feat)]
+            unsafe fn e8m0_half_scales(e: &[u8; ROWS]) -> __m256 {
+                let e = widen_u8(e);
+                let normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+                let tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+                let is_tiny = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+                _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, is_tiny))
+            }
+
+            impl Tile<BlockQ8> for Mxfp4x8 {
+                /// Each nibble looked up (a byte shuffle) as its doubled E2M1 value plus 12, so
+                /// unsigned; each token's chain starts from −12 · Σ a (exact: `offset` is
+                /// −128 · Σ a), so the block's integer sum is Σ v·a exactly. AVX2: a pair sum is
+                /// at most 2 · 24 · 128, so two vectors' low and high halves add up in i16
+                /// before each widening.
+                #[target_feature(enable = $feat)]
+                unsafe fn tile<const N: usize>(
+                    w: &[Self],
+                    a: [&[BlockQ8]; N],
+                    out: &mut [[f32; ROWS]],
+                ) {
+                    let ones = _mm256_set1_epi16(1);
+                    let low = _mm256_set1_epi8(0x0f);
+                    let mut shifted = [0u8; 16];
+                    for (s, v) in shifted.iter_mut().zip(mxfp4::VALUES) {
+                        *s = (v + 12) as u8;
+                    }
+                    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                        shifted.as_ptr() as *const __m128i
+                    ));
+                    let mut acc = [_mm256_setzero_ps(); N];
+                    for (i, b) in w.iter().enumerate() {
+                        prefetch(b);
+                        let q = a.map(|r| r.get_unchecked(i));
+                        // −12 · Σ a = offset · 12 / 128, exact since 128 divides offset.
+                        let start = q.map(|q| _mm256_set1_epi32(q.offset / 32 * 3));
+                        let mut isum = if VNNI {
+                            start
+                        } else {
+                            [_mm256_setzero_si256(); N]
+                        };
+                        let mut s16 = [_mm256_setzero_si256(); N];
+                        for j in 0..4 {
+                            let raw =
+                                _mm256_loadu_si256(b.qs.as_ptr().add(32 * j) as *const __m256i);
+                            let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, low));
+                            let hi = _mm256_shuffle_epi8(
+                                table,
+                                _mm256_and_si256(_mm256_srli_epi16(raw, 4), low),
+                            );
+                            if VNNI {
+                                // s16 doubles as the second chain of i32 sums.
+                                for t in 0..N {
+                                    isum[t] = dp(isum[t], lo, word(&q[t].qs, 4 * j));
+                                    s16[t] = dp(s16[t], hi, word(&q[t].qs, 4 * j + 16));
+                                }
+                                continue;
+                            }
+                            for t in 0..N {
+                                let pl = _mm256_maddubs_epi16(lo, word(&q[t].qs, 4 * j));
+                                let ph = _mm256_maddubs_epi16(hi, word(&q[t].qs, 4 * j + 16));
+                                s16[t] = _mm256_add_epi16(s16[t], _mm256_add_epi16(pl, ph));
+                            }
+                            if j % 2 == 1 {
+                                for t in 0..N {
+                                    isum[t] =
+                                        _mm256_add_epi32(isum[t], _mm256_madd_epi16(s16[t], ones));
+                                    s16[t] = _mm256_setzero_si256();
+                                }
+                            }
+                        }
+                        let dw = e8m0_half_scales(&b.e);
+                        for t in 0..N {
+                            isum[t] = if VNNI {
+                                _mm256_add_epi32(isum[t], s16[t])
+                            } else {
+                                _mm256_add_epi32(isum[t], start[t])
+                            };
+                            acc[t] = _mm256_fmadd_ps(
+                                _mm256_cvtepi32_ps(isum[t]),
+                                _mm256_mul_ps(dw, _mm256_set1_ps(q[t].d)),
+                                acc[t],
+                            );
+                        }
+                    }
+                    store(acc, out)
                 }
             }
 
