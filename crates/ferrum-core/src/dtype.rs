@@ -22,6 +22,9 @@ pub enum DType {
     Q8K,
     /// OCP microscaling FP4 (gpt-oss's experts): 32 E2M1 values and one E8M0 exponent.
     Mxfp4,
+    /// Raw bytes (safetensors' U8: the `_blocks` and `_scales` of MXFP4 checkpoints), read
+    /// only by the loader that knows their layout. GGML has no such type.
+    U8,
 }
 
 impl DType {
@@ -48,8 +51,9 @@ impl DType {
         })
     }
 
-    pub fn ggml_id(self) -> u32 {
-        match self {
+    /// GGML's id for the type; `None` for [`DType::U8`], which GGML has not.
+    pub fn ggml_id(self) -> Option<u32> {
+        Some(match self {
             DType::F32 => 0,
             DType::F16 => 1,
             DType::Q4_0 => 2,
@@ -66,13 +70,14 @@ impl DType {
             DType::Q8K => 15,
             DType::BF16 => 30,
             DType::Mxfp4 => 39,
-        }
+            DType::U8 => return None,
+        })
     }
 
     /// Number of elements in one block (1 for plain float formats).
     pub fn block_len(self) -> usize {
         match self {
-            DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::F32 | DType::F16 | DType::BF16 | DType::U8 => 1,
             DType::Q4_0
             | DType::Q4_1
             | DType::Q5_0
@@ -89,6 +94,7 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
+            DType::U8 => 1,
             DType::Q4_0 => 18,
             DType::Q4_1 => 20,
             DType::Q5_0 => 22,
@@ -136,6 +142,7 @@ impl DType {
             DType::Q6K => "Q6_K",
             DType::Q8K => "Q8_K",
             DType::Mxfp4 => "MXFP4",
+            DType::U8 => "U8",
         }
     }
 }

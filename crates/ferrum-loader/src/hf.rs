@@ -102,9 +102,11 @@ pub fn load_safetensors(path: &Path, store: &mut TensorStore, populate: bool) ->
             StDtype::F32 => DType::F32,
             StDtype::F16 => DType::F16,
             StDtype::BF16 => DType::BF16,
+            // MXFP4 checkpoints' blocks and scales, which their loader decodes.
+            StDtype::U8 => DType::U8,
             other => {
                 return Err(Error::Unsupported(format!(
-                    "{}: tensor {name:?} has dtype {other:?} (F32, F16 and BF16 are supported)",
+                    "{}: tensor {name:?} has dtype {other:?} (F32, F16, BF16 and U8 are supported)",
                     path.display()
                 )))
             }

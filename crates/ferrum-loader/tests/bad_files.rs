@@ -218,3 +218,38 @@ fn safetensors_with_lying_header() {
 fn missing_path_is_an_error() {
     assert!(ModelFile::open("/nonexistent/model.gguf").is_err());
 }
+
+/// MXFP4 (type 39): a row that is not whole blocks of 32 values, and a tensor whose blocks
+/// run past the end of the file, are errors naming the tensor.
+#[test]
+fn bad_mxfp4_tensors_are_named() {
+    let data = vec![0x7fu8; 17 * 4];
+    let file = |dims: Vec<u64>, bytes: &[u8]| {
+        write(
+            &[],
+            &[WTensor {
+                name: "blk.0.ffn_down_exps.weight",
+                dims,
+                ggml_type: 39,
+                data: bytes,
+            }],
+        )
+    };
+    // 48 values a row: one and a half blocks.
+    let e = open_err("mxfp4-row.gguf", &file(vec![48, 1], &data[..34]));
+    assert!(e.contains("blk.0.ffn_down_exps.weight"), "{e}");
+    // Four blocks declared, then the file cut inside the third.
+    let mut b = file(vec![64, 2], &data);
+    b.truncate(b.len() - 30);
+    let e = open_err("mxfp4-short.gguf", &b);
+    assert!(
+        e.contains("blk.0.ffn_down_exps.weight") && e.contains("past the end"),
+        "{e}"
+    );
+    // Whole, it opens, and reads as MXFP4.
+    let ok = tmp("mxfp4-ok.gguf", &file(vec![64, 2], &data));
+    let g = GgufFile::open(&ok).unwrap();
+    let store = g.tensors();
+    let t = store.get("blk.0.ffn_down_exps.weight").expect("the tensor");
+    assert_eq!(t.dtype, ferrum_core::DType::Mxfp4);
+}

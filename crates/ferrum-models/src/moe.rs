@@ -147,16 +147,16 @@ impl<B: Backend> MoeLayer<B> {
                             t.shape
                         )))
                     }
-                    None if src.tensor(&format!("{n}_blocks"), i).is_some() => {
-                        return Err(Error::Unsupported(format!(
-                            "{}: MXFP4 experts in safetensors (`_blocks`/`_scales`) are not \
-                             read yet; convert the model to GGUF (llama.cpp's \
-                             convert_hf_to_gguf.py keeps them MXFP4)",
-                            src.name(&n, i)
-                        )))
-                    }
                     _ => {}
                 }
+            }
+            if src.tensor(&format!("{p}gate_up_proj_blocks"), i).is_some() {
+                return Ok(MoeLayer {
+                    router,
+                    router_bias,
+                    experts: hf_mxfp4_experts(be, src, i, e, f, h)?,
+                    activation,
+                });
             }
             let gate_up = src.vector(&format!("{p}gate_up_proj"), i, e * h * 2 * f)?;
             let gate_up_b = src.vector(&format!("{p}gate_up_proj_bias"), i, e * 2 * f)?;
@@ -212,6 +212,131 @@ impl<B: Backend> MoeLayer<B> {
             activation,
         })
     }
+}
+
+/// An MXFP4 checkpoint's experts (`openai/gpt-oss-*` as published): per projection a
+/// `_blocks` tensor `[E, rows, cols / 32, 16]` of packed E2M1 codes (value `2k` in the low
+/// nibble of byte `k`, `2k + 1` in its high nibble), a `_scales` tensor `[E, rows, cols / 32]`
+/// of E8M0 exponents, and a bias `[E, rows]`; `gate_up` interleaves gate and up rows (gate
+/// row `j` is row `2j`). Rows are in the output dimension, as GGUF's. Each expert's matrices
+/// are rewritten into GGML's MXFP4 blocks (exponent, then values `k` and `k + 16` in byte
+/// `k`'s low and high nibbles): the same values, so the same matrix as the GGUF's.
+fn hf_mxfp4_experts<B: Backend>(
+    be: &B,
+    src: &WeightSource,
+    i: usize,
+    e: usize,
+    f: usize,
+    h: usize,
+) -> Result<Vec<ExpertWeights<B::Weight>>> {
+    let p = "model.layers.{i}.mlp.experts.";
+    let pair = |name: &str, rows: usize, cols: usize| -> Result<(&RawTensor, &RawTensor)> {
+        let get = |suffix: &str, shape: &[usize]| -> Result<&RawTensor> {
+            let n = format!("{p}{name}_{suffix}");
+            let t = src
+                .tensor(&n, i)
+                .ok_or_else(|| Error::Weights(format!("missing tensor {:?}", src.name(&n, i))))?;
+            if t.dtype != DType::U8 || t.shape != shape {
+                return Err(Error::Weights(format!(
+                    "{}: {} {:?}, expected U8 {shape:?}",
+                    src.name(&n, i),
+                    t.dtype,
+                    t.shape
+                )));
+            }
+            Ok(t)
+        };
+        if !cols.is_multiple_of(32) {
+            return Err(Error::Weights(format!(
+                "{}: MXFP4 rows of {cols} values are not whole blocks of 32",
+                src.name(&format!("{p}{name}_blocks"), i)
+            )));
+        }
+        Ok((
+            get("blocks", &[e, rows, cols / 32, 16])?,
+            get("scales", &[e, rows, cols / 32])?,
+        ))
+    };
+    let (gu_blocks, gu_scales) = pair("gate_up_proj", 2 * f, h)?;
+    let (dn_blocks, dn_scales) = pair("down_proj", h, f)?;
+    let gate_up_b = src.vector(&format!("{p}gate_up_proj_bias"), i, e * 2 * f)?;
+    let down_b = src.vector(&format!("{p}down_proj_bias"), i, e * h)?;
+    let load = |name: String, rows: usize, cols: usize, bytes: Vec<u8>| -> Result<B::Weight> {
+        let t = RawTensor::from_bytes(&name, DType::Mxfp4, vec![rows, cols], bytes)
+            .ok_or_else(|| Error::Weights(format!("{name}: bad size")))?;
+        be.load_weight(&t)
+    };
+    let f32_vector = |name: String, v: Vec<f32>| -> Result<B::Weight> {
+        let n = v.len();
+        let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let t = RawTensor::from_bytes(&name, DType::F32, vec![n], bytes)
+            .ok_or_else(|| Error::Weights(format!("{name}: bad size")))?;
+        be.load_weight(&t)
+    };
+    (0..e)
+        .map(|x| {
+            let name = |s: &str| format!("model.layers.{i}.mlp.experts.{x}.{s}");
+            let gub = &gate_up_b[x * 2 * f..(x + 1) * 2 * f];
+            let gate_rows: Vec<usize> = (0..f).map(|j| 2 * j).collect();
+            let up_rows: Vec<usize> = (0..f).map(|j| 2 * j + 1).collect();
+            let down_rows: Vec<usize> = (0..h).collect();
+            Ok(ExpertWeights {
+                gate: load(
+                    name("gate"),
+                    f,
+                    h,
+                    mxfp4_rows(gu_blocks, gu_scales, x, 2 * f, h, &gate_rows),
+                )?,
+                up: load(
+                    name("up"),
+                    f,
+                    h,
+                    mxfp4_rows(gu_blocks, gu_scales, x, 2 * f, h, &up_rows),
+                )?,
+                down: load(
+                    name("down"),
+                    h,
+                    f,
+                    mxfp4_rows(dn_blocks, dn_scales, x, h, f, &down_rows),
+                )?,
+                biases: Some([
+                    f32_vector(name("gate_bias"), gub.iter().step_by(2).copied().collect())?,
+                    f32_vector(
+                        name("up_bias"),
+                        gub.iter().skip(1).step_by(2).copied().collect(),
+                    )?,
+                    f32_vector(name("down_bias"), down_b[x * h..(x + 1) * h].to_vec())?,
+                ]),
+            })
+        })
+        .collect()
+}
+
+/// Rows `rows` of expert `x` (of `n_rows` rows of `cols` values) from Hugging Face MXFP4
+/// blocks and scales, as GGML MXFP4 bytes.
+fn mxfp4_rows(
+    blocks: &RawTensor,
+    scales: &RawTensor,
+    x: usize,
+    n_rows: usize,
+    cols: usize,
+    rows: &[usize],
+) -> Vec<u8> {
+    let per_row = cols / 32;
+    let (b, s) = (blocks.bytes(), scales.bytes());
+    let mut out = Vec::with_capacity(rows.len() * per_row * 17);
+    for &r in rows {
+        for k in 0..per_row {
+            let at = (x * n_rows + r) * per_row + k;
+            out.push(s[at]);
+            let hf = &b[16 * at..16 * at + 16];
+            // HF value v sits in byte v / 2, low nibble for even v; GGML's byte j holds values
+            // j (low) and j + 16 (high).
+            let code = |v: usize| (hf[v / 2] >> (4 * (v % 2))) & 0x0f;
+            out.extend((0..16).map(|j| code(j) | code(j + 16) << 4));
+        }
+    }
+    out
 }
 
 /// Layer `i`'s stacked gate, up and down expert tensors of a GGUF file (`[E, F, H]`,
@@ -363,5 +488,24 @@ mod tests {
         assert_eq!(b.len(), 2);
         assert_eq!((b[0].expert, b[0].tokens), (0, &[1u32][..]));
         assert_eq!((b[1].expert, b[1].tokens), (1, &[0u32, 2][..]));
+    }
+
+    /// Hugging Face's nibble order (value 2k low, 2k + 1 high in byte k) becomes GGML's
+    /// (value j low, j + 16 high in byte j), with the exponent in front, row by row.
+    #[test]
+    fn hf_mxfp4_blocks_become_ggml_blocks() {
+        let codes: Vec<u8> = (0..64u32).map(|v| ((v * 7 + 3) % 16) as u8).collect(); // two rows
+        let hf: Vec<u8> = codes.chunks(2).map(|p| p[0] | p[1] << 4).collect();
+        let blocks = RawTensor::from_bytes("b", DType::U8, vec![1, 2, 1, 16], hf).unwrap();
+        let scales = RawTensor::from_bytes("s", DType::U8, vec![1, 2, 1], vec![120, 130]).unwrap();
+        let got = mxfp4_rows(&blocks, &scales, 0, 2, 32, &[1, 0]);
+        let ggml = |row: &[u8], e: u8| {
+            let mut b = vec![e];
+            b.extend((0..16).map(|j| row[j] | row[j + 16] << 4));
+            b
+        };
+        let mut want = ggml(&codes[32..], 130);
+        want.extend(ggml(&codes[..32], 120));
+        assert_eq!(got, want);
     }
 }

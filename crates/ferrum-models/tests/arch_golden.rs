@@ -139,6 +139,17 @@ fn mxfp4_gguf_exact_backend_matches_transformers() {
     assert_within("gpt-oss/model-mxfp4.gguf", &got, &r, 1e-5);
 }
 
+/// gpt-oss as an MXFP4 checkpoint in the Hugging Face layout (`_blocks` / `_scales`, made from
+/// model-mxfp4.gguf's blocks by scripts/fixtures/make_gpt_oss_hf_mxfp4.py, which checks that
+/// transformers' dequantised experts equal gguf-py's of the GGUF): transformers' logits for it,
+/// within 1e-5 on the exact backend.
+#[test]
+fn hf_mxfp4_safetensors_match_transformers() {
+    let r = reference("gpt-oss-mxfp4-hf", "reference.json").expect("reference.json");
+    let got = run(CpuBackend::exact(), &dir("gpt-oss-mxfp4-hf"), &r.tokens);
+    assert_within("gpt-oss-mxfp4-hf", &got, &r, 1e-5);
+}
+
 /// The default backend (8-bit activations; MXFP4 experts in the packed kernels) on the MXFP4
 /// file: no further from transformers than the Q8_0 file on the same backend (this random
 /// model's large weights make 8-bit activations cost some 8% of the logit range either way),

@@ -194,6 +194,11 @@ pub fn quantize_row(dtype: DType, x: &[f32], out: &mut [u8]) -> Result<()> {
         DType::Q5K => q5_k::quantize(x, out),
         DType::Q6K => q6_k::quantize(x, out),
         DType::Mxfp4 => mxfp4::quantize(x, out),
+        DType::U8 => {
+            return Err(Error::Unsupported(
+                "U8 holds raw bytes, not numbers to quantise".into(),
+            ))
+        }
         DType::Q8_1 | DType::Q8K => {
             return Err(Error::Unsupported(format!(
                 "{dtype} is an activation format; weights are not stored in it"

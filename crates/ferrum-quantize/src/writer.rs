@@ -111,12 +111,15 @@ impl GgufWriter {
                     t.name, t.dims, t.dtype
                 ))
             })?;
+            let id = t.dtype.ggml_id().ok_or_else(|| {
+                Error::Unsupported(format!("tensor {:?}: GGUF has no {} type", t.name, t.dtype))
+            })?;
             put_str(&mut head, &t.name);
             head.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
             for &d in &t.dims {
                 head.extend_from_slice(&(d as u64).to_le_bytes());
             }
-            head.extend_from_slice(&t.dtype.ggml_id().to_le_bytes());
+            head.extend_from_slice(&id.to_le_bytes());
             head.extend_from_slice(&(offset as u64).to_le_bytes());
             placed.push((t, n_bytes));
             offset += n_bytes.div_ceil(alignment) * alignment;

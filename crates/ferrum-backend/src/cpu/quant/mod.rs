@@ -80,7 +80,8 @@ pub fn dequantize(dtype: DType, bytes: &[u8], out: &mut [f32]) -> bool {
         DType::Q5K => run(bytes, out, k_quants::dequantize_q5k),
         DType::Q6K => run(bytes, out, k_quants::dequantize_q6k),
         DType::Mxfp4 => run(bytes, out, mxfp4::dequantize),
-        DType::Q8_1 | DType::Q8K => false,
+        // Raw bytes are no numbers until their loader says what they hold.
+        DType::Q8_1 | DType::Q8K | DType::U8 => false,
     }
 }
 
