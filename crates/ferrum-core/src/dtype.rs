@@ -161,7 +161,7 @@ mod tests {
     fn ids_round_trip() {
         for id in 0..40 {
             if let Some(t) = DType::from_ggml_id(id) {
-                assert_eq!(t.ggml_id(), id);
+                assert_eq!(t.ggml_id(), Some(id));
             }
         }
         assert_eq!(DType::from_ggml_id(4), None, "Q4_2 was removed from GGML");
