@@ -1,12 +1,16 @@
-//! A synthetic Qwen3-MoE GGUF for speed comparisons with llama.cpp: the shapes of a real
-//! checkpoint (by default those of Qwen3-30B-A3B's layers: 2048 wide, 128 experts, 8 active,
-//! expert width 768, 32 query heads, 4 KV heads of 128), a few layers, random weights.
+//! A synthetic MoE GGUF for speed comparisons with llama.cpp: the shapes of a real
+//! checkpoint, random weights. `--arch qwen3moe` (the default) has Qwen3-30B-A3B's layers
+//! (2048 wide, 128 experts, 8 active, expert width 768, 32 query heads, 4 KV heads of 128), a
+//! few of them; `--arch gpt-oss` has gpt-oss-20b's (24 layers 2880 wide, 32 experts, 4 active,
+//! expert width 2880, 64 query heads, 8 KV heads of 64, every projection and expert biased,
+//! attention sinks, a 128-token window on every other layer, YaRN ×32 over 4096), for
+//! `--type MXFP4_MOE` as its checkpoints ship.
 //!
 //! ```text
 //! cargo run --release -p ferrum-quantize --example synth_moe -- OUT.gguf --type Q4_K_M \
-//!     [--layers 4] [--hidden 2048] [--experts 128] [--active 8] [--expert-ffn 768] \
-//!     [--heads 32] [--kv-heads 4] [--head-dim 128] [--vocab-from ggml-vocab-qwen2.gguf] \
-//!     [--seed 1]
+//!     [--arch qwen3moe|gpt-oss] [--layers 4] [--hidden 2048] [--experts 128] [--active 8] \
+//!     [--expert-ffn 768] [--heads 32] [--kv-heads 4] [--head-dim 128] \
+//!     [--vocab-from ggml-vocab-qwen2.gguf] [--seed 1]
 //! ```
 //!
 //! - Weights are normal with standard deviation 0.02, norms 1 ± 0.02, the router is f32.
@@ -33,7 +37,14 @@ use rand::{Rng, SeedableRng};
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
+#[derive(Clone, Copy, PartialEq)]
+enum Arch {
+    Qwen3Moe,
+    GptOss,
+}
+
 struct Opts {
+    arch: Arch,
     out: PathBuf,
     ftype: FileType,
     layers: usize,
@@ -49,7 +60,7 @@ struct Opts {
 }
 
 const USAGE: &str =
-    "usage: synth_moe OUT.gguf --type Q8_0|Q4_K_M|... [--layers 4] [--hidden 2048] \
+    "usage: synth_moe OUT.gguf --type Q8_0|Q4_K_M|MXFP4_MOE|... [--arch qwen3moe|gpt-oss] [--layers 4] [--hidden 2048] \
 [--experts 128] [--active 8] [--expert-ffn 768] [--heads 32] [--kv-heads 4] [--head-dim 128] \
 [--vocab-from PATH] [--seed 1]";
 
@@ -58,7 +69,20 @@ fn parse_args() -> AnyResult<Opts> {
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/ferrum")))
         .unwrap_or_else(|| PathBuf::from(".cache/ferrum"));
+    // `--arch` first: it sets the other options' defaults.
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let arch = match argv
+        .iter()
+        .position(|a| a == "--arch")
+        .map(|i| argv.get(i + 1))
+    {
+        None => Arch::Qwen3Moe,
+        Some(Some(a)) if a == "qwen3moe" => Arch::Qwen3Moe,
+        Some(Some(a)) if a == "gpt-oss" => Arch::GptOss,
+        Some(other) => return Err(format!("--arch {other:?}: qwen3moe or gpt-oss").into()),
+    };
     let mut o = Opts {
+        arch,
         out: PathBuf::new(),
         ftype: FileType::Q8_0,
         layers: 4,
@@ -72,9 +96,13 @@ fn parse_args() -> AnyResult<Opts> {
         vocab_from: cache.join("llama-vocab/ggml-vocab-qwen2.gguf"),
         seed: 1,
     };
+    if arch == Arch::GptOss {
+        (o.layers, o.hidden, o.experts, o.active, o.expert_ffn) = (24, 2880, 32, 4, 2880);
+        (o.heads, o.kv_heads, o.head_dim) = (64, 8, 64);
+    }
     let mut out = None;
     let mut ftype = None;
-    let mut args = std::env::args().skip(1);
+    let mut args = argv.into_iter();
     while let Some(a) = args.next() {
         if a == "-h" || a == "--help" {
             println!("{USAGE}");
@@ -97,6 +125,7 @@ fn parse_args() -> AnyResult<Opts> {
         };
         match a.as_str() {
             "--type" => ftype = Some(v.parse::<FileType>()?),
+            "--arch" => {}
             "--layers" => o.layers = num()?,
             "--hidden" => o.hidden = num()?,
             "--experts" => o.experts = num()?,
@@ -142,6 +171,34 @@ fn specs(o: &Opts, vocab: usize) -> Vec<Spec> {
         t("output_norm.weight".into(), vec![h], Init::Norm),
         t("output.weight".into(), vec![h, vocab], Init::Weight),
     ];
+    if o.arch == Arch::GptOss {
+        for i in 0..o.layers {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            let (f, e) = (o.expert_ffn, o.experts);
+            v.extend([
+                t(n("attn_norm.weight"), vec![h], Init::Norm),
+                t(n("attn_q.weight"), vec![h, q], Init::Weight),
+                t(n("attn_q.bias"), vec![q], Init::Weight),
+                t(n("attn_k.weight"), vec![h, kv], Init::Weight),
+                t(n("attn_k.bias"), vec![kv], Init::Weight),
+                t(n("attn_v.weight"), vec![h, kv], Init::Weight),
+                t(n("attn_v.bias"), vec![kv], Init::Weight),
+                t(n("attn_output.weight"), vec![q, h], Init::Weight),
+                t(n("attn_output.bias"), vec![h], Init::Weight),
+                t(n("attn_sinks.weight"), vec![o.heads], Init::Weight),
+                t(n("post_attention_norm.weight"), vec![h], Init::Norm),
+                t(n("ffn_gate_inp.weight"), vec![h, e], Init::Weight),
+                t(n("ffn_gate_inp.bias"), vec![e], Init::Weight),
+                t(n("ffn_gate_exps.weight"), vec![h, f, e], Init::Weight),
+                t(n("ffn_gate_exps.bias"), vec![f, e], Init::Weight),
+                t(n("ffn_up_exps.weight"), vec![h, f, e], Init::Weight),
+                t(n("ffn_up_exps.bias"), vec![f, e], Init::Weight),
+                t(n("ffn_down_exps.weight"), vec![f, h, e], Init::Weight),
+                t(n("ffn_down_exps.bias"), vec![h, e], Init::Weight),
+            ]);
+        }
+        return v;
+    }
     for i in 0..o.layers {
         let n = |s: &str| format!("blk.{i}.{s}.weight");
         let (f, e) = (o.expert_ffn, o.experts);
@@ -164,13 +221,16 @@ fn specs(o: &Opts, vocab: usize) -> Vec<Spec> {
 }
 
 fn metadata(o: &Opts, vocab_file: &GgufFile) -> AnyResult<(Vec<(String, Value)>, usize)> {
-    let arch = "qwen3moe";
+    let arch = match o.arch {
+        Arch::Qwen3Moe => "qwen3moe",
+        Arch::GptOss => "gpt-oss",
+    };
     let u = |n: usize| Value::U32(n as u32);
     let mut md: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
         (
             "general.name".into(),
-            Value::String(format!("synthetic-qwen3moe-{}L", o.layers)),
+            Value::String(format!("synthetic-{arch}-{}L", o.layers)),
         ),
         (
             "general.file_type".into(),
@@ -178,7 +238,7 @@ fn metadata(o: &Opts, vocab_file: &GgufFile) -> AnyResult<(Vec<(String, Value)>,
         ),
         ("general.quantization_version".into(), u(2)),
     ];
-    let hp = [
+    let mut hp = vec![
         ("block_count", u(o.layers)),
         ("context_length", u(4096)),
         ("embedding_length", u(o.hidden)),
@@ -193,6 +253,25 @@ fn metadata(o: &Opts, vocab_file: &GgufFile) -> AnyResult<(Vec<(String, Value)>,
         ("expert_used_count", u(o.active)),
         ("expert_feed_forward_length", u(o.expert_ffn)),
     ];
+    if o.arch == Arch::GptOss {
+        // gpt-oss-20b's: context 131072 by YaRN ×32 over 4096, θ 150000, ε 1e-5, a 128-token
+        // window on the even layers.
+        for (k, v) in hp.iter_mut() {
+            match *k {
+                "context_length" => *v = u(131072),
+                "feed_forward_length" => *v = u(o.expert_ffn),
+                "rope.freq_base" => *v = Value::F32(150000.0),
+                "attention.layer_norm_rms_epsilon" => *v = Value::F32(1e-5),
+                _ => {}
+            }
+        }
+        hp.extend([
+            ("attention.sliding_window", u(128)),
+            ("rope.scaling.type", Value::String("yarn".into())),
+            ("rope.scaling.factor", Value::F32(32.0)),
+            ("rope.scaling.original_context_length", u(4096)),
+        ]);
+    }
     md.extend(hp.into_iter().map(|(k, v)| (format!("{arch}.{k}"), v)));
     for k in vocab_file
         .keys
@@ -324,7 +403,11 @@ fn main() -> AnyResult<()> {
         })
         .collect();
     let model = ModelInfo {
-        arch: "qwen3moe",
+        arch: if o.arch == Arch::GptOss {
+            "gpt-oss"
+        } else {
+            "qwen3moe"
+        },
         n_layer: o.layers,
         n_gqa: o.heads / o.kv_heads,
     };

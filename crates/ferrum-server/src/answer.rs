@@ -35,16 +35,29 @@ impl Answer {
     /// `format`: how the model writes reasoning and calls; `tools`: calls may be made.
     pub fn of(format: AnswerFormat, tools: Option<&Tools>, text: &str) -> Answer {
         if format == AnswerFormat::Harmony {
-            let p = harmony::Parser::parse(text);
-            return Answer {
-                reasoning: p.reasoning,
-                text: p.content,
-                calls: p
-                    .calls
-                    .into_iter()
-                    .map(|(name, arguments)| ToolCall { name, arguments })
-                    .collect(),
+            let mut s = AnswerStream::new(format, tools);
+            let mut a = Answer {
+                reasoning: None,
+                text: String::new(),
+                calls: Vec::new(),
             };
+            for piece in s.push(text, true) {
+                match piece {
+                    Piece::Reasoning(r) => a.reasoning.get_or_insert_with(String::new).push_str(&r),
+                    Piece::Text(t) => a.text.push_str(&t),
+                    Piece::CallStart(name) => a.calls.push(ToolCall {
+                        name,
+                        arguments: String::new(),
+                    }),
+                    Piece::CallArgs(x) => {
+                        if let Some(c) = a.calls.last_mut() {
+                            c.arguments.push_str(&x);
+                        }
+                    }
+                    Piece::CallEnd | Piece::Call(_) => {}
+                }
+            }
+            return a;
         }
         let (reasoning, text) = if format == AnswerFormat::Think {
             ReasoningSplitter::split(text)
@@ -90,6 +103,10 @@ pub struct AnswerStream {
     thinking: bool,
     /// Set for harmony answers, which it splits instead of everything below.
     harmony: Option<harmony::Parser>,
+    /// Inside a harmony message to a recipient that is no function of the request (a
+    /// built-in tool such as `browser.search`): the model talking to a tool the client does not
+    /// run, told as reasoning rather than as a call.
+    foreign_call: bool,
     tools: Option<Tools>,
     splitter: ReasoningSplitter,
     streamer: Option<CallStreamer>,
@@ -107,6 +124,7 @@ impl AnswerStream {
         AnswerStream {
             thinking: format == AnswerFormat::Think,
             harmony: (format == AnswerFormat::Harmony).then(harmony::Parser::new),
+            foreign_call: false,
             tools: tools.cloned(),
             splitter: ReasoningSplitter::default(),
             streamer: tools.map(CallStreamer::new),
@@ -168,10 +186,24 @@ impl AnswerStream {
                     harmony::Event::Reasoning(r) => Piece::Reasoning(r),
                     harmony::Event::Content(c) => Piece::Text(c),
                     harmony::Event::CallStart(name) => {
-                        self.streamed.push((name.clone(), String::new()));
-                        Piece::CallStart(name)
+                        let declared = self
+                            .tools
+                            .as_ref()
+                            .is_some_and(|t| t.specs.iter().any(|s| s.name == name));
+                        if !declared {
+                            self.foreign_call = true;
+                            Piece::Reasoning(format!("[to {name}] "))
+                        } else {
+                            self.streamed.push((name.clone(), String::new()));
+                            Piece::CallStart(name)
+                        }
                     }
+                    harmony::Event::CallArgs(a) if self.foreign_call => Piece::Reasoning(a),
                     harmony::Event::CallArgs(a) => Piece::CallArgs(a),
+                    harmony::Event::CallEnd if self.foreign_call => {
+                        self.foreign_call = false;
+                        continue;
+                    }
                     harmony::Event::CallEnd => Piece::CallEnd,
                 });
             }
@@ -317,5 +349,45 @@ mod tests {
             let (out, _, n) = stream(text, step);
             assert_eq!((out.as_str(), n), (text, 0), "step {step}");
         }
+    }
+
+    /// Harmony: a call of a declared function is a call; a message to a tool the request did
+    /// not declare (gpt-oss's built-in browser) is reasoning; the channels split at any cut.
+    #[test]
+    fn harmony_calls_of_declared_functions_only() {
+        let t = tools();
+        let text = "<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant\
+            <|channel|>analysis to=browser.search <|constrain|>json<|message|>{\"q\": 1}<|call|>\
+            <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json\
+            <|message|>{\"city\": \"Oslo\"}";
+        for step in [1, 5, 1000] {
+            let mut a = AnswerStream::new(AnswerFormat::Harmony, Some(&t));
+            let (mut reasoning, mut calls) = (String::new(), Vec::new());
+            let mut rest = text;
+            while !rest.is_empty() {
+                let (piece, tail) = rest.split_at(step.min(rest.len()));
+                rest = tail;
+                for p in a.push(piece, rest.is_empty()) {
+                    match p {
+                        Piece::Reasoning(r) => reasoning.push_str(&r),
+                        Piece::CallStart(n) => calls.push((n, String::new())),
+                        Piece::CallArgs(x) => calls.last_mut().unwrap().1.push_str(&x),
+                        Piece::Text(x) => panic!("no text expected: {x:?}"),
+                        Piece::CallEnd | Piece::Call(_) => {}
+                    }
+                }
+            }
+            assert_eq!(
+                reasoning, "Look it up.[to browser.search] {\"q\": 1}",
+                "step {step}"
+            );
+            assert_eq!(
+                calls,
+                vec![("get_weather".into(), "{\"city\": \"Oslo\"}".into())]
+            );
+            assert_eq!(a.calls(), 1);
+        }
+        let whole = Answer::of(AnswerFormat::Harmony, None, text);
+        assert!(whole.calls.is_empty(), "no tools declared: no calls");
     }
 }

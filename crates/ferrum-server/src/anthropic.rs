@@ -138,6 +138,7 @@ fn to_chat(body: &Map<String, Value>, count_only: bool, template: &str) -> Resul
             }
         };
         let mut text = String::new();
+        let mut thinking = String::new();
         let mut calls = Vec::new();
         for (j, b) in blocks.iter().enumerate() {
             let at = format!("messages.{i}.content.{j}");
@@ -146,8 +147,14 @@ fn to_chat(body: &Map<String, Value>, count_only: bool, template: &str) -> Resul
                     Some(Value::String(t)) => text.push_str(t),
                     _ => return Err(bad(format!("{at}.text: a string is required"))),
                 },
-                // Earlier reasoning is not fed back (templates drop it too).
-                Some("thinking" | "redacted_thinking") if role == "assistant" => {}
+                // Reasoning goes with its turn (templates drop it from turns before the
+                // last answer; harmony keeps a call's); redacted reasoning has no text.
+                Some("thinking") if role == "assistant" => {
+                    if let Some(t) = b.get("thinking").and_then(Value::as_str) {
+                        thinking.push_str(t);
+                    }
+                }
+                Some("redacted_thinking") if role == "assistant" => {}
                 Some("tool_use") if role == "assistant" => {
                     let id = b.get("id").and_then(Value::as_str).unwrap_or("");
                     let name = b.get("name").and_then(Value::as_str).unwrap_or("");
@@ -189,6 +196,9 @@ fn to_chat(body: &Map<String, Value>, count_only: bool, template: &str) -> Resul
             let mut msg = json!({"role": "assistant", "content": text});
             if !calls.is_empty() {
                 msg["tool_calls"] = json!(calls);
+            }
+            if !thinking.is_empty() {
+                msg["reasoning_content"] = json!(thinking);
             }
             messages.push(msg);
         } else if !text.is_empty() {
@@ -259,6 +269,15 @@ fn to_chat(body: &Map<String, Value>, count_only: bool, template: &str) -> Resul
             }
         };
         api::set_thinking(&mut chat, template, on);
+        // A reasoning-effort setting (harmony's) follows it too: off is the least effort,
+        // a budget of 16k tokens or more the most.
+        let budget = t.get("budget_tokens").and_then(Value::as_u64).unwrap_or(0);
+        let effort = match (on, budget) {
+            (false, _) => "low",
+            (true, b) if b >= 16_000 => "high",
+            _ => "medium",
+        };
+        chat.insert("reasoning_effort".into(), effort.into());
     }
     if count_only {
         return Ok(Value::Object(chat));
