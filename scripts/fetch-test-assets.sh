@@ -11,8 +11,9 @@
 #     and, from the same download, the published models' chat templates that llama.cpp
 #     keeps for its own tests (vendor/llama.cpp/models/templates/*.jinja)
 #       -> $CACHE/llama-templates/<model>.jinja
-#  3. A Python venv with the official `openai` client, pytest, jsonschema and selenium, for
-#     the OpenAI-compatibility suite and the chat-page test (tests/openai, run by
+#  3. A Python venv with the official `openai` and `anthropic` clients, pytest, jsonschema,
+#     selenium, prometheus-client's parser and pyzmq + msgpack, for the OpenAI-compatibility
+#     suite, the chat-page test and the replica tests (tests/openai, run by
 #     crates/ferrum-cli/tests/openai_client.rs)
 #       -> $CACHE/venv-openai
 #  4. Debian's chromium, chromium-driver and tmux (apt-get, when missing and running as root),
@@ -115,16 +116,16 @@ fi
 
 # --- 3. the OpenAI client venv -------------------------------------------------
 VENV="$CACHE/venv-openai"
-VENV_MARKER="$VENV/.complete-openai-3"
+VENV_MARKER="$VENV/.complete-openai-4"
 if [[ -f "$VENV_MARKER" ]]; then
     log "OpenAI client venv already present"
 else
-    log "creating $VENV (openai, anthropic, pytest, jsonschema, selenium)"
+    log "creating $VENV (openai, anthropic, pytest, jsonschema, selenium, prometheus-client, pyzmq, msgpack)"
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
         "openai>=1.50,<3" "anthropic>=0.40,<1" "pytest>=8,<10" "jsonschema>=4,<5" \
-        "selenium>=4.20,<5" >&2
+        "selenium>=4.20,<5" "prometheus-client>=0.20,<1" "pyzmq>=25,<28" "msgpack>=1,<2" >&2
     touch "$VENV_MARKER"
 fi
 

@@ -230,6 +230,11 @@ pub trait Backend: Send + Sync {
 
     fn name(&self) -> String;
 
+    /// The KV cache's element format, as `f16`, `f32` or `q8_0`.
+    fn kv_dtype(&self) -> &'static str {
+        "f32"
+    }
+
     fn alloc(&self, len: usize) -> Self::Buf;
     fn buf_len(&self, buf: &Self::Buf) -> usize;
     fn write(&self, buf: &mut Self::Buf, offset: usize, data: &[f32]);

@@ -285,6 +285,10 @@ struct ServeArgs {
     /// Requests that may wait for room before new ones get 429.
     #[arg(long, default_value_t = 64)]
     max_waiting: usize,
+    /// Seconds running requests get to finish after SIGTERM (new ones get 503 and /ready
+    /// says 503 meanwhile); the server exits when they are done or this has passed.
+    #[arg(long, default_value_t = 30)]
+    shutdown_grace: u64,
     /// Keep activations in f32 (the reference's math).
     #[arg(long)]
     exact: bool,
@@ -421,6 +425,7 @@ fn serve(a: ServeArgs) -> Result<()> {
             ferrum_tokenizer::SpecialTokens::Text
         },
         max_request_tokens: a.max_request_tokens,
+        shutdown_grace: std::time::Duration::from_secs(a.shutdown_grace),
     };
     ferrum_server::serve(cfg, tok, load).map_err(|e| anyhow::anyhow!(e))
 }

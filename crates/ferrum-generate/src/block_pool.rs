@@ -30,6 +30,8 @@ pub struct PrefixStats {
     pub hits: u64,
     /// Prompt tokens not computed thanks to hits.
     pub tokens_saved: u64,
+    /// Prompt tokens looked up (vLLM counts its prefix-cache queries in tokens).
+    pub tokens_queried: u64,
     /// Cached blocks reclaimed for new data.
     pub evictions: u64,
 }
@@ -212,6 +214,7 @@ impl BlockPool {
             return (tables, Vec::new());
         }
         let bs = self.block_size;
+        self.stats.tokens_queried += tokens.len() as u64;
         let mut hashes = Vec::new();
         let mut parent = 0;
         for chunk in tokens.chunks_exact(bs).take(max_blocks) {

@@ -208,6 +208,8 @@ pub struct EngineStats {
     pub waiting: usize,
     pub kv_blocks: usize,
     pub kv_blocks_used: usize,
+    /// Positions a KV block holds.
+    pub block_size: usize,
     pub prefix: PrefixStats,
     pub preemptions: u64,
     pub steps: u64,
@@ -406,6 +408,7 @@ impl<B: Backend> Engine<B> {
             waiting: self.waiting.len(),
             kv_blocks: self.pool.n_blocks(),
             kv_blocks_used: self.pool.in_use(),
+            block_size: self.config().block_size,
             prefix: self.pool.stats(),
             ..self.stats
         }

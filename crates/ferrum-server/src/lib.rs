@@ -20,7 +20,7 @@ pub mod tools;
 pub mod worker;
 
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::Arc;
 
 use axum::extract::DefaultBodyLimit;
@@ -51,6 +51,8 @@ pub struct ServeConfig {
     /// Most tokens one request may ask to generate, all choices together (`n × max_tokens`);
     /// `None`: the KV pool.
     pub max_request_tokens: Option<usize>,
+    /// How long running requests may take to finish after SIGTERM.
+    pub shutdown_grace: std::time::Duration,
 }
 
 pub fn router(state: Arc<routes::AppState>, max_body: usize) -> Router {
@@ -69,11 +71,17 @@ pub fn router(state: Arc<routes::AppState>, max_body: usize) -> Router {
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             routes::auth,
+        ))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            routes::admit,
         ));
     Router::new()
         .merge(api)
         .route("/", get(routes::chat_page))
         .route("/health", get(routes::health))
+        .route("/ready", get(routes::ready))
+        .route("/live", get(routes::live))
         .route("/metrics", get(routes::metrics))
         .layer(axum::middleware::from_fn_with_state(
             Arc::new(state.guard.clone()),
@@ -131,6 +139,8 @@ pub fn serve(
             guard: guard::BrowserGuard::new(&cfg.host, &cfg.allowed_hosts, &cfg.allowed_origins),
             content_special: cfg.content_special,
             max_request_tokens: cfg.max_request_tokens,
+            draining: AtomicBool::new(false),
+            in_handlers: AtomicUsize::new(0),
         });
         tracing::info!(
             "serving {:?} on http://{addr} (OpenAI API under /v1; /health, /metrics){}",
@@ -141,14 +151,51 @@ pub fn serve(
                 ""
             }
         );
-        axum::serve(listener, router(state, cfg.max_body_bytes))
-            .with_graceful_shutdown(shutdown())
+        let app = router(state.clone(), cfg.max_body_bytes);
+        axum::serve(listener, app)
+            .with_graceful_shutdown(drain(state, cfg.shutdown_grace))
             .await
             .map_err(|e| format!("server error: {e}"))
     })?;
     // Renders run on threads of their own with a deadline; none is waited for here.
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
     Ok(())
+}
+
+/// Resolves when the server should stop accepting connections: after SIGTERM or Ctrl-C,
+/// once the requests then running have finished (or `grace` has passed). Meanwhile it keeps
+/// serving: `/ready` says 503 (a balancer takes the replica out), `/health` and `/live` stay
+/// 200, new API requests get 503. Then axum finishes the open responses (streams end with
+/// their usage and `[DONE]`) and `serve` returns.
+async fn drain(st: Arc<routes::AppState>, grace: std::time::Duration) {
+    shutdown().await;
+    st.draining.store(true, std::sync::atomic::Ordering::SeqCst);
+    let deadline = tokio::time::Instant::now() + grace;
+    loop {
+        let busy = st.in_handlers.load(std::sync::atomic::Ordering::SeqCst) > 0
+            || st
+                .handle
+                .shared
+                .stats
+                .lock()
+                .is_ok_and(|s| s.running + s.waiting > 0);
+        if !busy {
+            tracing::info!("drained; exiting");
+            break;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!("shutdown grace of {grace:?} passed with requests running; exiting");
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // A response still open once everything is done (a client not reading) does not hold
+    // the exit up past a few seconds.
+    tokio::spawn(async {
+        tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+        tracing::warn!("responses still open; exiting");
+        std::process::exit(0);
+    });
 }
 
 async fn shutdown() {
@@ -215,6 +262,8 @@ mod tests {
                 vocab_size: tokenizer.vocab_size(),
                 arch: "llama".into(),
                 dtype: "F32".into(),
+                prefix_caching: true,
+                kv_dtype: "f16".into(),
             });
             shared.ready.store(true, Ordering::SeqCst);
         }
@@ -225,6 +274,8 @@ mod tests {
             metrics: Default::default(),
             api_key: Some("k".into()),
             format: Default::default(),
+            draining: AtomicBool::new(false),
+            in_handlers: AtomicUsize::new(0),
             max_waiting: 4,
             next_id: AtomicU64::new(0),
             guard: guard::BrowserGuard::new("127.0.0.1", &[], &[]),

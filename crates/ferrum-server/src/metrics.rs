@@ -6,6 +6,8 @@ use std::sync::Mutex;
 
 use ferrum_generate::EngineStats;
 
+use crate::worker::ModelCard;
+
 const BUCKETS: [f64; 11] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
 
 #[derive(Default, Clone)]
@@ -46,9 +48,21 @@ struct Inner {
     e2e: Histogram,
 }
 
-#[derive(Default)]
 pub struct Metrics {
     inner: Mutex<Inner>,
+    /// When the server started (Unix seconds): the LoRA info metric's value, its last change.
+    started: f64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            inner: Mutex::default(),
+            started: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
+        }
+    }
 }
 
 impl Metrics {
@@ -70,7 +84,8 @@ impl Metrics {
         }
     }
 
-    pub fn render(&self, s: &EngineStats) -> String {
+    /// The metrics; `card` is the loaded model (none while loading: no cache info yet).
+    pub fn render(&self, s: &EngineStats, card: Option<&ModelCard>) -> String {
         let mut out = String::new();
         let usage = if s.kv_blocks > 0 {
             s.kv_blocks_used as f64 / s.kv_blocks as f64
@@ -215,6 +230,46 @@ impl Metrics {
             "KV-cache usage; 1 means 100 percent.",
             "gauge",
             usage,
+        );
+        // The older name, which routers (the inference gateway's endpoint picker) still read.
+        gauge(
+            "vllm:gpu_cache_usage_perc",
+            "KV-cache usage; 1 means 100 percent (the older name of vllm:kv_cache_usage_perc).",
+            "gauge",
+            usage,
+        );
+        // vLLM counts prefix-cache queries and hits in tokens.
+        gauge(
+            "vllm:prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache.",
+            "counter",
+            s.prefix.tokens_queried as f64,
+        );
+        gauge(
+            "vllm:prefix_cache_hits_total",
+            "Prompt tokens found in the prefix cache.",
+            "counter",
+            s.prefix.tokens_saved as f64,
+        );
+        // Info metrics (value 1, or the last update time): what the KV pool is, and which
+        // LoRA adapters run (none: ferrum serves no adapters).
+        if let Some(c) = card {
+            let _ = writeln!(
+                out,
+                "# HELP vllm:cache_config_info Information of the KV cache (the block pool).\n\
+                 # TYPE vllm:cache_config_info gauge\n\
+                 vllm:cache_config_info{{block_size=\"{}\",num_gpu_blocks=\"{}\",\
+                 num_cpu_blocks=\"0\",enable_prefix_caching=\"{}\",cache_dtype=\"{}\"}} 1",
+                s.block_size, s.kv_blocks, c.prefix_caching, c.kv_dtype
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP vllm:lora_requests_info Running and waiting LoRA adapters (none here).\n\
+             # TYPE vllm:lora_requests_info gauge\n\
+             vllm:lora_requests_info{{max_lora=\"0\",running_lora_adapters=\"\",\
+             waiting_lora_adapters=\"\"}} {}",
+            self.started
         );
         if let Ok(m) = self.inner.lock() {
             m.ttft.render(

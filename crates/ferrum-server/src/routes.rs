@@ -4,7 +4,7 @@
 //! (`launch`), its events accumulated (`Choice`, `collect`) and recorded (`record`). The API
 //! modules (`openai`, `responses`, `anthropic`, `tokenize`) parse their own shapes into it.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -43,6 +43,11 @@ pub struct AppState {
     pub content_special: SpecialTokens,
     /// Most tokens a request may generate, all choices together; `None`: the KV pool.
     pub max_request_tokens: Option<usize>,
+    /// SIGTERM has come: no new requests, `/ready` 503, running ones finish.
+    pub draining: AtomicBool,
+    /// API handlers running now (a request being parsed, rendered or submitted, which the
+    /// engine's counts do not see yet).
+    pub in_handlers: AtomicUsize,
 }
 
 type App = State<Arc<AppState>>;
@@ -136,6 +141,47 @@ pub async fn auth(State(st): App, req: HttpRequest, next: Next) -> Response {
     next.run(req).await
 }
 
+/// Lets API requests in unless the server is draining (503, as for a server not ready), and
+/// counts the handlers running, which the drain waits for.
+pub async fn admit(State(st): App, req: HttpRequest, next: Next) -> Response {
+    if st.draining.load(Ordering::SeqCst) {
+        let e = ApiError::not_ready("the server is shutting down");
+        if req.uri().path().starts_with("/v1/messages") {
+            return crate::anthropic::error_response(&st, e);
+        }
+        return e.into_response();
+    }
+    st.in_handlers.fetch_add(1, Ordering::SeqCst);
+    let _done = InHandler(&st.in_handlers);
+    next.run(req).await
+}
+
+/// Takes a handler off the count when it ends, however it ends.
+struct InHandler<'a>(&'a AtomicUsize);
+
+impl Drop for InHandler<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Readiness: 200 once the model is loaded and until SIGTERM; 503 while loading, after a
+/// failed load and while draining (a balancer stops sending requests).
+pub async fn ready(State(st): App) -> Response {
+    if st.draining.load(Ordering::SeqCst) {
+        return ApiError::not_ready("the server is shutting down").into_response();
+    }
+    match st.card() {
+        Ok(_) => Json(json!({"status": "ready"})).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Liveness: 200 while the process serves, loading and draining included.
+pub async fn live() -> Response {
+    Json(json!({"status": "alive"})).into_response()
+}
+
 pub(crate) fn body(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     b.map_err(|e| {
         if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
@@ -191,7 +237,7 @@ pub async fn metrics(State(st): App) -> Response {
         .unwrap_or_default();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        st.metrics.render(&s),
+        st.metrics.render(&s, st.handle.shared.card.get()),
     )
         .into_response()
 }

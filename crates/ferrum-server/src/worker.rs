@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use ferrum_backend::CpuBackend;
+use ferrum_backend::{Backend, CpuBackend};
 use ferrum_core::{Error, Result};
 use ferrum_generate::{Engine, EngineStats, Output, OutputKind, Request, RequestId};
 use tokio::sync::{mpsc as tmpsc, oneshot};
@@ -37,6 +37,9 @@ pub struct ModelCard {
     pub vocab_size: usize,
     pub arch: String,
     pub dtype: String,
+    pub prefix_caching: bool,
+    /// The KV cache's element format.
+    pub kv_dtype: String,
 }
 
 /// State the handlers read without asking the worker.
@@ -106,6 +109,8 @@ pub fn spawn(
     let started = std::thread::Builder::new()
         .name("ferrum-engine".into())
         .spawn(move || {
+            // Before the backend's threads exist, so they inherit it.
+            yield_to_http_threads();
             let mut engine = match load() {
                 Ok(e) => e,
                 Err(e) => {
@@ -126,6 +131,8 @@ pub fn spawn(
                 vocab_size: engine.model.decoder.config.vocab_size,
                 arch: engine.model.info.arch.name().to_string(),
                 dtype: engine.model.info.main_dtype.name().to_string(),
+                prefix_caching: engine.config().prefix_caching,
+                kv_dtype: engine.model.decoder.backend().kv_dtype().to_string(),
             });
             publish(&sh, &engine);
             sh.ready.store(true, Ordering::SeqCst);
@@ -137,6 +144,35 @@ pub fn spawn(
             .set(format!("cannot start the engine thread: {e}"));
     }
     Handle { tx, shared }
+}
+
+/// How much lower the compute threads' priority is than the HTTP runtime's (a nice value).
+/// They keep every core busy while requests run; a router reads a replica's `/metrics` every
+/// 50 ms and takes a late answer for a saturated replica, so the HTTP threads should get a
+/// core as soon as they wake. Lower, the compute threads still get every cycle the HTTP
+/// threads do not want. (Measured on 2 cores, 3 clients prefilling long prompts and 3
+/// streaming: `/metrics` p50 1.6 ms, p99 4.6–6.1 ms, against 2.1–2.7 and 6.8 at equal
+/// priority; the pool's yielding waits do most of it.)
+const COMPUTE_NICE: i32 = 5;
+
+/// Lowers the calling thread's priority by [`COMPUTE_NICE`] (on Linux a nice value is per
+/// thread, and new threads inherit their creator's). Failure leaves it as it was.
+fn yield_to_http_threads() {
+    #[cfg(target_os = "linux")]
+    {
+        extern "C" {
+            fn getpriority(which: i32, who: u32) -> i32;
+            fn setpriority(which: i32, who: u32, prio: i32) -> i32;
+        }
+        const PRIO_PROCESS: i32 = 0;
+        // SAFETY: plain system calls on the calling thread (`who` 0), no memory passed.
+        unsafe {
+            let now = getpriority(PRIO_PROCESS, 0);
+            if setpriority(PRIO_PROCESS, 0, (now + COMPUTE_NICE).min(19)) != 0 {
+                tracing::debug!("could not lower the compute threads' priority");
+            }
+        }
+    }
 }
 
 fn publish(sh: &Shared, engine: &Engine<CpuBackend>) {

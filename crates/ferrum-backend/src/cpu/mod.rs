@@ -519,6 +519,10 @@ impl Backend for CpuBackend {
         )
     }
 
+    fn kv_dtype(&self) -> &'static str {
+        self.kv.name()
+    }
+
     fn alloc_kv(&self, shape: KvShape) -> CpuKv {
         CpuKv::new(self.kv, shape, &self.kv_arena)
     }
