@@ -144,3 +144,80 @@ def test_sigterm_drains_then_exits():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_kv_events_announce_every_block_and_match_the_cache():
+    """A pyzmq + msgpack subscriber of `--kv-events`: BlockStored for every full block of each
+    request, parents announced before children, BlockRemoved when a small pool evicts, and
+    its index of the replica's blocks equal to the replica's own count."""
+    import msgpack
+    import zmq
+    from conftest import free_port
+
+    port = free_port()
+    # A pool of 32 blocks of 16: a few distinct prompts make it evict.
+    proc, base, model = start(os.environ["FERRUM_MODEL"], "--ctx", "256", "--kv-tokens", "512",
+                              "--kv-events", f"tcp://127.0.0.1:{port}")
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+        time.sleep(0.5)  # ZMQ's slow joiner: the subscription must reach the publisher
+        index, parents_ok, stored, removed, seqs, topics = set(), True, 0, 0, [], set()
+
+        def drain(wait_s):
+            nonlocal parents_ok, stored, removed
+            t_end = time.time() + wait_s
+            while time.time() < t_end:
+                if not sub.poll(100):
+                    continue
+                topic, seq, payload = sub.recv_multipart()
+                topics.add(topic.decode())
+                seqs.append(int.from_bytes(seq, "big"))
+                ts, events = msgpack.unpackb(payload)
+                assert ts > 1.7e9
+                for e in events:
+                    if e[0] == "BlockStored":
+                        hashes, parent, tokens, block_size = e[1], e[2], e[3], e[4]
+                        assert len(tokens) == len(hashes) * block_size, e
+                        parents_ok &= parent is None or parent in index
+                        for h in hashes:
+                            index.add(h)
+                        stored += len(hashes)
+                    elif e[0] == "BlockRemoved":
+                        for h in e[1]:
+                            index.discard(h)
+                        removed += len(e[1])
+                    elif e[0] == "AllBlocksCleared":
+                        index.clear()
+
+        c = httpx.Client(base_url=base, timeout=60)
+        prompt_blocks = 0
+        for k in range(12):
+            text = f"Request {k}: " + "the mill by the river turns all day long, " * 12
+            r = c.post("/v1/completions", json={"model": model, "prompt": text, "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            prompt_blocks += r.json()["usage"]["prompt_tokens"] // 16
+        drain(1.0)
+        assert topics == {f"kv@127.0.0.1:{base.rsplit(':', 1)[1]}@{model}"}, topics
+        assert seqs == list(range(len(seqs))), seqs[:10]
+        assert parents_ok, "a BlockStored came before its parent"
+        assert stored >= prompt_blocks, (stored, prompt_blocks)
+        assert removed > 0, "the small pool should have evicted"
+        from test_scaleout import families
+        fams = families(c.get("/metrics").text)
+        held = fams["ferrum_prefix_cache_blocks"].samples[0].value
+        assert len(index) == held, (len(index), held)
+        # A repeated prompt is served from the blocks the index says this replica holds.
+        r = c.post("/v1/completions", json={"model": model, "prompt": text, "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 5, r.json()["usage"]
+    finally:
+        sub.close(0)
+        ctx.term()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()

@@ -289,6 +289,10 @@ struct ServeArgs {
     /// says 503 meanwhile); the server exits when they are done or this has passed.
     #[arg(long, default_value_t = 30)]
     shutdown_grace: u64,
+    /// Publish the prefix cache's block events (vLLM's format, for llm-d's KV-cache indexer)
+    /// on this ZMQ endpoint, e.g. tcp://*:5557.
+    #[arg(long)]
+    kv_events: Option<String>,
     /// Keep activations in f32 (the reference's math).
     #[arg(long)]
     exact: bool,
@@ -426,6 +430,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         },
         max_request_tokens: a.max_request_tokens,
         shutdown_grace: std::time::Duration::from_secs(a.shutdown_grace),
+        kv_events: a.kv_events,
     };
     ferrum_server::serve(cfg, tok, load).map_err(|e| anyhow::anyhow!(e))
 }

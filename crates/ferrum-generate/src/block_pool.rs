@@ -36,6 +36,23 @@ pub struct PrefixStats {
     pub evictions: u64,
 }
 
+/// A change to what the prefix cache can serve, for routers that index replicas' caches
+/// (llm-d's KV-cache indexer reads vLLM's events of the same names).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvEvent {
+    /// A full block became findable: its chain hash, its parent's (`None` for a first
+    /// block) and its tokens. A parent is always announced before its children.
+    BlockStored {
+        hash: u64,
+        parent: Option<u64>,
+        tokens: Vec<u32>,
+    },
+    /// No KV group can serve this hash any more (evicted).
+    BlockRemoved { hash: u64 },
+    /// Forget every block of this replica (sent when the events start: the cache is empty).
+    AllBlocksCleared,
+}
+
 #[derive(Debug, Clone, Default)]
 struct Block {
     refs: u32,
@@ -68,6 +85,10 @@ pub struct BlockPool {
     tick: u64,
     prefix_caching: bool,
     stats: PrefixStats,
+    /// Events since the last [`BlockPool::take_events`], when they are on.
+    events: Option<Vec<KvEvent>>,
+    /// For each cached hash, how many KV groups hold it (an event fires on 0 ↔ 1).
+    held: HashMap<u64, u32>,
 }
 
 /// The hash of the block after `parent` holding `tokens`. The first block's parent is 0.
@@ -93,6 +114,64 @@ impl BlockPool {
             tick: 0,
             prefix_caching,
             stats: PrefixStats::default(),
+            events: None,
+            held: HashMap::new(),
+        }
+    }
+
+    /// Starts recording [`KvEvent`]s (first an `AllBlocksCleared`).
+    pub fn enable_events(&mut self) {
+        let mut ev = vec![KvEvent::AllBlocksCleared];
+        // Whatever is cached already, announced in registration order is not known: by
+        // chain position, parents first.
+        let mut keys: Vec<&BlockKey> = self.blocks.iter().filter_map(|b| b.key.as_ref()).collect();
+        keys.sort_by_key(|k| (k.parent != 0, k.hash));
+        let mut seen = std::collections::HashSet::new();
+        for k in keys {
+            if seen.insert(k.hash) {
+                ev.push(KvEvent::BlockStored {
+                    hash: k.hash,
+                    parent: (k.parent != 0).then_some(k.parent),
+                    tokens: k.tokens.clone(),
+                });
+            }
+        }
+        self.events = Some(ev);
+    }
+
+    /// The events since the last call (none when they are off).
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Distinct block hashes the prefix cache can serve now.
+    pub fn cached_hashes(&self) -> usize {
+        self.held.len()
+    }
+
+    fn held_up(&mut self, key: &BlockKey) {
+        let n = self.held.entry(key.hash).or_insert(0);
+        *n += 1;
+        if *n == 1 {
+            if let Some(ev) = self.events.as_mut() {
+                ev.push(KvEvent::BlockStored {
+                    hash: key.hash,
+                    parent: (key.parent != 0).then_some(key.parent),
+                    tokens: key.tokens.clone(),
+                });
+            }
+        }
+    }
+
+    fn held_down(&mut self, hash: u64) {
+        if let Some(n) = self.held.get_mut(&hash) {
+            *n -= 1;
+            if *n == 0 {
+                self.held.remove(&hash);
+                if let Some(ev) = self.events.as_mut() {
+                    ev.push(KvEvent::BlockRemoved { hash });
+                }
+            }
         }
     }
 
@@ -131,6 +210,7 @@ impl BlockPool {
                 self.evictable.remove(&(t, id));
                 if let Some(key) = self.blocks[id as usize].key.take() {
                     self.cached.remove(&(key.group, key.hash));
+                    self.held_down(key.hash);
                 }
                 self.stats.evictions += 1;
                 id
@@ -181,12 +261,14 @@ impl BlockPool {
         // A second copy of the same contents stays private; the first one is found.
         if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry((group, hash)) {
             e.insert(id);
-            self.blocks[id as usize].key = Some(BlockKey {
+            let key = BlockKey {
                 group,
                 hash,
                 parent,
                 tokens: tokens.to_vec(),
-            });
+            };
+            self.held_up(&key);
+            self.blocks[id as usize].key = Some(key);
         }
         hash
     }
@@ -338,5 +420,55 @@ mod tests {
         p.release(b);
         assert_eq!(p.lookup(&[1, 2, 3], 1).0, Vec::<u32>::new());
         assert!(p.all_released());
+    }
+
+    /// Events: cleared first, a chain stored parent first, a hash held by two groups removed
+    /// only when both have lost it, an eviction removed.
+    #[test]
+    fn events_follow_what_the_cache_can_serve() {
+        let mut p = BlockPool::new(3, 2, true);
+        p.enable_events();
+        assert_eq!(p.take_events(), vec![KvEvent::AllBlocksCleared]);
+        let (a, b, c) = (
+            p.allocate().unwrap(),
+            p.allocate().unwrap(),
+            p.allocate().unwrap(),
+        );
+        let h0 = p.register(a, 0, &[1, 2]);
+        let h1 = p.register(b, h0, &[3, 4]);
+        // Group 1 holds the first block too: no second announcement.
+        p.register_in(1, c, 0, &[1, 2]);
+        assert_eq!(
+            p.take_events(),
+            vec![
+                KvEvent::BlockStored {
+                    hash: h0,
+                    parent: None,
+                    tokens: vec![1, 2]
+                },
+                KvEvent::BlockStored {
+                    hash: h1,
+                    parent: Some(h0),
+                    tokens: vec![3, 4]
+                },
+            ]
+        );
+        assert_eq!(p.cached_hashes(), 2);
+        for id in [a, b, c] {
+            p.release(id);
+        }
+        // Evicted oldest first: a (group 0's h0) then b (h1) then c (group 1's h0).
+        p.allocate().unwrap();
+        assert_eq!(p.take_events(), vec![], "group 1 still serves h0");
+        p.allocate().unwrap();
+        p.allocate().unwrap();
+        assert_eq!(
+            p.take_events(),
+            vec![
+                KvEvent::BlockRemoved { hash: h1 },
+                KvEvent::BlockRemoved { hash: h0 }
+            ]
+        );
+        assert_eq!(p.cached_hashes(), 0);
     }
 }

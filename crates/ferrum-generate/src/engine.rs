@@ -210,6 +210,8 @@ pub struct EngineStats {
     pub kv_blocks_used: usize,
     /// Positions a KV block holds.
     pub block_size: usize,
+    /// Distinct blocks the prefix cache can serve (what the KV events announce).
+    pub cached_blocks: usize,
     pub prefix: PrefixStats,
     pub preemptions: u64,
     pub steps: u64,
@@ -409,9 +411,20 @@ impl<B: Backend> Engine<B> {
             kv_blocks: self.pool.n_blocks(),
             kv_blocks_used: self.pool.in_use(),
             block_size: self.config().block_size,
+            cached_blocks: self.pool.cached_hashes(),
             prefix: self.pool.stats(),
             ..self.stats
         }
+    }
+
+    /// Starts recording the prefix cache's [`KvEvent`]s (for a router's cache index).
+    pub fn enable_kv_events(&mut self) {
+        self.pool.enable_events();
+    }
+
+    /// The prefix cache's events since the last call.
+    pub fn take_kv_events(&mut self) -> Vec<crate::KvEvent> {
+        self.pool.take_events()
     }
 
     pub fn has_work(&self) -> bool {

@@ -20,7 +20,7 @@ use ferrum_core::Result;
 use ferrum_models::Model;
 use ferrum_tokenizer::Tokenizer;
 
-pub use block_pool::{BlockPool, PrefixStats};
+pub use block_pool::{BlockPool, KvEvent, PrefixStats};
 pub use detok::Detokenizer;
 pub use engine::{
     Engine, EngineConfig, EngineStats, Output, OutputKind, Request, RequestId, Speculate,

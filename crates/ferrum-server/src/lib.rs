@@ -10,6 +10,7 @@ pub mod anthropic;
 pub mod api;
 pub mod error;
 pub mod guard;
+pub mod kv_events;
 pub mod metrics;
 pub mod openai;
 pub mod reasoning;
@@ -53,6 +54,8 @@ pub struct ServeConfig {
     pub max_request_tokens: Option<usize>,
     /// How long running requests may take to finish after SIGTERM.
     pub shutdown_grace: std::time::Duration,
+    /// A ZMQ endpoint to publish the prefix cache's events on (`tcp://*:5557`).
+    pub kv_events: Option<String>,
 }
 
 pub fn router(state: Arc<routes::AppState>, max_body: usize) -> Router {
@@ -110,7 +113,16 @@ pub fn serve(
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
-        let handle = worker::spawn(cfg.model_id.clone(), load);
+        let kv_events = match &cfg.kv_events {
+            Some(ep) => {
+                let topic = format!("kv@{}:{}@{}", cfg.host, cfg.port, cfg.model_id);
+                let tx = kv_events::start(ep, topic).await?;
+                tracing::info!("publishing KV events on {ep}");
+                Some(tx)
+            }
+            None => None,
+        };
+        let handle = worker::spawn(cfg.model_id.clone(), load, kv_events);
         let format = if ferrum_tokenizer::harmony::is_harmony(&tokenizer) {
             answer::AnswerFormat::Harmony
         } else if tokenizer

@@ -208,6 +208,12 @@ impl Metrics {
             s.prefix.tokens_saved as f64,
         );
         gauge(
+            "ferrum_prefix_cache_blocks",
+            "Distinct blocks the prefix cache can serve (what --kv-events announces).",
+            "gauge",
+            s.cached_blocks as f64,
+        );
+        gauge(
             "ferrum_preemptions_total",
             "Sequences preempted for KV room.",
             "counter",

@@ -102,6 +102,7 @@ impl Handle {
 pub fn spawn(
     id: String,
     load: impl FnOnce() -> Result<Engine<CpuBackend>> + Send + 'static,
+    kv_events: Option<crate::kv_events::Sender>,
 ) -> Handle {
     let (tx, rx) = mpsc::channel();
     let shared = Arc::new(Shared::default());
@@ -135,8 +136,11 @@ pub fn spawn(
                 kv_dtype: engine.model.decoder.backend().kv_dtype().to_string(),
             });
             publish(&sh, &engine);
+            if kv_events.is_some() {
+                engine.enable_kv_events();
+            }
             sh.ready.store(true, Ordering::SeqCst);
-            run(&mut engine, &rx, &sh);
+            run(&mut engine, &rx, &sh, kv_events.as_ref());
         });
     if let Err(e) = started {
         let _ = shared
@@ -181,7 +185,12 @@ fn publish(sh: &Shared, engine: &Engine<CpuBackend>) {
     }
 }
 
-fn run(engine: &mut Engine<CpuBackend>, rx: &mpsc::Receiver<Command>, sh: &Shared) {
+fn run(
+    engine: &mut Engine<CpuBackend>,
+    rx: &mpsc::Receiver<Command>,
+    sh: &Shared,
+    kv_events: Option<&crate::kv_events::Sender>,
+) {
     let mut senders: HashMap<RequestId, tmpsc::UnboundedSender<Output>> = HashMap::new();
     loop {
         // Idle: sleep until a command comes (or every handle is gone: shut down).
@@ -221,6 +230,12 @@ fn run(engine: &mut Engine<CpuBackend>, rx: &mpsc::Receiver<Command>, sh: &Share
             }
         }
         publish(sh, engine);
+        if let Some(tx) = kv_events {
+            let events = engine.take_kv_events();
+            if !events.is_empty() {
+                let _ = tx.send((engine.config().block_size, events));
+            }
+        }
     }
 }
 
