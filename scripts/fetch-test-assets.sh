@@ -12,8 +12,9 @@
 #     keeps for its own tests (vendor/llama.cpp/models/templates/*.jinja)
 #       -> $CACHE/llama-templates/<model>.jinja
 #  3. A Python venv with the official `openai` and `anthropic` clients, pytest, jsonschema,
-#     selenium, prometheus-client's parser and pyzmq + msgpack, for the OpenAI-compatibility
-#     suite, the chat-page test and the replica tests (tests/openai, run by
+#     selenium, prometheus-client's parser, pyzmq + msgpack, pyyaml and kubernetes-validate
+#     (Kubernetes' schemas, offline), for the OpenAI-compatibility suite, the chat-page test,
+#     the replica tests and the deployment files' checks (tests/openai, run by
 #     crates/ferrum-cli/tests/openai_client.rs)
 #       -> $CACHE/venv-openai
 #  4. Debian's chromium, chromium-driver and tmux (apt-get, when missing and running as root),
@@ -120,12 +121,13 @@ VENV_MARKER="$VENV/.complete-openai-4"
 if [[ -f "$VENV_MARKER" ]]; then
     log "OpenAI client venv already present"
 else
-    log "creating $VENV (openai, anthropic, pytest, jsonschema, selenium, prometheus-client, pyzmq, msgpack)"
+    log "creating $VENV (openai, anthropic, pytest, jsonschema, selenium, prometheus-client, pyzmq, msgpack, pyyaml, kubernetes-validate)"
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
         "openai>=1.50,<3" "anthropic>=0.40,<1" "pytest>=8,<10" "jsonschema>=4,<5" \
-        "selenium>=4.20,<5" "prometheus-client>=0.20,<1" "pyzmq>=25,<28" "msgpack>=1,<2" >&2
+        "selenium>=4.20,<5" "prometheus-client>=0.20,<1" "pyzmq>=25,<28" "msgpack>=1,<2" \
+        "pyyaml>=6,<7" "kubernetes-validate>=1.30,<2" >&2
     touch "$VENV_MARKER"
 fi
 
