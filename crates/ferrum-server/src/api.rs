@@ -194,6 +194,37 @@ pub const COMPLETION_FIELDS: &[&str] = &[
 
 pub const EMBEDDING_FIELDS: &[&str] = &["model", "input", "encoding_format", "dimensions", "user"];
 
+/// Fields that routers (vllm-router, sglang-router) add to every request they forward, each
+/// with the value that asks for what this server does anyway. They are taken at that value
+/// and dropped; any other value asks for something this server does not do, and is refused.
+const ROUTER_DEFAULTS: &[(&str, bool)] = &[
+    ("no_stop_trim", false),
+    ("continue_final_message", false),
+    ("return_hidden_states", false),
+    // Reasoning is split from the answer, streamed, and returned.
+    ("separate_reasoning", true),
+    ("stream_reasoning", true),
+    ("include_reasoning", true),
+];
+
+fn strip_router_defaults(obj: &mut serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    for &(name, default) in ROUTER_DEFAULTS {
+        match obj.get(name) {
+            None => {}
+            Some(Value::Bool(b)) if *b == default => {
+                obj.remove(name);
+            }
+            Some(other) => {
+                return Err(ApiError::param(
+                    name,
+                    format!("{name} {other} is not supported (only {default})"),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A JSON object body whose fields must be among `fields` (plus the sampling fields when
 /// `sampling`), naming the offending field in the error. Every API's body starts here.
 pub fn object(
@@ -203,12 +234,15 @@ pub fn object(
 ) -> Result<serde_json::Map<String, Value>, ApiError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}"), None))?;
-    let Value::Object(obj) = v else {
+    let Value::Object(mut obj) = v else {
         return Err(ApiError::bad_request(
             "the body must be a JSON object",
             None,
         ));
     };
+    if sampling {
+        strip_router_defaults(&mut obj)?;
+    }
     for k in obj.keys() {
         let known =
             fields.contains(&k.as_str()) || (sampling && SAMPLING_FIELDS.contains(&k.as_str()));
