@@ -4,12 +4,15 @@
 //! few of them; `--arch gpt-oss` has gpt-oss-20b's (24 layers 2880 wide, 32 experts, 4 active,
 //! expert width 2880, 64 query heads, 8 KV heads of 64, every projection and expert biased,
 //! attention sinks, a 128-token window on every other layer, YaRN ×32 over 4096), for
-//! `--type MXFP4_MOE` as its checkpoints ship.
+//! `--type MXFP4_MOE` as its checkpoints ship. `--arch llama` and `--arch qwen3` are dense
+//! counterparts: Llama-3.2-1B's shapes (16 layers 2048 wide, 32/8 heads of 64, FFN 8192, the
+//! Llama 3 vocabulary) and Qwen3-4B's (36 layers 2560 wide, 32/8 heads of 128 with QK-norm, FFN
+//! 9728), both with tied embeddings.
 //!
 //! ```text
 //! cargo run --release -p ferrum-quantize --example synth_moe -- OUT.gguf --type Q4_K_M \
-//!     [--arch qwen3moe|gpt-oss] [--layers 4] [--hidden 2048] [--experts 128] [--active 8] \
-//!     [--expert-ffn 768] [--heads 32] [--kv-heads 4] [--head-dim 128] \
+//!     [--arch qwen3moe|gpt-oss|llama|qwen3] [--layers 4] [--hidden 2048] [--experts 128] \
+//!     [--active 8] [--expert-ffn 768] [--ffn N] [--heads 32] [--kv-heads 4] [--head-dim 128] \
 //!     [--vocab-from ggml-vocab-qwen2.gguf] [--seed 1]
 //! ```
 //!
@@ -41,6 +44,25 @@ type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 enum Arch {
     Qwen3Moe,
     GptOss,
+    /// Dense: Llama-3.2-1B's shapes by default (tied embeddings).
+    Llama,
+    /// Dense: Qwen3-4B's shapes by default (QK-norm, tied embeddings).
+    Qwen3,
+}
+
+impl Arch {
+    fn name(self) -> &'static str {
+        match self {
+            Arch::Qwen3Moe => "qwen3moe",
+            Arch::GptOss => "gpt-oss",
+            Arch::Llama => "llama",
+            Arch::Qwen3 => "qwen3",
+        }
+    }
+
+    fn dense(self) -> bool {
+        matches!(self, Arch::Llama | Arch::Qwen3)
+    }
 }
 
 struct Opts {
@@ -55,14 +77,16 @@ struct Opts {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// The dense FFN's width (`--arch llama|qwen3`).
+    ffn: usize,
     vocab_from: PathBuf,
     seed: u64,
 }
 
 const USAGE: &str =
-    "usage: synth_moe OUT.gguf --type Q8_0|Q4_K_M|MXFP4_MOE|... [--arch qwen3moe|gpt-oss] [--layers 4] [--hidden 2048] \
-[--experts 128] [--active 8] [--expert-ffn 768] [--heads 32] [--kv-heads 4] [--head-dim 128] \
-[--vocab-from PATH] [--seed 1]";
+    "usage: synth_moe OUT.gguf --type Q8_0|Q4_K_M|MXFP4_MOE|... [--arch qwen3moe|gpt-oss|llama|qwen3] \
+[--layers 4] [--hidden 2048] [--experts 128] [--active 8] [--expert-ffn 768] [--ffn N] [--heads 32] \
+[--kv-heads 4] [--head-dim 128] [--vocab-from PATH] [--seed 1]";
 
 fn parse_args() -> AnyResult<Opts> {
     let cache = std::env::var_os("FERRUM_CACHE")
@@ -79,7 +103,11 @@ fn parse_args() -> AnyResult<Opts> {
         None => Arch::Qwen3Moe,
         Some(Some(a)) if a == "qwen3moe" => Arch::Qwen3Moe,
         Some(Some(a)) if a == "gpt-oss" => Arch::GptOss,
-        Some(other) => return Err(format!("--arch {other:?}: qwen3moe or gpt-oss").into()),
+        Some(Some(a)) if a == "llama" => Arch::Llama,
+        Some(Some(a)) if a == "qwen3" => Arch::Qwen3,
+        Some(other) => {
+            return Err(format!("--arch {other:?}: qwen3moe, gpt-oss, llama or qwen3").into())
+        }
     };
     let mut o = Opts {
         arch,
@@ -93,9 +121,22 @@ fn parse_args() -> AnyResult<Opts> {
         heads: 32,
         kv_heads: 4,
         head_dim: 128,
+        ffn: 0,
         vocab_from: cache.join("llama-vocab/ggml-vocab-qwen2.gguf"),
         seed: 1,
     };
+    match arch {
+        Arch::Llama => {
+            (o.layers, o.hidden, o.heads, o.kv_heads, o.head_dim, o.ffn) =
+                (16, 2048, 32, 8, 64, 8192);
+            o.vocab_from = cache.join("llama-vocab/ggml-vocab-llama-bpe.gguf");
+        }
+        Arch::Qwen3 => {
+            (o.layers, o.hidden, o.heads, o.kv_heads, o.head_dim, o.ffn) =
+                (36, 2560, 32, 8, 128, 9728);
+        }
+        _ => {}
+    }
     if arch == Arch::GptOss {
         (o.layers, o.hidden, o.experts, o.active, o.expert_ffn) = (24, 2880, 32, 4, 2880);
         (o.heads, o.kv_heads, o.head_dim) = (64, 8, 64);
@@ -134,6 +175,7 @@ fn parse_args() -> AnyResult<Opts> {
             "--heads" => o.heads = num()?,
             "--kv-heads" => o.kv_heads = num()?,
             "--head-dim" => o.head_dim = num()?,
+            "--ffn" => o.ffn = num()?,
             "--vocab-from" => o.vocab_from = PathBuf::from(&v),
             "--seed" => o.seed = num()? as u64,
             _ => return Err(format!("unknown option {a}\n{USAGE}").into()),
@@ -171,6 +213,34 @@ fn specs(o: &Opts, vocab: usize) -> Vec<Spec> {
         t("output_norm.weight".into(), vec![h], Init::Norm),
         t("output.weight".into(), vec![h, vocab], Init::Weight),
     ];
+    if o.arch.dense() {
+        // Tied embeddings, as both originals: no output.weight.
+        v.retain(|s| s.name != "output.weight");
+        for i in 0..o.layers {
+            let n = |s: &str| format!("blk.{i}.{s}.weight");
+            let f = o.ffn;
+            v.extend([
+                t(n("attn_norm"), vec![h], Init::Norm),
+                t(n("attn_q"), vec![h, q], Init::Weight),
+                t(n("attn_k"), vec![h, kv], Init::Weight),
+                t(n("attn_v"), vec![h, kv], Init::Weight),
+                t(n("attn_output"), vec![q, h], Init::Weight),
+            ]);
+            if o.arch == Arch::Qwen3 {
+                v.extend([
+                    t(n("attn_q_norm"), vec![o.head_dim], Init::Norm),
+                    t(n("attn_k_norm"), vec![o.head_dim], Init::Norm),
+                ]);
+            }
+            v.extend([
+                t(n("ffn_norm"), vec![h], Init::Norm),
+                t(n("ffn_gate"), vec![h, f], Init::Weight),
+                t(n("ffn_up"), vec![h, f], Init::Weight),
+                t(n("ffn_down"), vec![f, h], Init::Weight),
+            ]);
+        }
+        return v;
+    }
     if o.arch == Arch::GptOss {
         for i in 0..o.layers {
             let n = |s: &str| format!("blk.{i}.{s}");
@@ -221,10 +291,7 @@ fn specs(o: &Opts, vocab: usize) -> Vec<Spec> {
 }
 
 fn metadata(o: &Opts, vocab_file: &GgufFile) -> AnyResult<(Vec<(String, Value)>, usize)> {
-    let arch = match o.arch {
-        Arch::Qwen3Moe => "qwen3moe",
-        Arch::GptOss => "gpt-oss",
-    };
+    let arch = o.arch.name();
     let u = |n: usize| Value::U32(n as u32);
     let mut md: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
@@ -253,6 +320,23 @@ fn metadata(o: &Opts, vocab_file: &GgufFile) -> AnyResult<(Vec<(String, Value)>,
         ("expert_used_count", u(o.active)),
         ("expert_feed_forward_length", u(o.expert_ffn)),
     ];
+    if o.arch.dense() {
+        hp.retain(|(k, _)| !k.starts_with("expert"));
+        let (ctx, theta, eps) = match o.arch {
+            Arch::Llama => (131072, 500000.0, 1e-5),
+            _ => (40960, 1e6, 1e-6),
+        };
+        for (k, v) in hp.iter_mut() {
+            match *k {
+                "context_length" => *v = u(ctx),
+                "feed_forward_length" => *v = u(o.ffn),
+                "rope.freq_base" => *v = Value::F32(theta),
+                "attention.layer_norm_rms_epsilon" => *v = Value::F32(eps),
+                _ => {}
+            }
+        }
+        hp.push(("rope.dimension_count", u(o.head_dim)));
+    }
     if o.arch == Arch::GptOss {
         // gpt-oss-20b's: context 131072 by YaRN ×32 over 4096, θ 150000, ε 1e-5, a 128-token
         // window on the even layers.
@@ -403,11 +487,7 @@ fn main() -> AnyResult<()> {
         })
         .collect();
     let model = ModelInfo {
-        arch: if o.arch == Arch::GptOss {
-            "gpt-oss"
-        } else {
-            "qwen3moe"
-        },
+        arch: o.arch.name(),
         n_layer: o.layers,
         n_gqa: o.heads / o.kv_heads,
     };

@@ -586,9 +586,9 @@ impl ChatRequest {
         tools::parse(self.tools.as_ref(), self.tool_choice.as_ref())
     }
 
-    /// What the output must match: `response_format`'s JSON, or a required / named tool call.
-    /// The constraint on the answer: its `response_format`, or a forced tool call written
-    /// the way the model writes calls (`harmony`: gpt-oss's channels; else Hermes tags).
+    /// What the output must match: `response_format`'s JSON, or a required / named tool call
+    /// written the way the model writes calls (`harmony`: gpt-oss's channels; else Hermes
+    /// tags).
     pub fn constraint(
         &self,
         tools: Option<&Tools>,
