@@ -575,6 +575,11 @@ pub(crate) fn load_model(
 }
 
 fn run(a: RunArgs) -> Result<()> {
+    if let Some(e) = a.reasoning_effort.as_deref() {
+        if !["low", "medium", "high"].contains(&e) {
+            anyhow::bail!("--reasoning-effort {e:?}: low, medium or high");
+        }
+    }
     let path = model_path(a.model.as_deref())?;
     let be = BackendOpts {
         exact: a.exact,
@@ -619,9 +624,6 @@ fn run(a: RunArgs) -> Result<()> {
     opts.extras.validate()?;
     let mut kwargs = serde_json::Map::new();
     if let Some(e) = &a.reasoning_effort {
-        if !["low", "medium", "high"].contains(&e.as_str()) {
-            anyhow::bail!("--reasoning-effort {e:?}: low, medium or high");
-        }
         kwargs.insert("reasoning_effort".into(), e.clone().into());
     }
     let mut messages: Vec<Message> = a
