@@ -924,3 +924,37 @@ impl CompletionRequest {
         Ok(v)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What vllm-router adds to a forwarded request is taken at its no-op values and dropped;
+    /// another value is refused, naming the field; unknown fields stay refused.
+    #[test]
+    fn router_fields_at_their_defaults_pass() {
+        let body = br#"{"model": "m", "messages": [], "no_stop_trim": false,
+            "continue_final_message": false, "return_hidden_states": false,
+            "separate_reasoning": true, "stream_reasoning": true, "include_reasoning": true}"#;
+        let obj = object(body, CHAT_FIELDS, true).unwrap();
+        let mut keys: Vec<&String> = obj.keys().collect();
+        keys.sort();
+        assert_eq!(keys, ["messages", "model"]);
+        let e = object(
+            br#"{"model": "m", "no_stop_trim": true}"#,
+            CHAT_FIELDS,
+            true,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("no_stop_trim"));
+        let e = object(
+            br#"{"model": "m", "include_reasoning": "yes"}"#,
+            CHAT_FIELDS,
+            true,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("include_reasoning"));
+        let e = object(br#"{"model": "m", "mystery": 1}"#, CHAT_FIELDS, true).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("mystery"));
+    }
+}
