@@ -95,18 +95,6 @@ impl<B: Backend> MoeLayer<B> {
         let (h, f, e) = (c.hidden_size, m.expert_ffn, m.n_experts);
         let router = src.require(be, "model.layers.{i}.mlp.router.weight", i, (e, h))?;
         let router_bias = Some(src.require(be, "model.layers.{i}.mlp.router.bias", i, (1, e))?);
-        // A bias is a vector (`rows` 1): the backend keeps vectors as they are.
-        let f32_weight = |name: String, rows: usize, cols: usize, v: Vec<f32>| {
-            let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-            let shape = if rows == 1 {
-                vec![cols]
-            } else {
-                vec![rows, cols]
-            };
-            let t = RawTensor::from_bytes(&name, DType::F32, shape, bytes)
-                .ok_or_else(|| Error::Weights(format!("{name}: bad size")))?;
-            be.load_weight(&t)
-        };
         let experts = if src.gguf {
             let [gate, up, down] = gguf_stacks(be, src, i, e, f, h)?;
             let (g, u, d) = names::GGUF_EXPERTS;
@@ -121,10 +109,10 @@ impl<B: Backend> MoeLayer<B> {
                 .map(|x| {
                     let b = |v: &[f32], rows: usize, p: &str| {
                         f32_weight(
+                            be,
                             format!("blk.{i}.{p}.bias[{x}]"),
-                            1,
-                            rows,
-                            v[x * rows..(x + 1) * rows].to_vec(),
+                            vec![rows],
+                            &v[x * rows..(x + 1) * rows],
                         )
                     };
                     Ok(ExpertWeights {
@@ -165,7 +153,6 @@ impl<B: Backend> MoeLayer<B> {
             (0..e)
                 .map(|x| {
                     let gu = &gate_up[x * h * 2 * f..(x + 1) * h * 2 * f];
-                    let gub = &gate_up_b[x * 2 * f..(x + 1) * 2 * f];
                     // Row j of the gate is column 2j of `gu` (up: 2j + 1).
                     let take = |odd: usize| -> Vec<f32> {
                         (0..f)
@@ -178,29 +165,10 @@ impl<B: Backend> MoeLayer<B> {
                         .collect();
                     let name = |s: &str| format!("model.layers.{i}.mlp.experts.{x}.{s}");
                     Ok(ExpertWeights {
-                        gate: f32_weight(name("gate"), f, h, take(0))?,
-                        up: f32_weight(name("up"), f, h, take(1))?,
-                        down: f32_weight(name("down"), h, f, down_rows)?,
-                        biases: Some([
-                            f32_weight(
-                                name("gate_bias"),
-                                1,
-                                f,
-                                gub.iter().step_by(2).copied().collect(),
-                            )?,
-                            f32_weight(
-                                name("up_bias"),
-                                1,
-                                f,
-                                gub.iter().skip(1).step_by(2).copied().collect(),
-                            )?,
-                            f32_weight(
-                                name("down_bias"),
-                                1,
-                                h,
-                                down_b[x * h..(x + 1) * h].to_vec(),
-                            )?,
-                        ]),
+                        gate: f32_weight(be, name("gate"), vec![f, h], &take(0))?,
+                        up: f32_weight(be, name("up"), vec![f, h], &take(1))?,
+                        down: f32_weight(be, name("down"), vec![h, f], &down_rows)?,
+                        biases: Some(hf_expert_biases(be, (i, x), (f, h), &gate_up_b, &down_b)?),
                     })
                 })
                 .collect::<Result<Vec<_>>>()?
@@ -261,22 +229,12 @@ fn hf_mxfp4_experts<B: Backend>(
     let (dn_blocks, dn_scales) = pair("down_proj", h, f)?;
     let gate_up_b = src.vector(&format!("{p}gate_up_proj_bias"), i, e * 2 * f)?;
     let down_b = src.vector(&format!("{p}down_proj_bias"), i, e * h)?;
-    let load = |name: String, rows: usize, cols: usize, bytes: Vec<u8>| -> Result<B::Weight> {
-        let t = RawTensor::from_bytes(&name, DType::Mxfp4, vec![rows, cols], bytes)
-            .ok_or_else(|| Error::Weights(format!("{name}: bad size")))?;
-        be.load_weight(&t)
-    };
-    let f32_vector = |name: String, v: Vec<f32>| -> Result<B::Weight> {
-        let n = v.len();
-        let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        let t = RawTensor::from_bytes(&name, DType::F32, vec![n], bytes)
-            .ok_or_else(|| Error::Weights(format!("{name}: bad size")))?;
-        be.load_weight(&t)
+    let load = |name: String, rows: usize, cols: usize, bytes: Vec<u8>| {
+        owned_weight(be, name, DType::Mxfp4, vec![rows, cols], bytes)
     };
     (0..e)
         .map(|x| {
             let name = |s: &str| format!("model.layers.{i}.mlp.experts.{x}.{s}");
-            let gub = &gate_up_b[x * 2 * f..(x + 1) * 2 * f];
             let gate_rows: Vec<usize> = (0..f).map(|j| 2 * j).collect();
             let up_rows: Vec<usize> = (0..f).map(|j| 2 * j + 1).collect();
             let down_rows: Vec<usize> = (0..h).collect();
@@ -299,17 +257,50 @@ fn hf_mxfp4_experts<B: Backend>(
                     f,
                     mxfp4_rows(dn_blocks, dn_scales, x, h, f, &down_rows),
                 )?,
-                biases: Some([
-                    f32_vector(name("gate_bias"), gub.iter().step_by(2).copied().collect())?,
-                    f32_vector(
-                        name("up_bias"),
-                        gub.iter().skip(1).step_by(2).copied().collect(),
-                    )?,
-                    f32_vector(name("down_bias"), down_b[x * h..(x + 1) * h].to_vec())?,
-                ]),
+                biases: Some(hf_expert_biases(be, (i, x), (f, h), &gate_up_b, &down_b)?),
             })
         })
         .collect()
+}
+
+/// A weight the loader made (rewritten or transposed from the file), handed to the backend
+/// like one read from the file.
+fn owned_weight<B: Backend>(
+    be: &B,
+    name: String,
+    dtype: DType,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+) -> Result<B::Weight> {
+    let t = RawTensor::from_bytes(&name, dtype, shape, bytes)
+        .ok_or_else(|| Error::Weights(format!("{name}: bad size")))?;
+    be.load_weight(&t)
+}
+
+/// [`owned_weight`] of f32 values: a matrix `[rows, cols]`, or a vector `[n]` (a bias, which
+/// the backend keeps as it is).
+fn f32_weight<B: Backend>(be: &B, name: String, shape: Vec<usize>, v: &[f32]) -> Result<B::Weight> {
+    let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    owned_weight(be, name, DType::F32, shape, bytes)
+}
+
+/// Expert `x`'s gate, up and down biases from a Hugging Face gpt-oss layer's stacked
+/// `gate_up_proj_bias` `[E, 2F]` (gate even, up odd) and `down_proj_bias` `[E, H]`.
+fn hf_expert_biases<B: Backend>(
+    be: &B,
+    (i, x): (usize, usize),
+    (f, h): (usize, usize),
+    gate_up_b: &[f32],
+    down_b: &[f32],
+) -> Result<[B::Weight; 3]> {
+    let gub = &gate_up_b[x * 2 * f..(x + 1) * 2 * f];
+    let (gate, up): (Vec<f32>, Vec<f32>) = gub.chunks_exact(2).map(|p| (p[0], p[1])).unzip();
+    let name = |s: &str| format!("model.layers.{i}.mlp.experts.{x}.{s}");
+    Ok([
+        f32_weight(be, name("gate_bias"), vec![f], &gate)?,
+        f32_weight(be, name("up_bias"), vec![f], &up)?,
+        f32_weight(be, name("down_bias"), vec![h], &down_b[x * h..(x + 1) * h])?,
+    ])
 }
 
 /// Rows `rows` of expert `x` (of `n_rows` rows of `cols` values) from Hugging Face MXFP4
