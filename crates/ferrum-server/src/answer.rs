@@ -100,7 +100,7 @@ pub enum Piece {
 /// text as they are generated ([`CallStreamer`]); at the end, the final parse adds any call the
 /// stream missed (and then drops the text held back, which was that call's).
 pub struct AnswerStream {
-    thinking: bool,
+    format: AnswerFormat,
     /// Set for harmony answers, which it splits instead of everything below.
     harmony: Option<harmony::Parser>,
     /// Inside a harmony message to a recipient that is no function of the request (a
@@ -122,7 +122,7 @@ pub struct AnswerStream {
 impl AnswerStream {
     pub fn new(format: AnswerFormat, tools: Option<&Tools>) -> AnswerStream {
         AnswerStream {
-            thinking: format == AnswerFormat::Think,
+            format,
             harmony: (format == AnswerFormat::Harmony).then(harmony::Parser::new),
             foreign_call: false,
             tools: tools.cloned(),
@@ -213,12 +213,13 @@ impl AnswerStream {
             return out;
         }
         self.text.push_str(delta);
-        let (mut r, mut c) = if self.thinking {
+        let thinking = self.format == AnswerFormat::Think;
+        let (mut r, mut c) = if thinking {
             self.splitter.push(delta)
         } else {
             (String::new(), delta.to_string())
         };
-        if last && self.thinking {
+        if last && thinking {
             let (r2, c2) = self.splitter.finish();
             r.push_str(&r2);
             c.push_str(&c2);
@@ -247,12 +248,7 @@ impl AnswerStream {
         }
         let mut missed = Vec::new();
         if last {
-            let format = if self.thinking {
-                AnswerFormat::Think
-            } else {
-                AnswerFormat::Plain
-            };
-            let fin = Answer::of(format, self.tools.as_ref(), &self.text).calls;
+            let fin = Answer::of(self.format, self.tools.as_ref(), &self.text).calls;
             self.confirmed = Some(fin.len());
             // A final call the stream did not carry (same name, same arguments) goes whole.
             let same = |c: &ToolCall, (name, args): &(String, String)| {

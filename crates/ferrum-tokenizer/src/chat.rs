@@ -504,13 +504,9 @@ fn raise_exception(msg: String) -> std::result::Result<Value, minijinja::Error> 
 
 /// `strftime_now(format)`: the current UTC time in Python `strftime` notation. Only the
 /// directives chat templates use are supported; others are an error rather than wrong text.
-/// Today's date (UTC) as `YYYY-MM-DD`.
+/// Today's date (UTC) as `YYYY-MM-DD`, as templates write it with `strftime_now`.
 pub fn today() -> String {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
-    strftime(secs, "%Y-%m-%d").unwrap_or_default()
+    strftime_now("%Y-%m-%d".into()).unwrap_or_default()
 }
 
 fn strftime_now(format: String) -> std::result::Result<String, minijinja::Error> {

@@ -248,37 +248,6 @@ impl Parser {
         let starts = |p: &str| t.starts_with(p) || p.starts_with(t);
         MARKERS.iter().any(|m| starts(m)) || starts("assistant") || starts("to=")
     }
-
-    /// Parses a whole answer: (reasoning, content, calls as (name, arguments)).
-    pub fn parse(text: &str) -> Parsed {
-        let mut p = Parser::new();
-        let mut events = p.push(text);
-        events.extend(p.finish());
-        let mut out = Parsed::default();
-        for e in events {
-            match e {
-                Event::Reasoning(r) => out.reasoning.get_or_insert_with(String::new).push_str(&r),
-                Event::Content(c) => out.content.push_str(&c),
-                Event::CallStart(name) => out.calls.push((name, String::new())),
-                Event::CallArgs(a) => {
-                    if let Some(c) = out.calls.last_mut() {
-                        c.1.push_str(&a);
-                    }
-                }
-                Event::CallEnd => {}
-            }
-        }
-        out
-    }
-}
-
-/// A whole answer, parsed.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Parsed {
-    pub reasoning: Option<String>,
-    pub content: String,
-    /// (tool name, arguments text).
-    pub calls: Vec<(String, String)>,
 }
 
 fn emit(out: &mut Vec<Event>, body: Body, text: String) {
@@ -627,11 +596,13 @@ mod tests {
 
     #[test]
     fn whole_answers_parse() {
-        let p = Parser::parse(
-            "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Done.",
+        let text = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Done.";
+        assert_eq!(
+            run(text, text.len()),
+            vec![
+                Event::Reasoning("Think.".into()),
+                Event::Content("Done.".into())
+            ]
         );
-        assert_eq!(p.reasoning.as_deref(), Some("Think."));
-        assert_eq!(p.content, "Done.");
-        assert!(p.calls.is_empty());
     }
 }
