@@ -305,50 +305,38 @@ fn metadata(o: &Opts, vocab_file: &GgufFile) -> AnyResult<(Vec<(String, Value)>,
         ),
         ("general.quantization_version".into(), u(2)),
     ];
+    // Context, dense FFN width, RoPE θ and norm ε of the original each shape comes from:
+    // Qwen3-30B-A3B's layers (its dense FFN key unused), gpt-oss-20b (131072 by YaRN ×32 over
+    // 4096), Llama-3.2-1B, Qwen3-4B.
+    let (ctx, ffn, theta, eps) = match o.arch {
+        Arch::Qwen3Moe => (4096, 6144, 1e6, 1e-6),
+        Arch::GptOss => (131072, o.expert_ffn, 150000.0, 1e-5),
+        Arch::Llama => (131072, o.ffn, 500000.0, 1e-5),
+        Arch::Qwen3 => (40960, o.ffn, 1e6, 1e-6),
+    };
     let mut hp = vec![
         ("block_count", u(o.layers)),
-        ("context_length", u(4096)),
+        ("context_length", u(ctx)),
         ("embedding_length", u(o.hidden)),
-        ("feed_forward_length", u(6144)),
+        ("feed_forward_length", u(ffn)),
         ("attention.head_count", u(o.heads)),
         ("attention.head_count_kv", u(o.kv_heads)),
         ("attention.key_length", u(o.head_dim)),
         ("attention.value_length", u(o.head_dim)),
-        ("rope.freq_base", Value::F32(1e6)),
-        ("attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
-        ("expert_count", u(o.experts)),
-        ("expert_used_count", u(o.active)),
-        ("expert_feed_forward_length", u(o.expert_ffn)),
+        ("rope.freq_base", Value::F32(theta)),
+        ("attention.layer_norm_rms_epsilon", Value::F32(eps)),
     ];
     if o.arch.dense() {
-        hp.retain(|(k, _)| !k.starts_with("expert"));
-        let (ctx, theta, eps) = match o.arch {
-            Arch::Llama => (131072, 500000.0, 1e-5),
-            _ => (40960, 1e6, 1e-6),
-        };
-        for (k, v) in hp.iter_mut() {
-            match *k {
-                "context_length" => *v = u(ctx),
-                "feed_forward_length" => *v = u(o.ffn),
-                "rope.freq_base" => *v = Value::F32(theta),
-                "attention.layer_norm_rms_epsilon" => *v = Value::F32(eps),
-                _ => {}
-            }
-        }
         hp.push(("rope.dimension_count", u(o.head_dim)));
+    } else {
+        hp.extend([
+            ("expert_count", u(o.experts)),
+            ("expert_used_count", u(o.active)),
+            ("expert_feed_forward_length", u(o.expert_ffn)),
+        ]);
     }
     if o.arch == Arch::GptOss {
-        // gpt-oss-20b's: context 131072 by YaRN ×32 over 4096, θ 150000, ε 1e-5, a 128-token
-        // window on the even layers.
-        for (k, v) in hp.iter_mut() {
-            match *k {
-                "context_length" => *v = u(131072),
-                "feed_forward_length" => *v = u(o.expert_ffn),
-                "rope.freq_base" => *v = Value::F32(150000.0),
-                "attention.layer_norm_rms_epsilon" => *v = Value::F32(1e-5),
-                _ => {}
-            }
-        }
+        // A 128-token window on the even layers.
         hp.extend([
             ("attention.sliding_window", u(128)),
             ("rope.scaling.type", Value::String("yarn".into())),
