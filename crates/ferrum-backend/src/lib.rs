@@ -194,6 +194,49 @@ pub struct AttentionParams<'a> {
     pub sinks: Option<&'a [f32]>,
 }
 
+/// One sequence's rows in a recurrent op ([`Backend::causal_conv1d`],
+/// [`Backend::gated_delta`]): the next `rows` rows of the batch, its state in slot `slot` of
+/// the state buffer, zeroed first when `fresh` (the sequence's first chunk).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateSeq {
+    pub rows: usize,
+    pub slot: usize,
+    pub fresh: bool,
+}
+
+/// A Gated DeltaNet layer's shape and per-head decay parameters (Qwen3.5, Qwen3-Next).
+#[derive(Debug, Clone, Copy)]
+pub struct DeltaParams<'a> {
+    pub k_heads: usize,
+    pub v_heads: usize,
+    pub k_dim: usize,
+    pub v_dim: usize,
+    /// Which key head a value head reads: value head `h` of `v_heads = r · k_heads` uses key
+    /// head `h / r` (grouped, Hugging Face's order) or `h % k_heads` (tiled, the order
+    /// llama.cpp's converter rewrites the value heads into).
+    pub tiled: bool,
+    /// Per value head: `−exp(A_log)`, the decay rate the `a` projection's softplus scales.
+    pub a: &'a [f32],
+    /// Per value head: added to the `a` projection before the softplus.
+    pub dt_bias: &'a [f32],
+}
+
+impl DeltaParams<'_> {
+    /// Floats one sequence's delta-rule state takes (every value head's `k_dim × v_dim`).
+    pub fn state_len(&self) -> usize {
+        self.v_heads * self.k_dim * self.v_dim
+    }
+
+    /// The key head value head `h` reads.
+    pub fn key_head(&self, h: usize) -> usize {
+        if self.tiled {
+            h % self.k_heads
+        } else {
+            h / (self.v_heads / self.k_heads)
+        }
+    }
+}
+
 /// One expert's gated FFN weights: `down(act(gate(x)) · up(x))`, each projection with its
 /// bias where the family has them (gpt-oss).
 pub struct ExpertWeights<W> {
@@ -407,6 +450,51 @@ pub trait Backend: Send + Sync {
     ) {
         moe_ffn_default(self, x, xv, experts, batches, scratch, out, ov, act)
     }
+
+    /// `x[t, i] *= sigmoid(g[t, i])`, or `sigmoid(g[t, 0])` for every `i` when `gv` is one
+    /// value wide (a per-row gate: the shared expert's). Gated attention's output gate.
+    fn sigmoid_mul(&self, x: &mut Self::Buf, xv: Rows, g: &Self::Buf, gv: Rows);
+
+    /// Copies the rows of `src` onto those of `dst` within one buffer (the views must not
+    /// overlap): a recurrent state's snapshot taken or restored.
+    fn copy_within(&self, x: &mut Self::Buf, src: Rows, dst: Rows);
+
+    /// Depthwise causal convolution followed by SiLU, in place over each sequence's rows of
+    /// `xv` (`channels` wide): `y[t, c] = silu(Σ_j w[j, c] · x[t − (kernel − 1) + j, c])`,
+    /// where inputs before a sequence's first row come from its state (the last
+    /// `kernel − 1` inputs it has seen, oldest first: `(kernel − 1) × channels` floats from
+    /// `slot · (kernel − 1) · channels`), and the state is left holding the last inputs
+    /// again. `w` is `kernel × channels`, tap-major.
+    fn causal_conv1d(
+        &self,
+        x: &mut Self::Buf,
+        xv: Rows,
+        w: &Self::Buf,
+        kernel: usize,
+        state: &mut Self::Buf,
+        seqs: &[StateSeq],
+    );
+
+    /// The gated delta rule, token by token, per value head `h` with state `S` (`k_dim ×
+    /// v_dim`, at `(slot · v_heads + h) · k_dim · v_dim`): with `q̂ = l2norm(q)/√k_dim`,
+    /// `k̂ = l2norm(k)`, `β = sigmoid(b)` and `g = a_h · softplus(a + dt_bias_h)`:
+    /// `S ← e^g · S`, `S ← S + k̂ ⊗ β (v − Sᵀk̂)`, `out = Sᵀq̂`. `q`, `k` are split into key
+    /// heads, `v` and `out` into value heads; `a` and `b` are one value per value head.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta(
+        &self,
+        x: &Self::Buf,
+        q: Rows,
+        k: Rows,
+        v: Rows,
+        a: Rows,
+        b: Rows,
+        p: DeltaParams,
+        state: &mut Self::Buf,
+        seqs: &[StateSeq],
+        out: &mut Self::Buf,
+        ov: Rows,
+    );
 
     /// Residual add followed by the next norm: `x += y; out = rms_norm(x)`. The default
     /// composes the primitives.

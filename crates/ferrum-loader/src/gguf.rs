@@ -473,6 +473,11 @@ impl GgufFile {
         })
     }
 
+    pub fn get_bool_array(&self, key: &str) -> Option<Vec<bool>> {
+        let (elem, count, at) = self.array_entry(key)?;
+        self.array_items(count, at, |r| r.value(elem, key).ok()?.as_bool())
+    }
+
     pub fn get_i64_array(&self, key: &str) -> Option<Vec<i64>> {
         let (elem, count, at) = self.array_entry(key)?;
         self.array_items(count, at, |r| r.value(elem, key).ok()?.as_i64())

@@ -85,6 +85,9 @@ pub struct MoeConfig {
     pub mlp_only_layers: Vec<usize>,
     /// Every `sparse_step`-th layer is sparse (`(i + 1) % sparse_step == 0`).
     pub sparse_step: usize,
+    /// A shared expert of this width beside the routed ones, its output scaled by
+    /// `sigmoid(gate · x)` (Qwen3.5-MoE, Qwen3-Next).
+    pub shared_ffn: Option<usize>,
 }
 
 impl MoeConfig {
@@ -101,6 +104,10 @@ impl MoeConfig {
             norm_topk_prob: true,
             mlp_only_layers: Vec::new(),
             sparse_step: 1,
+            shared_ffn: g
+                .get_u64(&key("expert_shared_feed_forward_length"))
+                .filter(|&v| v > 0)
+                .map(|v| v as usize),
         })
     }
 
@@ -138,6 +145,11 @@ pub struct ModelConfig {
     /// [`LayerSpec::window`] says which layers use it.
     pub sliding_window: Option<usize>,
     pub moe: Option<MoeConfig>,
+    /// The Gated DeltaNet layers' shape, where [`LayerSpec::linear`] marks some.
+    pub linear: Option<LinearAttn>,
+    /// Gated attention (Qwen3.5): the query projection gives each head its queries and as
+    /// many gate values, and the attention output is multiplied by their sigmoid.
+    pub attn_gate: bool,
     /// One per layer: its attention window and which RoPE it uses.
     pub layers: Vec<LayerSpec>,
     /// Leading dimensions of a head that rotate (Phi-3/4's partial rotary); `head_dim` else.
@@ -190,6 +202,39 @@ pub struct LayerSpec {
     /// attention.
     pub window: Option<usize>,
     pub rope: Rope,
+    /// A Gated DeltaNet (linear-attention) layer: a recurrent state per sequence instead of
+    /// attention and KV (Qwen3.5's `linear_attention` layers); `window` and `rope` unused.
+    pub linear: bool,
+}
+
+/// The Gated DeltaNet layers' shape (Qwen3.5, Qwen3.5-MoE).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearAttn {
+    /// Taps of the depthwise causal convolution over the fused q/k/v projection.
+    pub conv_kernel: usize,
+    pub k_heads: usize,
+    pub v_heads: usize,
+    pub k_dim: usize,
+    pub v_dim: usize,
+    /// Value heads in llama.cpp's tiled order (its converter reorders them; see
+    /// `ferrum_backend::DeltaParams::tiled`).
+    pub tiled: bool,
+}
+
+impl LinearAttn {
+    /// Width of the fused q/k/v projection, which the convolution runs over.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+    }
+
+    /// Floats of one sequence's recurrent state in one layer: the convolution's last
+    /// `conv_kernel − 1` inputs and every value head's `k_dim × v_dim` delta-rule state.
+    pub fn state_floats(&self) -> (usize, usize) {
+        (
+            self.conv_kernel.saturating_sub(1) * self.conv_dim(),
+            self.v_heads * self.k_dim * self.v_dim,
+        )
+    }
 }
 
 /// The norms of a layer, each the Hugging Face name template of its weight (`{i}` the layer)
@@ -296,10 +341,13 @@ impl ModelConfig {
             qk_norm: QkNorm::None,
             sliding_window,
             moe: None,
+            linear: None,
+            attn_gate: false,
             layers: vec![
                 LayerSpec {
                     window: sliding_window,
                     rope: Rope::Global,
+                    linear: false,
                 };
                 n_layers
             ],
@@ -517,6 +565,28 @@ impl ModelConfig {
                 c.n_layers
             ));
         }
+        if c.layers.iter().any(|l| l.linear) && c.linear.is_none() {
+            return bad("linear-attention layers without their shape".into());
+        }
+        if c.layers.iter().all(|l| l.linear) {
+            return bad("no attention layer: every layer is linear attention".into());
+        }
+        if let Some(l) = &c.linear {
+            if l.k_heads == 0
+                || l.v_heads == 0
+                || !l.v_heads.is_multiple_of(l.k_heads)
+                || l.k_dim == 0
+                || l.v_dim == 0
+                || l.conv_kernel == 0
+                || l.conv_kernel > 64
+            {
+                return bad(format!(
+                    "linear attention of {} key heads of {}, {} value heads of {}, \
+                     {} convolution taps is not a valid shape",
+                    l.k_heads, l.k_dim, l.v_heads, l.v_dim, l.conv_kernel
+                ));
+            }
+        }
         if c.layers.iter().any(|l| l.window == Some(0)) {
             return bad("a sliding window of 0 positions".into());
         }
@@ -732,7 +802,8 @@ pub const NO_BLOCK: u32 = u32::MAX;
 impl KvGroups {
     pub fn new(layers: &[LayerSpec]) -> KvGroups {
         let mut by_window: Vec<(Option<usize>, Vec<usize>)> = Vec::new();
-        for (i, l) in layers.iter().enumerate() {
+        // Linear-attention layers keep no KV: they are in no group.
+        for (i, l) in layers.iter().enumerate().filter(|(_, l)| !l.linear) {
             match by_window.iter_mut().find(|(w, _)| *w == l.window) {
                 Some((_, v)) => v.push(i),
                 None => by_window.push((l.window, vec![i])),
@@ -820,6 +891,7 @@ mod tests {
         LayerSpec {
             window,
             rope: Rope::Global,
+            linear: false,
         }
     }
 

@@ -10,14 +10,15 @@
 //! family has them: Llama the two pre-norms, Gemma all four, OLMo 2 the two post-norms.
 
 use ferrum_backend::{
-    AttentionParams, AttnSeq, Backend, KvShape, KvTable, MoeScratch, RopeParams, Rows,
+    AttentionParams, AttnSeq, Backend, KvShape, KvTable, MoeScratch, RopeParams, Rows, StateSeq,
 };
 use ferrum_core::{Error, Result};
 
 pub use crate::config::{KvGroups, NO_BLOCK};
 use crate::config::{ModelConfig, Rope, RopeScaling};
 pub use crate::layers::WeightSource;
-use crate::layers::{dense_ffn, AttnInputs, Ffn, Layer};
+use crate::layers::{dense_ffn, gated_ffn, qkv_width, AttnInputs, Ffn, Layer, Mixer};
+use crate::linear::DeltaBufs;
 use crate::moe::{MoeLayer, Router};
 
 /// How many tokens one pass through the layers carries; longer inputs go in chunks.
@@ -51,6 +52,10 @@ pub struct KvCache<B: Backend> {
     /// The tables of a single sequence that owns the whole cache: the blocks split evenly
     /// between the groups, in order.
     identity: Vec<Vec<u32>>,
+    /// Per linear-attention layer: the convolution's and the delta rule's state buffers,
+    /// `state_slots` sequences' worth each (a sequence's slot is [`SeqChunk::state`]).
+    states: Vec<(B::Buf, B::Buf)>,
+    pub state_slots: usize,
 }
 
 impl<B: Backend> KvCache<B> {
@@ -58,17 +63,36 @@ impl<B: Backend> KvCache<B> {
     pub fn capacity(&self) -> usize {
         self.block_size * self.identity.first().map_or(0, Vec::len)
     }
+
+    /// Copies recurrent-state slot `from` onto slot `to` in every linear-attention layer (a
+    /// prefix's snapshot taken, or a sequence resumed from one). Nothing for models without
+    /// such layers.
+    pub fn copy_state(&mut self, be: &B, from: usize, to: usize) {
+        if from == to || from >= self.state_slots || to >= self.state_slots {
+            return;
+        }
+        for (conv, delta) in &mut self.states {
+            for buf in [conv, delta] {
+                let per = be.buf_len(buf) / self.state_slots;
+                let row = |s: usize| Rows::columns(1, per, s * per, per);
+                be.copy_within(buf, row(from), row(to));
+            }
+        }
+    }
 }
 
 /// One sequence's share of a forward pass: `tokens` at positions `start..`, its cache rows
 /// found through `tables` (one per KV group; a windowed group's entries before its window
-/// may be [`NO_BLOCK`]), and which of its positions need logits.
+/// may be [`NO_BLOCK`]), which of its positions need logits, and — for models with
+/// linear-attention layers — its recurrent-state slot (which must hold the state after
+/// position `start − 1`; a chunk at `start` 0 starts from zero).
 #[derive(Debug, Clone, Copy)]
 pub struct SeqChunk<'a> {
     pub tokens: &'a [u32],
     pub start: usize,
     pub tables: &'a [Vec<u32>],
     pub logits: Logits,
+    pub state: usize,
 }
 
 /// Activation buffers for one pass of at most [`CHUNK`] tokens. Allocated once at load.
@@ -82,6 +106,7 @@ struct State<B: Backend> {
     act: B::Buf,
     logits: B::Buf,
     moe: Option<MoeState<B>>,
+    linear: Option<DeltaBufs<B>>,
 }
 
 /// Buffers and host-side routing state of the MoE layers.
@@ -94,6 +119,8 @@ struct MoeState<B: Backend> {
     counts: Vec<Vec<u64>>,
     /// Wall time spent in the expert FFNs (routing excluded).
     expert_secs: f64,
+    /// The shared expert's buffers: gate/up, activation, output, scalar gate.
+    shared: Option<[B::Buf; 4]>,
 }
 
 pub struct Decoder<B: Backend> {
@@ -184,11 +211,11 @@ impl<B: Backend> Decoder<B> {
         let context = context.max(1);
         config.resolve_context(context);
         let c = &config;
-        let (qd, kvd, f) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let (qd, f) = (c.q_dim(), c.intermediate_size);
         let state = State {
             x: be.alloc(CHUNK * h),
             xn: be.alloc(CHUNK * h),
-            qkv: be.alloc(CHUNK * (qd + 2 * kvd)),
+            qkv: be.alloc(CHUNK * qkv_width(c)),
             attn: be.alloc(CHUNK * qd),
             tmp: be.alloc(CHUNK * h),
             gu: be.alloc(CHUNK * 2 * f),
@@ -207,7 +234,16 @@ impl<B: Backend> Decoder<B> {
                 router: Router::new(m),
                 counts: vec![vec![0; m.n_experts]; c.n_layers],
                 expert_secs: 0.0,
+                shared: m.shared_ffn.map(|sf| {
+                    [
+                        be.alloc(CHUNK * 2 * sf),
+                        be.alloc(CHUNK * sf),
+                        be.alloc(CHUNK * h),
+                        be.alloc(CHUNK),
+                    ]
+                }),
             }),
+            linear: c.linear.as_ref().map(|l| DeltaBufs::new(be, l, CHUNK)),
         };
         Ok(Decoder {
             inv_freq: config.rope_inv_freq(),
@@ -249,6 +285,18 @@ impl<B: Backend> Decoder<B> {
     /// A KV cache of `n_blocks` blocks of `block_size` positions, each for one KV group's
     /// layers.
     pub fn alloc_kv(&self, n_blocks: usize, block_size: usize) -> KvCache<B> {
+        self.alloc_kv_states(n_blocks, block_size, 1)
+    }
+
+    /// [`Decoder::alloc_kv`] with `state_slots` recurrent-state slots for models with
+    /// linear-attention layers (one per sequence a pass may carry, plus any a caller keeps
+    /// as prefix snapshots); none are allocated for other models.
+    pub fn alloc_kv_states(
+        &self,
+        n_blocks: usize,
+        block_size: usize,
+        state_slots: usize,
+    ) -> KvCache<B> {
         let block_size = block_size.max(1);
         let shape = KvShape {
             blocks: n_blocks,
@@ -268,7 +316,36 @@ impl<B: Backend> Decoder<B> {
             identity: (0..groups)
                 .map(|g| ((g * per) as u32..((g + 1) * per) as u32).collect())
                 .collect(),
+            states: self.alloc_states(state_slots),
+            state_slots: if self.is_hybrid() { state_slots } else { 0 },
         }
+    }
+
+    /// Whether some layers keep a recurrent state instead of KV.
+    pub fn is_hybrid(&self) -> bool {
+        self.config.layers.iter().any(|l| l.linear)
+    }
+
+    /// Bytes of one sequence's recurrent state over every linear-attention layer.
+    pub fn state_bytes(&self) -> usize {
+        let Some(l) = &self.config.linear else {
+            return 0;
+        };
+        let (conv, delta) = l.state_floats();
+        let layers = self.config.layers.iter().filter(|s| s.linear).count();
+        4 * layers * (conv + delta)
+    }
+
+    fn alloc_states(&self, slots: usize) -> Vec<(B::Buf, B::Buf)> {
+        let Some(l) = &self.config.linear else {
+            return Vec::new();
+        };
+        let (conv, delta) = l.state_floats();
+        let be = &self.backend;
+        let layers = self.config.layers.iter().filter(|s| s.linear).count();
+        (0..layers)
+            .map(|_| (be.alloc(slots * conv), be.alloc(slots * delta)))
+            .collect()
     }
 
     /// A cache for one sequence of up to `tokens` positions (see [`Decoder::forward`]):
@@ -278,10 +355,11 @@ impl<B: Backend> Decoder<B> {
         self.alloc_kv(per * self.kv_groups.len(), BLOCK_SIZE)
     }
 
-    /// Bytes of cache one position takes across all layers (keys and values), where every
-    /// layer holds every position.
+    /// Bytes of cache one position takes across all attention layers (keys and values),
+    /// where every layer holds every position (linear-attention layers keep none).
     pub fn kv_bytes_per_token(&self) -> usize {
-        2 * self.config.n_layers * self.backend.kv_row_bytes(self.config.kv_dim())
+        let layers = self.config.layers.iter().filter(|l| !l.linear).count();
+        2 * layers * self.backend.kv_row_bytes(self.config.kv_dim())
     }
 
     /// Bytes of one KV block (a group's layers, keys and values, `block_size` positions).
@@ -332,6 +410,7 @@ impl<B: Backend> Decoder<B> {
                 start: pos,
                 tables: &tables,
                 logits,
+                state: 0,
             };
             match self.forward_batch(kv, &[seq]) {
                 Ok(l) => after(self, chunk, l),
@@ -449,6 +528,12 @@ impl<B: Backend> Decoder<B> {
                     )));
                 }
             }
+            if !kv.states.is_empty() && s.state >= kv.state_slots {
+                return Err(Error::InvalidRequest(format!(
+                    "recurrent-state slot {} of {}",
+                    s.state, kv.state_slots
+                )));
+            }
             let row = tokens.len();
             let m = s.tokens.len();
             match s.logits {
@@ -462,6 +547,16 @@ impl<B: Backend> Decoder<B> {
         }
         if n == 0 {
             return Ok(0);
+        }
+        if !kv.states.is_empty() {
+            let mut slots: Vec<usize> = seqs.iter().map(|s| s.state).collect();
+            slots.sort_unstable();
+            slots.dedup();
+            if slots.len() != seqs.len() {
+                return Err(Error::InvalidRequest(
+                    "two sequences of one pass share a recurrent-state slot".into(),
+                ));
+            }
         }
         self.run_layers(kv, &tokens, &positions, seqs)?;
         self.head(n, &want_rows);
@@ -495,6 +590,15 @@ impl<B: Backend> Decoder<B> {
                     .collect()
             })
             .collect();
+        let state_seqs: Vec<StateSeq> = seqs
+            .iter()
+            .map(|q| StateSeq {
+                rows: q.tokens.len(),
+                slot: q.state,
+                fresh: q.start == 0,
+            })
+            .collect();
+        let mut linear_index = 0;
         be.embed(&self.embed, tokens, &mut s.x, hidden);
         if let Some(e) = c.embed_scale {
             be.scale_inplace(&mut s.x, hidden, e);
@@ -516,19 +620,6 @@ impl<B: Backend> Decoder<B> {
                 }),
                 Rope::None => None,
             };
-            let (group, slot) = self.kv_groups.slot_of[li];
-            let inputs = AttnInputs {
-                positions,
-                seqs: &attn_seqs[group],
-                rope,
-                params: AttentionParams {
-                    n_kv_heads: c.n_kv_heads,
-                    scale: c.attn_scale,
-                    window: layer.spec.window,
-                    softcap: None,
-                    sinks: layer.attn.sinks.as_deref(),
-                },
-            };
             // A block reads the normalised stream where its family has a norm before it,
             // the residual stream itself where not (OLMo 2).
             let input = if layer.norms.attn_in.is_some() {
@@ -536,18 +627,58 @@ impl<B: Backend> Decoder<B> {
             } else {
                 &s.x
             };
-            layer.attn.forward(
-                be,
-                c,
-                input,
-                n,
-                &mut s.qkv,
-                &mut s.attn,
-                &mut s.tmp,
-                &mut kv.k[slot],
-                &mut kv.v[slot],
-                &inputs,
-            );
+            match &layer.mixer {
+                Mixer::Attention(attn) => {
+                    let (group, slot) = self.kv_groups.slot_of[li];
+                    let inputs = AttnInputs {
+                        positions,
+                        seqs: &attn_seqs[group],
+                        rope,
+                        params: AttentionParams {
+                            n_kv_heads: c.n_kv_heads,
+                            scale: c.attn_scale,
+                            window: layer.spec.window,
+                            softcap: None,
+                            sinks: attn.sinks.as_deref(),
+                        },
+                    };
+                    attn.forward(
+                        be,
+                        c,
+                        input,
+                        n,
+                        &mut s.qkv,
+                        &mut s.attn,
+                        &mut s.tmp,
+                        &mut kv.k[slot],
+                        &mut kv.v[slot],
+                        &inputs,
+                    );
+                }
+                Mixer::Linear(net) => {
+                    let (Some(l), Some(bufs)) = (c.linear.as_ref(), s.linear.as_mut()) else {
+                        return Err(Error::Weights("linear layer without its shape".into()));
+                    };
+                    let Some((conv, delta)) = kv.states.get_mut(linear_index) else {
+                        return Err(Error::InvalidRequest(
+                            "KV cache without recurrent states for a hybrid model".into(),
+                        ));
+                    };
+                    linear_index += 1;
+                    net.forward(
+                        be,
+                        c,
+                        l,
+                        input,
+                        n,
+                        bufs,
+                        &mut s.tmp,
+                        conv,
+                        delta,
+                        &state_seqs,
+                    );
+                }
+            }
             let ffn_in = layer.norms.ffn_in.as_ref();
             residual(be, c, s, n, layer.norms.attn_out.as_ref(), ffn_in);
             let input = if ffn_in.is_some() { &s.xn } else { &s.x };
@@ -666,8 +797,25 @@ fn moe_block<B: Backend>(
     be.read(&ms.router_logits, 0, &mut ms.host_logits[..n * ne]);
     ms.router
         .route(&ms.host_logits[..n * ne], n, &mut ms.counts[layer]);
-    let batches = ms.router.batches();
     let t0 = std::time::Instant::now();
+    if let (Some(sh), Some([gu, act, y, gate])) = (&moe.shared, ms.shared.as_mut()) {
+        gated_ffn(
+            be,
+            hidden.width(),
+            sh.ffn,
+            moe.activation,
+            &sh.gate_up,
+            &sh.down,
+            x,
+            n,
+            gu,
+            act,
+            y,
+        );
+        be.matmul(x, hidden, &sh.gate, None, gate, Rows::dense(n, 1));
+        be.sigmoid_mul(y, hidden, gate, Rows::dense(n, 1));
+    }
+    let batches = ms.router.batches();
     be.moe_ffn(
         x,
         hidden,
@@ -678,6 +826,9 @@ fn moe_block<B: Backend>(
         hidden,
         moe.activation,
     );
+    if let (Some(_), Some([_, _, y, _])) = (&moe.shared, ms.shared.as_ref()) {
+        be.add_inplace(out, hidden, y, hidden);
+    }
     // Backends that run asynchronously will need a sync here to time this.
     ms.expert_secs += t0.elapsed().as_secs_f64();
 }

@@ -9,6 +9,7 @@ use ferrum_core::{DType, Error, Result};
 use ferrum_loader::{RawTensor, TensorStore};
 
 use crate::config::{LayerSpec, ModelConfig, QkNorm};
+use crate::linear::DeltaNet;
 use crate::moe::MoeLayer;
 use crate::names;
 
@@ -134,6 +135,9 @@ pub enum Qkv<W> {
 
 pub struct Attention<B: Backend> {
     qkv: Qkv<B::Weight>,
+    /// Gated attention's gate projection (Qwen3.5: the query projection's second half of
+    /// each head, split off at load): the output is multiplied by its sigmoid.
+    gate: Option<B::Weight>,
     bias: Option<[B::Weight; 3]>,
     qk_norm: Option<[B::Weight; 2]>,
     o: B::Weight,
@@ -166,17 +170,23 @@ pub struct Norms<W> {
     pub ffn_out: Option<W>,
 }
 
+/// What mixes positions in a layer: attention over the KV cache, or a Gated DeltaNet's
+/// recurrent state.
+pub enum Mixer<B: Backend> {
+    Attention(Attention<B>),
+    Linear(DeltaNet<B>),
+}
+
 pub struct Layer<B: Backend> {
     pub norms: Norms<B::Weight>,
-    pub attn: Attention<B>,
+    pub mixer: Mixer<B>,
     pub ffn: Ffn<B>,
     pub spec: LayerSpec,
 }
 
 impl<B: Backend> Layer<B> {
     pub fn load(be: &B, src: &WeightSource, i: usize, c: &ModelConfig) -> Result<Self> {
-        let (h, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let l = |name: &str, shape| src.require(be, name, i, shape);
+        let h = c.hidden_size;
         let norm = |name: Option<&str>| -> Result<Option<B::Weight>> {
             name.map(|n| src.norm(be, n, i, h, c.norm_offset))
                 .transpose()
@@ -187,16 +197,45 @@ impl<B: Backend> Layer<B> {
             ffn_in: norm(c.norms.ffn_in)?,
             ffn_out: norm(c.norms.ffn_out)?,
         };
+        let mixer = match &c.linear {
+            Some(lin) if c.layers[i].linear => Mixer::Linear(DeltaNet::load(be, src, i, c, lin)?),
+            _ => Mixer::Attention(Attention::load(be, src, i, c)?),
+        };
+        let ffn = Ffn::load(be, src, i, c)?;
+        Ok(Layer {
+            norms,
+            mixer,
+            ffn,
+            spec: c.layers[i],
+        })
+    }
+}
+
+impl<B: Backend> Attention<B> {
+    fn load(be: &B, src: &WeightSource, i: usize, c: &ModelConfig) -> Result<Self> {
+        let (h, qd, kvd) = (c.hidden_size, c.q_dim(), c.kv_dim());
+        let l = |name: &str, shape| src.require(be, name, i, shape);
+        let q_name = "model.layers.{i}.self_attn.q_proj.weight";
+        let (qkv_q, gate) = if c.attn_gate {
+            let (q, g) = split_gate(src, q_name, i, c)?;
+            (Some(be.load_weight(&q)?), Some(be.load_weight(&g)?))
+        } else {
+            (None, None)
+        };
         let fused_qkv = "model.layers.{i}.self_attn.qkv_proj.weight";
         let qkv = if src
             .tensor("model.layers.{i}.self_attn.q_proj.weight", i)
             .is_none()
             && src.tensor(fused_qkv, i).is_some()
+            && gate.is_none()
         {
             Qkv::Fused(l(fused_qkv, (qd + 2 * kvd, h))?)
         } else {
             Qkv::Split {
-                q: l("model.layers.{i}.self_attn.q_proj.weight", (qd, h))?,
+                q: match qkv_q {
+                    Some(q) => q,
+                    None => l(q_name, (qd, h))?,
+                },
                 k: l("model.layers.{i}.self_attn.k_proj.weight", (kvd, h))?,
                 v: l("model.layers.{i}.self_attn.v_proj.weight", (kvd, h))?,
             }
@@ -244,8 +283,9 @@ impl<B: Backend> Layer<B> {
         } else {
             None
         };
-        let attn = Attention {
+        Ok(Attention {
             qkv,
+            gate,
             bias,
             qk_norm,
             o: l("model.layers.{i}.self_attn.o_proj.weight", (h, qd))?,
@@ -255,8 +295,15 @@ impl<B: Backend> Layer<B> {
                 None
             },
             sinks,
-        };
-        let ffn = match &c.moe {
+        })
+    }
+}
+
+impl<B: Backend> Ffn<B> {
+    fn load(be: &B, src: &WeightSource, i: usize, c: &ModelConfig) -> Result<Self> {
+        let (h, f) = (c.hidden_size, c.intermediate_size);
+        let l = |name: &str, shape| src.require(be, name, i, shape);
+        Ok(match &c.moe {
             Some(m) if m.is_moe_layer(i) => Ffn::Moe(MoeLayer::load(be, src, i, c, m)?),
             _ => {
                 let fused = "model.layers.{i}.mlp.gate_up_proj.weight";
@@ -277,14 +324,48 @@ impl<B: Backend> Layer<B> {
                     down: l("model.layers.{i}.mlp.down_proj.weight", (h, f))?,
                 }
             }
-        };
-        Ok(Layer {
-            norms,
-            attn,
-            ffn,
-            spec: c.layers[i],
         })
     }
+}
+
+/// Gated attention's query projection (`[heads × 2 · head_dim, hidden]`: each head's query
+/// rows, then its gate rows) as two matrices, the queries' and the gates' (rows are copied
+/// whole, so any block format splits the same way).
+fn split_gate(
+    src: &WeightSource,
+    name: &str,
+    i: usize,
+    c: &ModelConfig,
+) -> Result<(RawTensor, RawTensor)> {
+    let full = src.name(name, i);
+    let t = src
+        .tensor(name, i)
+        .ok_or_else(|| Error::Weights(format!("missing tensor {full:?}")))?;
+    let (hd, heads, h) = (c.head_dim, c.n_heads, c.hidden_size);
+    if t.shape != [2 * heads * hd, h] {
+        return Err(Error::Weights(format!(
+            "tensor {full:?} has shape {:?}, expected [{}, {h}] (queries and gates)",
+            t.shape,
+            2 * heads * hd
+        )));
+    }
+    let row = t.bytes().len() / (2 * heads * hd);
+    let (mut q, mut g) = (Vec::new(), Vec::new());
+    for (j, head) in t.bytes().chunks_exact(2 * hd * row).enumerate() {
+        debug_assert!(j < heads);
+        q.extend_from_slice(&head[..hd * row]);
+        g.extend_from_slice(&head[hd * row..]);
+    }
+    let make = |part: &str, bytes| {
+        RawTensor::from_bytes(
+            &format!("{full}[{part}]"),
+            t.dtype,
+            vec![heads * hd, h],
+            bytes,
+        )
+        .ok_or_else(|| Error::Weights(format!("tensor {full:?}: bad size")))
+    };
+    Ok((make("query", q)?, make("gate", g)?))
 }
 
 /// What one layer's attention needs besides its weights and buffers.
@@ -314,7 +395,7 @@ impl<B: Backend> Attention<B> {
         a: &AttnInputs,
     ) {
         let (h, qd, kvd, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim);
-        let w = qd + 2 * kvd;
+        let w = qkv_width(c);
         let hidden = Rows::dense(n, h);
         let (q_cols, k_cols) = (Rows::columns(n, w, 0, qd), Rows::columns(n, w, qd, kvd));
         let v_view = Rows::columns(n, w, qd + kvd, kvd);
@@ -327,12 +408,14 @@ impl<B: Backend> Attention<B> {
                     bias: bias.map(|b| &b[i]),
                     out,
                 };
-                be.matmul_many(
-                    x,
-                    hidden,
-                    &[part(q, 0, q_cols), part(k, 1, k_cols), part(v, 2, v_view)],
-                    qkv,
-                );
+                let gate = self.gate.as_ref().map(|g| MatmulPart {
+                    weight: g,
+                    bias: None,
+                    out: Rows::columns(n, w, qd + 2 * kvd, qd),
+                });
+                let parts = [part(q, 0, q_cols), part(k, 1, k_cols), part(v, 2, v_view)];
+                let parts: Vec<_> = parts.into_iter().chain(gate).collect();
+                be.matmul_many(x, hidden, &parts, qkv);
             }
             Qkv::Fused(wqkv) => be.matmul(x, hidden, wqkv, None, qkv, Rows::dense(n, w)),
         }
@@ -359,6 +442,10 @@ impl<B: Backend> Attention<B> {
         be.attention(
             qkv, q_view, k_cache, v_cache, a.seqs, attn, attn_view, a.params,
         );
+        if self.gate.is_some() {
+            let gate = Rows::columns(n, w, qd + 2 * kvd, qd);
+            be.sigmoid_mul(attn, Rows::dense(n, qd), qkv, gate);
+        }
         be.matmul(
             attn,
             Rows::dense(n, qd),
@@ -368,6 +455,12 @@ impl<B: Backend> Attention<B> {
             hidden,
         );
     }
+}
+
+/// Columns of the attention's projection buffer: Q, K, V, and gated attention's gates.
+pub fn qkv_width(c: &ModelConfig) -> usize {
+    let gate = if c.attn_gate { c.q_dim() } else { 0 };
+    c.q_dim() + 2 * c.kv_dim() + gate
 }
 
 /// The dense FFN: `out = down(act(gate(x)) · up(x))` over `n` rows.
@@ -383,7 +476,36 @@ pub fn dense_ffn<B: Backend>(
     act: &mut B::Buf,
     out: &mut B::Buf,
 ) {
-    let (h, f) = (c.hidden_size, c.intermediate_size);
+    gated_ffn(
+        be,
+        c.hidden_size,
+        c.intermediate_size,
+        c.activation,
+        gate_up,
+        down,
+        x,
+        n,
+        gu,
+        act,
+        out,
+    )
+}
+
+/// [`dense_ffn`] of width `f` (a shared expert's).
+#[allow(clippy::too_many_arguments)]
+pub fn gated_ffn<B: Backend>(
+    be: &B,
+    h: usize,
+    f: usize,
+    activation: ferrum_backend::Activation,
+    gate_up: &GateUp<B::Weight>,
+    down: &B::Weight,
+    x: &B::Buf,
+    n: usize,
+    gu: &mut B::Buf,
+    act: &mut B::Buf,
+    out: &mut B::Buf,
+) {
     let hidden = Rows::dense(n, h);
     match gate_up {
         GateUp::Split { gate, up } => be.matmul_many(
@@ -413,6 +535,6 @@ pub fn dense_ffn<B: Backend>(
         down,
         out,
         hidden,
-        c.activation,
+        activation,
     );
 }

@@ -9,6 +9,7 @@ pub mod arch;
 pub mod config;
 pub mod decoder;
 pub mod layers;
+pub mod linear;
 pub mod moe;
 pub mod names;
 

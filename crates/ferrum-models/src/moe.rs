@@ -9,13 +9,24 @@ use ferrum_backend::{Activation, Backend, ExpertBatch, ExpertWeights};
 use ferrum_core::{Error, Result};
 
 use crate::config::{ModelConfig, MoeConfig, MoeStyle};
-use crate::layers::WeightSource;
+use crate::layers::{GateUp, WeightSource};
 use crate::names;
 use ferrum_core::DType;
 use ferrum_loader::RawTensor;
 
+/// A shared expert beside the routed ones (Qwen3.5-MoE): every token's output gets
+/// `sigmoid(gate · x) · down(silu(gate_proj(x)) · up(x))`.
+pub struct SharedExpert<B: Backend> {
+    pub gate_up: GateUp<B::Weight>,
+    pub down: B::Weight,
+    /// `[1, hidden]`: the scalar gate's weights.
+    pub gate: B::Weight,
+    pub ffn: usize,
+}
+
 pub struct MoeLayer<B: Backend> {
     pub router: B::Weight,
+    pub shared: Option<SharedExpert<B>>,
     /// gpt-oss's router has a bias.
     pub router_bias: Option<B::Weight>,
     pub experts: Vec<ExpertWeights<B::Weight>>,
@@ -69,8 +80,30 @@ impl<B: Backend> MoeLayer<B> {
                 })
                 .collect::<Result<Vec<_>>>()?
         };
+        let shared = match m.shared_ffn {
+            Some(sf) => {
+                let w = |p: &str, shape| src.require(be, p, i, shape);
+                Some(SharedExpert {
+                    gate_up: GateUp::Split {
+                        gate: w(
+                            "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+                            (sf, h),
+                        )?,
+                        up: w("model.layers.{i}.mlp.shared_expert.up_proj.weight", (sf, h))?,
+                    },
+                    down: w(
+                        "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+                        (h, sf),
+                    )?,
+                    gate: w("model.layers.{i}.mlp.shared_expert_gate.weight", (1, h))?,
+                    ffn: sf,
+                })
+            }
+            None => None,
+        };
         Ok(MoeLayer {
             router,
+            shared,
             router_bias: None,
             experts,
             activation: Activation::Silu,
@@ -141,6 +174,7 @@ impl<B: Backend> MoeLayer<B> {
             if src.tensor(&format!("{p}gate_up_proj_blocks"), i).is_some() {
                 return Ok(MoeLayer {
                     router,
+                    shared: None,
                     router_bias,
                     experts: hf_mxfp4_experts(be, src, i, e, f, h)?,
                     activation,
@@ -175,6 +209,7 @@ impl<B: Backend> MoeLayer<B> {
         };
         Ok(MoeLayer {
             router,
+            shared: None,
             router_bias,
             experts,
             activation,
@@ -450,6 +485,7 @@ mod tests {
             norm_topk_prob: norm,
             mlp_only_layers: vec![],
             sparse_step: 1,
+            shared_ffn: None,
         }
     }
 

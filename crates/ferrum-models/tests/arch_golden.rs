@@ -38,7 +38,31 @@ const MODELS: &[&str] = &[
     "granite",
     "olmo2",
     "gpt-oss",
+    "qwen35",
+    "qwen35-moe",
 ];
+
+/// The exact backend's tolerance. The hybrid Qwen3.5 models are ill-conditioned in f32:
+/// their references are transformers in float64, from which transformers' own f32 one-pass
+/// and token-by-token paths stray by 3–7e-6 (on the seeds the script keeps; 1–5e-5 on
+/// most), and so does ours by up to 1.2e-5.
+fn exact_tol(name: &str) -> f32 {
+    if name.starts_with("qwen35") {
+        2e-5
+    } else {
+        1e-5
+    }
+}
+
+/// The default backend's (f16 KV cache) on f32 weights; the hybrid models' gated attention
+/// amplifies the cache's rounding to 6e-3 of the largest logit at worst.
+fn default_tol(name: &str) -> f32 {
+    if name.starts_with("qwen35") {
+        1e-2
+    } else {
+        6e-3
+    }
+}
 
 fn dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -84,7 +108,7 @@ fn safetensors_match_transformers() {
     for name in MODELS {
         let r = reference(name, "reference.json").expect("reference.json");
         let got = run(CpuBackend::exact(), &dir(name), &r.tokens);
-        assert_within(&format!("{name}/safetensors"), &got, &r, 1e-5);
+        assert_within(&format!("{name}/safetensors"), &got, &r, exact_tol(name));
     }
 }
 
@@ -103,9 +127,10 @@ fn f32_gguf_matches_transformers() {
             .or_else(|| reference(name, "reference.json"))
             .expect("a reference");
         let got = run(CpuBackend::exact(), &path, &r.tokens);
-        assert_within(&format!("{name}/model-f32.gguf"), &got, &r, 1e-5);
+        assert_within(&format!("{name}/model-f32.gguf"), &got, &r, exact_tol(name));
         let fast = run(CpuBackend::new(), &path, &r.tokens);
-        assert_within(&format!("{name}/model-f32.gguf (default)"), &fast, &r, 6e-3);
+        let label = format!("{name}/model-f32.gguf (default)");
+        assert_within(&label, &fast, &r, default_tol(name));
         checked += 1;
     }
     assert!(checked >= 5, "only {checked} GGUF fixtures");
@@ -123,7 +148,12 @@ fn q8_0_gguf_exact_backend_matches_transformers() {
             .or_else(|| reference(name, "reference-q8_0.json"))
             .expect("a q8_0 reference");
         let got = run(CpuBackend::exact(), &path, &r.tokens);
-        assert_within(&format!("{name}/model-q8_0.gguf"), &got, &r, 1e-5);
+        assert_within(
+            &format!("{name}/model-q8_0.gguf"),
+            &got,
+            &r,
+            exact_tol(name),
+        );
     }
 }
 
@@ -236,4 +266,38 @@ fn unknown_architecture_lists_every_supported_one() {
         assert!(err.contains(name), "{err}");
     }
     assert!(err.contains("\"gemma4\""), "{err}");
+}
+
+/// The hybrid models on the default backend: the prompt in one pass, in chunks of 5, and token
+/// by token give the same logits bit for bit (the delta rule and the convolution run token by
+/// token whatever the chunk, carrying their state in the cache's slot).
+#[test]
+fn hybrid_chunks_are_bit_identical() {
+    for name in ["qwen35", "qwen35-moe"] {
+        let r = reference(name, "reference.json").expect("reference.json");
+        for file in ["model-q8_0.gguf", "model-f32.gguf"] {
+            let path = dir(name).join(file);
+            let one = run(CpuBackend::new(), &path, &r.tokens);
+            let mut m =
+                Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(64) }).unwrap();
+            let v = m.decoder.config.vocab_size;
+            for step in [1, 5] {
+                let mut kv = m.decoder.alloc_kv_tokens(64);
+                let mut got = Vec::new();
+                for (c, chunk) in r.tokens.chunks(step).enumerate() {
+                    let l = m
+                        .decoder
+                        .forward(&mut kv, chunk, c * step, Logits::All)
+                        .unwrap();
+                    got.extend(l.chunks(v).map(|x| x.to_vec()));
+                }
+                for (i, (a, b)) in got.iter().zip(&one).enumerate() {
+                    assert!(
+                        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{name}/{file}: chunks of {step}: position {i} differs"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -6,6 +6,7 @@
 
 pub mod arena;
 pub mod kv;
+pub mod linear;
 pub mod pool;
 pub mod quant;
 pub mod simd;
@@ -22,8 +23,9 @@ pub use kv::{CpuKv, KvDtype};
 use pool::ThreadPool;
 
 use crate::{
-    moe_ffn_default, Activation, AttentionParams, AttnSeq, Backend, ExpertBatch, ExpertWeights,
-    KvShape, KvTable, MatmulPart, MoeScratch, RopeLayout, RopeParams, Rows,
+    moe_ffn_default, Activation, AttentionParams, AttnSeq, Backend, DeltaParams, ExpertBatch,
+    ExpertWeights, KvShape, KvTable, MatmulPart, MoeScratch, RopeLayout, RopeParams, Rows,
+    StateSeq,
 };
 
 pub struct CpuBackend {
@@ -1131,6 +1133,90 @@ impl Backend for CpuBackend {
                 *o += wgt * yi;
             }
         }
+    }
+
+    fn sigmoid_mul(&self, x: &mut Vec<f32>, xv: Rows, g: &Vec<f32>, gv: Rows) {
+        assert_eq!(xv.count, gv.count);
+        let w = xv.width();
+        let per_row = gv.width() == 1 && w != 1;
+        assert!(per_row || gv.width() == w, "sigmoid_mul: gate width");
+        check_view("sigmoid_mul x", xv, x.len());
+        check_view("sigmoid_mul gate", gv, g.len());
+        for t in 0..xv.count {
+            let xi = xv.offset + t * xv.stride;
+            let gi = gv.offset + t * gv.stride;
+            if per_row {
+                let s = linear::sigmoid(g[gi]);
+                x[xi..xi + w].iter_mut().for_each(|v| *v *= s);
+            } else {
+                for (v, &gate) in x[xi..xi + w].iter_mut().zip(&g[gi..gi + w]) {
+                    *v *= linear::sigmoid(gate);
+                }
+            }
+        }
+    }
+
+    fn copy_within(&self, x: &mut Vec<f32>, src: Rows, dst: Rows) {
+        assert_eq!(src.count, dst.count);
+        assert_eq!(src.width(), dst.width());
+        check_view("copy_within src", src, x.len());
+        check_view("copy_within dst", dst, x.len());
+        let w = src.width();
+        for t in 0..src.count {
+            let (s, d) = (src.offset + t * src.stride, dst.offset + t * dst.stride);
+            assert!(s + w <= d || d + w <= s, "copy_within: rows overlap");
+            x.copy_within(s..s + w, d);
+        }
+    }
+
+    fn causal_conv1d(
+        &self,
+        x: &mut Vec<f32>,
+        xv: Rows,
+        w: &Vec<f32>,
+        kernel: usize,
+        state: &mut Vec<f32>,
+        seqs: &[StateSeq],
+    ) {
+        check_view("causal_conv1d x", xv, x.len());
+        let hist = kernel.saturating_sub(1) * xv.width();
+        let top = seqs.iter().map(|s| s.slot + 1).max().unwrap_or(0);
+        assert!(
+            state.len() >= top * hist,
+            "causal_conv1d: state slot out of range"
+        );
+        linear::causal_conv1d(x, xv, w, kernel, state, seqs);
+    }
+
+    fn gated_delta(
+        &self,
+        x: &Vec<f32>,
+        q: Rows,
+        k: Rows,
+        v: Rows,
+        a: Rows,
+        b: Rows,
+        p: DeltaParams,
+        state: &mut Vec<f32>,
+        seqs: &[StateSeq],
+        out: &mut Vec<f32>,
+        ov: Rows,
+    ) {
+        linear::gated_delta(
+            &self.pool,
+            linear::DeltaIsa::best(),
+            x,
+            q,
+            k,
+            v,
+            a,
+            b,
+            p,
+            state,
+            seqs,
+            out,
+            ov,
+        );
     }
 
     fn scale_inplace(&self, x: &mut Vec<f32>, xv: Rows, s: f32) {

@@ -157,11 +157,13 @@ fn layer(local: bool, window: usize) -> LayerSpec {
         LayerSpec {
             window: Some(window),
             rope: Rope::Local,
+            linear: false,
         }
     } else {
         LayerSpec {
             window: None,
             rope: Rope::Global,
+            linear: false,
         }
     }
 }

@@ -63,6 +63,7 @@ fn finish(mut c: ModelConfig, moe: MoeConfig, window: usize, sliding: &[bool]) -
         .map(|&s| LayerSpec {
             window: s.then_some(window),
             rope: Rope::Global,
+            linear: false,
         })
         .collect();
     c.sliding_window = Some(window);
@@ -114,6 +115,7 @@ fn from_hf(j: &Json) -> Result<ModelConfig> {
         norm_topk_prob: true,
         mlp_only_layers: Vec::new(),
         sparse_step: 1,
+        shared_ffn: None,
     };
     let window = hf_opt_usize(j, "sliding_window").unwrap_or(128);
     let sliding: Vec<bool> = match j.get("layer_types").and_then(Json::as_array) {

@@ -10,6 +10,7 @@ pub mod llama;
 pub mod olmo2;
 pub mod phi3;
 pub mod qwen;
+pub mod qwen35;
 pub mod smollm3;
 
 use ferrum_core::Result;
@@ -31,6 +32,10 @@ pub enum Arch {
     Granite,
     Olmo2,
     GptOss,
+    /// Hybrid Gated DeltaNet + gated attention (Qwen3.5).
+    Qwen35,
+    /// Qwen3.5 with Qwen3-MoE experts and a gated shared expert.
+    Qwen35Moe,
 }
 
 /// How one family is recognised and read.
@@ -63,6 +68,8 @@ pub const ARCHS: &[ArchInfo] = &[
     granite::INFO,
     olmo2::INFO,
     gpt_oss::INFO,
+    qwen35::QWEN35,
+    qwen35::QWEN35_MOE,
 ];
 
 impl Arch {
@@ -122,6 +129,8 @@ mod tests {
             Arch::Granite,
             Arch::Olmo2,
             Arch::GptOss,
+            Arch::Qwen35,
+            Arch::Qwen35Moe,
         ] {
             assert_eq!(ARCHS.iter().filter(|i| i.arch == a).count(), 1, "{a:?}");
             assert_eq!(a.info().arch, a);

@@ -84,6 +84,7 @@ fn moe_from_hf(j: &Json) -> Result<ModelConfig> {
             })
             .unwrap_or_default(),
         sparse_step: hf_opt_usize(j, "decoder_sparse_step").unwrap_or(1),
+        shared_ffn: None,
     };
     if c.intermediate_size == 0 {
         c.intermediate_size = m.expert_ffn;
