@@ -360,6 +360,12 @@ impl BlockPool {
         (tables, hashes)
     }
 
+    /// Whether one of the first `groups` KV groups' caches can still serve the block of
+    /// chain hash `hash`.
+    pub fn holds(&self, hash: u64, groups: usize) -> bool {
+        (0..groups).any(|g| self.cached.contains_key(&(g, hash)))
+    }
+
     /// Every block back unreferenced (a test's leak check).
     pub fn all_released(&self) -> bool {
         self.blocks.iter().all(|b| b.refs == 0) && self.available() == self.n_blocks()

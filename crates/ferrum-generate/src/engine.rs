@@ -25,6 +25,7 @@ use crate::detok::Detokenizer;
 use crate::grammar::{Constraint, GrammarCompiler, TokenMask};
 use crate::sampler::{Sampler, SamplingExtras, SamplingParams};
 use crate::spec::{DraftLen, DraftModel, DraftSeq, Drafter, NgramDrafter};
+use crate::states::{StatePool, StateStats};
 use crate::stop::StopMatcher;
 use crate::FinishReason;
 
@@ -55,6 +56,9 @@ pub struct EngineConfig {
     /// step; 0 leaves it off unless a request asks. The answer is the same either way (see
     /// [`crate::spec`]).
     pub spec_tokens: usize,
+    /// Hybrid models (linear-attention layers): recurrent-state snapshots kept for the
+    /// prefix cache, beside one live state per running sequence (see [`crate::states`]).
+    pub state_snapshots: usize,
 }
 
 impl EngineConfig {
@@ -70,6 +74,7 @@ impl EngineConfig {
             max_running: 64,
             prefix_caching: true,
             spec_tokens: 0,
+            state_snapshots: 16,
         }
     }
 
@@ -81,9 +86,20 @@ impl EngineConfig {
             .kv_groups
             .blocks_for(kv_tokens.max(1), c.block_size, c.max_batch_tokens)
             .max(1);
+        if decoder.is_hybrid() {
+            // Each running sequence holds a whole recurrent state (Qwen3.5-9B: about 50 MB).
+            c.max_running = c.max_running.min(HYBRID_MAX_RUNNING);
+        }
         c
     }
 }
+
+/// Running sequences of a hybrid model unless the caller says otherwise.
+pub const HYBRID_MAX_RUNNING: usize = 16;
+
+/// A hybrid model's prompts keep a state snapshot every this many blocks (and at their last
+/// block boundary), so a request sharing part of a long prompt resumes near its end.
+pub const SNAPSHOT_EVERY_BLOCKS: usize = 16;
 
 /// A validated generation request.
 #[derive(Debug, Clone)]
@@ -213,6 +229,8 @@ pub struct EngineStats {
     /// Distinct blocks the prefix cache can serve (what the KV events announce).
     pub cached_blocks: usize,
     pub prefix: PrefixStats,
+    /// Hybrid models: the recurrent-state snapshots behind their prefix cache.
+    pub states: StateStats,
     pub preemptions: u64,
     pub steps: u64,
     pub prompt_tokens: u64,
@@ -254,7 +272,11 @@ struct Seq {
     /// distribution each token of `proposal` was drawn from.
     draft_sampler: Option<Sampler>,
     proposal_q: Vec<Vec<(u32, f32)>>,
+    /// Hybrid models: the recurrent-state slot it holds while running ([`NO_SLOT`] else).
+    slot: usize,
 }
+
+const NO_SLOT: usize = usize::MAX;
 
 impl Seq {
     fn generated(&self) -> usize {
@@ -286,6 +308,8 @@ pub struct Engine<B: Backend> {
     drafter: Box<dyn Drafter>,
     /// Drafts come from this model rather than `drafter` when set.
     draft_model: Option<DraftModel<B>>,
+    /// Hybrid models: who holds which recurrent-state slot.
+    states: Option<StatePool>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -301,7 +325,20 @@ impl<B: Backend> Engine<B> {
                 ferrum_models::decoder::CHUNK
             )));
         }
-        let kv = model.decoder.alloc_kv(config.kv_blocks, config.block_size);
+        let (kv, states) = if model.decoder.is_hybrid() {
+            let slots = config.max_running + config.state_snapshots;
+            (
+                model
+                    .decoder
+                    .alloc_kv_states(config.kv_blocks, config.block_size, slots),
+                Some(StatePool::new(config.max_running, config.state_snapshots)),
+            )
+        } else {
+            (
+                model.decoder.alloc_kv(config.kv_blocks, config.block_size),
+                None,
+            )
+        };
         let pool = BlockPool::new(config.kv_blocks, config.block_size, config.prefix_caching);
         let windows = model.decoder.kv_groups.groups.iter().map(|g| g.1).collect();
         let eos = tokenizer.eos_ids().to_vec();
@@ -322,6 +359,7 @@ impl<B: Backend> Engine<B> {
             logits: Vec::new(),
             drafter: Box::new(NgramDrafter),
             draft_model: None,
+            states,
         })
     }
 
@@ -332,6 +370,12 @@ impl<B: Backend> Engine<B> {
         if self.has_work() {
             return Err(Error::InvalidRequest(
                 "a draft model can only be set while no request runs".into(),
+            ));
+        }
+        if self.states.is_some() || model.decoder.is_hybrid() {
+            // A rejected draft cannot be taken back out of a recurrent state.
+            return Err(Error::Unsupported(
+                "speculative decoding with a hybrid (linear-attention) model".into(),
             ));
         }
         self.draft_model = Some(DraftModel::new(
@@ -413,6 +457,11 @@ impl<B: Backend> Engine<B> {
             block_size: self.config().block_size,
             cached_blocks: self.pool.cached_hashes(),
             prefix: self.pool.stats(),
+            states: self
+                .states
+                .as_ref()
+                .map(StatePool::stats)
+                .unwrap_or_default(),
             ..self.stats
         }
     }
@@ -516,6 +565,7 @@ impl<B: Backend> Engine<B> {
             proposal: Vec::new(),
             draft_sampler,
             proposal_q: Vec::new(),
+            slot: NO_SLOT,
         });
         Ok(id)
     }
@@ -596,6 +646,7 @@ impl<B: Backend> Engine<B> {
                         } else {
                             Logits::None
                         },
+                        state: s.slot,
                     }
                 })
                 .collect();
@@ -605,6 +656,8 @@ impl<B: Backend> Engine<B> {
         };
         let mut rows = logits.chunks_exact(vocab);
         let mut finished = Vec::new();
+        // Recurrent-state snapshots to take once the logits are read: (from, to) slots.
+        let mut snapshots = Vec::new();
         for w in &plan {
             let (i, n) = (w.seq, w.n);
             let s = &mut self.running[i];
@@ -662,6 +715,16 @@ impl<B: Backend> Engine<B> {
             s.computed += n;
             register_full_blocks(&mut self.pool, s);
             trim_windows(&mut self.pool, s, &self.windows);
+            if let Some(st) = self.states.as_mut() {
+                let bs = self.pool.block_size();
+                if is_snapshot_point(s, bs) {
+                    let hash = s.hashes[s.computed / bs - 1];
+                    let (pool, groups) = (&self.pool, self.windows.len());
+                    if let Some(to) = st.store(hash, |h| pool.holds(h, groups)) {
+                        snapshots.push((s.slot, to));
+                    }
+                }
+            }
             if s.computed < s.tokens.len() {
                 continue;
             }
@@ -680,6 +743,9 @@ impl<B: Backend> Engine<B> {
                 finished.push((i, reason));
             }
         }
+        for (from, to) in snapshots {
+            self.kv.copy_state(self.model.decoder.backend(), from, to);
+        }
         // Remove from the back so the indices stay valid.
         finished.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
         for (i, reason) in finished {
@@ -691,6 +757,7 @@ impl<B: Backend> Engine<B> {
 
     fn finish(&mut self, mut s: Seq, reason: FinishReason, out: &mut Vec<Output>) {
         release_all(&mut self.pool, &mut s.blocks);
+        self.give_slot(&mut s);
         // Whatever is held back is released, unless a stop string already ended the text.
         let mut text = String::new();
         if s.stops.matched().is_none() {
@@ -747,12 +814,18 @@ impl<B: Backend> Engine<B> {
         let mut preempted = false;
         let max_seq = self.max_sequence();
         let mut i = 0;
+        let hybrid = self.states.is_some();
+        let bs = self.config.block_size;
         while i < self.running.len() && budget > 0 {
             let s = &mut self.running[i];
             let mut n = (s.tokens.len() - s.computed).min(budget);
+            if hybrid {
+                n = n.min(next_snapshot(s, bs).map_or(n, |b| b - s.computed));
+            }
             // A decoding sequence may draft: within the budget, its max_tokens and the context.
+            // Not a hybrid model's: a rejected draft would stay in its recurrent state.
             let mut draft = std::mem::take(&mut s.proposal);
-            if n == 1 && s.computed + 1 == s.tokens.len() {
+            if n == 1 && s.computed + 1 == s.tokens.len() && !hybrid {
                 let room = (budget - 1).min(draft_room(s, max_seq));
                 if self.draft_model.is_none() {
                     let k = s.draft.this_step().min(room);
@@ -795,13 +868,46 @@ impl<B: Backend> Engine<B> {
             let Some(mut s) = self.waiting.pop_front() else {
                 break;
             };
+            if let Some(st) = self.states.as_mut() {
+                match st.take_live() {
+                    Some(slot) => s.slot = slot,
+                    None => {
+                        self.waiting.push_front(s);
+                        break;
+                    }
+                }
+            }
             if s.blocks.iter().all(Vec::is_empty) {
-                let bs = self.config.block_size;
                 // At least the last token is computed: its logits start the generation.
-                let max_blocks = (s.tokens.len() - 1) / bs;
-                let (blocks, hashes) =
+                let mut max_blocks = (s.tokens.len() - 1) / bs;
+                if let Some(st) = &self.states {
+                    // A hybrid model resumes only where a state snapshot is kept.
+                    max_blocks = snapshot_prefix(st, &s.tokens, bs, max_blocks);
+                }
+                let (mut blocks, mut hashes) =
                     self.pool
                         .lookup_groups(&s.tokens, max_blocks, &self.windows);
+                if let Some(st) = self.states.as_mut() {
+                    // The cache may hold less than the snapshot covers: the longest prefix
+                    // with both its blocks and a snapshot.
+                    let keep = (1..=hashes.len())
+                        .rev()
+                        .find(|&k| st.has(hashes[k - 1]))
+                        .unwrap_or(0);
+                    for t in &mut blocks {
+                        for b in t.drain(keep.min(t.len())..) {
+                            if b != NO_BLOCK {
+                                self.pool.release(b);
+                            }
+                        }
+                    }
+                    hashes.truncate(keep);
+                    if let Some(from) = keep.checked_sub(1).and_then(|k| st.find(hashes[k])) {
+                        self.kv
+                            .copy_state(self.model.decoder.backend(), from, s.slot);
+                        st.record_hit(keep * bs);
+                    }
+                }
                 s.computed = hashes.len() * bs;
                 if s.generated() == 0 {
                     s.cached_tokens = s.computed;
@@ -809,11 +915,15 @@ impl<B: Backend> Engine<B> {
                 s.blocks = blocks;
                 s.hashes = hashes;
             }
-            let n = (s.tokens.len() - s.computed).min(budget);
+            let mut n = (s.tokens.len() - s.computed).min(budget);
+            if hybrid {
+                n = n.min(next_snapshot(&s, bs).map_or(n, |b| b - s.computed));
+            }
             let upto = s.computed + n;
             if !grow(&mut self.pool, &mut s, upto) {
                 // Not enough room: hand back what it took and wait for running ones to end.
                 release_all(&mut self.pool, &mut s.blocks);
+                self.give_slot(&mut s);
                 s.hashes.clear();
                 s.computed = 0;
                 self.waiting.push_front(s);
@@ -936,8 +1046,17 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// A hybrid sequence's recurrent-state slot back to the pool.
+    fn give_slot(&mut self, s: &mut Seq) {
+        if let (Some(st), true) = (self.states.as_mut(), s.slot != NO_SLOT) {
+            st.give_live(s.slot);
+        }
+        s.slot = NO_SLOT;
+    }
+
     fn preempt(&mut self, mut s: Seq) {
         release_all(&mut self.pool, &mut s.blocks);
+        self.give_slot(&mut s);
         s.hashes.clear();
         s.computed = 0;
         s.draft_computed = 0;
@@ -946,6 +1065,42 @@ impl<B: Backend> Engine<B> {
         self.stats.preemptions += 1;
         self.waiting.push_front(s);
     }
+}
+
+/// Whether a hybrid sequence that has just computed `s.computed` tokens keeps a state
+/// snapshot there: a block boundary inside its prompt (the last one, or every
+/// [`SNAPSHOT_EVERY_BLOCKS`]-th).
+fn is_snapshot_point(s: &Seq, bs: usize) -> bool {
+    let c = s.computed;
+    let last = (s.prompt_len - 1) / bs * bs;
+    c > 0
+        && c <= last
+        && c.is_multiple_of(bs)
+        && (c == last || (c / bs).is_multiple_of(SNAPSHOT_EVERY_BLOCKS))
+}
+
+/// The next snapshot point past what `s` has computed, where its next chunk must stop.
+fn next_snapshot(s: &Seq, bs: usize) -> Option<usize> {
+    let last = (s.prompt_len - 1) / bs * bs;
+    if s.computed >= last {
+        return None;
+    }
+    let every = SNAPSHOT_EVERY_BLOCKS * bs;
+    Some(((s.computed / every + 1) * every).min(last))
+}
+
+/// Blocks of `tokens`' prefix (at most `max_blocks`) up to the last one after which a
+/// snapshot is kept.
+fn snapshot_prefix(st: &StatePool, tokens: &[u32], bs: usize, max_blocks: usize) -> usize {
+    let mut parent = 0;
+    let mut best = 0;
+    for (k, chunk) in tokens.chunks_exact(bs).take(max_blocks).enumerate() {
+        parent = crate::block_pool::chain_hash(parent, chunk);
+        if st.has(parent) {
+            best = k + 1;
+        }
+    }
+    best
 }
 
 /// How many tokens `s` may draft beyond its next one: drafts and the token after them

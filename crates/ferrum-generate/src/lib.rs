@@ -11,6 +11,7 @@ pub mod engine;
 pub mod grammar;
 pub mod sampler;
 pub mod spec;
+pub mod states;
 pub mod stop;
 
 use std::time::Instant;

@@ -258,6 +258,8 @@ impl<B: Backend> DraftModel<B> {
                         } else {
                             Logits::None
                         },
+                        // Draft models have no recurrent state (hybrid ones are refused).
+                        state: 0,
                     }
                 })
                 .collect();
@@ -295,6 +297,7 @@ impl<B: Backend> DraftModel<B> {
                         start: seqs[i].tokens.len() + j - 1,
                         tables: std::slice::from_ref(&seqs[i].tables[g]),
                         logits: Logits::Last,
+                        state: 0,
                     })
                     .collect();
                 let rows = self.model.decoder.forward_batch_view(

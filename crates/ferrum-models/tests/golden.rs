@@ -238,12 +238,14 @@ fn batch_logits_read_in_place_equal_the_copied_ones() {
                 start: start.0,
                 tables: &ta,
                 logits: la,
+                state: 0,
             },
             SeqChunk {
                 tokens: sb,
                 start: start.1,
                 tables: &tb,
                 logits: lb,
+                state: 0,
             },
         ];
         let copied = m.decoder.forward_batch(&mut copied_kv, &seqs).unwrap();
