@@ -60,7 +60,8 @@ pub fn run(a: PlanArgs) -> Result<()> {
         .ctx
         .unwrap_or_else(|| c.max_position.min(ferrum_models::DEFAULT_MAX_CONTEXT));
     let kv_tokens = a.kv_tokens.unwrap_or(ctx * a.concurrency.max(1));
-    let kv_per_token = (2 * c.n_layers * c.kv_dim()) as f64 * a.kv_bytes_per_value;
+    let attn_layers = c.layers.iter().filter(|l| !l.linear).count();
+    let kv_per_token = (2 * attn_layers * c.kv_dim()) as f64 * a.kv_bytes_per_value;
     // As the engine sizes its pool: blocks of one KV group's layers, windowed groups holding
     // only their window of each sequence (see `KvGroups`).
     let groups = ferrum_models::KvGroups::new(&c.layers);
@@ -73,7 +74,22 @@ pub fn run(a: PlanArgs) -> Result<()> {
         Some(t) => groups.blocks_for(t, bs, chunk_tokens),
         None => a.concurrency.max(1) * groups.blocks_for(ctx, bs, chunk_tokens),
     };
-    let kv = block_bytes * kv_blocks as f64;
+    let mut kv = block_bytes * kv_blocks as f64;
+    // Hybrid models: the engine's recurrent-state slots (one per running sequence, plus the
+    // prefix cache's snapshots), in f32, beside the KV blocks.
+    let state_slots = if c.layers.iter().any(|l| l.linear) {
+        ferrum_generate::engine::HYBRID_MAX_RUNNING
+            + ferrum_generate::EngineConfig::with_kv_tokens(1).state_snapshots
+    } else {
+        0
+    };
+    let state_bytes = c.linear.as_ref().map_or(0.0, |l| {
+        let (conv, delta) = l.state_floats();
+        let layers = c.layers.iter().filter(|s| s.linear).count();
+        (4 * layers * (conv + delta)) as f64
+    });
+    let states = state_bytes * state_slots as f64;
+    kv += states;
     let weights = file.file_bytes() as f64;
     // The decoder's buffers for one pass of CHUNK tokens, the logits of up to CHUNK rows
     // (and the engine's copy of them), the MoE scratch.
@@ -126,6 +142,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
                 "windowed_layers": windowed.iter().map(|(n, _)| n).sum::<usize>(),
                 "weights_bytes": weights,
                 "kv_bytes": kv,
+                "state_slots": state_slots,
+                "state_bytes_per_slot": state_bytes,
+                "state_bytes": states,
                 "activation_bytes": act,
                 "runtime_bytes": runtime,
                 "grammar_bytes": grammar_bytes,
@@ -154,7 +173,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     println!(
         "  KV cache                {:>10.1} MB  ({kv_tokens} tokens × {:.1} KB: {why})",
         mb(kv),
-        kv / kv_tokens.max(1) as f64 / 1e3
+        (kv - states) / kv_tokens.max(1) as f64 / 1e3
     );
     if let Some(&(_, w)) = windowed.first() {
         println!(
@@ -162,6 +181,13 @@ pub fn run(a: PlanArgs) -> Result<()> {
             windowed.iter().map(|(n, _)| n).sum::<usize>(),
             c.n_layers,
             kv_per_token / 1e3
+        );
+    }
+    if state_slots > 0 {
+        println!(
+            "                                         (of which {:.1} MB recurrent state: {state_slots} slots × {:.1} MB, for running sequences and prefix snapshots)",
+            mb(states),
+            mb(state_bytes)
         );
     }
     println!("  activations             {:>10.1} MB", mb(act));

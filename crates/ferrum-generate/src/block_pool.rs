@@ -360,6 +360,17 @@ impl BlockPool {
         (tables, hashes)
     }
 
+    /// Takes back `blocks` hits of the last lookup whose blocks the caller handed back
+    /// unused (a hybrid model resumes only where a state snapshot is kept).
+    pub fn unhit(&mut self, blocks: usize) {
+        let n = (blocks as u64).min(self.stats.hits);
+        self.stats.hits -= n;
+        self.stats.tokens_saved = self
+            .stats
+            .tokens_saved
+            .saturating_sub(n * self.block_size as u64);
+    }
+
     /// Whether one of the first `groups` KV groups' caches can still serve the block of
     /// chain hash `hash`.
     pub fn holds(&self, hash: u64, groups: usize) -> bool {

@@ -901,6 +901,7 @@ impl<B: Backend> Engine<B> {
                             }
                         }
                     }
+                    self.pool.unhit(hashes.len() - keep);
                     hashes.truncate(keep);
                     if let Some(from) = keep.checked_sub(1).and_then(|k| st.find(hashes[k])) {
                         self.kv

@@ -7,11 +7,15 @@
 //! `--type MXFP4_MOE` as its checkpoints ship. `--arch llama` and `--arch qwen3` are dense
 //! counterparts: Llama-3.2-1B's shapes (16 layers 2048 wide, 32/8 heads of 64, FFN 8192, the
 //! Llama 3 vocabulary) and Qwen3-4B's (36 layers 2560 wide, 32/8 heads of 128 with QK-norm, FFN
-//! 9728), both with tied embeddings.
+//! 9728), both with tied embeddings. `--arch qwen35` is the hybrid Qwen3.5-9B (32 layers 4096
+//! wide, every 4th gated attention with 16/4 heads of 256, the others Gated DeltaNet with 16
+//! key and 32 value heads of 128, FFN 12288, the Qwen3.5 vocabulary, untied) and `--arch
+//! qwen35moe` Qwen3.5-35B-A3B's layers (40 layers 2048 wide, 16/2 heads of 256, 256 experts of
+//! 512, 8 active, a shared expert of 512).
 //!
 //! ```text
 //! cargo run --release -p ferrum-quantize --example synth_moe -- OUT.gguf --type Q4_K_M \
-//!     [--arch qwen3moe|gpt-oss|llama|qwen3] [--layers 4] [--hidden 2048] [--experts 128] \
+//!     [--arch qwen3moe|gpt-oss|llama|qwen3|qwen35|qwen35moe] [--layers 4] [--hidden 2048] [--experts 128] \
 //!     [--active 8] [--expert-ffn 768] [--ffn N] [--heads 32] [--kv-heads 4] [--head-dim 128] \
 //!     [--vocab-from ggml-vocab-qwen2.gguf] [--seed 1]
 //! ```
@@ -48,6 +52,11 @@ enum Arch {
     Llama,
     /// Dense: Qwen3-4B's shapes by default (QK-norm, tied embeddings).
     Qwen3,
+    /// Hybrid: Qwen3.5-9B's shapes (three Gated DeltaNet layers to each gated-attention
+    /// one; untied).
+    Qwen35,
+    /// Hybrid MoE: Qwen3.5-35B-A3B's shapes (256 experts of 512, 8 active, a shared expert).
+    Qwen35Moe,
 }
 
 impl Arch {
@@ -57,11 +66,17 @@ impl Arch {
             Arch::GptOss => "gpt-oss",
             Arch::Llama => "llama",
             Arch::Qwen3 => "qwen3",
+            Arch::Qwen35 => "qwen35",
+            Arch::Qwen35Moe => "qwen35moe",
         }
     }
 
     fn dense(self) -> bool {
         matches!(self, Arch::Llama | Arch::Qwen3)
+    }
+
+    fn hybrid(self) -> bool {
+        matches!(self, Arch::Qwen35 | Arch::Qwen35Moe)
     }
 }
 
@@ -84,7 +99,7 @@ struct Opts {
 }
 
 const USAGE: &str =
-    "usage: synth_moe OUT.gguf --type Q8_0|Q4_K_M|MXFP4_MOE|... [--arch qwen3moe|gpt-oss|llama|qwen3] \
+    "usage: synth_moe OUT.gguf --type Q8_0|Q4_K_M|MXFP4_MOE|... [--arch qwen3moe|gpt-oss|llama|qwen3|qwen35|qwen35moe] \
 [--layers 4] [--hidden 2048] [--experts 128] [--active 8] [--expert-ffn 768] [--ffn N] [--heads 32] \
 [--kv-heads 4] [--head-dim 128] [--vocab-from PATH] [--seed 1]";
 
@@ -105,8 +120,13 @@ fn parse_args() -> AnyResult<Opts> {
         Some(Some(a)) if a == "gpt-oss" => Arch::GptOss,
         Some(Some(a)) if a == "llama" => Arch::Llama,
         Some(Some(a)) if a == "qwen3" => Arch::Qwen3,
+        Some(Some(a)) if a == "qwen35" => Arch::Qwen35,
+        Some(Some(a)) if a == "qwen35moe" => Arch::Qwen35Moe,
         Some(other) => {
-            return Err(format!("--arch {other:?}: qwen3moe, gpt-oss, llama or qwen3").into())
+            return Err(format!(
+                "--arch {other:?}: qwen3moe, gpt-oss, llama, qwen3, qwen35 or qwen35moe"
+            )
+            .into())
         }
     };
     let mut o = Opts {
@@ -134,6 +154,16 @@ fn parse_args() -> AnyResult<Opts> {
         Arch::Qwen3 => {
             (o.layers, o.hidden, o.heads, o.kv_heads, o.head_dim, o.ffn) =
                 (36, 2560, 32, 8, 128, 9728);
+        }
+        Arch::Qwen35 => {
+            (o.layers, o.hidden, o.heads, o.kv_heads, o.head_dim, o.ffn) =
+                (32, 4096, 16, 4, 256, 12288);
+            o.vocab_from = cache.join("llama-vocab/ggml-vocab-qwen35.gguf");
+        }
+        Arch::Qwen35Moe => {
+            (o.layers, o.hidden, o.heads, o.kv_heads, o.head_dim) = (40, 2048, 16, 2, 256);
+            (o.experts, o.active, o.expert_ffn, o.ffn) = (256, 8, 512, 512);
+            o.vocab_from = cache.join("llama-vocab/ggml-vocab-qwen35.gguf");
         }
         _ => {}
     }
@@ -196,6 +226,8 @@ enum Init {
     Weight,
     /// Normal, mean 1, standard deviation 0.02.
     Norm,
+    /// A DeltaNet's `−exp(A_log)`: normal, mean −1, standard deviation 0.02 (decaying).
+    Decay,
 }
 
 struct Spec {
@@ -238,6 +270,60 @@ fn specs(o: &Opts, vocab: usize) -> Vec<Spec> {
                 t(n("ffn_up"), vec![h, f], Init::Weight),
                 t(n("ffn_down"), vec![f, h], Init::Weight),
             ]);
+        }
+        return v;
+    }
+    if o.arch.hybrid() {
+        // Qwen3.5's Gated DeltaNet: 16 key heads and 32 value heads of 128, 4 taps.
+        let (kh, vh, d) = (16, 32, 128);
+        let (conv, vd) = (2 * kh * d + vh * d, vh * d);
+        for i in 0..o.layers {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            v.extend([
+                t(n("attn_norm.weight"), vec![h], Init::Norm),
+                t(n("post_attention_norm.weight"), vec![h], Init::Norm),
+            ]);
+            if (i + 1) % 4 == 0 {
+                v.extend([
+                    t(n("attn_q.weight"), vec![h, 2 * q], Init::Weight),
+                    t(n("attn_k.weight"), vec![h, kv], Init::Weight),
+                    t(n("attn_v.weight"), vec![h, kv], Init::Weight),
+                    t(n("attn_output.weight"), vec![q, h], Init::Weight),
+                    t(n("attn_q_norm.weight"), vec![o.head_dim], Init::Norm),
+                    t(n("attn_k_norm.weight"), vec![o.head_dim], Init::Norm),
+                ]);
+            } else {
+                v.extend([
+                    t(n("attn_qkv.weight"), vec![h, conv], Init::Weight),
+                    t(n("attn_gate.weight"), vec![h, vd], Init::Weight),
+                    t(n("ssm_conv1d.weight"), vec![4, conv], Init::Weight),
+                    t(n("ssm_dt.bias"), vec![vh], Init::Weight),
+                    t(n("ssm_a"), vec![vh], Init::Decay),
+                    t(n("ssm_beta.weight"), vec![h, vh], Init::Weight),
+                    t(n("ssm_alpha.weight"), vec![h, vh], Init::Weight),
+                    t(n("ssm_norm.weight"), vec![d], Init::Norm),
+                    t(n("ssm_out.weight"), vec![vd, h], Init::Weight),
+                ]);
+            }
+            if o.arch == Arch::Qwen35 {
+                v.extend([
+                    t(n("ffn_gate.weight"), vec![h, o.ffn], Init::Weight),
+                    t(n("ffn_up.weight"), vec![h, o.ffn], Init::Weight),
+                    t(n("ffn_down.weight"), vec![o.ffn, h], Init::Weight),
+                ]);
+            } else {
+                let (f, e, sf) = (o.expert_ffn, o.experts, o.ffn);
+                v.extend([
+                    t(n("ffn_gate_inp.weight"), vec![h, e], Init::Weight),
+                    t(n("ffn_gate_exps.weight"), vec![h, f, e], Init::Weight),
+                    t(n("ffn_up_exps.weight"), vec![h, f, e], Init::Weight),
+                    t(n("ffn_down_exps.weight"), vec![f, h, e], Init::Weight),
+                    t(n("ffn_gate_inp_shexp.weight"), vec![h, 1], Init::Weight),
+                    t(n("ffn_gate_shexp.weight"), vec![h, sf], Init::Weight),
+                    t(n("ffn_up_shexp.weight"), vec![h, sf], Init::Weight),
+                    t(n("ffn_down_shexp.weight"), vec![sf, h], Init::Weight),
+                ]);
+            }
         }
         return v;
     }
@@ -313,6 +399,8 @@ fn metadata(o: &Opts, vocab_file: &GgufFile) -> AnyResult<(Vec<(String, Value)>,
         Arch::GptOss => (131072, o.expert_ffn, 150000.0, 1e-5),
         Arch::Llama => (131072, o.ffn, 500000.0, 1e-5),
         Arch::Qwen3 => (40960, o.ffn, 1e6, 1e-6),
+        Arch::Qwen35 => (262144, o.ffn, 1e7, 1e-6),
+        Arch::Qwen35Moe => (262144, o.expert_ffn, 1e7, 1e-6),
     };
     let mut hp = vec![
         ("block_count", u(o.layers)),
@@ -326,7 +414,34 @@ fn metadata(o: &Opts, vocab_file: &GgufFile) -> AnyResult<(Vec<(String, Value)>,
         ("rope.freq_base", Value::F32(theta)),
         ("attention.layer_norm_rms_epsilon", Value::F32(eps)),
     ];
-    if o.arch.dense() {
+    if o.arch.hybrid() {
+        hp.extend([
+            ("rope.dimension_count", u(o.head_dim / 4)),
+            (
+                "rope.dimension_sections",
+                Value::Array(vec![
+                    Value::I32(11),
+                    Value::I32(11),
+                    Value::I32(10),
+                    Value::I32(0),
+                ]),
+            ),
+            ("ssm.conv_kernel", u(4)),
+            ("ssm.state_size", u(128)),
+            ("ssm.group_count", u(16)),
+            ("ssm.time_step_rank", u(32)),
+            ("ssm.inner_size", u(32 * 128)),
+            ("full_attention_interval", u(4)),
+        ]);
+        if o.arch == Arch::Qwen35Moe {
+            hp.extend([
+                ("expert_count", u(o.experts)),
+                ("expert_used_count", u(o.active)),
+                ("expert_feed_forward_length", u(o.expert_ffn)),
+                ("expert_shared_feed_forward_length", u(o.ffn)),
+            ]);
+        }
+    } else if o.arch.dense() {
         hp.push(("rope.dimension_count", u(o.head_dim)));
     } else {
         hp.extend([
@@ -419,6 +534,7 @@ fn write_tensor(
     let (mean, std) = match spec.init {
         Init::Weight => (0.0, 0.02),
         Init::Norm => (1.0, 0.02),
+        Init::Decay => (-1.0, 0.02),
     };
     let mut f = vec![0f32; rows_per_slab * row_len];
     let mut q = vec![0u8; rows_per_slab * row_bytes];

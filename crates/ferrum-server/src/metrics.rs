@@ -214,6 +214,24 @@ impl Metrics {
             s.cached_blocks as f64,
         );
         gauge(
+            "ferrum_state_snapshots",
+            "Hybrid models: recurrent-state snapshots the prefix cache holds (at prompts' block boundaries).",
+            "gauge",
+            s.states.held as f64,
+        );
+        gauge(
+            "ferrum_state_snapshot_hits_total",
+            "Hybrid models: requests that resumed from a recurrent-state snapshot.",
+            "counter",
+            s.states.hits as f64,
+        );
+        gauge(
+            "ferrum_state_snapshot_evictions_total",
+            "Hybrid models: recurrent-state snapshots dropped to make room.",
+            "counter",
+            s.states.evictions as f64,
+        );
+        gauge(
             "ferrum_preemptions_total",
             "Sequences preempted for KV room.",
             "counter",
