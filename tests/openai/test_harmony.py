@@ -134,14 +134,22 @@ def test_a_json_schema_answer_validates_after_the_analysis(templated):
                                                "score": {"type": "integer"}},
               "required": ["answer", "score"], "additionalProperties": False}
     c = templated.client()
-    for seed in range(4):
+    complete = 0
+    for seed in range(6):
         r = c.chat.completions.create(
-            model=templated.model, messages=[{"role": "user", "content": "Rate Oslo."}], max_tokens=160,
+            model=templated.model, messages=[{"role": "user", "content": "Rate Oslo."}], max_tokens=240,
             temperature=1.0, seed=seed,
             response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
         m = r.choices[0].message
-        jsonschema.validate(json.loads(m.content), schema)
         assert "<|" not in (getattr(m, "reasoning_content", None) or "")
+        # The prompt carries today's date (the template's strftime_now), so which seeds this
+        # random model spends its tokens on changes from day to day: an answer cut off by
+        # max_tokens is a valid prefix, not a whole document; every finished one validates.
+        if r.choices[0].finish_reason == "length":
+            continue
+        jsonschema.validate(json.loads(m.content), schema)
+        complete += 1
+    assert complete >= 3, f"only {complete} of 6 answers finished"
 
 
 def test_streamed_deltas_add_up_to_the_whole_answer(templated):

@@ -325,6 +325,73 @@ fn packed_q5k_at_full_scale_equals_scalar_twin() {
     }
 }
 
+/// The 512-bit Q4_K and Q6_K kernels over two packed groups at once: the scalar twin's bits
+/// for both groups at every token count (and, for Q4_K, the top of the range: every quant
+/// 15, every scale and minimum 63, activations ±127). A CPU without AVX-512 F/BW/VL/VNNI
+/// says it could not check.
+#[test]
+fn wide_k_quant_pairs_equal_scalar_twin() {
+    use ferrum_backend::cpu::quant::packed::{Packed, ROWS};
+    use ferrum_core::DType;
+    #[cfg(target_arch = "x86_64")]
+    let runs = ferrum_backend::cpu::quant::packed::has_wide();
+    #[cfg(not(target_arch = "x86_64"))]
+    let runs = false;
+    if !runs {
+        eprintln!("this CPU does not run the 512-bit kernels: not checked");
+        return;
+    }
+    let (rows, k) = (4 * ROWS, 768);
+    let pool = ferrum_backend::cpu::pool::ThreadPool::new(2);
+    let arena = ferrum_backend::cpu::arena::Arena::default();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(99);
+    let mut full = Vec::with_capacity(144);
+    full.extend_from_slice(&half::f16::from_f32(0.01).to_bits().to_le_bytes());
+    full.extend_from_slice(&half::f16::from_f32(0.02).to_bits().to_le_bytes());
+    full.extend_from_slice(&[0xff; 12]);
+    full.extend_from_slice(&[0xff; 128]);
+    let full: Vec<u8> = (0..rows * k / 256).flat_map(|_| full.clone()).collect();
+    let cases = [
+        (DType::Q4K, random_blocks(&mut rng, DType::Q4K, rows * k)),
+        (DType::Q4K, full),
+        (DType::Q6K, random_blocks(&mut rng, DType::Q6K, rows * k)),
+    ];
+    for (dt, bytes) in cases {
+        let wa = Aligned::new(&bytes);
+        let p = Packed::new(dt, wa.bytes(), rows, k, &pool, &arena, &|_| {}).expect("packs");
+        let xs: Vec<Vec<BlockQ8K>> = (0..9)
+            .map(|t| {
+                let x: Vec<f32> = match t {
+                    0 => vec![127.0; k],
+                    1 => vec![-127.0; k],
+                    _ => (0..k).map(|_| rng.gen_range(-20.0..20.0)).collect(),
+                };
+                let mut a = vec![BlockQ8K::default(); k / 256];
+                quantize_q8k(&x, &mut a);
+                a
+            })
+            .collect();
+        for n in 1..=xs.len() {
+            let acts: Vec<&[BlockQ8K]> = xs[..n].iter().map(|a| &a[..]).collect();
+            for g in [0, 2] {
+                let (mut a, mut b) = (vec![[0f32; ROWS]; n], vec![[0f32; ROWS]; n]);
+                p.gemm_k2_wide_on(g, &acts, &mut a, &mut b);
+                for (grp, got) in [(g, &a), (g + 1, &b)] {
+                    let mut want = vec![[0f32; ROWS]; n];
+                    p.gemm_k_scalar(grp, &acts, &mut want);
+                    for (x, y) in got.iter().flatten().zip(want.iter().flatten()) {
+                        assert_eq!(
+                            x.to_bits(),
+                            y.to_bits(),
+                            "{dt} group {grp} n={n}: {x} vs {y}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The packed MXFP4 kernels at the top of their range: every weight ±6 (doubled, ±12: 24
 /// after the kernels' +12) against activations of ±127, where the AVX2 kernel's 16-bit partial
 /// sums come closest to overflowing. Each instruction set gives the scalar twin's bits.

@@ -1259,6 +1259,23 @@ trait PackedRows: Sized + 'static {
         out: &mut [[f32; quant::packed::ROWS]],
     );
 
+    /// Whether `p` has a kernel for two groups at once on this CPU ([`PackedRows::gemm2`]).
+    fn pairs(_p: &quant::packed::Packed) -> bool {
+        false
+    }
+
+    /// Groups `group` and `group + 1`: the same results as two [`PackedRows::gemm`] calls.
+    fn gemm2(
+        p: &quant::packed::Packed,
+        group: usize,
+        acts: &[&[Self]],
+        out_a: &mut [[f32; quant::packed::ROWS]],
+        out_b: &mut [[f32; quant::packed::ROWS]],
+    ) {
+        Self::gemm(p, group, acts, out_a);
+        Self::gemm(p, group + 1, acts, out_b);
+    }
+
     /// Computes the packed rows of `rows` for all `n` tokens; returns the first row left
     /// for the file-layout kernels.
     fn run<'a>(
@@ -1278,16 +1295,32 @@ trait PackedRows: Sized + 'static {
         }
         debug_assert!(rows.start.is_multiple_of(ROWS), "tasks start on a group");
         let mut out = [[0f32; ROWS]; 4];
-        for g in rows.start / ROWS..end / ROWS {
+        let mut out_b = [[0f32; ROWS]; 4];
+        // Two groups per pass where a kernel does both: in prefill and batched decode, where
+        // the arithmetic is the limit (one token's decode is the memory's: it keeps its own).
+        let pairs = n >= 2 && Self::pairs(p);
+        let mut g = rows.start / ROWS;
+        while g < end / ROWS {
+            let two = pairs && g + 1 < end / ROWS;
             // Four tokens per pass: each weight block is unpacked once for all four.
             for t in (0..n).step_by(4) {
                 let c = (n - t).min(4);
                 let acts: [&[Self]; 4] = std::array::from_fn(|i| act((t + i).min(n - 1)));
-                Self::gemm(p, g, &acts[..c], &mut out[..c]);
+                if two {
+                    Self::gemm2(p, g, &acts[..c], &mut out[..c], &mut out_b[..c]);
+                } else {
+                    Self::gemm(p, g, &acts[..c], &mut out[..c]);
+                }
                 for (i, o) in out[..c].iter().enumerate() {
                     write8(t + i, g * ROWS, o);
                 }
+                if two {
+                    for (i, o) in out_b[..c].iter().enumerate() {
+                        write8(t + i, (g + 1) * ROWS, o);
+                    }
+                }
             }
+            g += if two { 2 } else { 1 };
         }
         end
     }
@@ -1318,6 +1351,26 @@ impl PackedRows for quant::q8::BlockQ8K {
         out: &mut [[f32; quant::packed::ROWS]],
     ) {
         p.gemm_k(group, acts, out)
+    }
+    fn pairs(p: &quant::packed::Packed) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(
+            p,
+            quant::packed::Packed::Q4K(..) | quant::packed::Packed::Q6K(..)
+        ) {
+            return quant::packed::wide_k();
+        }
+        let _ = p;
+        false
+    }
+    fn gemm2(
+        p: &quant::packed::Packed,
+        group: usize,
+        acts: &[&[Self]],
+        out_a: &mut [[f32; quant::packed::ROWS]],
+        out_b: &mut [[f32; quant::packed::ROWS]],
+    ) {
+        p.gemm_k2(group, acts, out_a, out_b)
     }
 }
 

@@ -830,6 +830,115 @@ impl Packed {
         self.gemm_k_scalar(group, acts, out)
     }
 
+    /// Groups `group` and `group + 1` against each activation row, into `out_a` and
+    /// `out_b`: [`gemm_k`](Self::gemm_k) twice, or — for Q4_K where the CPU has AVX-512
+    /// (F, BW, VL, VNNI) and a VNNI instance is in use — one pass of 512-bit kernels over
+    /// both, each group in one half of every register ([`wide_k`]). The same bits either
+    /// way: every lane's integer sums are exact and its float steps the 256-bit kernels'.
+    ///
+    /// # Panics
+    /// As `gemm_k`, for either group.
+    pub fn gemm_k2(
+        &self,
+        group: usize,
+        acts: &[&[BlockQ8K]],
+        out_a: &mut [[f32; ROWS]],
+        out_b: &mut [[f32; ROWS]],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if wide_k() {
+            // SAFETY: `wide_k` checked the CPU's features.
+            return unsafe { self.gemm_k2_wide(group, acts, out_a, out_b) };
+        }
+        self.gemm_k(group, acts, out_a);
+        self.gemm_k(group + 1, acts, out_b);
+    }
+
+    /// [`gemm_k2`](Self::gemm_k2) on the 512-bit kernels wherever they exist (Q4_K, Q6_K), for
+    /// tests on CPUs that run them.
+    ///
+    /// # Panics
+    /// As `gemm_k2`, or if this CPU lacks AVX-512 F/BW/VL/VNNI.
+    pub fn gemm_k2_wide_on(
+        &self,
+        group: usize,
+        acts: &[&[BlockQ8K]],
+        out_a: &mut [[f32; ROWS]],
+        out_b: &mut [[f32; ROWS]],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            assert!(has_wide(), "this CPU does not run the 512-bit kernels");
+            // SAFETY: checked just above.
+            unsafe { self.gemm_k2_wide(group, acts, out_a, out_b) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        panic!("no 512-bit kernels on this architecture");
+    }
+
+    /// # Safety
+    /// The CPU runs AVX-512 F/BW/VL/VNNI.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemm_k2_wide(
+        &self,
+        group: usize,
+        acts: &[&[BlockQ8K]],
+        out_a: &mut [[f32; ROWS]],
+        out_b: &mut [[f32; ROWS]],
+    ) {
+        fn two<T>(v: &[T], group: usize, p: usize) -> (&[T], &[T]) {
+            (
+                &v[group * p..(group + 1) * p],
+                &v[(group + 1) * p..(group + 2) * p],
+            )
+        }
+        let p = match self {
+            Packed::Q4K(_, p) | Packed::Q6K(_, p) => *p,
+            _ => {
+                // Other layouts have no 512-bit kernel: the 256-bit one twice.
+                self.gemm_k(group, acts, out_a);
+                return self.gemm_k(group + 1, acts, out_b);
+            }
+        };
+        assert!(acts.iter().all(|x| x.len() >= p));
+        assert!(out_a.len() >= acts.len() && out_b.len() >= acts.len());
+        // SAFETY: the CPU's features (the contract); lengths checked just above (slicing
+        // checks the groups).
+        unsafe {
+            match self {
+                Packed::Q4K(v, _) => {
+                    let (a, b) = two(v, group, p);
+                    wide::gemm2(
+                        a,
+                        b,
+                        acts,
+                        out_a,
+                        out_b,
+                        wide::tile_q4k::<1>,
+                        wide::tile_q4k::<2>,
+                        wide::tile_q4k::<3>,
+                        wide::tile_q4k::<4>,
+                    )
+                }
+                Packed::Q6K(v, _) => {
+                    let (a, b) = two(v, group, p);
+                    wide::gemm2(
+                        a,
+                        b,
+                        acts,
+                        out_a,
+                        out_b,
+                        wide::tile_q6k::<1>,
+                        wide::tile_q6k::<2>,
+                        wide::tile_q6k::<3>,
+                        wide::tile_q6k::<4>,
+                    )
+                }
+                _ => unreachable!("matched above"),
+            }
+        }
+    }
+
     /// The portable twin of [`gemm_k`](Self::gemm_k).
     pub fn gemm_k_scalar(&self, group: usize, acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
         match self {
@@ -1597,3 +1706,280 @@ packed_kernels!(
     true,
     _mm256_dpbusd_epi32
 );
+
+/// Whether this CPU runs the 512-bit kernels (the OS-state check included).
+#[cfg(target_arch = "x86_64")]
+pub fn has_wide() -> bool {
+    super::has_avx2()
+        && std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512bw")
+        && std::is_x86_feature_detected!("avx512vl")
+        && std::is_x86_feature_detected!("avx512vnni")
+}
+
+/// Whether [`Packed::gemm_k2`] takes the 512-bit Q4_K and Q6_K kernels: the CPU runs it, a VNNI
+/// instance is the one in use ([`Isa::best`]; `FERRUM_ISA=avx2` or `FERRUM_AVXVNNI=0` keep
+/// 256-bit kernels throughout), and `FERRUM_WIDE=0` is not set. Fixed at the first call.
+#[cfg(target_arch = "x86_64")]
+pub fn wide_k() -> bool {
+    static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WIDE.get_or_init(|| {
+        has_wide()
+            && matches!(Isa::best(), Isa::AvxVnni | Isa::Avx512Vnni)
+            && std::env::var("FERRUM_WIDE").map_or(true, |v| v != "0")
+    })
+}
+
+/// Q4_K and Q6_K over two packed groups at once: the 256-bit VNNI kernels' arithmetic, lane for lane,
+/// on 512-bit registers whose low half holds group A's eight rows and whose high half group
+/// B's. One broadcast activation word then feeds sixteen rows, and each `vpdpbusd` does
+/// twice the work.
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    use super::*;
+    use crate::cpu::quant::q8::prefetch_part;
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
+        _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
+    }
+
+    /// Eight rows' unsigned bytes from each group, one per i32 lane.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn widen2(a: &[u8; ROWS], b: &[u8; ROWS]) -> __m512i {
+        let lo = _mm_loadl_epi64(a.as_ptr() as *const __m128i);
+        let hi = _mm_loadl_epi64(b.as_ptr() as *const __m128i);
+        _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi))
+    }
+
+    /// Eight rows' signed bytes from each group, one per i32 lane.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn signed2(a: &[i8; ROWS], b: &[i8; ROWS]) -> __m512i {
+        let lo = _mm_loadl_epi64(a.as_ptr() as *const __m128i);
+        let hi = _mm_loadl_epi64(b.as_ptr() as *const __m128i);
+        _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(lo, hi))
+    }
+
+    /// Eight rows' f16 scales from each group as f32.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn halves(a: &[f16; ROWS], b: &[f16; ROWS]) -> __m512 {
+        let lo = _mm_loadu_si128(a.as_ptr() as *const __m128i);
+        let hi = _mm_loadu_si128(b.as_ptr() as *const __m128i);
+        _mm512_cvtph_ps(_mm256_set_m128i(hi, lo))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn word(qs: &[i8], e: usize) -> __m512i {
+        debug_assert!(e + 4 <= qs.len());
+        _mm512_set1_epi32((qs.as_ptr().add(e) as *const i32).read_unaligned())
+    }
+
+    /// A two-group tile over `N` tokens.
+    pub type Tile2<W, const N: usize> =
+        unsafe fn(&[W], &[W], [&[BlockQ8K]; N], &mut [[f32; ROWS]], &mut [[f32; ROWS]]);
+
+    /// Any number of tokens, four per pass, with the tiles of one layout.
+    ///
+    /// # Safety
+    /// The CPU runs AVX-512 F/BW/VL/VNNI; every activation row has `a.len()` blocks; the
+    /// groups have as many blocks each; `out_a` and `out_b` are as long as `acts`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn gemm2<W>(
+        a: &[W],
+        b: &[W],
+        acts: &[&[BlockQ8K]],
+        out_a: &mut [[f32; ROWS]],
+        out_b: &mut [[f32; ROWS]],
+        t1: Tile2<W, 1>,
+        t2: Tile2<W, 2>,
+        t3: Tile2<W, 3>,
+        t4: Tile2<W, 4>,
+    ) {
+        let mut t = 0;
+        while t < acts.len() {
+            let (oa, ob) = (&mut out_a[t..], &mut out_b[t..]);
+            let x = &acts[t..];
+            match x.len() {
+                1 => t1(a, b, [x[0]], oa, ob),
+                2 => t2(a, b, [x[0], x[1]], oa, ob),
+                3 => t3(a, b, [x[0], x[1], x[2]], oa, ob),
+                _ => t4(a, b, [x[0], x[1], x[2], x[3]], oa, ob),
+            }
+            t += 4;
+        }
+    }
+
+    /// The low half of each accumulator to `out_a`, the high half to `out_b`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn store2<const N: usize>(
+        acc: [__m512; N],
+        out_a: &mut [[f32; ROWS]],
+        out_b: &mut [[f32; ROWS]],
+    ) {
+        for t in 0..N {
+            let v = _mm512_castps_pd(acc[t]);
+            _mm256_storeu_ps(
+                out_a[t].as_mut_ptr(),
+                _mm256_castpd_ps(_mm512_castpd512_pd256(v)),
+            );
+            _mm256_storeu_ps(
+                out_b[t].as_mut_ptr(),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd(v, 1)),
+            );
+        }
+    }
+
+    /// Q6_K: the 256-bit VNNI kernel's arithmetic per lane — each 16-value sub-block's
+    /// `vpdpbusd` sums times its signed scale, the −32 offset through the activation's sums.
+    ///
+    /// # Safety
+    /// As [`gemm2`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn tile_q6k<const N: usize>(
+        wa: &[Q6Kx8],
+        wb: &[Q6Kx8],
+        q: [&[BlockQ8K]; N],
+        out_a: &mut [[f32; ROWS]],
+        out_b: &mut [[f32; ROWS]],
+    ) {
+        let low = _mm512_set1_epi8(0x0f);
+        let (m03, m30) = (_mm512_set1_epi8(0x03), _mm512_set1_epi8(0x30));
+        let mut acc = [_mm512_setzero_ps(); N];
+        for i in 0..wa.len() {
+            let (x, y) = (wa.get_unchecked(i), wb.get_unchecked(i));
+            let q = q.map(|r| r.get_unchecked(i));
+            let mut isum = [_mm512_setzero_si512(); N];
+            for n in 0..2 {
+                for k in 0..4 {
+                    for h in 0..2 {
+                        let si = 8 * n + 2 * k + h;
+                        prefetch_part(x, si, 16);
+                        prefetch_part(y, si, 16);
+                        let mut d = [_mm512_setzero_si512(); N];
+                        for wi in 4 * h..4 * h + 4 {
+                            let lo_at = 32 * (16 * n + 8 * (k % 2) + wi);
+                            let hi_at = 32 * (8 * n + wi);
+                            let l = join(
+                                _mm256_loadu_si256(x.ql.as_ptr().add(lo_at) as *const __m256i),
+                                _mm256_loadu_si256(y.ql.as_ptr().add(lo_at) as *const __m256i),
+                            );
+                            let hb = join(
+                                _mm256_loadu_si256(x.qh.as_ptr().add(hi_at) as *const __m256i),
+                                _mm256_loadu_si256(y.qh.as_ptr().add(hi_at) as *const __m256i),
+                            );
+                            let lo4 = if k < 2 {
+                                _mm512_and_si512(l, low)
+                            } else {
+                                _mm512_and_si512(_mm512_srli_epi16(l, 4), low)
+                            };
+                            let hi2 = match k {
+                                0 => _mm512_slli_epi16(_mm512_and_si512(hb, m03), 4),
+                                1 => _mm512_and_si512(_mm512_slli_epi16(hb, 2), m30),
+                                2 => _mm512_and_si512(hb, m30),
+                                _ => _mm512_and_si512(_mm512_srli_epi16(hb, 2), m30),
+                            };
+                            let v = _mm512_or_si512(lo4, hi2);
+                            let e = 128 * n + 32 * k + 4 * wi;
+                            for t in 0..N {
+                                d[t] = _mm512_dpbusd_epi32(d[t], v, word(&q[t].qs, e));
+                            }
+                        }
+                        let sc = signed2(&x.sc[si], &y.sc[si]);
+                        for t in 0..N {
+                            isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(d[t], sc));
+                        }
+                    }
+                }
+            }
+            let dw = halves(&x.d, &y.d);
+            let mut offs = [_mm512_setzero_si512(); N];
+            for sb in 0..16 {
+                let sc = signed2(&x.sc[sb], &y.sc[sb]);
+                for t in 0..N {
+                    let s = _mm512_set1_epi32(q[t].bsums[sb] as i32);
+                    offs[t] = _mm512_add_epi32(offs[t], _mm512_mullo_epi32(sc, s));
+                }
+            }
+            for t in 0..N {
+                let isum = _mm512_sub_epi32(isum[t], _mm512_slli_epi32(offs[t], 5));
+                acc[t] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(isum),
+                    _mm512_mul_ps(dw, _mm512_set1_ps(q[t].d)),
+                    acc[t],
+                );
+            }
+        }
+        store2(acc, out_a, out_b)
+    }
+
+    /// # Safety
+    /// As [`gemm2`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn tile_q4k<const N: usize>(
+        wa: &[Q4Kx8],
+        wb: &[Q4Kx8],
+        q: [&[BlockQ8K]; N],
+        out_a: &mut [[f32; ROWS]],
+        out_b: &mut [[f32; ROWS]],
+    ) {
+        let low = _mm512_set1_epi8(0x0f);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for i in 0..wa.len() {
+            let (x, y) = (wa.get_unchecked(i), wb.get_unchecked(i));
+            let q = q.map(|r| r.get_unchecked(i));
+            let mut isum = [_mm512_setzero_si512(); N];
+            for c in 0..4 {
+                let mut s_lo = [_mm512_setzero_si512(); N];
+                let mut s_hi = [_mm512_setzero_si512(); N];
+                for v in 0..8 {
+                    if v % 2 == 0 {
+                        prefetch_part(x, 4 * c + v / 2, 16);
+                        prefetch_part(y, 4 * c + v / 2, 16);
+                    }
+                    let off = 256 * c + 32 * v;
+                    let raw = join(
+                        _mm256_loadu_si256(x.qs.as_ptr().add(off) as *const __m256i),
+                        _mm256_loadu_si256(y.qs.as_ptr().add(off) as *const __m256i),
+                    );
+                    let lo = _mm512_and_si512(raw, low);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                    let e = 64 * c + 4 * v;
+                    for t in 0..N {
+                        s_lo[t] = _mm512_dpbusd_epi32(s_lo[t], lo, word(&q[t].qs, e));
+                        s_hi[t] = _mm512_dpbusd_epi32(s_hi[t], hi, word(&q[t].qs, e + 32));
+                    }
+                }
+                let sc_lo = widen2(&x.sc[2 * c], &y.sc[2 * c]);
+                let sc_hi = widen2(&x.sc[2 * c + 1], &y.sc[2 * c + 1]);
+                for t in 0..N {
+                    let p = _mm512_add_epi32(
+                        _mm512_mullo_epi32(s_lo[t], sc_lo),
+                        _mm512_mullo_epi32(s_hi[t], sc_hi),
+                    );
+                    isum[t] = _mm512_add_epi32(isum[t], p);
+                }
+            }
+            let (dw, dm) = (halves(&x.d, &y.d), halves(&x.dmin, &y.dmin));
+            // Σ over sub-blocks of min · (its activation sum): the 256-bit kernels' integers.
+            let mut mins = [_mm512_setzero_si512(); 8];
+            for (sb, m) in mins.iter_mut().enumerate() {
+                *m = widen2(&x.mn[sb], &y.mn[sb]);
+            }
+            for t in 0..N {
+                let bs = &q[t].bsums;
+                let mut msum = _mm512_setzero_si512();
+                for (sb, m) in mins.iter().enumerate() {
+                    let s = bs[2 * sb] as i32 + bs[2 * sb + 1] as i32;
+                    msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(*m, _mm512_set1_epi32(s)));
+                }
+                let da = _mm512_set1_ps(q[t].d);
+                acc[t] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(dw, da), acc[t]);
+                acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dm, da), acc[t]);
+            }
+        }
+        store2(acc, out_a, out_b)
+    }
+}
