@@ -202,115 +202,88 @@ fn step_scalar(
     }
 }
 
+/// One instance of the delta-rule step per vector width: the scalar twin's operations on
+/// `$lanes` elements at a time.
+#[cfg(target_arch = "x86_64")]
+macro_rules! delta_step_kernel {
+    ($name:ident, $feat:literal, $lanes:literal, $set1:ident, $zero:ident, $load:ident,
+     $store:ident, $mul:ident, $sub:ident, $fmadd:ident) => {
+        #[target_feature(enable = $feat)]
+        #[allow(clippy::too_many_arguments)]
+        pub(super) unsafe fn $name(
+            s: &mut [f32],
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            decay: f32,
+            beta: f32,
+            mem: &mut [f32],
+            out: &mut [f32],
+        ) {
+            let dv = v.len();
+            let sp = s.as_mut_ptr();
+            let mp = mem.as_mut_ptr();
+            let op = out.as_mut_ptr();
+            let dec = $set1(decay);
+            for j in (0..dv).step_by($lanes) {
+                $store(mp.add(j), $zero());
+            }
+            for (i, &ki) in k.iter().enumerate() {
+                let kb = $set1(ki);
+                let row = sp.add(i * dv);
+                for j in (0..dv).step_by($lanes) {
+                    let e = $mul($load(row.add(j)), dec);
+                    $store(row.add(j), e);
+                    $store(mp.add(j), $fmadd(e, kb, $load(mp.add(j))));
+                }
+            }
+            let bb = $set1(beta);
+            for j in (0..dv).step_by($lanes) {
+                let d = $sub($load(v.as_ptr().add(j)), $load(mp.add(j)));
+                $store(mp.add(j), $mul(d, bb));
+                $store(op.add(j), $zero());
+            }
+            for (i, (&ki, &qi)) in k.iter().zip(q).enumerate() {
+                let (kb, qb) = ($set1(ki), $set1(qi));
+                let row = sp.add(i * dv);
+                for j in (0..dv).step_by($lanes) {
+                    let e = $fmadd(kb, $load(mp.add(j)), $load(row.add(j)));
+                    $store(row.add(j), e);
+                    $store(op.add(j), $fmadd(e, qb, $load(op.add(j))));
+                }
+            }
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    #[target_feature(enable = "avx2,fma")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn step_avx2(
-        s: &mut [f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        decay: f32,
-        beta: f32,
-        mem: &mut [f32],
-        out: &mut [f32],
-    ) {
-        let dv = v.len();
-        let sp = s.as_mut_ptr();
-        let mp = mem.as_mut_ptr();
-        let op = out.as_mut_ptr();
-        let dec = _mm256_set1_ps(decay);
-        for j in (0..dv).step_by(8) {
-            _mm256_storeu_ps(mp.add(j), _mm256_setzero_ps());
-        }
-        for (i, &ki) in k.iter().enumerate() {
-            let kb = _mm256_set1_ps(ki);
-            let row = sp.add(i * dv);
-            for j in (0..dv).step_by(8) {
-                let e = _mm256_mul_ps(_mm256_loadu_ps(row.add(j)), dec);
-                _mm256_storeu_ps(row.add(j), e);
-                let m = _mm256_fmadd_ps(e, kb, _mm256_loadu_ps(mp.add(j)));
-                _mm256_storeu_ps(mp.add(j), m);
-            }
-        }
-        let bb = _mm256_set1_ps(beta);
-        for j in (0..dv).step_by(8) {
-            let d = _mm256_sub_ps(
-                _mm256_loadu_ps(v.as_ptr().add(j)),
-                _mm256_loadu_ps(mp.add(j)),
-            );
-            _mm256_storeu_ps(mp.add(j), _mm256_mul_ps(d, bb));
-            _mm256_storeu_ps(op.add(j), _mm256_setzero_ps());
-        }
-        for (i, (&ki, &qi)) in k.iter().zip(q).enumerate() {
-            let kb = _mm256_set1_ps(ki);
-            let qb = _mm256_set1_ps(qi);
-            let row = sp.add(i * dv);
-            for j in (0..dv).step_by(8) {
-                let e =
-                    _mm256_fmadd_ps(kb, _mm256_loadu_ps(mp.add(j)), _mm256_loadu_ps(row.add(j)));
-                _mm256_storeu_ps(row.add(j), e);
-                let o = _mm256_fmadd_ps(e, qb, _mm256_loadu_ps(op.add(j)));
-                _mm256_storeu_ps(op.add(j), o);
-            }
-        }
-    }
-
-    #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn step_avx512(
-        s: &mut [f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        decay: f32,
-        beta: f32,
-        mem: &mut [f32],
-        out: &mut [f32],
-    ) {
-        let dv = v.len();
-        let sp = s.as_mut_ptr();
-        let mp = mem.as_mut_ptr();
-        let op = out.as_mut_ptr();
-        let dec = _mm512_set1_ps(decay);
-        for j in (0..dv).step_by(16) {
-            _mm512_storeu_ps(mp.add(j), _mm512_setzero_ps());
-        }
-        for (i, &ki) in k.iter().enumerate() {
-            let kb = _mm512_set1_ps(ki);
-            let row = sp.add(i * dv);
-            for j in (0..dv).step_by(16) {
-                let e = _mm512_mul_ps(_mm512_loadu_ps(row.add(j)), dec);
-                _mm512_storeu_ps(row.add(j), e);
-                let m = _mm512_fmadd_ps(e, kb, _mm512_loadu_ps(mp.add(j)));
-                _mm512_storeu_ps(mp.add(j), m);
-            }
-        }
-        let bb = _mm512_set1_ps(beta);
-        for j in (0..dv).step_by(16) {
-            let d = _mm512_sub_ps(
-                _mm512_loadu_ps(v.as_ptr().add(j)),
-                _mm512_loadu_ps(mp.add(j)),
-            );
-            _mm512_storeu_ps(mp.add(j), _mm512_mul_ps(d, bb));
-            _mm512_storeu_ps(op.add(j), _mm512_setzero_ps());
-        }
-        for (i, (&ki, &qi)) in k.iter().zip(q).enumerate() {
-            let kb = _mm512_set1_ps(ki);
-            let qb = _mm512_set1_ps(qi);
-            let row = sp.add(i * dv);
-            for j in (0..dv).step_by(16) {
-                let e =
-                    _mm512_fmadd_ps(kb, _mm512_loadu_ps(mp.add(j)), _mm512_loadu_ps(row.add(j)));
-                _mm512_storeu_ps(row.add(j), e);
-                let o = _mm512_fmadd_ps(e, qb, _mm512_loadu_ps(op.add(j)));
-                _mm512_storeu_ps(op.add(j), o);
-            }
-        }
-    }
+    delta_step_kernel!(
+        step_avx2,
+        "avx2,fma",
+        8,
+        _mm256_set1_ps,
+        _mm256_setzero_ps,
+        _mm256_loadu_ps,
+        _mm256_storeu_ps,
+        _mm256_mul_ps,
+        _mm256_sub_ps,
+        _mm256_fmadd_ps
+    );
+    delta_step_kernel!(
+        step_avx512,
+        "avx512f",
+        16,
+        _mm512_set1_ps,
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        _mm512_storeu_ps,
+        _mm512_mul_ps,
+        _mm512_sub_ps,
+        _mm512_fmadd_ps
+    );
 }
 
 /// [`crate::Backend::gated_delta`]: one task per (sequence, value head), each running its
