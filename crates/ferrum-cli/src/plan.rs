@@ -60,7 +60,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         .ctx
         .unwrap_or_else(|| c.max_position.min(ferrum_models::DEFAULT_MAX_CONTEXT));
     let kv_tokens = a.kv_tokens.unwrap_or(ctx * a.concurrency.max(1));
-    let attn_layers = c.layers.iter().filter(|l| !l.linear).count();
+    let attn_layers = c.n_layers - c.linear_layers();
     let kv_per_token = (2 * attn_layers * c.kv_dim()) as f64 * a.kv_bytes_per_value;
     // As the engine sizes its pool: blocks of one KV group's layers, windowed groups holding
     // only their window of each sequence (see `KvGroups`).
@@ -77,17 +77,13 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let mut kv = block_bytes * kv_blocks as f64;
     // Hybrid models: the engine's recurrent-state slots (one per running sequence, plus the
     // prefix cache's snapshots), in f32, beside the KV blocks.
-    let state_slots = if c.layers.iter().any(|l| l.linear) {
+    let state_slots = if c.linear_layers() > 0 {
         ferrum_generate::engine::HYBRID_MAX_RUNNING
             + ferrum_generate::EngineConfig::with_kv_tokens(1).state_snapshots
     } else {
         0
     };
-    let state_bytes = c.linear.as_ref().map_or(0.0, |l| {
-        let (conv, delta) = l.state_floats();
-        let layers = c.layers.iter().filter(|s| s.linear).count();
-        (4 * layers * (conv + delta)) as f64
-    });
+    let state_bytes = c.state_bytes() as f64;
     let states = state_bytes * state_slots as f64;
     kv += states;
     let weights = file.file_bytes() as f64;

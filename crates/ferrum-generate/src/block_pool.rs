@@ -371,10 +371,9 @@ impl BlockPool {
             .saturating_sub(n * self.block_size as u64);
     }
 
-    /// Whether one of the first `groups` KV groups' caches can still serve the block of
-    /// chain hash `hash`.
-    pub fn holds(&self, hash: u64, groups: usize) -> bool {
-        (0..groups).any(|g| self.cached.contains_key(&(g, hash)))
+    /// Whether some KV group's cache can still serve the block of chain hash `hash`.
+    pub fn holds(&self, hash: u64) -> bool {
+        self.held.contains_key(&hash)
     }
 
     /// Every block back unreferenced (a test's leak check).

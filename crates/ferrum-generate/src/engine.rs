@@ -719,8 +719,8 @@ impl<B: Backend> Engine<B> {
                 let bs = self.pool.block_size();
                 if is_snapshot_point(s, bs) {
                     let hash = s.hashes[s.computed / bs - 1];
-                    let (pool, groups) = (&self.pool, self.windows.len());
-                    if let Some(to) = st.store(hash, |h| pool.holds(h, groups)) {
+                    let pool = &self.pool;
+                    if let Some(to) = st.store(hash, |h| pool.holds(h)) {
                         snapshots.push((s.slot, to));
                     }
                 }
@@ -818,10 +818,7 @@ impl<B: Backend> Engine<B> {
         let bs = self.config.block_size;
         while i < self.running.len() && budget > 0 {
             let s = &mut self.running[i];
-            let mut n = (s.tokens.len() - s.computed).min(budget);
-            if hybrid {
-                n = n.min(next_snapshot(s, bs).map_or(n, |b| b - s.computed));
-            }
+            let mut n = chunk_len(s, budget, bs, hybrid);
             // A decoding sequence may draft: within the budget, its max_tokens and the context.
             // Not a hybrid model's: a rejected draft would stay in its recurrent state.
             let mut draft = std::mem::take(&mut s.proposal);
@@ -894,13 +891,7 @@ impl<B: Backend> Engine<B> {
                         .rev()
                         .find(|&k| st.has(hashes[k - 1]))
                         .unwrap_or(0);
-                    for t in &mut blocks {
-                        for b in t.drain(keep.min(t.len())..) {
-                            if b != NO_BLOCK {
-                                self.pool.release(b);
-                            }
-                        }
-                    }
+                    release_from(&mut self.pool, &mut blocks, keep);
                     self.pool.unhit(hashes.len() - keep);
                     hashes.truncate(keep);
                     if let Some(from) = keep.checked_sub(1).and_then(|k| st.find(hashes[k])) {
@@ -916,10 +907,7 @@ impl<B: Backend> Engine<B> {
                 s.blocks = blocks;
                 s.hashes = hashes;
             }
-            let mut n = (s.tokens.len() - s.computed).min(budget);
-            if hybrid {
-                n = n.min(next_snapshot(&s, bs).map_or(n, |b| b - s.computed));
-            }
+            let n = chunk_len(&s, budget, bs, hybrid);
             let upto = s.computed + n;
             if !grow(&mut self.pool, &mut s, upto) {
                 // Not enough room: hand back what it took and wait for running ones to end.
@@ -1072,22 +1060,30 @@ impl<B: Backend> Engine<B> {
 /// snapshot there: a block boundary inside its prompt (the last one, or every
 /// [`SNAPSHOT_EVERY_BLOCKS`]-th).
 fn is_snapshot_point(s: &Seq, bs: usize) -> bool {
-    let c = s.computed;
-    let last = (s.prompt_len - 1) / bs * bs;
+    let (c, last) = (s.computed, last_prompt_boundary(s, bs));
     c > 0
         && c <= last
         && c.is_multiple_of(bs)
         && (c == last || (c / bs).is_multiple_of(SNAPSHOT_EVERY_BLOCKS))
 }
 
-/// The next snapshot point past what `s` has computed, where its next chunk must stop.
-fn next_snapshot(s: &Seq, bs: usize) -> Option<usize> {
-    let last = (s.prompt_len - 1) / bs * bs;
-    if s.computed >= last {
-        return None;
+/// The last block boundary a later request sharing `s`'s prompt can resume from (its last
+/// token is always computed again: its logits start the generation).
+fn last_prompt_boundary(s: &Seq, bs: usize) -> usize {
+    (s.prompt_len - 1) / bs * bs
+}
+
+/// How many of `s`'s tokens its next chunk takes within `budget`: for a hybrid model, never
+/// past the next snapshot point, so the state there can be copied.
+fn chunk_len(s: &Seq, budget: usize, bs: usize, hybrid: bool) -> usize {
+    let n = (s.tokens.len() - s.computed).min(budget);
+    let last = last_prompt_boundary(s, bs);
+    if !hybrid || s.computed >= last {
+        return n;
     }
     let every = SNAPSHOT_EVERY_BLOCKS * bs;
-    Some(((s.computed / every + 1) * every).min(last))
+    let next = ((s.computed / every + 1) * every).min(last);
+    n.min(next - s.computed)
 }
 
 /// Blocks of `tokens`' prefix (at most `max_blocks`) up to the last one after which a
@@ -1165,13 +1161,18 @@ fn trim_windows(pool: &mut BlockPool, s: &mut Seq, windows: &[Option<usize>]) {
 
 /// Gives back every block of every table.
 fn release_all(pool: &mut BlockPool, tables: &mut [Vec<u32>]) {
+    release_from(pool, tables, 0)
+}
+
+/// Gives back every table's blocks from entry `keep` on (the tables are cut to `keep`).
+fn release_from(pool: &mut BlockPool, tables: &mut [Vec<u32>], keep: usize) {
     for t in tables {
-        for &b in t.iter() {
+        for &b in t.iter().skip(keep) {
             if b != NO_BLOCK {
                 pool.release(b);
             }
         }
-        t.clear();
+        t.truncate(keep);
     }
 }
 

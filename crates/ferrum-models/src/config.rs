@@ -271,6 +271,20 @@ impl ModelConfig {
         self.n_kv_heads * self.head_dim
     }
 
+    /// Layers that keep a recurrent state instead of KV (Gated DeltaNet).
+    pub fn linear_layers(&self) -> usize {
+        self.layers.iter().filter(|l| l.linear).count()
+    }
+
+    /// Bytes of one sequence's recurrent state (f32) over every linear-attention layer; 0
+    /// for models without such layers.
+    pub fn state_bytes(&self) -> usize {
+        self.linear.as_ref().map_or(0, |l| {
+            let (conv, delta) = l.state_floats();
+            4 * self.linear_layers() * (conv + delta)
+        })
+    }
+
     /// Inverse RoPE frequencies of the model's (global) RoPE, one per rotated pair, with any
     /// scaling applied.
     pub fn rope_inv_freq(&self) -> Vec<f32> {

@@ -323,17 +323,7 @@ impl<B: Backend> Decoder<B> {
 
     /// Whether some layers keep a recurrent state instead of KV.
     pub fn is_hybrid(&self) -> bool {
-        self.config.layers.iter().any(|l| l.linear)
-    }
-
-    /// Bytes of one sequence's recurrent state over every linear-attention layer.
-    pub fn state_bytes(&self) -> usize {
-        let Some(l) = &self.config.linear else {
-            return 0;
-        };
-        let (conv, delta) = l.state_floats();
-        let layers = self.config.layers.iter().filter(|s| s.linear).count();
-        4 * layers * (conv + delta)
+        self.config.linear_layers() > 0
     }
 
     fn alloc_states(&self, slots: usize) -> Vec<(B::Buf, B::Buf)> {
@@ -342,8 +332,7 @@ impl<B: Backend> Decoder<B> {
         };
         let (conv, delta) = l.state_floats();
         let be = &self.backend;
-        let layers = self.config.layers.iter().filter(|s| s.linear).count();
-        (0..layers)
+        (0..self.config.linear_layers())
             .map(|_| (be.alloc(slots * conv), be.alloc(slots * delta)))
             .collect()
     }
@@ -358,7 +347,7 @@ impl<B: Backend> Decoder<B> {
     /// Bytes of cache one position takes across all attention layers (keys and values),
     /// where every layer holds every position (linear-attention layers keep none).
     pub fn kv_bytes_per_token(&self) -> usize {
-        let layers = self.config.layers.iter().filter(|l| !l.linear).count();
+        let layers = self.config.n_layers - self.config.linear_layers();
         2 * layers * self.backend.kv_row_bytes(self.config.kv_dim())
     }
 

@@ -223,9 +223,7 @@ impl<B: Backend> Attention<B> {
             (None, None)
         };
         let fused_qkv = "model.layers.{i}.self_attn.qkv_proj.weight";
-        let qkv = if src
-            .tensor("model.layers.{i}.self_attn.q_proj.weight", i)
-            .is_none()
+        let qkv = if src.tensor(q_name, i).is_none()
             && src.tensor(fused_qkv, i).is_some()
             && gate.is_none()
         {
@@ -399,6 +397,7 @@ impl<B: Backend> Attention<B> {
         let hidden = Rows::dense(n, h);
         let (q_cols, k_cols) = (Rows::columns(n, w, 0, qd), Rows::columns(n, w, qd, kvd));
         let v_view = Rows::columns(n, w, qd + kvd, kvd);
+        let gate_cols = Rows::columns(n, w, qd + 2 * kvd, qd);
         let (q_view, k_view) = (q_cols.split_heads(hd), k_cols.split_heads(hd));
         match &self.qkv {
             Qkv::Split { q, k, v } => {
@@ -408,14 +407,18 @@ impl<B: Backend> Attention<B> {
                     bias: bias.map(|b| &b[i]),
                     out,
                 };
-                let gate = self.gate.as_ref().map(|g| MatmulPart {
-                    weight: g,
-                    bias: None,
-                    out: Rows::columns(n, w, qd + 2 * kvd, qd),
-                });
-                let parts = [part(q, 0, q_cols), part(k, 1, k_cols), part(v, 2, v_view)];
-                let parts: Vec<_> = parts.into_iter().chain(gate).collect();
-                be.matmul_many(x, hidden, &parts, qkv);
+                let (q, k, v) = (part(q, 0, q_cols), part(k, 1, k_cols), part(v, 2, v_view));
+                match &self.gate {
+                    Some(g) => {
+                        let g = MatmulPart {
+                            weight: g,
+                            bias: None,
+                            out: gate_cols,
+                        };
+                        be.matmul_many(x, hidden, &[q, k, v, g], qkv)
+                    }
+                    None => be.matmul_many(x, hidden, &[q, k, v], qkv),
+                }
             }
             Qkv::Fused(wqkv) => be.matmul(x, hidden, wqkv, None, qkv, Rows::dense(n, w)),
         }
@@ -443,8 +446,7 @@ impl<B: Backend> Attention<B> {
             qkv, q_view, k_cache, v_cache, a.seqs, attn, attn_view, a.params,
         );
         if self.gate.is_some() {
-            let gate = Rows::columns(n, w, qd + 2 * kvd, qd);
-            be.sigmoid_mul(attn, Rows::dense(n, qd), qkv, gate);
+            be.sigmoid_mul(attn, Rows::dense(n, qd), qkv, gate_cols);
         }
         be.matmul(
             attn,

@@ -105,20 +105,18 @@ pub enum DeltaIsa {
 }
 
 impl DeltaIsa {
+    /// The widest instance this CPU runs, fixed at the first call.
     pub fn best() -> DeltaIsa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                return DeltaIsa::Avx512;
-            }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                return DeltaIsa::Avx2;
-            }
-        }
-        DeltaIsa::Scalar
+        static BEST: std::sync::OnceLock<DeltaIsa> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| {
+            DeltaIsa::available()
+                .last()
+                .copied()
+                .unwrap_or(DeltaIsa::Scalar)
+        })
     }
 
-    /// The instances this CPU runs.
+    /// The instances this CPU runs, narrowest first.
     pub fn available() -> Vec<DeltaIsa> {
         let mut v = vec![DeltaIsa::Scalar];
         #[cfg(target_arch = "x86_64")]
@@ -339,7 +337,7 @@ pub(super) fn gated_delta(
         let s = seqs[si];
         let kh = p.key_head(h);
         // SAFETY: each task owns one (slot, head) state region (slots are distinct per
-        // sequence, checked by the caller's engine; in range, checked above) and writes only
+        // sequence, asserted before the tasks run; in range, checked above) and writes only
         // its own head's columns of its sequence's rows of `out`.
         let sh = unsafe { st.slice((s.slot * nv + h) * per, per) };
         if s.fresh {
