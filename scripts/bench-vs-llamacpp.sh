@@ -26,14 +26,17 @@
 #   LLAMA_BENCH=/path/llama-bench      use this llama-bench, build nothing
 #   LLAMACPP_BIN=/dir                  use llama-bench from this folder (e.g. an existing build)
 #   LLAMACPP_CMAKE_FLAGS="..."         override the CPU flags of the llama.cpp build
-#   ISA=native|avx2                    native (default): llama.cpp built for this machine — every
-#                                      x86 extension /proc/cpuinfo lists among AVX2, FMA, F16C,
-#                                      BMI2, AVX-VNNI, AVX-512 F/BW/VL/DQ, VBMI, VNNI, BF16; AMX
-#                                      off, as its kernels fault on some VMs here — and ferrum
-#                                      with every instance it detects; if that build faults on
-#                                      the first file it is replaced by the avx2 one. avx2: both
-#                                      engines on AVX2 + FMA only. With LLAMACPP_BIN/LLAMA_BENCH
-#                                      say which build it is (ISA=native or avx2).
+#   ISA=native|avx2                    native (default): llama.cpp built for this machine
+#                                      (GGML_NATIVE=ON: -march=native, AMX included where the
+#                                      CPU has it) and ferrum with every instance it detects. If
+#                                      that build faults on the first file (some VMs here list
+#                                      AVX-512 or AMX and fault on it), it gives way to one with
+#                                      the x86 extensions /proc/cpuinfo lists named one by one
+#                                      (AVX2, FMA, F16C, BMI2, AVX-VNNI, AVX-512 F/BW/VL/DQ,
+#                                      VBMI, VNNI, BF16; AMX off), and if that faults too, to
+#                                      avx2. avx2: both engines on AVX2 + FMA only. With
+#                                      LLAMACPP_BIN/LLAMA_BENCH say which build it is (ISA=native
+#                                      or avx2).
 #   LLAMA_BENCH_ARGS="--repack 0"      extra llama-bench options (default: none, its defaults;
 #                                      not passed to llama-batched-bench)
 #   MOE_DIR=$FERRUM_CACHE/synth-moe    where the synthetic MoE files live (made if missing)
@@ -71,6 +74,9 @@ case "$ISA" in
     avx2) export FERRUM_AVXVNNI=0 ;;
     *) die "ISA must be native or avx2 (got $ISA)" ;;
 esac
+# The llama.cpp build: native (GGML_NATIVE=ON), explicit (native_flags: named extensions, no
+# AMX; the fallback where native faults) or avx2.
+BUILD="$ISA"
 
 # llama.cpp's CMake flags for the x86 extensions this CPU lists (native without AMX).
 native_flags() {
@@ -109,7 +115,7 @@ done
 # Built once from the llama-cpp-python sdist (which vendors llama.cpp) into the cache.
 build_llamacpp() {
     local dir="$CACHE/llamacpp-build"
-    local build="$dir/build-$ISA-noamx"
+    local build="$dir/build-$BUILD"
     local bin="$build/bin"
     if [[ -x "$bin/llama-bench" && -x "$bin/llama-quantize" && -x "$bin/llama-batched-bench" ]]; then
         echo "$bin"
@@ -127,14 +133,14 @@ build_llamacpp() {
         log "installing cmake and ninja with pip"
         "$PYTHON" -m pip install --quiet --disable-pip-version-check cmake ninja >&2
     fi
-    # Explicit x86 features instead of GGML_NATIVE, which also builds the AMX kernels: on
-    # the VMs here they fault (SIGSEGV in ldtilecfg).
+    # GGML_NATIVE by default; the named x86 extensions where it faults (its AMX kernels did
+    # on some VMs here: SIGSEGV in ldtilecfg).
     local cpu_flags
     if [[ -n "${LLAMACPP_CMAKE_FLAGS:-}" ]]; then
         cpu_flags="$LLAMACPP_CMAKE_FLAGS"
-    elif [[ "$(uname -m)" != x86_64 ]]; then
+    elif [[ "$(uname -m)" != x86_64 || "$BUILD" == native ]]; then
         cpu_flags="-DGGML_NATIVE=ON"
-    elif [[ "$ISA" == native ]]; then
+    elif [[ "$BUILD" == explicit ]]; then
         cpu_flags="$(native_flags)"
     else
         cpu_flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
@@ -250,16 +256,25 @@ run_ferrum() { # file round
         2>"$out.log" || die "ferrum bench failed on $1, see $out.log"
 }
 # A native build that faults here (a VM that lists an extension it does not run) gives way to
-# the AVX2 one, said aloud.
-if [[ "$ISA" == native && -z "${LLAMA_BENCH_GIVEN:-}" && ${#FILES[@]} -gt 0 ]]; then
-    if ! "$LLAMA_BENCH" -m "${FILES[0]}" -t "$THREADS" -p 8 -n 0 -r 1 >"$OUT_DIR/smoke.log" 2>&1; then
+# one with the extensions named, and that to the AVX2 one, said aloud.
+use_build() {
+    BUILD="$1"
+    LLAMA_BENCH="$(build_llamacpp)/llama-bench"
+    LLAMA_BATCHED="$(dirname "$LLAMA_BENCH")/llama-batched-bench"
+    LD_LIBRARY_PATH="$(dirname "$LLAMA_BENCH")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    LLAMACPP_FLAGS="$(flags_of "$LLAMA_BENCH")"
+}
+smoke() { "$LLAMA_BENCH" -m "${FILES[0]}" -t "$THREADS" -p 8 -n 0 -r 1 >"$OUT_DIR/smoke.log" 2>&1; }
+if [[ "$ISA" == native && -z "${LLAMA_BENCH_GIVEN:-}" && ${#FILES[@]} -gt 0 ]] && ! smoke; then
+    if [[ "$(uname -m)" == x86_64 && -z "${LLAMACPP_CMAKE_FLAGS:-}" ]]; then
+        log "the GGML_NATIVE llama.cpp build fails here (see $OUT_DIR/smoke.log): trying the extensions one by one, AMX off"
+        use_build explicit
+    fi
+    if ! smoke; then
         log "the native llama.cpp build fails here (see $OUT_DIR/smoke.log): using the AVX2 one, ferrum on AVX2 too"
         ISA=avx2
         export FERRUM_AVXVNNI=0
-        LLAMA_BENCH="$(build_llamacpp)/llama-bench"
-        LLAMA_BATCHED="$(dirname "$LLAMA_BENCH")/llama-batched-bench"
-        LD_LIBRARY_PATH="$(dirname "$LLAMA_BENCH")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-        LLAMACPP_FLAGS="$(flags_of "$LLAMA_BENCH")"
+        use_build avx2
     fi
 fi
 export ISA

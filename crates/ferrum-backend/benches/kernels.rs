@@ -6,6 +6,10 @@
 //! - `matmul_n64/FORMAT`: the same weight times 64 tokens, the prefill case (throughput in
 //!   multiply-adds);
 //! - `dot_f32`: the f32 dot product (attention, f32 weights).
+//! - `peak/…`: the int8 multiply-add peak of each `vpdpbusd` form this CPU runs (register
+//!   operands, twelve independent accumulators; and the packed kernels' mix, a broadcast
+//!   activation word from memory per instruction), in int8 operations (multiply and add
+//!   counted apart): what prefill's share of the peak is measured against.
 //!
 //! `cargo bench -p ferrum-backend --bench kernels` runs all (about two minutes);
 //! `cargo bench -p ferrum-backend --bench kernels -- 'matmul_n1/Q4_K'` one. Short measurement
@@ -114,6 +118,127 @@ fn bench_matmul(c: &mut Criterion) {
     }
 }
 
+/// `vpdpbusd` throughput: `ACC` independent accumulators, `iters` rounds. Returns the
+/// accumulators' sum, which [`peak_scalar`] computes too (the check that the loop ran).
+#[cfg(target_arch = "x86_64")]
+mod peak {
+    use std::arch::x86_64::*;
+
+    pub const ACC: usize = 12;
+
+    /// 512-bit, register operands.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn zmm(iters: usize, u: u8, s: i8) -> i64 {
+        let (a, b) = (_mm512_set1_epi8(u as i8), _mm512_set1_epi8(s));
+        let mut acc = [_mm512_setzero_si512(); ACC];
+        for _ in 0..iters {
+            for x in acc.iter_mut() {
+                *x = _mm512_dpbusd_epi32(*x, a, b);
+            }
+        }
+        let mut t = 0i64;
+        for x in acc {
+            t += _mm512_reduce_add_epi32(x) as i64;
+        }
+        t
+    }
+
+    /// 512-bit with the packed kernels' operand: one activation word broadcast from memory
+    /// per instruction (`words` cycles through a small buffer, as the kernels' do).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn zmm_bcast(iters: usize, u: u8, words: &[i32; ACC]) -> i64 {
+        let a = _mm512_set1_epi8(u as i8);
+        let mut acc = [_mm512_setzero_si512(); ACC];
+        for _ in 0..iters {
+            for (i, x) in acc.iter_mut().enumerate() {
+                let w = std::ptr::read_volatile(words.as_ptr().add(i));
+                *x = _mm512_dpbusd_epi32(*x, a, _mm512_set1_epi32(w));
+            }
+        }
+        let mut t = 0i64;
+        for x in acc {
+            t += _mm512_reduce_add_epi32(x) as i64;
+        }
+        t
+    }
+
+    /// 256-bit (the EVEX form; the VEX AVX-VNNI one is the same instruction).
+    #[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+    pub unsafe fn ymm(iters: usize, u: u8, s: i8) -> i64 {
+        let (a, b) = (_mm256_set1_epi8(u as i8), _mm256_set1_epi8(s));
+        let mut acc = [_mm256_setzero_si256(); ACC];
+        for _ in 0..iters {
+            for x in acc.iter_mut() {
+                *x = _mm256_dpbusd_epi32(*x, a, b);
+            }
+        }
+        let mut t = 0i64;
+        for x in acc {
+            let mut l = [0i32; 8];
+            _mm256_storeu_si256(l.as_mut_ptr() as *mut __m256i, x);
+            t += l.iter().map(|&v| v as i64).sum::<i64>();
+        }
+        t
+    }
+}
+
+/// The scalar twin of the peak loops: `lanes` i32 lanes, each four u8 × i8 products per round.
+fn peak_scalar(iters: usize, lanes: usize, u: u8, s: [i8; 4]) -> i64 {
+    let per_round: i64 = s.iter().map(|&b| u as i64 * b as i64).sum();
+    // Every lane's i32 sum stays in range for the iteration counts used here.
+    per_round * iters as i64 * lanes as i64
+}
+
+fn bench_peak(c: &mut Criterion) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use peak::ACC;
+        let vnni512 = std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vnni");
+        let vnni256 = vnni512 && std::is_x86_feature_detected!("avx512vl");
+        let iters = 4096;
+        let mut g = c.benchmark_group("peak");
+        if vnni512 {
+            let (u, s) = (3u8, -2i8);
+            let words = [i32::from_le_bytes([s as u8; 4]); ACC];
+            // SAFETY: the features checked above.
+            let (r, rb) = unsafe { (peak::zmm(iters, u, s), peak::zmm_bcast(iters, u, &words)) };
+            let want = peak_scalar(iters, 16 * ACC, u, [s; 4]);
+            assert_eq!(
+                (r, rb),
+                (want, want),
+                "the peak loops disagree with their scalar twin"
+            );
+            g.throughput(Throughput::Elements((iters * ACC * 64 * 2) as u64));
+            g.bench_function("vpdpbusd_zmm", |b| {
+                // SAFETY: as above.
+                b.iter(|| unsafe { peak::zmm(black_box(iters), 3, -2) })
+            });
+            g.bench_function("vpdpbusd_zmm_m32bcst", |b| {
+                // SAFETY: as above.
+                b.iter(|| unsafe { peak::zmm_bcast(black_box(iters), 3, &words) })
+            });
+        }
+        if vnni256 {
+            // SAFETY: the features checked above.
+            let r = unsafe { peak::ymm(iters, 3, -2) };
+            assert_eq!(r, peak_scalar(iters, 8 * ACC, 3, [-2; 4]));
+            g.throughput(Throughput::Elements((iters * ACC * 32 * 2) as u64));
+            g.bench_function("vpdpbusd_ymm", |b| {
+                // SAFETY: as above.
+                b.iter(|| unsafe { peak::ymm(black_box(iters), 3, -2) })
+            });
+        }
+        if !vnni512 {
+            eprintln!("peak: this CPU runs no AVX512-VNNI; no peak measured");
+        }
+        g.finish();
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = c;
+}
+
 criterion_group! {
     name = kernels;
     // Command-line options (`--measurement-time`, `--sample-size`) override these.
@@ -121,6 +246,6 @@ criterion_group! {
         .measurement_time(Duration::from_secs(2))
         .warm_up_time(Duration::from_millis(500))
         .sample_size(20);
-    targets = bench_dot, bench_dot_f32, bench_matmul
+    targets = bench_peak, bench_dot, bench_dot_f32, bench_matmul
 }
 criterion_main!(kernels);

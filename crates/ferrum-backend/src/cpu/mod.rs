@@ -339,11 +339,19 @@ impl CpuWeight {
     }
 
     /// Rows `first..first + out.len()` dotted with one activation row. A whole packed group
-    /// (eight rows from a multiple of eight) is one kernel call; a packed row on its own is
+    /// (eight rows from a multiple of eight) is one kernel call, and so are two of a K-quant
+    /// (sixteen rows from a multiple of sixteen: [`packed_unit`]); a packed row on its own is
     /// taken from its group's result, so every path gives a row the matmul's value.
     fn dot_rows(&self, first: usize, a: &ActRow, out: &mut [f32], scratch: &mut Vec<f32>) {
         use quant::packed::ROWS;
         if let Some(p) = self.packed.as_ref().filter(|p| first < p.rows()) {
+            if out.len() == 2 * ROWS && p.is_k_quant() && first.is_multiple_of(2 * ROWS) {
+                let (mut va, mut vb) = ([[0f32; ROWS]], [[0f32; ROWS]]);
+                p.gemm_k2(first / ROWS, &[&a.q8k], &mut va, &mut vb);
+                out[..ROWS].copy_from_slice(&va[0]);
+                out[ROWS..].copy_from_slice(&vb[0]);
+                return;
+            }
             let mut v = [[0f32; ROWS]];
             if p.is_k_quant() {
                 p.gemm_k(first / ROWS, &[&a.q8k], &mut v);
@@ -1063,7 +1071,7 @@ impl Backend for CpuBackend {
         self.pool.run(units.div_ceil(per_task), &|task| {
             SCRATCH.with(|sc| {
                 let mut sc = sc.borrow_mut();
-                let mut v = [0f32; quant::packed::ROWS];
+                let mut v = [0f32; 2 * quant::packed::ROWS];
                 for u in task * per_task..((task + 1) * per_task).min(units) {
                     let r = u * unit;
                     let (slot, within) = (r / (2 * f), r % (2 * f));
@@ -1111,7 +1119,7 @@ impl Backend for CpuBackend {
         self.pool.run(units.div_ceil(per_task), &|task| {
             SCRATCH.with(|sc| {
                 let mut sc = sc.borrow_mut();
-                let mut v = [0f32; quant::packed::ROWS];
+                let mut v = [0f32; 2 * quant::packed::ROWS];
                 for u in task * per_task..((task + 1) * per_task).min(units) {
                     let r = u * unit;
                     let (slot, row) = (r / h, r % h);
@@ -1236,14 +1244,25 @@ thread_local! {
     static ACT_Q8K: RefCell<Vec<quant::q8::BlockQ8K>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Rows per unit of work for a pass over these matrices: a packed group when all are packed
+/// Rows per unit of work for a pass over these matrices: two packed groups when all are
+/// K-quants packed whole in multiples of 16 rows and the CPU runs the two-group kernels
+/// ([`Packed::gemm_k2`](quant::packed::Packed::gemm_k2)), a packed group when all are packed
 /// whole (their row counts are then multiples of 8), else single rows.
-fn packed_unit<'w>(mut ws: impl Iterator<Item = &'w CpuWeight>) -> usize {
-    if ws.all(|w| w.packed.as_ref().is_some_and(|p| p.rows() == w.rows)) {
-        quant::packed::ROWS
-    } else {
-        1
+fn packed_unit<'w>(ws: impl Iterator<Item = &'w CpuWeight> + Clone) -> usize {
+    use quant::packed::ROWS;
+    let whole = |w: &CpuWeight| w.packed.as_ref().is_some_and(|p| p.rows() == w.rows);
+    if !ws.clone().all(whole) {
+        return 1;
     }
+    #[cfg(target_arch = "x86_64")]
+    if quant::packed::wide_k()
+        && ws.clone().all(|w| {
+            w.rows.is_multiple_of(2 * ROWS) && w.packed.as_ref().is_some_and(|p| p.is_k_quant())
+        })
+    {
+        return 2 * ROWS;
+    }
+    ROWS
 }
 
 /// The packed part of a matmul task, per activation format (Q8 for the 32-value layouts,
@@ -1296,9 +1315,11 @@ trait PackedRows: Sized + 'static {
         debug_assert!(rows.start.is_multiple_of(ROWS), "tasks start on a group");
         let mut out = [[0f32; ROWS]; 4];
         let mut out_b = [[0f32; ROWS]; 4];
-        // Two groups per pass where a kernel does both: in prefill and batched decode, where
-        // the arithmetic is the limit (one token's decode is the memory's: it keeps its own).
-        let pairs = n >= 2 && Self::pairs(p);
+        // Two groups per pass where a kernel does both: half the instructions per weight
+        // byte, which prefill and batched decode need (the arithmetic is their limit) and
+        // one token's decode too (from the last-level cache the 256-bit one-group kernels
+        // read Q4_K and Q6_K slower than main memory delivers on AMD Zen 5).
+        let pairs = Self::pairs(p);
         let mut g = rows.start / ROWS;
         while g < end / ROWS {
             let two = pairs && g + 1 < end / ROWS;

@@ -508,9 +508,13 @@ pub fn simd_name() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     {
         if avx2_fma() {
-            return match super::quant::packed::Isa::best() {
-                super::quant::packed::Isa::AvxVnni => "avx2+fma+avx-vnni",
-                super::quant::packed::Isa::Avx512Vnni => "avx2+fma+avx512-vnni",
+            // "+zmm-k": the 512-bit two-group Q4_K/Q6_K kernels are in use.
+            let wide = super::quant::packed::wide_k();
+            return match (super::quant::packed::Isa::best(), wide) {
+                (super::quant::packed::Isa::AvxVnni, true) => "avx2+fma+avx-vnni+zmm-k",
+                (super::quant::packed::Isa::AvxVnni, false) => "avx2+fma+avx-vnni",
+                (super::quant::packed::Isa::Avx512Vnni, true) => "avx2+fma+avx512-vnni+zmm-k",
+                (super::quant::packed::Isa::Avx512Vnni, false) => "avx2+fma+avx512-vnni",
                 _ => "avx2+fma",
             };
         }

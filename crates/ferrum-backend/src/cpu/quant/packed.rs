@@ -1428,76 +1428,17 @@ macro_rules! packed_kernels {
                 a: [&[BlockQ8K]; N],
                 out: &mut [[f32; ROWS]],
             ) {
-                let low = _mm256_set1_epi8(0x0f);
-                let (m03, m30) = (_mm256_set1_epi8(0x03), _mm256_set1_epi8(0x30));
                 let mut acc = [_mm256_setzero_ps(); N];
                 for (i, b) in w.iter().enumerate() {
                     let q = a.map(|r| r.get_unchecked(i));
                     let mut isum = [_mm256_setzero_si256(); N];
+                    // The quarters one by one, each its own instance, so that the bit
+                    // positions are constants and every loop inside unrolls.
                     for n in 0..2 {
-                        for k in 0..4 {
-                            for h in 0..2 {
-                                let si = 8 * n + 2 * k + h;
-                                prefetch_part(b, si, 16);
-                                let sc = signed_pairs(&b.sc[si], &b.sc[si]);
-                                // With VNNI, the sub-block's four vectors sum in i32 and the
-                                // scale multiplies once.
-                                let mut d = [_mm256_setzero_si256(); N];
-                                for pair in 0..2 {
-                                    let mut s16 = [_mm256_setzero_si256(); N];
-                                    for w4 in 0..2 {
-                                        let wi = 4 * h + 2 * pair + w4;
-                                        let l = _mm256_loadu_si256(
-                                            b.ql.as_ptr().add(32 * (16 * n + 8 * (k % 2) + wi))
-                                                as *const __m256i,
-                                        );
-                                        let hb = _mm256_loadu_si256(
-                                            b.qh.as_ptr().add(32 * (8 * n + wi)) as *const __m256i,
-                                        );
-                                        let lo4 = if k < 2 {
-                                            _mm256_and_si256(l, low)
-                                        } else {
-                                            _mm256_and_si256(_mm256_srli_epi16(l, 4), low)
-                                        };
-                                        let hi2 = match k {
-                                            0 => _mm256_slli_epi16(_mm256_and_si256(hb, m03), 4),
-                                            1 => _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30),
-                                            2 => _mm256_and_si256(hb, m30),
-                                            _ => _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30),
-                                        };
-                                        let v = _mm256_or_si256(lo4, hi2);
-                                        let e = 128 * n + 32 * k + 4 * wi;
-                                        for t in 0..N {
-                                            if VNNI {
-                                                d[t] = dp(d[t], v, word(&q[t].qs, e));
-                                            } else {
-                                                let p = _mm256_maddubs_epi16(v, word(&q[t].qs, e));
-                                                s16[t] = _mm256_add_epi16(s16[t], p);
-                                            }
-                                        }
-                                    }
-                                    if !VNNI {
-                                        for t in 0..N {
-                                            isum[t] = _mm256_add_epi32(
-                                                isum[t],
-                                                _mm256_madd_epi16(s16[t], sc),
-                                            );
-                                        }
-                                    }
-                                }
-                                if VNNI {
-                                    let sc32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                                        b.sc[si].as_ptr() as *const __m128i,
-                                    ));
-                                    for t in 0..N {
-                                        isum[t] = _mm256_add_epi32(
-                                            isum[t],
-                                            _mm256_mullo_epi32(d[t], sc32),
-                                        );
-                                    }
-                                }
-                            }
-                        }
+                        q6k_quarter::<0, N>(b, n, &q, &mut isum);
+                        q6k_quarter::<1, N>(b, n, &q, &mut isum);
+                        q6k_quarter::<2, N>(b, n, &q, &mut isum);
+                        q6k_quarter::<3, N>(b, n, &q, &mut isum);
                     }
                     let dw = scales(&b.d);
                     for t in 0..N {
@@ -1521,6 +1462,74 @@ macro_rules! packed_kernels {
                     }
                 }
                 store(acc, out)
+            }
+
+            /// Quarter `K` of half `n` of a Q6_K block (values `128n + 32K..+32`, sub-blocks
+            /// `8n + 2K` and `8n + 2K + 1`) into each token's integer sum.
+            #[target_feature(enable = $feat)]
+            unsafe fn q6k_quarter<const K: usize, const N: usize>(
+                b: &Q6Kx8,
+                n: usize,
+                q: &[&BlockQ8K; N],
+                isum: &mut [__m256i; N],
+            ) {
+                let low = _mm256_set1_epi8(0x0f);
+                let (m03, m30) = (_mm256_set1_epi8(0x03), _mm256_set1_epi8(0x30));
+                prefetch_part(b, 4 * n + K, 8);
+                for h in 0..2 {
+                    let si = 8 * n + 2 * K + h;
+                    let sc = signed_pairs(&b.sc[si], &b.sc[si]);
+                    // With VNNI, the sub-block's four vectors sum in i32 and the scale
+                    // multiplies once.
+                    let mut d = [_mm256_setzero_si256(); N];
+                    for pair in 0..2 {
+                        let mut s16 = [_mm256_setzero_si256(); N];
+                        for w4 in 0..2 {
+                            let wi = 4 * h + 2 * pair + w4;
+                            let l = _mm256_loadu_si256(
+                                b.ql.as_ptr().add(32 * (16 * n + 8 * (K % 2) + wi))
+                                    as *const __m256i,
+                            );
+                            let hb = _mm256_loadu_si256(
+                                b.qh.as_ptr().add(32 * (8 * n + wi)) as *const __m256i
+                            );
+                            let lo4 = if K < 2 {
+                                _mm256_and_si256(l, low)
+                            } else {
+                                _mm256_and_si256(_mm256_srli_epi16(l, 4), low)
+                            };
+                            let hi2 = match K {
+                                0 => _mm256_slli_epi16(_mm256_and_si256(hb, m03), 4),
+                                1 => _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30),
+                                2 => _mm256_and_si256(hb, m30),
+                                _ => _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30),
+                            };
+                            let v = _mm256_or_si256(lo4, hi2);
+                            let e = 128 * n + 32 * K + 4 * wi;
+                            for t in 0..N {
+                                if VNNI {
+                                    d[t] = dp(d[t], v, word(&q[t].qs, e));
+                                } else {
+                                    let p = _mm256_maddubs_epi16(v, word(&q[t].qs, e));
+                                    s16[t] = _mm256_add_epi16(s16[t], p);
+                                }
+                            }
+                        }
+                        if !VNNI {
+                            for t in 0..N {
+                                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s16[t], sc));
+                            }
+                        }
+                    }
+                    if VNNI {
+                        let sc32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                            b.sc[si].as_ptr() as *const __m128i
+                        ));
+                        for t in 0..N {
+                            isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(d[t], sc32));
+                        }
+                    }
+                }
             }
 
             /// From two consecutive rows-of-eight byte arrays `p[0..8]`, `p[8..16]` (one 128-bit load
@@ -1591,12 +1600,12 @@ macro_rules! packed_kernels {
                     let mut isum = [_mm256_setzero_si256(); N];
                     let flush_every = if bq.qh().is_some() { 4 } else { 8 };
                     for c in 0..4 {
+                        // A quarter of the block ahead, before the loop over its vectors:
+                        // a branch in that loop keeps it from unrolling.
+                        prefetch_part(bq, c, 4);
                         let mut s_lo = [_mm256_setzero_si256(); N];
                         let mut s_hi = [_mm256_setzero_si256(); N];
                         for v in 0..8 {
-                            if v % 2 == 0 {
-                                prefetch_part(bq, 4 * c + v / 2, 16);
-                            }
                             let raw = _mm256_loadu_si256(
                                 b.qs.as_ptr().add(256 * c + 32 * v) as *const __m256i
                             );
@@ -1737,7 +1746,7 @@ pub fn wide_k() -> bool {
 #[cfg(target_arch = "x86_64")]
 mod wide {
     use super::*;
-    use crate::cpu::quant::q8::prefetch_part;
+    use crate::cpu::quant::q8::prefetch_part_at;
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -1769,15 +1778,35 @@ mod wide {
         _mm512_cvtph_ps(_mm256_set_m128i(hi, lo))
     }
 
+    /// Lane `r` of each group as the i16 pair `(v[2p][r], v[2p + 1][r])`, zero-extended.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn pairs_u8(a: &[[u8; ROWS]; 8], b: &[[u8; ROWS]; 8], p: usize) -> __m512i {
+        let ld = |v: &[u8; ROWS]| _mm_loadl_epi64(v.as_ptr() as *const __m128i);
+        let lo = _mm_unpacklo_epi8(ld(&a[2 * p]), ld(&a[2 * p + 1]));
+        let hi = _mm_unpacklo_epi8(ld(&b[2 * p]), ld(&b[2 * p + 1]));
+        _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo))
+    }
+
+    /// As [`pairs_u8`], for signed bytes (Q6_K's scales), sign-extended.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn pairs_i8(a: &[[i8; ROWS]; 16], b: &[[i8; ROWS]; 16], p: usize) -> __m512i {
+        let ld = |v: &[i8; ROWS]| _mm_loadl_epi64(v.as_ptr() as *const __m128i);
+        let lo = _mm_unpacklo_epi8(ld(&a[2 * p]), ld(&a[2 * p + 1]));
+        let hi = _mm_unpacklo_epi8(ld(&b[2 * p]), ld(&b[2 * p + 1]));
+        _mm512_cvtepi8_epi16(_mm256_set_m128i(hi, lo))
+    }
+
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn word(qs: &[i8], e: usize) -> __m512i {
         debug_assert!(e + 4 <= qs.len());
         _mm512_set1_epi32((qs.as_ptr().add(e) as *const i32).read_unaligned())
     }
 
-    /// A two-group tile over `N` tokens.
+    /// A two-group tile over `N` tokens; the last argument is how far ahead of each block to
+    /// prefetch (the next pair's block), or 0 for not at all (the passes after the first over
+    /// a pair find its blocks in cache).
     pub type Tile2<W, const N: usize> =
-        unsafe fn(&[W], &[W], [&[BlockQ8K]; N], &mut [[f32; ROWS]], &mut [[f32; ROWS]]);
+        unsafe fn(&[W], &[W], [&[BlockQ8K]; N], &mut [[f32; ROWS]], &mut [[f32; ROWS]], usize);
 
     /// Any number of tokens, four per pass, with the tiles of one layout.
     ///
@@ -1797,15 +1826,18 @@ mod wide {
         t3: Tile2<W, 3>,
         t4: Tile2<W, 4>,
     ) {
+        // The groups of a matrix lie one after the other: the next pair starts two groups on.
+        let ahead = 2 * std::mem::size_of_val(a);
         let mut t = 0;
         while t < acts.len() {
             let (oa, ob) = (&mut out_a[t..], &mut out_b[t..]);
             let x = &acts[t..];
+            let pf = if t == 0 { ahead } else { 0 };
             match x.len() {
-                1 => t1(a, b, [x[0]], oa, ob),
-                2 => t2(a, b, [x[0], x[1]], oa, ob),
-                3 => t3(a, b, [x[0], x[1], x[2]], oa, ob),
-                _ => t4(a, b, [x[0], x[1], x[2], x[3]], oa, ob),
+                1 => t1(a, b, [x[0]], oa, ob, pf),
+                2 => t2(a, b, [x[0], x[1]], oa, ob, pf),
+                3 => t3(a, b, [x[0], x[1], x[2]], oa, ob, pf),
+                _ => t4(a, b, [x[0], x[1], x[2], x[3]], oa, ob, pf),
             }
             t += 4;
         }
@@ -1843,63 +1875,28 @@ mod wide {
         q: [&[BlockQ8K]; N],
         out_a: &mut [[f32; ROWS]],
         out_b: &mut [[f32; ROWS]],
+        pf: usize,
     ) {
-        let low = _mm512_set1_epi8(0x0f);
-        let (m03, m30) = (_mm512_set1_epi8(0x03), _mm512_set1_epi8(0x30));
         let mut acc = [_mm512_setzero_ps(); N];
         for i in 0..wa.len() {
             let (x, y) = (wa.get_unchecked(i), wb.get_unchecked(i));
             let q = q.map(|r| r.get_unchecked(i));
             let mut isum = [_mm512_setzero_si512(); N];
             for n in 0..2 {
-                for k in 0..4 {
-                    for h in 0..2 {
-                        let si = 8 * n + 2 * k + h;
-                        prefetch_part(x, si, 16);
-                        prefetch_part(y, si, 16);
-                        let mut d = [_mm512_setzero_si512(); N];
-                        for wi in 4 * h..4 * h + 4 {
-                            let lo_at = 32 * (16 * n + 8 * (k % 2) + wi);
-                            let hi_at = 32 * (8 * n + wi);
-                            let l = join(
-                                _mm256_loadu_si256(x.ql.as_ptr().add(lo_at) as *const __m256i),
-                                _mm256_loadu_si256(y.ql.as_ptr().add(lo_at) as *const __m256i),
-                            );
-                            let hb = join(
-                                _mm256_loadu_si256(x.qh.as_ptr().add(hi_at) as *const __m256i),
-                                _mm256_loadu_si256(y.qh.as_ptr().add(hi_at) as *const __m256i),
-                            );
-                            let lo4 = if k < 2 {
-                                _mm512_and_si512(l, low)
-                            } else {
-                                _mm512_and_si512(_mm512_srli_epi16(l, 4), low)
-                            };
-                            let hi2 = match k {
-                                0 => _mm512_slli_epi16(_mm512_and_si512(hb, m03), 4),
-                                1 => _mm512_and_si512(_mm512_slli_epi16(hb, 2), m30),
-                                2 => _mm512_and_si512(hb, m30),
-                                _ => _mm512_and_si512(_mm512_srli_epi16(hb, 2), m30),
-                            };
-                            let v = _mm512_or_si512(lo4, hi2);
-                            let e = 128 * n + 32 * k + 4 * wi;
-                            for t in 0..N {
-                                d[t] = _mm512_dpbusd_epi32(d[t], v, word(&q[t].qs, e));
-                            }
-                        }
-                        let sc = signed2(&x.sc[si], &y.sc[si]);
-                        for t in 0..N {
-                            isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(d[t], sc));
-                        }
-                    }
+                for h in 0..2 {
+                    q6k_part(x, y, n, h, &q, &mut isum, pf);
                 }
             }
             let dw = halves(&x.d, &y.d);
+            // Σ scale · (16-value activation sum), two sub-blocks per `madd`.
             let mut offs = [_mm512_setzero_si512(); N];
-            for sb in 0..16 {
-                let sc = signed2(&x.sc[sb], &y.sc[sb]);
+            for p in 0..8 {
+                let sc = pairs_i8(&x.sc, &y.sc, p);
                 for t in 0..N {
-                    let s = _mm512_set1_epi32(q[t].bsums[sb] as i32);
-                    offs[t] = _mm512_add_epi32(offs[t], _mm512_mullo_epi32(sc, s));
+                    let bs = &q[t].bsums;
+                    let w = (bs[2 * p] as u16 as u32) | ((bs[2 * p + 1] as u16 as u32) << 16);
+                    let s = _mm512_set1_epi32(w as i32);
+                    offs[t] = _mm512_add_epi32(offs[t], _mm512_madd_epi16(sc, s));
                 }
             }
             for t in 0..N {
@@ -1914,6 +1911,83 @@ mod wide {
         store2(acc, out_a, out_b)
     }
 
+    /// Part `h` of half `n` of both groups' Q6_K blocks into each token's integer sum: the
+    /// four 16-value sub-blocks `8n + 2k + h` (k = 0..4), whose quants share their low-bit
+    /// vectors two by two and their high-bit vectors four by four, so each is loaded once;
+    /// each sub-block's `vpdpbusd` sums times its signed scale.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q6k_part<const N: usize>(
+        x: &Q6Kx8,
+        y: &Q6Kx8,
+        n: usize,
+        h: usize,
+        q: &[&BlockQ8K; N],
+        isum: &mut [__m512i; N],
+        pf: usize,
+    ) {
+        // `a | (b & c)`, one instruction.
+        const OR_AND: i32 = 0xf8;
+        let low = _mm512_set1_epi8(0x0f);
+        let m30 = _mm512_set1_epi8(0x30);
+        if pf > 0 {
+            prefetch_part_at(x, 2 * n + h, 4, pf);
+            prefetch_part_at(y, 2 * n + h, 4, pf);
+        }
+        let mut d = [[_mm512_setzero_si512(); N]; 4];
+        for wi in 4 * h..4 * h + 4 {
+            let pair = |a: &[u8; 1024], b: &[u8; 1024], at: usize| {
+                join(
+                    _mm256_loadu_si256(a.as_ptr().add(at) as *const __m256i),
+                    _mm256_loadu_si256(b.as_ptr().add(at) as *const __m256i),
+                )
+            };
+            let l0 = pair(&x.ql, &y.ql, 32 * (16 * n + wi));
+            let l1 = pair(&x.ql, &y.ql, 32 * (16 * n + 8 + wi));
+            let hb = join(
+                _mm256_loadu_si256(x.qh.as_ptr().add(32 * (8 * n + wi)) as *const __m256i),
+                _mm256_loadu_si256(y.qh.as_ptr().add(32 * (8 * n + wi)) as *const __m256i),
+            );
+            // Quarter k: the low (k < 2) or high nibbles of l0 / l1, and bits 2k, 2k + 1 of
+            // the high-bit byte as bits 4 and 5 (16-bit shifts: the mask drops what crosses
+            // a byte).
+            let v = [
+                _mm512_ternarylogic_epi32::<OR_AND>(
+                    _mm512_and_si512(l0, low),
+                    _mm512_slli_epi16(hb, 4),
+                    m30,
+                ),
+                _mm512_ternarylogic_epi32::<OR_AND>(
+                    _mm512_and_si512(l1, low),
+                    _mm512_slli_epi16(hb, 2),
+                    m30,
+                ),
+                _mm512_ternarylogic_epi32::<OR_AND>(
+                    _mm512_and_si512(_mm512_srli_epi16(l0, 4), low),
+                    hb,
+                    m30,
+                ),
+                _mm512_ternarylogic_epi32::<OR_AND>(
+                    _mm512_and_si512(_mm512_srli_epi16(l1, 4), low),
+                    _mm512_srli_epi16(hb, 2),
+                    m30,
+                ),
+            ];
+            for (k, (dk, vk)) in d.iter_mut().zip(v).enumerate() {
+                let e = 128 * n + 32 * k + 4 * wi;
+                for t in 0..N {
+                    dk[t] = _mm512_dpbusd_epi32(dk[t], vk, word(&q[t].qs, e));
+                }
+            }
+        }
+        for (k, dk) in d.iter().enumerate() {
+            let si = 8 * n + 2 * k + h;
+            let sc = signed2(&x.sc[si], &y.sc[si]);
+            for t in 0..N {
+                isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(dk[t], sc));
+            }
+        }
+    }
+
     /// # Safety
     /// As [`gemm2`].
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -1923,6 +1997,7 @@ mod wide {
         q: [&[BlockQ8K]; N],
         out_a: &mut [[f32; ROWS]],
         out_b: &mut [[f32; ROWS]],
+        pf: usize,
     ) {
         let low = _mm512_set1_epi8(0x0f);
         let mut acc = [_mm512_setzero_ps(); N];
@@ -1931,24 +2006,29 @@ mod wide {
             let q = q.map(|r| r.get_unchecked(i));
             let mut isum = [_mm512_setzero_si512(); N];
             for c in 0..4 {
+                if pf > 0 {
+                    prefetch_part_at(x, c, 4, pf);
+                    prefetch_part_at(y, c, 4, pf);
+                }
+                let (px, py) = (x.qs.as_ptr().add(256 * c), y.qs.as_ptr().add(256 * c));
+                let qe = q.map(|r| r.qs.as_ptr().add(64 * c));
                 let mut s_lo = [_mm512_setzero_si512(); N];
                 let mut s_hi = [_mm512_setzero_si512(); N];
+                // No branch in this loop, so that it unrolls: eight vectors of both groups.
                 for v in 0..8 {
-                    if v % 2 == 0 {
-                        prefetch_part(x, 4 * c + v / 2, 16);
-                        prefetch_part(y, 4 * c + v / 2, 16);
-                    }
-                    let off = 256 * c + 32 * v;
                     let raw = join(
-                        _mm256_loadu_si256(x.qs.as_ptr().add(off) as *const __m256i),
-                        _mm256_loadu_si256(y.qs.as_ptr().add(off) as *const __m256i),
+                        _mm256_loadu_si256(px.add(32 * v) as *const __m256i),
+                        _mm256_loadu_si256(py.add(32 * v) as *const __m256i),
                     );
                     let lo = _mm512_and_si512(raw, low);
                     let hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-                    let e = 64 * c + 4 * v;
                     for t in 0..N {
-                        s_lo[t] = _mm512_dpbusd_epi32(s_lo[t], lo, word(&q[t].qs, e));
-                        s_hi[t] = _mm512_dpbusd_epi32(s_hi[t], hi, word(&q[t].qs, e + 32));
+                        let (wl, wh) = (
+                            (qe[t].add(4 * v) as *const i32).read_unaligned(),
+                            (qe[t].add(32 + 4 * v) as *const i32).read_unaligned(),
+                        );
+                        s_lo[t] = _mm512_dpbusd_epi32(s_lo[t], lo, _mm512_set1_epi32(wl));
+                        s_hi[t] = _mm512_dpbusd_epi32(s_hi[t], hi, _mm512_set1_epi32(wh));
                     }
                 }
                 let sc_lo = widen2(&x.sc[2 * c], &y.sc[2 * c]);
@@ -1962,17 +2042,18 @@ mod wide {
                 }
             }
             let (dw, dm) = (halves(&x.d, &y.d), halves(&x.dmin, &y.dmin));
-            // Σ over sub-blocks of min · (its activation sum): the 256-bit kernels' integers.
-            let mut mins = [_mm512_setzero_si512(); 8];
-            for (sb, m) in mins.iter_mut().enumerate() {
-                *m = widen2(&x.mn[sb], &y.mn[sb]);
-            }
+            // Σ over sub-blocks of min · (its activation sum), two sub-blocks per `madd`: the
+            // 256-bit kernels' integers (a min is at most 63 and a sum of 32 activations fits
+            // in 16 bits).
+            let mins: [__m512i; 4] = std::array::from_fn(|p| pairs_u8(&x.mn, &y.mn, p));
             for t in 0..N {
                 let bs = &q[t].bsums;
                 let mut msum = _mm512_setzero_si512();
-                for (sb, m) in mins.iter().enumerate() {
-                    let s = bs[2 * sb] as i32 + bs[2 * sb + 1] as i32;
-                    msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(*m, _mm512_set1_epi32(s)));
+                for (p, m) in mins.iter().enumerate() {
+                    let s0 = (bs[4 * p] as i32 + bs[4 * p + 1] as i32) as u16 as u32;
+                    let s1 = (bs[4 * p + 2] as i32 + bs[4 * p + 3] as i32) as u16 as u32;
+                    let y = _mm512_set1_epi32((s0 | s1 << 16) as i32);
+                    msum = _mm512_add_epi32(msum, _mm512_madd_epi16(*m, y));
                 }
                 let da = _mm512_set1_ps(q[t].d);
                 acc[t] =

@@ -155,6 +155,21 @@ pub(crate) fn prefetch_part<B>(b: &B, part: usize, parts: usize) {
     );
 }
 
+/// [`prefetch_part`] at `ahead` bytes past the block instead of [`PREFETCH_BYTES`]: the
+/// 512-bit kernels read two packed groups side by side, so the bytes 4 KiB past one group's
+/// block are the other group's, already on their way; theirs is the next pair's block.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_part_at<B>(b: &B, part: usize, parts: usize, ahead: usize) {
+    use std::arch::x86_64::*;
+    let lines = std::mem::size_of::<B>().div_ceil(64);
+    let p = (b as *const B as *const i8).wrapping_add(ahead);
+    for l in part * lines / parts..(part + 1) * lines / parts {
+        // SAFETY: prefetching has no architectural effect and never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(64 * l)) };
+    }
+}
+
 /// Prefetches into L2 cache lines `lines` of the bytes `PREFETCH_BYTES` past `at` (any
 /// address: a prefetch never faults). What [`prefetch_part`] does for a block; the f32
 /// matmul path does it for a weight row of any length.
