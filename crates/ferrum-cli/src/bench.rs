@@ -309,3 +309,24 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stream_sum_reads_every_word_once() {
+        // Lengths around the four-stream split (whole lines per stream, then a tail).
+        for len in [0usize, 1, 31, 32, 33, 100, 4096, 4096 * 4 + 37] {
+            let v: Vec<u64> = (0..len as u64).map(|i| i * i + 1).collect();
+            let want = v.iter().fold(0u64, |a, &b| a.wrapping_add(b));
+            assert_eq!(sum_streams(&v), want, "length {len}");
+        }
+    }
+
+    #[test]
+    fn the_bandwidth_probe_measures_something() {
+        let bw = memory_bandwidth(2, 8 << 20);
+        assert!(bw.is_finite() && bw > 0.0, "{bw}");
+    }
+}
