@@ -96,10 +96,10 @@ fn memory_bandwidth(threads: usize, bytes: usize) -> f64 {
 }
 
 /// The sum of `c`'s words, read as four equal streams side by side, each stream's lines
-/// prefetched 4 KiB ahead (the distance the decode kernels use).
+/// prefetched as far ahead as the decode kernels prefetch theirs.
 fn sum_streams(c: &[u64]) -> u64 {
     const LINE: usize = 8; // words per 64-byte line
-    const AHEAD: usize = 4096 / 8;
+    const AHEAD: usize = ferrum_backend::cpu::quant::q8::PREFETCH_BYTES / 8;
     let n = c.len() / (4 * LINE) * LINE;
     let s: [&[u64]; 4] = std::array::from_fn(|i| &c[i * n..(i + 1) * n]);
     let mut acc = [0u64; 4];

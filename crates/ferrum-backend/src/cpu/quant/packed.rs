@@ -831,7 +831,7 @@ impl Packed {
     }
 
     /// Groups `group` and `group + 1` against each activation row, into `out_a` and
-    /// `out_b`: [`gemm_k`](Self::gemm_k) twice, or — for Q4_K where the CPU has AVX-512
+    /// `out_b`: [`gemm_k`](Self::gemm_k) twice, or — for Q4_K and Q6_K where the CPU has AVX-512
     /// (F, BW, VL, VNNI) and a VNNI instance is in use — one pass of 512-bit kernels over
     /// both, each group in one half of every register ([`wide_k`]). The same bits either
     /// way: every lane's integer sums are exact and its float steps the 256-bit kernels'.
@@ -1778,22 +1778,28 @@ mod wide {
         _mm512_cvtph_ps(_mm256_set_m128i(hi, lo))
     }
 
+    /// The bytes of rows-of-eight arrays `2p` and `2p + 1` interleaved, group A's in the low
+    /// half and group B's in the high half: byte pair `r` of each half is `(v[2p][r], v[2p +
+    /// 1][r])`, ready to widen into i16 pairs. `T` is a byte (u8 or i8).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn interleave_pairs<T: Copy>(a: &[[T; ROWS]], b: &[[T; ROWS]], p: usize) -> __m256i {
+        const { assert!(std::mem::size_of::<T>() == 1) };
+        let ld = |v: &[T; ROWS]| _mm_loadl_epi64(v.as_ptr() as *const __m128i);
+        let lo = _mm_unpacklo_epi8(ld(&a[2 * p]), ld(&a[2 * p + 1]));
+        let hi = _mm_unpacklo_epi8(ld(&b[2 * p]), ld(&b[2 * p + 1]));
+        _mm256_set_m128i(hi, lo)
+    }
+
     /// Lane `r` of each group as the i16 pair `(v[2p][r], v[2p + 1][r])`, zero-extended.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn pairs_u8(a: &[[u8; ROWS]; 8], b: &[[u8; ROWS]; 8], p: usize) -> __m512i {
-        let ld = |v: &[u8; ROWS]| _mm_loadl_epi64(v.as_ptr() as *const __m128i);
-        let lo = _mm_unpacklo_epi8(ld(&a[2 * p]), ld(&a[2 * p + 1]));
-        let hi = _mm_unpacklo_epi8(ld(&b[2 * p]), ld(&b[2 * p + 1]));
-        _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo))
+        _mm512_cvtepu8_epi16(interleave_pairs(a, b, p))
     }
 
     /// As [`pairs_u8`], for signed bytes (Q6_K's scales), sign-extended.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn pairs_i8(a: &[[i8; ROWS]; 16], b: &[[i8; ROWS]; 16], p: usize) -> __m512i {
-        let ld = |v: &[i8; ROWS]| _mm_loadl_epi64(v.as_ptr() as *const __m128i);
-        let lo = _mm_unpacklo_epi8(ld(&a[2 * p]), ld(&a[2 * p + 1]));
-        let hi = _mm_unpacklo_epi8(ld(&b[2 * p]), ld(&b[2 * p + 1]));
-        _mm512_cvtepi8_epi16(_mm256_set_m128i(hi, lo))
+        _mm512_cvtepi8_epi16(interleave_pairs(a, b, p))
     }
 
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -1933,20 +1939,19 @@ mod wide {
             prefetch_part_at(x, 2 * n + h, 4, pf);
             prefetch_part_at(y, 2 * n + h, 4, pf);
         }
+        // Vector `at / 32` of both groups' byte arrays, A's in the low half.
+        let pair = |a: &[u8], b: &[u8], at: usize| {
+            debug_assert!(at + 32 <= a.len() && at + 32 <= b.len());
+            join(
+                _mm256_loadu_si256(a.as_ptr().add(at) as *const __m256i),
+                _mm256_loadu_si256(b.as_ptr().add(at) as *const __m256i),
+            )
+        };
         let mut d = [[_mm512_setzero_si512(); N]; 4];
         for wi in 4 * h..4 * h + 4 {
-            let pair = |a: &[u8; 1024], b: &[u8; 1024], at: usize| {
-                join(
-                    _mm256_loadu_si256(a.as_ptr().add(at) as *const __m256i),
-                    _mm256_loadu_si256(b.as_ptr().add(at) as *const __m256i),
-                )
-            };
             let l0 = pair(&x.ql, &y.ql, 32 * (16 * n + wi));
             let l1 = pair(&x.ql, &y.ql, 32 * (16 * n + 8 + wi));
-            let hb = join(
-                _mm256_loadu_si256(x.qh.as_ptr().add(32 * (8 * n + wi)) as *const __m256i),
-                _mm256_loadu_si256(y.qh.as_ptr().add(32 * (8 * n + wi)) as *const __m256i),
-            );
+            let hb = pair(&x.qh, &y.qh, 32 * (8 * n + wi));
             // Quarter k: the low (k < 2) or high nibbles of l0 / l1, and bits 2k, 2k + 1 of
             // the high-bit byte as bits 4 and 5 (16-bit shifts: the mask drops what crosses
             // a byte).
@@ -2011,7 +2016,6 @@ mod wide {
                     prefetch_part_at(y, c, 4, pf);
                 }
                 let (px, py) = (x.qs.as_ptr().add(256 * c), y.qs.as_ptr().add(256 * c));
-                let qe = q.map(|r| r.qs.as_ptr().add(64 * c));
                 let mut s_lo = [_mm512_setzero_si512(); N];
                 let mut s_hi = [_mm512_setzero_si512(); N];
                 // No branch in this loop, so that it unrolls: eight vectors of both groups.
@@ -2022,13 +2026,10 @@ mod wide {
                     );
                     let lo = _mm512_and_si512(raw, low);
                     let hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                    let e = 64 * c + 4 * v;
                     for t in 0..N {
-                        let (wl, wh) = (
-                            (qe[t].add(4 * v) as *const i32).read_unaligned(),
-                            (qe[t].add(32 + 4 * v) as *const i32).read_unaligned(),
-                        );
-                        s_lo[t] = _mm512_dpbusd_epi32(s_lo[t], lo, _mm512_set1_epi32(wl));
-                        s_hi[t] = _mm512_dpbusd_epi32(s_hi[t], hi, _mm512_set1_epi32(wh));
+                        s_lo[t] = _mm512_dpbusd_epi32(s_lo[t], lo, word(&q[t].qs, e));
+                        s_hi[t] = _mm512_dpbusd_epi32(s_hi[t], hi, word(&q[t].qs, e + 32));
                     }
                 }
                 let sc_lo = widen2(&x.sc[2 * c], &y.sc[2 * c]);

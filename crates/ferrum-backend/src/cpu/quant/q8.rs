@@ -131,7 +131,7 @@ pub(crate) unsafe fn fp16(h: half::f16) -> f32 {
 /// L1 hint 4 KiB ahead held too many lines in flight: the synthetic Qwen3-MoE decode block
 /// took 8.5 ms (Q8_0) and 5.3 ms (Q4_K_M) per token, 6.9 and 4.6 ms with the L2 hint
 /// (8 and 16 KiB ahead: no better), SmolLM2 decode unchanged or faster.
-pub(crate) const PREFETCH_BYTES: usize = 4096;
+pub const PREFETCH_BYTES: usize = 4096;
 
 /// Prefetches into L2 the block `PREFETCH_BYTES` past `b`, every cache line of it (K-quant blocks
 /// span up to four lines; prefetching only the first left Q6_K stalled on the rest). Past the
@@ -148,11 +148,7 @@ pub(crate) fn prefetch<B>(b: &B) {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_part<B>(b: &B, part: usize, parts: usize) {
-    let lines = std::mem::size_of::<B>().div_ceil(64);
-    prefetch_lines_ahead(
-        b as *const B as *const u8,
-        part * lines / parts..(part + 1) * lines / parts,
-    );
+    prefetch_part_at(b, part, parts, PREFETCH_BYTES)
 }
 
 /// [`prefetch_part`] at `ahead` bytes past the block instead of [`PREFETCH_BYTES`]: the
@@ -161,13 +157,11 @@ pub(crate) fn prefetch_part<B>(b: &B, part: usize, parts: usize) {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_part_at<B>(b: &B, part: usize, parts: usize, ahead: usize) {
-    use std::arch::x86_64::*;
     let lines = std::mem::size_of::<B>().div_ceil(64);
-    let p = (b as *const B as *const i8).wrapping_add(ahead);
-    for l in part * lines / parts..(part + 1) * lines / parts {
-        // SAFETY: prefetching has no architectural effect and never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(64 * l)) };
-    }
+    prefetch_lines(
+        (b as *const B as *const u8).wrapping_add(ahead),
+        part * lines / parts..(part + 1) * lines / parts,
+    );
 }
 
 /// Prefetches into L2 cache lines `lines` of the bytes `PREFETCH_BYTES` past `at` (any
@@ -176,11 +170,17 @@ pub(crate) fn prefetch_part_at<B>(b: &B, part: usize, parts: usize, ahead: usize
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_lines_ahead(at: *const u8, lines: std::ops::Range<usize>) {
+    prefetch_lines(at.wrapping_add(PREFETCH_BYTES), lines)
+}
+
+/// Prefetches into L2 cache lines `lines` from `at` (any address).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_lines(at: *const u8, lines: std::ops::Range<usize>) {
     use std::arch::x86_64::*;
-    let p = at.wrapping_add(PREFETCH_BYTES) as *const i8;
     for l in lines {
         // SAFETY: prefetching has no architectural effect and never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(64 * l)) };
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(64 * l) as *const i8) };
     }
 }
 
