@@ -751,3 +751,150 @@ fn glu_matmul_equals_glu_then_matmul() {
         }
     }
 }
+
+/// The AMX tile kernels (two packed groups against sixteen tokens a tile) give the scalar
+/// twins' bits for every format they serve, at token counts below, at and over a tile, with
+/// the tokens' rows equally spaced (read in place) and not (copied), and at the top of the
+/// range. They run on the emulated tiles wherever the CPU has the kernels' AVX-512, and on
+/// the tile instructions where it has AMX; a CPU without either says what it could not run.
+#[test]
+fn amx_tile_kernels_equal_scalar_twin() {
+    use ferrum_backend::cpu::quant::amx::{self, Emulated, Tiles};
+    use ferrum_backend::cpu::quant::packed::{Packed, ROWS};
+    use ferrum_core::DType;
+    if !amx::vectors_run() {
+        eprintln!("this CPU lacks AVX-512 F/BW/VL: the AMX kernels were not checked");
+        return;
+    }
+    let hw = amx::hardware();
+    if !hw {
+        eprintln!("this CPU (or OS) has no AMX-INT8: the tile kernels ran on emulated tiles only");
+    }
+    let (rows, k) = (4 * ROWS, 512);
+    let pool = ferrum_backend::cpu::pool::ThreadPool::new(2);
+    let arena = ferrum_backend::cpu::arena::Arena::default();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let counts = [1usize, 5, 16, 17, 35];
+    let xs: Vec<Vec<f32>> = (0..35)
+        .map(|t| match t {
+            0 => vec![127.0; k],
+            1 => vec![-127.0; k],
+            _ => (0..k).map(|_| rng.gen_range(-20.0..20.0)).collect(),
+        })
+        .collect();
+    // Every quant at its top and every scale and minimum 63, for Q4_K and Q5_K.
+    let full = |dt: DType| -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(&half::f16::from_f32(0.01).to_bits().to_le_bytes());
+        b.extend_from_slice(&half::f16::from_f32(0.02).to_bits().to_le_bytes());
+        b.extend_from_slice(&[0xff; 12]);
+        if dt == DType::Q5K {
+            b.extend_from_slice(&[0xff; 32]);
+        }
+        b.extend_from_slice(&[0xff; 128]);
+        (0..rows * k / 256).flat_map(|_| b.clone()).collect()
+    };
+    let mut cases: Vec<(DType, Vec<u8>)> = [
+        DType::Q4K,
+        DType::Q5K,
+        DType::Q6K,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+    ]
+    .into_iter()
+    .map(|dt| (dt, random_blocks(&mut rng, dt, rows * k)))
+    .collect();
+    cases.push((DType::Q4K, full(DType::Q4K)));
+    cases.push((DType::Q5K, full(DType::Q5K)));
+    for (dt, bytes) in cases {
+        let wa = Aligned::new(&bytes);
+        let p = Packed::new(dt, wa.bytes(), rows, k, &pool, &arena, &|_| {}).expect("packs");
+        type Twin<'a, A> = &'a dyn Fn(usize, &[&[A]], &mut [[f32; ROWS]]);
+        // One matrix of activation rows (equally spaced) and the same rows reversed (not).
+        fn check<A: amx::Act, T: Tiles>(
+            tiles: &mut T,
+            p: &Packed,
+            rows: &[A],
+            per_row: usize,
+            n: usize,
+            twin: Twin<A>,
+            what: &str,
+        ) {
+            let mut acts: Vec<&[A]> = rows.chunks(per_row).take(n).collect();
+            for order in 0..2 {
+                if order == 1 {
+                    acts.reverse();
+                }
+                for g in [0, 2] {
+                    let mut got = vec![[0f32; 2 * ROWS]; n];
+                    // SAFETY: `vectors_run` (and, for the hardware, `hardware`) checked by
+                    // the caller.
+                    assert!(unsafe { amx::gemm_pair(tiles, p, g, &acts, &mut got) });
+                    for h in 0..2 {
+                        let mut want = vec![[0f32; ROWS]; n];
+                        twin(g + h, &acts, &mut want);
+                        for (t, (x, y)) in got.iter().zip(&want).enumerate() {
+                            for r in 0..ROWS {
+                                let v = x[h * ROWS + r];
+                                assert_eq!(
+                                    v.to_bits(),
+                                    y[r].to_bits(),
+                                    "{what} group {} row {r} token {t} of {n} (order {order}): {v} vs {}",
+                                    g + h,
+                                    y[r]
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for &n in &counts {
+            let what = |t: &str| format!("{dt} on {t}");
+            if p.is_k_quant() {
+                let mut a = vec![BlockQ8K::default(); 35 * k / 256];
+                for (x, a) in xs.iter().zip(a.chunks_mut(k / 256)) {
+                    quantize_q8k(x, a);
+                }
+                let twin = |g: usize, acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]| {
+                    p.gemm_k_scalar(g, acts, out)
+                };
+                let per = k / 256;
+                check(
+                    &mut Emulated::default(),
+                    &p,
+                    &a,
+                    per,
+                    n,
+                    &twin,
+                    &what("emulated tiles"),
+                );
+                if hw {
+                    check(&mut amx::Amx, &p, &a, per, n, &twin, &what("AMX"));
+                }
+            } else {
+                let mut a = vec![BlockQ8::default(); 35 * k / 32];
+                for (x, a) in xs.iter().zip(a.chunks_mut(k / 32)) {
+                    quantize_q8(x, a);
+                }
+                let twin = |g: usize, acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]| {
+                    p.gemm_scalar(g, acts, out)
+                };
+                let per = k / 32;
+                check(
+                    &mut Emulated::default(),
+                    &p,
+                    &a,
+                    per,
+                    n,
+                    &twin,
+                    &what("emulated tiles"),
+                );
+                if hw {
+                    check(&mut amx::Amx, &p, &a, per, n, &twin, &what("AMX"));
+                }
+            }
+        }
+    }
+}

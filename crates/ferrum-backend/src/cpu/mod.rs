@@ -1267,7 +1267,7 @@ fn packed_unit<'w>(ws: impl Iterator<Item = &'w CpuWeight> + Clone) -> usize {
 
 /// The packed part of a matmul task, per activation format (Q8 for the 32-value layouts,
 /// Q8_K for the K-quant ones).
-trait PackedRows: Sized + 'static {
+trait PackedRows: quant::amx::Act + Sized + 'static {
     /// Whether `p` takes this activation format.
     fn pairs_with(p: &quant::packed::Packed) -> bool;
 
@@ -1321,6 +1321,34 @@ trait PackedRows: Sized + 'static {
         // read Q4_K and Q6_K slower than main memory delivers on AMD Zen 5).
         let pairs = Self::pairs(p);
         let mut g = rows.start / ROWS;
+        // A prefill's pass on the AMX tiles: two groups against sixteen tokens per product,
+        // the same bits as the kernels below.
+        #[cfg(target_arch = "x86_64")]
+        if n >= quant::amx::MIN_TOKENS && g + 1 < end / ROWS {
+            use quant::amx::{gemm_pair, Amx, Emulated, Mode};
+            let mode = quant::amx::mode();
+            let acts: Vec<&[Self]> = (0..n).map(act).collect();
+            let mut out = vec![[0f32; quant::amx::PAIR]; n];
+            while mode != Mode::Off && g + 1 < end / ROWS {
+                // SAFETY: `mode` checked that the CPU runs the kernels' AVX-512 and, for the
+                // AMX tiles, the tile instructions, and that this process has their state.
+                let done = unsafe {
+                    match mode {
+                        Mode::Amx => gemm_pair(&mut Amx, p, g, &acts, &mut out),
+                        _ => gemm_pair(&mut Emulated::default(), p, g, &acts, &mut out),
+                    }
+                };
+                if !done {
+                    break;
+                }
+                for (t, o) in out.iter().enumerate() {
+                    let (a, b) = o.split_at(ROWS);
+                    write8(t, g * ROWS, a.try_into().expect("eight rows"));
+                    write8(t, (g + 1) * ROWS, b.try_into().expect("eight rows"));
+                }
+                g += 2;
+            }
+        }
         while g < end / ROWS {
             let two = pairs && g + 1 < end / ROWS;
             // Four tokens per pass: each weight block is unpacked once for all four.

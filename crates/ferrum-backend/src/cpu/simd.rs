@@ -503,23 +503,32 @@ pub fn f32_to_f16_scalar(src: &[f32], dst: &mut [half::f16]) {
     }
 }
 
-/// Whether the SIMD path is in use (for the load summary).
-pub fn simd_name() -> &'static str {
+/// Which SIMD path is in use (for the load summary and `bench`): the packed kernels'
+/// instruction set, "+zmm-k" where the 512-bit two-group Q4_K/Q6_K kernels run, "+amx" where
+/// prefill takes the AMX tiles ("+amx-emulated" on emulated ones, for tests).
+pub fn simd_name() -> String {
     #[cfg(target_arch = "x86_64")]
     {
         if avx2_fma() {
-            // "+zmm-k": the 512-bit two-group Q4_K/Q6_K kernels are in use.
-            let wide = super::quant::packed::wide_k();
-            return match (super::quant::packed::Isa::best(), wide) {
-                (super::quant::packed::Isa::AvxVnni, true) => "avx2+fma+avx-vnni+zmm-k",
-                (super::quant::packed::Isa::AvxVnni, false) => "avx2+fma+avx-vnni",
-                (super::quant::packed::Isa::Avx512Vnni, true) => "avx2+fma+avx512-vnni+zmm-k",
-                (super::quant::packed::Isa::Avx512Vnni, false) => "avx2+fma+avx512-vnni",
-                _ => "avx2+fma",
-            };
+            use super::quant::packed::{wide_k, Isa};
+            let mut name = String::from("avx2+fma");
+            match Isa::best() {
+                Isa::AvxVnni => name.push_str("+avx-vnni"),
+                Isa::Avx512Vnni => name.push_str("+avx512-vnni"),
+                _ => {}
+            }
+            if wide_k() {
+                name.push_str("+zmm-k");
+            }
+            match super::quant::amx::mode() {
+                super::quant::amx::Mode::Amx => name.push_str("+amx"),
+                super::quant::amx::Mode::Emulated => name.push_str("+amx-emulated"),
+                super::quant::amx::Mode::Off => {}
+            }
+            return name;
         }
     }
-    "scalar"
+    "scalar".into()
 }
 
 pub fn dot_f32_scalar(a: &[f32], b: &[f32]) -> f32 {

@@ -2,6 +2,7 @@
 //! (`ggml-common.h`): the `#[repr(C)]` block with a compile-time size check, and the reference
 //! dequantisation to f32. The fast dot products against 8-bit activations build on these.
 
+pub mod amx;
 pub mod k_quants;
 pub mod mxfp4;
 pub mod packed;

@@ -1,0 +1,953 @@
+//! AMX int8 tiles (Intel Sapphire Rapids and later) for prefill: two packed groups (16 weight
+//! rows) against sixteen tokens per tile product, over the packed layouts made at load.
+//!
+//! One `tdpbsud` multiplies a tile of sixteen tokens' signed activation bytes (A: 16 rows of
+//! K bytes) by a tile of sixteen weight rows' unsigned quants (B: K/4 rows of sixteen 4-byte
+//! groups, the VNNI order the packed layouts already use), giving each (token, row) pair's
+//! exact integer sum over K values in one 16×16 int32 tile. K is a scale's span: 32 values
+//! for Q4_K/Q5_K sub-blocks and the 32-value formats, 16 for Q6_K. The tiles are stored and
+//! AVX-512 applies the integer scales and the float steps, in the scalar twins' order; so
+//! every (row, token) gets the bits of [`Packed::gemm_k_scalar`] /
+//! [`Packed::gemm_scalar`], as every other instance does, and a token's result does not
+//! depend on whether its pass used tiles.
+//!
+//! The weights of a group pair are unpacked once per pass (nibbles and high bits to bytes,
+//! both groups side by side in each B row) into a thread's scratch and then serve every
+//! sixteen-token chunk. Activations are read in place when the tokens' rows are equally
+//! spaced, as a matmul's are; otherwise they are copied into a scratch tile.
+//!
+//! The tile instructions sit behind [`Tiles`], with two instances: [`Amx`] (the
+//! instructions, only where [`hardware`] says the CPU runs them and Linux granted the tile
+//! state) and [`Emulated`], which does the instructions' documented arithmetic in plain code.
+//! Tests run the kernels on both where the CPU has AMX, and on the emulation (with the same
+//! AVX-512 code around it) on any CPU with AVX-512 F/BW/VL; so everything but the tile
+//! instructions themselves is held to the scalar twins on machines without AMX too.
+
+use std::cell::RefCell;
+
+use super::k_quants::QK_K;
+use super::packed::{BlockX8, K4x8, Offset, Packed, Q4_0x8, Q4_1x8, Q6Kx8, Q8_0x8, ROWS};
+use super::q8::{BlockQ8, BlockQ8K};
+
+/// Rows per tile pass: two packed groups.
+pub const PAIR: usize = 2 * ROWS;
+/// Tokens per tile (the tile's rows).
+pub const TOKENS: usize = 16;
+/// Fewest tokens a pass takes the tiles for: below this a tile is mostly empty rows and the
+/// 512-bit VNNI kernels are as fast.
+pub const MIN_TOKENS: usize = 16;
+
+/// The tile configuration `ldtilecfg` reads (palette 1).
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+const _: () = assert!(std::mem::size_of::<Config>() == 64);
+
+impl Config {
+    /// Two sets of (A, B, C) tiles, set `s` in tiles `3s`, `3s + 1`, `3s + 2`: A is sixteen
+    /// rows of `k` activation bytes, B `k / 4` rows of 64 weight bytes, C sixteen rows of
+    /// sixteen int32.
+    pub fn new(k: usize) -> Config {
+        assert!(k.is_multiple_of(4) && (4..=64).contains(&k));
+        let mut c = Config {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            colsb: [0; 16],
+            rows: [0; 16],
+        };
+        for s in 0..2 {
+            c.colsb[3 * s] = k as u16;
+            c.rows[3 * s] = TOKENS as u8;
+            c.colsb[3 * s + 1] = 64;
+            c.rows[3 * s + 1] = (k / 4) as u8;
+            c.colsb[3 * s + 2] = 64;
+            c.rows[3 * s + 2] = TOKENS as u8;
+        }
+        c
+    }
+
+    /// Bytes per A row (the values one product sums over).
+    pub fn k(&self) -> usize {
+        self.colsb[0] as usize
+    }
+}
+
+/// The three tile operations the kernels use.
+pub trait Tiles {
+    /// Loads `cfg` (`ldtilecfg`).
+    ///
+    /// # Safety
+    /// For [`Amx`]: the CPU runs AMX-INT8 and the process has the tile state ([`hardware`]).
+    unsafe fn configure(&mut self, cfg: &Config);
+
+    /// Tile set `set` (0 or 1): loads A from `a` (rows `stride` bytes apart) and B from `b`
+    /// (rows 64 bytes apart), zeroes C, adds A·B (`tdpbsud`: A's bytes signed, B's
+    /// unsigned; C[m][n] = Σ_k Σ_i A[m][4k + i]·B[k][4n + i]) and stores C at `c` (rows of
+    /// sixteen int32, 64 bytes apart).
+    ///
+    /// # Safety
+    /// As `configure`, after it; `a` readable for 16 rows of `k` bytes at `stride`, `b` for
+    /// `k / 4` rows of 64, `c` writable for 256 int32.
+    unsafe fn dot(&mut self, set: usize, a: *const u8, stride: usize, b: *const u8, c: *mut i32);
+
+    /// Gives the tile state back (`tilerelease`), so the OS need not save it.
+    ///
+    /// # Safety
+    /// As `configure`.
+    unsafe fn release(&mut self);
+}
+
+/// The tile instructions.
+pub struct Amx;
+
+#[cfg(target_arch = "x86_64")]
+impl Tiles for Amx {
+    #[inline(always)]
+    unsafe fn configure(&mut self, cfg: &Config) {
+        // SAFETY: the contract; `cfg` is 64 readable bytes.
+        unsafe {
+            std::arch::asm!("ldtilecfg [{}]", in(reg) cfg as *const Config, options(nostack, readonly))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn dot(&mut self, set: usize, a: *const u8, stride: usize, b: *const u8, c: *mut i32) {
+        // Two sets, so one product's store overlaps the next one's loads.
+        // SAFETY: the contract.
+        unsafe {
+            if set == 0 {
+                std::arch::asm!(
+                    "tileloadd tmm0, [{a} + {s}*1]",
+                    "tileloadd tmm1, [{b} + {n}*1]",
+                    "tilezero tmm2",
+                    "tdpbsud tmm2, tmm0, tmm1",
+                    "tilestored [{c} + {n}*1], tmm2",
+                    a = in(reg) a, s = in(reg) stride, b = in(reg) b, c = in(reg) c,
+                    n = in(reg) 64usize, options(nostack)
+                )
+            } else {
+                std::arch::asm!(
+                    "tileloadd tmm3, [{a} + {s}*1]",
+                    "tileloadd tmm4, [{b} + {n}*1]",
+                    "tilezero tmm5",
+                    "tdpbsud tmm5, tmm3, tmm4",
+                    "tilestored [{c} + {n}*1], tmm5",
+                    a = in(reg) a, s = in(reg) stride, b = in(reg) b, c = in(reg) c,
+                    n = in(reg) 64usize, options(nostack)
+                )
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn release(&mut self) {
+        // SAFETY: the contract.
+        unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) }
+    }
+}
+
+/// The tile instructions' arithmetic in plain code, for tests on CPUs without AMX.
+pub struct Emulated {
+    cfg: Config,
+}
+
+impl Default for Emulated {
+    fn default() -> Self {
+        Emulated {
+            cfg: Config::new(4),
+        }
+    }
+}
+
+impl Tiles for Emulated {
+    unsafe fn configure(&mut self, cfg: &Config) {
+        self.cfg = *cfg;
+    }
+
+    unsafe fn dot(&mut self, set: usize, a: *const u8, stride: usize, b: *const u8, c: *mut i32) {
+        let t = 3 * set;
+        let (m, k) = (self.cfg.rows[t] as usize, self.cfg.colsb[t] as usize);
+        let n = self.cfg.colsb[t + 2] as usize / 4;
+        assert_eq!(
+            self.cfg.rows[t + 1] as usize,
+            k / 4,
+            "B's rows are A's columns / 4"
+        );
+        assert_eq!(self.cfg.colsb[t + 1] as usize, 4 * n, "B's columns are C's");
+        for row in 0..m {
+            for col in 0..n {
+                let mut sum = 0i32;
+                for kk in 0..k / 4 {
+                    for i in 0..4 {
+                        // SAFETY: the contract (rows of A at `stride`, of B at 64).
+                        let (x, y) = unsafe {
+                            (
+                                *a.add(row * stride + 4 * kk + i) as i8 as i32,
+                                *b.add(64 * kk + 4 * col + i) as i32,
+                            )
+                        };
+                        sum = sum.wrapping_add(x * y);
+                    }
+                }
+                // SAFETY: the contract (16 rows of 16 int32).
+                unsafe { *c.add(16 * row + col) = sum };
+            }
+        }
+    }
+
+    unsafe fn release(&mut self) {}
+}
+
+/// Whether this CPU runs AMX-INT8 with the kernels' AVX-512 (F, BW, VL) and the OS lets this
+/// process use the tile state: CPUID's AMX-TILE and AMX-INT8 bits, XCR0's tile bits (the OS
+/// saves the state), Linux's `arch_prctl(ARCH_REQ_XCOMP_PERM)` granted, and a small product
+/// on the tiles equal to its emulation. Asked once; the permission is the process's.
+pub fn hardware() -> bool {
+    static HW: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HW.get_or_init(|| {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            // SAFETY: the features are checked before each instruction that needs them.
+            unsafe { detect() }
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        false
+    })
+}
+
+/// Which tiles prefill passes take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// None: the VNNI kernels throughout.
+    Off,
+    /// The AMX instructions ([`hardware`]).
+    Amx,
+    /// [`Emulated`] tiles (`FERRUM_AMX=emulate` on a CPU with the kernels' AVX-512): slow,
+    /// for tests of the whole pass on machines without AMX.
+    Emulated,
+}
+
+/// The tiles prefill passes take, fixed at the first call: the AMX ones where
+/// [`hardware`] says they run, unless `FERRUM_AMX=0` (to measure the 512-bit VNNI kernels
+/// on the same machine); `FERRUM_AMX=emulate` for [`Mode::Emulated`].
+pub fn mode() -> Mode {
+    static MODE: std::sync::OnceLock<Mode> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var("FERRUM_AMX").as_deref() {
+        Ok("0") => Mode::Off,
+        Ok("emulate") if vectors_run() => Mode::Emulated,
+        _ if hardware() => Mode::Amx,
+        _ => Mode::Off,
+    })
+}
+
+/// Whether the kernels' AVX-512 part runs here (so the emulated tiles can be tested).
+pub fn vectors_run() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::has_avx2()
+            && std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vl")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+unsafe fn detect() -> bool {
+    use std::arch::x86_64::{__cpuid_count, _xgetbv};
+    const AMX_TILE: u32 = 1 << 24;
+    const AMX_INT8: u32 = 1 << 25;
+    const XTILE: u64 = (1 << 17) | (1 << 18);
+    if !vectors_run() {
+        return false;
+    }
+    #[allow(unused_unsafe)]
+    // SAFETY: CPUID leaf 7 exists on every CPU with AVX-512 (checked above).
+    let leaf7 = unsafe { __cpuid_count(7, 0) };
+    if leaf7.edx & (AMX_TILE | AMX_INT8) != AMX_TILE | AMX_INT8 {
+        return false;
+    }
+    #[target_feature(enable = "xsave")]
+    unsafe fn xcr0() -> u64 {
+        _xgetbv(0)
+    }
+    // SAFETY: the AVX-512 detection above already required the OS to enable XSAVE (it reads
+    // XCR0 itself).
+    if unsafe { xcr0() } & XTILE != XTILE {
+        return false;
+    }
+    // Linux keeps the tile data disabled per process until asked (a first use faults).
+    const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+    const XFEATURE_XTILEDATA: i64 = 18;
+    let ret: i64;
+    // SAFETY: the `arch_prctl` system call (158 on x86-64) reads its two integer arguments;
+    // `syscall` clobbers rcx and r11.
+    unsafe {
+        std::arch::asm!(
+            "syscall",
+            inlateout("rax") 158i64 => ret,
+            in("rdi") ARCH_REQ_XCOMP_PERM,
+            in("rsi") XFEATURE_XTILEDATA,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack)
+        );
+    }
+    if ret != 0 {
+        return false;
+    }
+    // A product of known bytes on both instances: a wrong encoding or configuration turns
+    // the tiles off instead of giving wrong logits.
+    let cfg = Config::new(32);
+    let a: Vec<u8> = (0..TOKENS * 32).map(|i| (i * 37 % 251) as u8).collect();
+    let b: Vec<u8> = (0..8 * 64).map(|i| (i * 11 % 253) as u8).collect();
+    let (mut hw, mut em) = ([0i32; 256], [1i32; 256]);
+    // SAFETY: AMX and the permission checked above; the buffers are the sizes `dot` reads.
+    unsafe {
+        Amx.configure(&cfg);
+        Amx.dot(1, a.as_ptr(), 32, b.as_ptr(), hw.as_mut_ptr());
+        Amx.release();
+        let mut e = Emulated::default();
+        e.configure(&cfg);
+        e.dot(1, a.as_ptr(), 32, b.as_ptr(), em.as_mut_ptr());
+    }
+    if hw != em {
+        eprintln!("ferrum: the AMX tiles disagree with their emulation; not used");
+        return false;
+    }
+    true
+}
+
+/// Each thread's scratch: the unpacked weights of a group pair, the C tiles of one block, a
+/// tile of copied activations.
+#[derive(Default)]
+struct Scratch {
+    b: Vec<u8>,
+    c: Vec<i32>,
+    a: Vec<u8>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Rows `8·group .. 8·group + 16` (two packed groups) against every activation row, on the
+/// tiles: `out[t][r]` is row `8·group + r` · token `t`. Returns `false`, doing nothing, for
+/// the formats without a tile kernel (Q5_0, Q5_1, MXFP4 here; they keep the VNNI kernels).
+///
+/// # Panics
+/// If group `group + 1` is out of range, an activation row is shorter than a weight row, or
+/// `out` is shorter than `acts`.
+///
+/// # Safety
+/// The CPU runs the kernels' AVX-512 ([`vectors_run`]), and for [`Amx`] [`hardware`] is true.
+pub unsafe fn gemm_pair<T: Tiles, A: Act>(
+    tiles: &mut T,
+    p: &Packed,
+    group: usize,
+    acts: &[&[A]],
+    out: &mut [[f32; PAIR]],
+) -> bool {
+    assert!(out.len() >= acts.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        A::dispatch(tiles, p, group, acts, out)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (tiles, p, group, acts, out);
+        false
+    }
+}
+
+/// The activation formats: Q8_K for the K-quant layouts, Q8 for the 32-value ones.
+pub trait Act: Copy + Sync + 'static {
+    /// Offset of the quants in the block, and their count.
+    const QS: (usize, usize);
+
+    /// # Safety
+    /// As [`gemm_pair`].
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dispatch<T: Tiles>(
+        tiles: &mut T,
+        p: &Packed,
+        group: usize,
+        acts: &[&[Self]],
+        out: &mut [[f32; PAIR]],
+    ) -> bool;
+}
+
+/// Both groups' blocks of a pair, row-checked against the activations.
+fn pair_of<'a, B, A>(
+    v: &'a [B],
+    per_row: usize,
+    group: usize,
+    acts: &[&[A]],
+) -> (&'a [B], &'a [B]) {
+    assert!(
+        acts.iter().all(|a| a.len() >= per_row),
+        "activation rows too short"
+    );
+    (
+        &v[group * per_row..(group + 1) * per_row],
+        &v[(group + 1) * per_row..(group + 2) * per_row],
+    )
+}
+
+impl Act for BlockQ8K {
+    const QS: (usize, usize) = (std::mem::offset_of!(BlockQ8K, qs), QK_K);
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dispatch<T: Tiles>(
+        tiles: &mut T,
+        p: &Packed,
+        group: usize,
+        acts: &[&[Self]],
+        out: &mut [[f32; PAIR]],
+    ) -> bool {
+        // SAFETY (each arm): the contract.
+        unsafe {
+            match p {
+                Packed::Q4K(v, per) => {
+                    let (a, b) = pair_of(v, *per, group, acts);
+                    run(tiles, &kernels::K4 { a, b }, acts, out)
+                }
+                Packed::Q5K(v, per) => {
+                    let (a, b) = pair_of(v, *per, group, acts);
+                    run(tiles, &kernels::K4 { a, b }, acts, out)
+                }
+                Packed::Q6K(v, per) => {
+                    let (a, b) = pair_of(v, *per, group, acts);
+                    run(tiles, &kernels::K6 { a, b }, acts, out)
+                }
+                _ => return false,
+            }
+        }
+        true
+    }
+}
+
+impl Act for BlockQ8 {
+    const QS: (usize, usize) = (std::mem::offset_of!(BlockQ8, qs), 32);
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dispatch<T: Tiles>(
+        tiles: &mut T,
+        p: &Packed,
+        group: usize,
+        acts: &[&[Self]],
+        out: &mut [[f32; PAIR]],
+    ) -> bool {
+        // SAFETY (each arm): the contract.
+        unsafe {
+            match p {
+                Packed::Q8_0(v, per) => {
+                    let (a, b) = pair_of(v, *per, group, acts);
+                    run(tiles, &kernels::Q8 { a, b }, acts, out)
+                }
+                Packed::Q4_0(v, per) => {
+                    let (a, b) = pair_of(v, *per, group, acts);
+                    run(tiles, &kernels::Nib::<Q4_0x8> { a, b }, acts, out)
+                }
+                Packed::Q4_1(v, per) => {
+                    let (a, b) = pair_of(v, *per, group, acts);
+                    run(tiles, &kernels::Nib::<Q4_1x8> { a, b }, acts, out)
+                }
+                _ => return false,
+            }
+        }
+        true
+    }
+}
+
+/// What a format's tile kernel supplies to [`run`].
+#[cfg(target_arch = "x86_64")]
+trait Format {
+    type Act: Act;
+    /// Per block: whatever the float step needs of the two groups' scales.
+    type Prep;
+    /// Values per tile product (A's bytes per row).
+    const K: usize;
+    /// Tile products per block.
+    const DOTS: usize;
+    fn blocks(&self) -> usize;
+    /// Unpacks block `blk` of both groups: `DOTS` B tiles of `K / 4` rows of 64 bytes.
+    unsafe fn unpack(&self, blk: usize, out: *mut u8);
+    unsafe fn prep(&self, blk: usize) -> Self::Prep;
+    /// Token row `i` of the block's C tiles (`c`, `DOTS` tiles of 256 int32) into `acc`.
+    unsafe fn step(
+        p: &Self::Prep,
+        c: *const i32,
+        i: usize,
+        a: &Self::Act,
+        acc: std::arch::x86_64::__m512,
+    ) -> std::arch::x86_64::__m512;
+}
+
+/// The pass: unpack the pair, then per sixteen tokens and block the tile products and the
+/// float steps; the tokens' accumulators go through the blocks in order, as in the twins.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+unsafe fn run<T: Tiles, F: Format>(
+    tiles: &mut T,
+    f: &F,
+    acts: &[&[F::Act]],
+    out: &mut [[f32; PAIR]],
+) {
+    use std::arch::x86_64::*;
+    let blocks = f.blocks();
+    let unpacked = F::DOTS * F::K * 16;
+    let (qs_at, qs_len) = F::Act::QS;
+    SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        let s = &mut *s;
+        s.b.resize(blocks * unpacked, 0);
+        s.c.resize(F::DOTS * 256, 0);
+        s.a.resize(TOKENS * qs_len, 0);
+        for blk in 0..blocks {
+            // SAFETY: `b` holds `blocks · unpacked` bytes.
+            unsafe { f.unpack(blk, s.b.as_mut_ptr().add(blk * unpacked)) };
+        }
+        // SAFETY: the contract.
+        unsafe { tiles.configure(&Config::new(F::K)) };
+        for t0 in (0..acts.len()).step_by(TOKENS) {
+            let m = (acts.len() - t0).min(TOKENS);
+            let chunk = &acts[t0..t0 + m];
+            // The tokens' rows equally spaced (a matmul's are): A straight from them.
+            let base = chunk[0].as_ptr() as usize;
+            let stride = if m == TOKENS {
+                (chunk[1].as_ptr() as usize).saturating_sub(base)
+            } else {
+                0
+            };
+            let direct = stride >= qs_len
+                && chunk
+                    .iter()
+                    .enumerate()
+                    .all(|(i, a)| a.as_ptr() as usize == base + i * stride);
+            let mut acc = [_mm512_setzero_ps(); TOKENS];
+            for blk in 0..blocks {
+                let (a, a_stride) = if direct {
+                    // SAFETY: block `blk` of row `t0` exists (rows checked by `pair_of`).
+                    let p = unsafe { (chunk[0].as_ptr().add(blk) as *const u8).add(qs_at) };
+                    (p, stride)
+                } else {
+                    for (i, row) in chunk.iter().enumerate() {
+                        // SAFETY: a block's quants are `qs_len` bytes from `qs_at`;
+                        // `a` holds sixteen rows of `qs_len`.
+                        unsafe {
+                            let src = (row.as_ptr().add(blk) as *const u8).add(qs_at);
+                            std::ptr::copy_nonoverlapping(
+                                src,
+                                s.a.as_mut_ptr().add(i * qs_len),
+                                qs_len,
+                            );
+                        }
+                    }
+                    (s.a.as_ptr(), qs_len)
+                };
+                for d in 0..F::DOTS {
+                    // SAFETY: sixteen rows of A at `a_stride` (in place: rows of the same
+                    // activation matrix; copied: the scratch tile), the block's B tiles, a C
+                    // tile in `c`; the contract for the rest.
+                    unsafe {
+                        tiles.dot(
+                            d & 1,
+                            a.add(d * F::K),
+                            a_stride,
+                            s.b.as_ptr().add(blk * unpacked + d * F::K * 16),
+                            s.c.as_mut_ptr().add(d * 256),
+                        )
+                    };
+                }
+                // SAFETY: the block exists in both groups.
+                let p = unsafe { f.prep(blk) };
+                for (i, row) in chunk.iter().enumerate() {
+                    // SAFETY: `c` holds the block's `DOTS` tiles.
+                    acc[i] = unsafe { F::step(&p, s.c.as_ptr(), i, &row[blk], acc[i]) };
+                }
+            }
+            for (i, a) in acc[..m].iter().enumerate() {
+                // SAFETY: `out[t0 + i]` is sixteen f32.
+                unsafe { _mm512_storeu_ps(out[t0 + i].as_mut_ptr(), *a) };
+            }
+        }
+        // SAFETY: the contract.
+        unsafe { tiles.release() };
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+mod kernels {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Two groups' eight f16 scales as sixteen f32 lanes.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    unsafe fn halves(a: &[half::f16; ROWS], b: &[half::f16; ROWS]) -> __m512 {
+        // SAFETY: eight f16 are 16 bytes each.
+        unsafe {
+            let lo = _mm_loadu_si128(a.as_ptr() as *const __m128i);
+            let hi = _mm_loadu_si128(b.as_ptr() as *const __m128i);
+            _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi))
+        }
+    }
+
+    /// Two groups' eight bytes as sixteen i32 lanes, zero- or sign-extended.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    unsafe fn bytes16<const SIGNED: bool>(a: &[u8; ROWS], b: &[u8; ROWS]) -> __m512i {
+        let x = _mm_set_epi64x(u64::from_le_bytes(*b) as i64, u64::from_le_bytes(*a) as i64);
+        if SIGNED {
+            _mm512_cvtepi8_epi32(x)
+        } else {
+            _mm512_cvtepu8_epi32(x)
+        }
+    }
+
+    /// 32 bytes of each group side by side: a B row's halves.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    unsafe fn join(a: *const u8, b: *const u8) -> __m512i {
+        // SAFETY: the callers pass 32 readable bytes at each.
+        unsafe {
+            let lo = _mm256_loadu_si256(a as *const __m256i);
+            let hi = _mm256_loadu_si256(b as *const __m256i);
+            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    unsafe fn shr16(x: __m512i, n: usize) -> __m512i {
+        _mm512_srl_epi16(x, _mm_cvtsi64_si128(n as i64))
+    }
+
+    /// Q4_K and Q5_K: a product per 32-value sub-block, its 6-bit scale applied in integers
+    /// (`Σ_j sc_j·Σ q·y`), the minimums' `Σ_j mn_j·Σ y` from the activation's sums, then the
+    /// twin's two fused steps.
+    pub struct K4<'a, B> {
+        pub a: &'a [B],
+        pub b: &'a [B],
+    }
+
+    pub struct K4Prep {
+        d: __m512,
+        dmin: __m512,
+        sc: [__m512i; 8],
+        /// Minimums of sub-blocks `2c` and `2c + 1` as the two i16 halves of each lane.
+        mn: [__m512i; 4],
+    }
+
+    impl<B: K4x8> Format for K4<'_, B> {
+        type Act = BlockQ8K;
+        type Prep = K4Prep;
+        const K: usize = 32;
+        const DOTS: usize = 8;
+
+        fn blocks(&self) -> usize {
+            self.a.len()
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+        unsafe fn unpack(&self, blk: usize, out: *mut u8) {
+            let (ga, gb) = (&self.a[blk], &self.b[blk]);
+            let (qa, qb) = (&ga.k4().qs, &gb.k4().qs);
+            let low = _mm512_set1_epi8(0x0f);
+            let one = _mm512_set1_epi8(1);
+            for c in 0..4 {
+                for v in 0..8 {
+                    let at = 256 * c + 32 * v;
+                    // SAFETY: `at + 32 <= 1024`; `out` holds 8 tiles of 512 bytes.
+                    unsafe {
+                        let x = join(qa.as_ptr().add(at), qb.as_ptr().add(at));
+                        let mut lo = _mm512_and_si512(x, low);
+                        let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(x), low);
+                        if let (Some(ha), Some(hb)) = (ga.qh(), gb.qh()) {
+                            let h = join(ha.as_ptr().add(32 * v), hb.as_ptr().add(32 * v));
+                            let bit = |s: usize| {
+                                _mm512_slli_epi16::<4>(_mm512_and_si512(shr16(h, s), one))
+                            };
+                            lo = _mm512_or_si512(lo, bit(2 * c));
+                            hi = _mm512_or_si512(hi, bit(2 * c + 1));
+                        }
+                        _mm512_storeu_si512(out.add(2 * c * 512 + 64 * v) as *mut _, lo);
+                        _mm512_storeu_si512(out.add((2 * c + 1) * 512 + 64 * v) as *mut _, hi);
+                    }
+                }
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+        unsafe fn prep(&self, blk: usize) -> K4Prep {
+            let (ga, gb) = (self.a[blk].k4(), self.b[blk].k4());
+            // SAFETY: the features (the contract).
+            unsafe {
+                K4Prep {
+                    d: halves(&ga.d, &gb.d),
+                    dmin: halves(&ga.dmin, &gb.dmin),
+                    sc: std::array::from_fn(|j| bytes16::<false>(&ga.sc[j], &gb.sc[j])),
+                    mn: std::array::from_fn(|c| {
+                        let even = bytes16::<false>(&ga.mn[2 * c], &gb.mn[2 * c]);
+                        let odd = bytes16::<false>(&ga.mn[2 * c + 1], &gb.mn[2 * c + 1]);
+                        _mm512_or_si512(even, _mm512_slli_epi32::<16>(odd))
+                    }),
+                }
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+        unsafe fn step(p: &K4Prep, c: *const i32, i: usize, a: &BlockQ8K, acc: __m512) -> __m512 {
+            let mut isum = _mm512_setzero_si512();
+            for (j, sc) in p.sc.iter().enumerate() {
+                // SAFETY: tile `j`, token row `i`.
+                let dot = unsafe { _mm512_loadu_si512(c.add(256 * j + 16 * i) as *const _) };
+                isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(dot, *sc));
+            }
+            let mut msum = _mm512_setzero_si512();
+            for (k, mn) in p.mn.iter().enumerate() {
+                let bs = &a.bsums[4 * k..4 * k + 4];
+                let even = (bs[0] as i32 + bs[1] as i32) as u16 as u32;
+                let odd = (bs[2] as i32 + bs[3] as i32) as u16 as u32;
+                let pair = _mm512_set1_epi32((even | odd << 16) as i32);
+                msum = _mm512_add_epi32(msum, _mm512_madd_epi16(*mn, pair));
+            }
+            let qd = _mm512_set1_ps(a.d);
+            let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(p.d, qd), acc);
+            _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(p.dmin, qd), acc)
+        }
+    }
+
+    /// Q6_K: a product per 16-value sub-block; `Σ_j sc_j·(Σ q·y − 32·Σ y)` in integers (the
+    /// twin's `dot − 32·offs`), then its one fused step.
+    pub struct K6<'a> {
+        pub a: &'a [Q6Kx8],
+        pub b: &'a [Q6Kx8],
+    }
+
+    pub struct K6Prep {
+        d: __m512,
+        sc: [__m512i; 16],
+    }
+
+    impl Format for K6<'_> {
+        type Act = BlockQ8K;
+        type Prep = K6Prep;
+        const K: usize = 16;
+        const DOTS: usize = 16;
+
+        fn blocks(&self) -> usize {
+            self.a.len()
+        }
+
+        /// 32-value chunk `cc` (`n = cc / 4` the half, `k = cc % 4` the quarter) into B rows
+        /// `8cc .. 8cc + 8`, which are sub-blocks `2cc` and `2cc + 1`'s tiles.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+        unsafe fn unpack(&self, blk: usize, out: *mut u8) {
+            let (ga, gb) = (&self.a[blk], &self.b[blk]);
+            let low = _mm512_set1_epi8(0x0f);
+            let two = _mm512_set1_epi8(3);
+            for cc in 0..8 {
+                let (n, k) = (cc / 4, cc % 4);
+                for v in 0..8 {
+                    let l_at = 32 * (16 * n + 8 * (k % 2) + v);
+                    let h_at = 32 * (8 * n + v);
+                    // SAFETY: `l_at + 32 <= 1024`, `h_at + 32 <= 512`; `out` holds 4096 bytes.
+                    unsafe {
+                        let l = join(ga.ql.as_ptr().add(l_at), gb.ql.as_ptr().add(l_at));
+                        let h = join(ga.qh.as_ptr().add(h_at), gb.qh.as_ptr().add(h_at));
+                        let lo = if k < 2 {
+                            _mm512_and_si512(l, low)
+                        } else {
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(l), low)
+                        };
+                        let hi = _mm512_slli_epi16::<4>(_mm512_and_si512(shr16(h, 2 * k), two));
+                        _mm512_storeu_si512(
+                            out.add(512 * cc + 64 * v) as *mut _,
+                            _mm512_or_si512(lo, hi),
+                        );
+                    }
+                }
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+        unsafe fn prep(&self, blk: usize) -> K6Prep {
+            let (ga, gb) = (&self.a[blk], &self.b[blk]);
+            let bytes = |s: &[i8; ROWS]| s.map(|x| x as u8);
+            // SAFETY: the features (the contract).
+            unsafe {
+                K6Prep {
+                    d: halves(&ga.d, &gb.d),
+                    sc: std::array::from_fn(|j| {
+                        bytes16::<true>(&bytes(&ga.sc[j]), &bytes(&gb.sc[j]))
+                    }),
+                }
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+        unsafe fn step(p: &K6Prep, c: *const i32, i: usize, a: &BlockQ8K, acc: __m512) -> __m512 {
+            let mut isum = _mm512_setzero_si512();
+            for (j, sc) in p.sc.iter().enumerate() {
+                // SAFETY: tile `j`, token row `i`.
+                let dot = unsafe { _mm512_loadu_si512(c.add(256 * j + 16 * i) as *const _) };
+                let off = _mm512_set1_epi32(32 * a.bsums[j] as i32);
+                isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_sub_epi32(dot, off), *sc));
+            }
+            let qd = _mm512_set1_ps(a.d);
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(p.d, qd), acc)
+        }
+    }
+
+    /// Q8_0, its quants stored plus 128: the product is `Σ (w + 128)·a`, and the
+    /// activation's `offset` (`−128·Σ a`) makes it `Σ w·a`.
+    pub struct Q8<'a> {
+        pub a: &'a [Q8_0x8],
+        pub b: &'a [Q8_0x8],
+    }
+
+    impl Format for Q8<'_> {
+        type Act = BlockQ8;
+        type Prep = __m512;
+        const K: usize = 32;
+        const DOTS: usize = 1;
+
+        fn blocks(&self) -> usize {
+            self.a.len()
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+        unsafe fn unpack(&self, blk: usize, out: *mut u8) {
+            let (qa, qb) = (&self.a[blk].qs, &self.b[blk].qs);
+            for v in 0..8 {
+                // SAFETY: `32v + 32 <= 256`; `out` holds 512 bytes.
+                unsafe {
+                    let x = join(qa.as_ptr().add(32 * v), qb.as_ptr().add(32 * v));
+                    _mm512_storeu_si512(out.add(64 * v) as *mut _, x);
+                }
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+        unsafe fn prep(&self, blk: usize) -> __m512 {
+            // SAFETY: the features (the contract).
+            unsafe { halves(&self.a[blk].d, &self.b[blk].d) }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+        unsafe fn step(d: &__m512, c: *const i32, i: usize, a: &BlockQ8, acc: __m512) -> __m512 {
+            // SAFETY: the tile, token row `i`.
+            let dot = unsafe { _mm512_loadu_si512(c.add(16 * i) as *const _) };
+            let isum = _mm512_add_epi32(dot, _mm512_set1_epi32(a.offset));
+            _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(isum),
+                _mm512_mul_ps(*d, _mm512_set1_ps(a.d)),
+                acc,
+            )
+        }
+    }
+
+    /// Q4_0 and Q4_1: the nibbles as they are stored, then the offset step (`−8·d·s` or
+    /// `m·s`, `s` the activation's scaled sum) as in the twin.
+    pub struct Nib<'a, B> {
+        pub a: &'a [B],
+        pub b: &'a [B],
+    }
+
+    pub struct NibPrep {
+        d: __m512,
+        /// `d·c` (Q4_0) or the minimums (Q4_1).
+        off: __m512,
+    }
+
+    /// The 4-bit layouts' shared view: scales, minimums and the 128 nibble bytes.
+    pub trait Nibbles: BlockX8 {
+        fn qs(&self) -> &[u8; 128];
+    }
+    impl Nibbles for Q4_0x8 {
+        fn qs(&self) -> &[u8; 128] {
+            &self.qs
+        }
+    }
+    impl Nibbles for Q4_1x8 {
+        fn qs(&self) -> &[u8; 128] {
+            &self.qs
+        }
+    }
+
+    impl<B: Nibbles> Format for Nib<'_, B> {
+        type Act = BlockQ8;
+        type Prep = NibPrep;
+        const K: usize = 32;
+        const DOTS: usize = 1;
+
+        fn blocks(&self) -> usize {
+            self.a.len()
+        }
+
+        /// B row `v < 4` is the low nibbles of packed vector `v`, row `v + 4` its high ones
+        /// (elements `16 + 4v ..`).
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+        unsafe fn unpack(&self, blk: usize, out: *mut u8) {
+            let (qa, qb) = (self.a[blk].qs(), self.b[blk].qs());
+            let low = _mm512_set1_epi8(0x0f);
+            for v in 0..4 {
+                // SAFETY: `32v + 32 <= 128`; `out` holds 512 bytes.
+                unsafe {
+                    let x = join(qa.as_ptr().add(32 * v), qb.as_ptr().add(32 * v));
+                    let lo = _mm512_and_si512(x, low);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(x), low);
+                    _mm512_storeu_si512(out.add(64 * v) as *mut _, lo);
+                    _mm512_storeu_si512(out.add(64 * (v + 4)) as *mut _, hi);
+                }
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+        unsafe fn prep(&self, blk: usize) -> NibPrep {
+            let (ga, gb) = (&self.a[blk], &self.b[blk]);
+            // SAFETY: the features (the contract).
+            let d = unsafe { halves(ga.d(), gb.d()) };
+            let off = match B::OFFSET {
+                Offset::None => _mm512_setzero_ps(),
+                Offset::Scaled(c) => _mm512_mul_ps(d, _mm512_set1_ps(c)),
+                // SAFETY: as above.
+                Offset::Min => unsafe { halves(ga.m(), gb.m()) },
+            };
+            NibPrep { d, off }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+        unsafe fn step(p: &NibPrep, c: *const i32, i: usize, a: &BlockQ8, acc: __m512) -> __m512 {
+            // SAFETY: the tile, token row `i`.
+            let dot = unsafe { _mm512_loadu_si512(c.add(16 * i) as *const _) };
+            let acc = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(dot),
+                _mm512_mul_ps(p.d, _mm512_set1_ps(a.d)),
+                acc,
+            );
+            match B::OFFSET {
+                Offset::None => acc,
+                _ => _mm512_fmadd_ps(p.off, _mm512_set1_ps(a.s), acc),
+            }
+        }
+    }
+}
