@@ -712,6 +712,16 @@ impl Backend for CpuBackend {
                     let mut t = 0;
                     while t + 3 <= n {
                         let xs = [x_t(t), x_t(t + 1), x_t(t + 2)];
+                        if r == 4 {
+                            let v = simd::dot_f32_4x3(ws, xs);
+                            for (i, v) in v.iter().enumerate() {
+                                for (d, v) in v.iter().enumerate() {
+                                    write(t + d, j + i, v + b(i));
+                                }
+                            }
+                            t += 3;
+                            continue;
+                        }
                         for (i, wr) in ws[..r].iter().enumerate() {
                             let v = simd::dot_f32_x3(wr, xs);
                             for (d, v) in v.iter().enumerate() {

@@ -13,9 +13,30 @@ fn avx2_fma() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
 }
 
+/// Whether the f32 kernels take 512-bit registers: AVX-512F passes the OS-state check and
+/// `FERRUM_WIDE=0` is not set. Their lanes are the AVX2 kernels' four accumulators side by
+/// side, two to a register, and the reduction is the same, so the bits are too; they halve
+/// the instructions of a prefill over f32, f16 and bf16 weights. Fixed at the first call.
+#[cfg(target_arch = "x86_64")]
+pub fn zmm_f32() -> bool {
+    static ZMM: OnceLock<bool> = OnceLock::new();
+    *ZMM.get_or_init(|| {
+        avx2_fma()
+            && is_x86_feature_detected!("f16c")
+            && is_x86_feature_detected!("avx512f")
+            && std::env::var("FERRUM_WIDE").map_or(true, |v| v != "0")
+    })
+}
+
 fn pick_dot() -> DotFn {
     #[cfg(target_arch = "x86_64")]
     {
+        if zmm_f32() {
+            return |a, b| {
+                // SAFETY: `zmm_f32` checked AVX2, FMA and AVX-512F.
+                unsafe { avx512::dot_f32(a, b) }
+            };
+        }
         if avx2_fma() {
             return |a, b| {
                 // SAFETY: the CPU supports AVX2 and FMA (checked just above).
@@ -371,12 +392,43 @@ pub fn dot_f32_x3(w: &[f32], x: [&[f32]; 3]) -> [f32; 3] {
     );
     #[cfg(target_arch = "x86_64")]
     {
+        if zmm_f32() {
+            // SAFETY: `zmm_f32` checked AVX2, FMA and AVX-512F.
+            return unsafe { avx512::dot_f32_x3(w, x) };
+        }
         if avx2_fma() {
             // SAFETY: AVX2 and FMA detected.
             return unsafe { avx2::dot_f32_x3(w, x) };
         }
     }
     dot_f32_x3_scalar(w, x)
+}
+
+/// [`dot_f32_x3`] for four weight rows: `out[r][t]` is `dot_f32(x[t], w[r])`, bit for bit.
+/// On 512-bit registers the twelve (row, token) sums' accumulators all stay in registers, so
+/// each weight and activation vector is loaded once for four rows or three tokens.
+///
+/// # Panics
+/// If a row of either is not as long as `w[0]`.
+pub fn dot_f32_4x3(w: [&[f32]; 4], x: [&[f32]; 3]) -> [[f32; 3]; 4] {
+    let n = w[0].len();
+    assert!(
+        w.iter().all(|w| w.len() == n) && x.iter().all(|x| x.len() == n),
+        "dot_f32_4x3: rows of unequal length"
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        if zmm_f32() {
+            // SAFETY: `zmm_f32` checked AVX2, FMA and AVX-512F; lengths checked above.
+            return unsafe { avx512::dot_f32_4x3(w, x) };
+        }
+    }
+    w.map(|w| dot_f32_x3(w, x))
+}
+
+/// [`dot_f32_4x3`]'s scalar twin.
+pub fn dot_f32_4x3_scalar(w: [&[f32]; 4], x: [&[f32]; 3]) -> [[f32; 3]; 4] {
+    w.map(|w| dot_f32_x3_scalar(w, x))
 }
 
 /// [`dot_f32_x3`]'s scalar twin.
@@ -416,6 +468,17 @@ impl HalfRow<'_> {
 pub fn dot_half(a: &[f32], b: HalfRow) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
+        if zmm_f32() {
+            // SAFETY: `zmm_f32` checked AVX2, FMA, F16C and AVX-512F.
+            return unsafe {
+                match b {
+                    HalfRow::F16(h) => {
+                        avx512::dot_half::<false>(a, h.as_ptr() as *const u16, h.len())
+                    }
+                    HalfRow::Bf16(h) => avx512::dot_half::<true>(a, h.as_ptr(), h.len()),
+                }
+            };
+        }
         if super::quant::has_avx2() {
             // SAFETY: AVX2, FMA and F16C detected.
             return unsafe {
@@ -565,6 +628,160 @@ fn hsum8(l: &[f32; 8]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) use avx2::hsum_ps;
+
+/// The f32 dots on 512-bit registers ([`zmm_f32`]). Register `h` of a row's pair holds what
+/// the AVX2 kernels keep in accumulators `2h` and `2h + 1`; the two halves of each are added
+/// first, then the pairs, then the AVX2 kernels' eight-lane reduction, so every sum is theirs
+/// bit for bit (and so the scalar twins').
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::avx2::hsum_ps;
+    use std::arch::x86_64::*;
+
+    /// `(a0 + a1) + (a2 + a3)` of the AVX2 kernels' accumulators, then their reduction.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    #[inline]
+    unsafe fn sum2(lo: __m512, hi: __m512) -> f32 {
+        let a01 = _mm256_add_ps(_mm512_castps512_ps256(lo), _mm512_extractf32x8_ps::<1>(lo));
+        let a23 = _mm256_add_ps(_mm512_castps512_ps256(hi), _mm512_extractf32x8_ps::<1>(hi));
+        hsum_ps(_mm256_add_ps(a01, a23))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let main = n - n % 32;
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let (mut lo, mut hi) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut i = 0;
+        while i < main {
+            lo = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), lo);
+            hi = _mm512_fmadd_ps(
+                _mm512_loadu_ps(pa.add(i + 16)),
+                _mm512_loadu_ps(pb.add(i + 16)),
+                hi,
+            );
+            i += 32;
+        }
+        let mut sum = sum2(lo, hi);
+        for k in main..n {
+            sum = (*pa.add(k)).mul_add(*pb.add(k), sum);
+        }
+        sum
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    pub unsafe fn dot_f32_x3(w: &[f32], x: [&[f32]; 3]) -> [f32; 3] {
+        let n = x.iter().fold(w.len(), |n, x| n.min(x.len()));
+        let main = n - n % 32;
+        let pw = w.as_ptr();
+        let px = x.map(|x| x.as_ptr());
+        let mut acc = [[_mm512_setzero_ps(); 2]; 3];
+        let mut i = 0;
+        while i < main {
+            for h in 0..2 {
+                let wv = _mm512_loadu_ps(pw.add(i + 16 * h));
+                for (a, p) in acc.iter_mut().zip(&px) {
+                    a[h] = _mm512_fmadd_ps(_mm512_loadu_ps(p.add(i + 16 * h)), wv, a[h]);
+                }
+            }
+            i += 32;
+        }
+        std::array::from_fn(|t| {
+            let mut sum = sum2(acc[t][0], acc[t][1]);
+            for k in main..n {
+                sum = (*px[t].add(k)).mul_add(*pw.add(k), sum);
+            }
+            sum
+        })
+    }
+
+    /// One half of [`dot_f32_4x3`]'s lanes: elements `32i + 16H ..` of every 32, into the
+    /// twelve (row, token) accumulators of that half. The two halves run as two passes:
+    /// both at once needed 24 accumulators and 7 operands, more than the allocator kept in
+    /// the 32 registers (it stored some every iteration); each half reads every other cache
+    /// line, so each line is still read once.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    #[inline]
+    unsafe fn half_4x3<const H: usize>(
+        w: [*const f32; 4],
+        x: [*const f32; 3],
+        main: usize,
+    ) -> [[__m512; 3]; 4] {
+        let mut acc = [[_mm512_setzero_ps(); 3]; 4];
+        let mut i = 16 * H;
+        while i < main {
+            let xs = x.map(|p| _mm512_loadu_ps(p.add(i)));
+            for (a, p) in acc.iter_mut().zip(w) {
+                let wv = _mm512_loadu_ps(p.add(i));
+                for (a, x) in a.iter_mut().zip(xs) {
+                    *a = _mm512_fmadd_ps(x, wv, *a);
+                }
+            }
+            i += 32;
+        }
+        acc
+    }
+
+    /// Callers check that every row is `w[0].len()` long.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    pub unsafe fn dot_f32_4x3(w: [&[f32]; 4], x: [&[f32]; 3]) -> [[f32; 3]; 4] {
+        let n = w[0].len();
+        let main = n - n % 32;
+        let pw = w.map(|w| w.as_ptr());
+        let px = x.map(|x| x.as_ptr());
+        let lo = half_4x3::<0>(pw, px, main);
+        let hi = half_4x3::<1>(pw, px, main);
+        std::array::from_fn(|r| {
+            std::array::from_fn(|t| {
+                let mut sum = sum2(lo[r][t], hi[r][t]);
+                for k in main..n {
+                    sum = (*px[t].add(k)).mul_add(*pw[r].add(k), sum);
+                }
+                sum
+            })
+        })
+    }
+
+    /// Sixteen 16-bit floats from `p` as f32: F16C for f16, a 16-bit shift for bf16.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    #[inline]
+    unsafe fn half16<const BF: bool>(p: *const u16) -> __m512 {
+        let h = _mm256_loadu_si256(p as *const __m256i);
+        if BF {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        } else {
+            _mm512_cvtph_ps(h)
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    pub unsafe fn dot_half<const BF: bool>(a: &[f32], pb: *const u16, n: usize) -> f32 {
+        let n = a.len().min(n);
+        let main = n - n % 32;
+        let pa = a.as_ptr();
+        let mut acc = [_mm512_setzero_ps(); 2];
+        let mut i = 0;
+        while i < main {
+            for (h, ah) in acc.iter_mut().enumerate() {
+                let o = i + 16 * h;
+                *ah = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(o)), half16::<BF>(pb.add(o)), *ah);
+            }
+            i += 32;
+        }
+        let mut sum = sum2(acc[0], acc[1]);
+        for k in main..n {
+            let b = *pb.add(k);
+            let b = if BF {
+                f32::from_bits((b as u32) << 16)
+            } else {
+                half::f16::from_bits(b).to_f32()
+            };
+            sum = (*pa.add(k)).mul_add(b, sum);
+        }
+        sum
+    }
+}
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -1377,6 +1594,79 @@ mod tests {
                     want.to_bits(),
                     "n={n}: scalar {scalar} vs {want}"
                 );
+            }
+        }
+    }
+
+    /// Every instance of the f32 dots this CPU runs (AVX2, and the 512-bit ones whatever
+    /// `FERRUM_WIDE` says) gives the scalar twins' bits: one token, three, four rows by three,
+    /// and rows of f16 and bf16 converted as they are read. A CPU without one says so.
+    #[test]
+    fn every_f32_dot_instance_equals_scalar_twin() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let has_avx2 = super::super::quant::has_avx2();
+            let has_512 = has_avx2 && is_x86_feature_detected!("avx512f");
+            if !has_avx2 {
+                eprintln!("no AVX2/FMA/F16C here: only the scalar twins ran");
+                return;
+            }
+            if !has_512 {
+                eprintln!("no AVX-512F here: the 512-bit f32 dots were not checked");
+            }
+            let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+            for n in [0, 1, 7, 31, 32, 33, 64, 100, 576, 1536, 4099] {
+                let mut v = |s: f32| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-s..s)).collect() };
+                let ws = [v(1.0), v(0.5), v(2.0), v(1.0)];
+                let xs = [v(0.01), v(1.0), v(100.0)];
+                let w = [&ws[0][..], &ws[1][..], &ws[2][..], &ws[3][..]];
+                let x = [&xs[0][..], &xs[1][..], &xs[2][..]];
+                let want = dot_f32_4x3_scalar(w, x);
+                let f16: Vec<half::f16> = ws[0].iter().map(|&f| half::f16::from_f32(f)).collect();
+                let bf16: Vec<u16> = ws[1]
+                    .iter()
+                    .map(|&f| half::bf16::from_f32(f).to_bits())
+                    .collect();
+                let (mut f16f, mut bf16f) = (vec![0f32; n], vec![0f32; n]);
+                HalfRow::F16(&f16).to_f32(&mut f16f);
+                HalfRow::Bf16(&bf16).to_f32(&mut bf16f);
+                let (hw, bw) = (dot_f32_scalar(x[1], &f16f), dot_f32_scalar(x[1], &bf16f));
+                let same = |a: f32, b: f32, what: &str| {
+                    assert_eq!(a.to_bits(), b.to_bits(), "n={n} {what}: {a} vs {b}")
+                };
+                // SAFETY: AVX2/FMA/F16C (and AVX-512F for the second) detected above.
+                unsafe {
+                    same(avx2::dot_f32(x[0], w[0]), want[0][0], "avx2 dot_f32");
+                    let three = avx2::dot_f32_x3(w[2], x);
+                    (0..3).for_each(|t| same(three[t], want[2][t], "avx2 dot_f32_x3"));
+                    let p16 = f16.as_ptr() as *const u16;
+                    same(
+                        avx2::dot_half::<false>(x[1], p16, n),
+                        hw,
+                        "avx2 dot_half f16",
+                    );
+                    same(
+                        avx2::dot_half::<true>(x[1], bf16.as_ptr(), n),
+                        bw,
+                        "avx2 dot_half bf16",
+                    );
+                    if has_512 {
+                        same(avx512::dot_f32(x[0], w[0]), want[0][0], "avx512 dot_f32");
+                        let three = avx512::dot_f32_x3(w[2], x);
+                        (0..3).for_each(|t| same(three[t], want[2][t], "avx512 dot_f32_x3"));
+                        let all = avx512::dot_f32_4x3(w, x);
+                        for r in 0..4 {
+                            (0..3).for_each(|t| same(all[r][t], want[r][t], "avx512 dot_f32_4x3"));
+                        }
+                        same(
+                            avx512::dot_half::<false>(x[1], p16, n),
+                            hw,
+                            "avx512 dot_half f16",
+                        );
+                        let b = avx512::dot_half::<true>(x[1], bf16.as_ptr(), n);
+                        same(b, bw, "avx512 dot_half bf16");
+                    }
+                }
             }
         }
     }
