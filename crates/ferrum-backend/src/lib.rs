@@ -10,6 +10,8 @@
 //! and V parts of a fused QKV output, or one row of a KV cache, without copying.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use ferrum_core::Result;
 use ferrum_loader::RawTensor;
