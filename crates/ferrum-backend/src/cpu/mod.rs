@@ -252,6 +252,64 @@ impl CpuBackend {
         CpuBackend { kv, ..self }
     }
 
+    /// A matmul over bf16 weights on `vdpbf16ps` ([`simd::bf16_dot`]): the activation rows
+    /// rounded to bf16 once, then four weight rows against three tokens per kernel call where
+    /// there are that many, one by one otherwise; every (row, token) gets the bits of
+    /// [`simd::dot_bf16`], however many tokens share the pass.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_bf16(
+        &self,
+        x: &[f32],
+        xv: Rows,
+        w: &CpuWeight,
+        bias: Option<&[f32]>,
+        (per_task, n_tasks): (usize, usize),
+        dst: SharedMut,
+        ov: Rows,
+    ) {
+        let (m, k, n) = (w.rows, w.cols, xv.count);
+        let mut xb = vec![0u16; n * k];
+        for (t, row) in xb.chunks_exact_mut(k).enumerate() {
+            simd::f32_to_bf16_rne(&x[xv.offset + t * xv.stride..][..k], row);
+        }
+        let x_t = |t: usize| &xb[t * k..(t + 1) * k];
+        let w_j = |j: usize| match w.half_row(j) {
+            Some(simd::HalfRow::Bf16(r)) => r,
+            _ => unreachable!("a bf16 matrix in the file's layout (checked by the caller)"),
+        };
+        // SAFETY (every write): in bounds (`checked_part`); column j belongs to this task.
+        let write =
+            |t: usize, j: usize, v: f32| unsafe { dst.write(ov.offset + t * ov.stride + j, v) };
+        let b = |j: usize| bias.map_or(0.0, |b| b[j]);
+        self.pool.run(n_tasks, &|task| {
+            let rows = task * per_task..((task + 1) * per_task).min(m);
+            let mut j = rows.start;
+            while j < rows.end {
+                let r = (rows.end - j).min(4);
+                (j..j + r).for_each(|j| w.prefetch_ahead(j));
+                let mut t = 0;
+                if r == 4 {
+                    let ws = [w_j(j), w_j(j + 1), w_j(j + 2), w_j(j + 3)];
+                    while t + 3 <= n {
+                        let v = simd::dot_bf16_4x3(ws, [x_t(t), x_t(t + 1), x_t(t + 2)]);
+                        for (i, v) in v.iter().enumerate() {
+                            for (d, v) in v.iter().enumerate() {
+                                write(t + d, j + i, v + b(j + i));
+                            }
+                        }
+                        t += 3;
+                    }
+                }
+                for t in t..n {
+                    for j in j..j + r {
+                        write(t, j, simd::dot_bf16(x_t(t), w_j(j)) + b(j));
+                    }
+                }
+                j += r;
+            }
+        });
+    }
+
     /// f32 activations everywhere: each quantised weight row is dequantised and multiplied in
     /// f32. Used to check the model against an exact reference.
     pub fn exact() -> Self {
@@ -649,6 +707,9 @@ impl Backend for CpuBackend {
             return quantized_matmuls(&self.pool, &row, n, k, &[part], dst);
         }
         let (bias, per_task, n_tasks) = self.checked_part(xv, w, bias, ov, out.len());
+        if !self.exact && w.dtype == DType::BF16 && simd::bf16_dot() && w.half_row(0).is_some() {
+            return self.matmul_bf16(x, xv, w, bias, (per_task, n_tasks), dst, ov);
+        }
         // An f16/bf16 row read by one or two tokens is converted as it is dotted; for more
         // tokens rows are converted into scratch (four at a time, below) and shared. Same
         // bits either way (`dot_half`).

@@ -436,6 +436,143 @@ pub fn dot_f32_x3_scalar(w: &[f32], x: [&[f32]; 3]) -> [f32; 3] {
     x.map(|x| dot_f32_scalar(x, w))
 }
 
+/// Whether bf16 weights meet bf16 activations in `vdpbf16ps` (the default backend's path for
+/// BF16 matrices, as llama.cpp's): AVX512-BF16 with F/BW/VL pass the OS-state check and
+/// `FERRUM_BF16=0` is not set. Activations round to bf16 (8 significant bits, finer than the
+/// 8-bit integer activations of the quantised formats); the products are exact and the sums
+/// f32. Fixed at the first call.
+pub fn bf16_dot() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static ON: OnceLock<bool> = OnceLock::new();
+        *ON.get_or_init(|| {
+            bf16_dot_runs() && std::env::var("FERRUM_BF16").map_or(true, |v| v != "0")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether this CPU runs the `vdpbf16ps` kernels (whatever `FERRUM_BF16` says).
+pub fn bf16_dot_runs() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx2_fma()
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// f32 → bf16 as `vcvtneps2bf16` rounds: to nearest, ties to even; a subnormal input becomes
+/// a zero of its sign; a NaN stays a (quiet) NaN.
+pub fn f32_to_bf16_rne(src: &[f32], dst: &mut [u16]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if bf16_dot_runs() {
+            // SAFETY: AVX-512 F/BW/VL and BF16 detected.
+            return unsafe { bf16k::f32_to_bf16(src, dst) };
+        }
+    }
+    f32_to_bf16_rne_scalar(src, dst)
+}
+
+pub fn f32_to_bf16_rne_scalar(src: &[f32], dst: &mut [u16]) {
+    for (d, &x) in dst.iter_mut().zip(src) {
+        *d = bf16_rne(x);
+    }
+}
+
+fn bf16_rne(x: f32) -> u16 {
+    if x.is_nan() {
+        return (x.to_bits() >> 16) as u16 | 0x40;
+    }
+    let x = if x.is_subnormal() {
+        0f32.copysign(x)
+    } else {
+        x
+    };
+    let b = x.to_bits();
+    (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// `Σ x·w` over bf16 rows as the `vdpbf16ps` kernels sum it: 32 values a chunk, chunk `c` into
+/// accumulator `c % 4` (four chains: one row's dot is bound by the instruction's latency),
+/// lane `l` of a chunk taking values `2l + 1` then `2l` (each product exact, each addition
+/// rounded to nearest with subnormal inputs and results as zero), a short last chunk padded
+/// with zeros; then the accumulators added lane by lane as `(a0 + a1) + (a2 + a3)` and the 16
+/// lanes summed as halves, then [`hsum8`]'s order. The scalar twin of [`dot_bf16`].
+pub fn dot_bf16_scalar(x: &[u16], w: &[u16]) -> f32 {
+    let n = x.len().min(w.len());
+    let mut acc = [[0f32; 16]; 4];
+    for (c, start) in (0..n).step_by(32).enumerate() {
+        let a = &mut acc[c % 4];
+        for (l, al) in a.iter_mut().enumerate() {
+            for e in [start + 2 * l + 1, start + 2 * l] {
+                let (xv, wv) = if e < n { (x[e], w[e]) } else { (0, 0) };
+                let p = daz(bf16_f32(xv)) * daz(bf16_f32(wv));
+                *al = daz(*al + p);
+            }
+        }
+    }
+    let v: [f32; 16] = std::array::from_fn(|l| (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]));
+    let h: [f32; 8] = std::array::from_fn(|l| v[l] + v[l + 8]);
+    hsum8(&h)
+}
+
+fn bf16_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+fn daz(x: f32) -> f32 {
+    if x.is_subnormal() {
+        0f32.copysign(x)
+    } else {
+        x
+    }
+}
+
+/// `Σ x·w` of a bf16 activation row and a bf16 weight row on `vdpbf16ps` ([`bf16_dot_runs`]
+/// must hold); the bits of [`dot_bf16_scalar`].
+///
+/// # Panics
+/// If the rows differ in length, or the CPU lacks the instructions.
+pub fn dot_bf16(x: &[u16], w: &[u16]) -> f32 {
+    assert_eq!(x.len(), w.len(), "dot_bf16: rows of unequal length");
+    #[cfg(target_arch = "x86_64")]
+    {
+        assert!(bf16_dot_runs(), "dot_bf16: no AVX512-BF16 here");
+        // SAFETY: checked just above.
+        unsafe { bf16k::dot(x, w) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    dot_bf16_scalar(x, w)
+}
+
+/// [`dot_bf16`] for four weight rows against three activation rows: `out[r][t]` has the bits
+/// of `dot_bf16(x[t], w[r])`.
+///
+/// # Panics
+/// As `dot_bf16`, for any pair.
+pub fn dot_bf16_4x3(w: [&[u16]; 4], x: [&[u16]; 3]) -> [[f32; 3]; 4] {
+    let n = w[0].len();
+    assert!(
+        w.iter().all(|w| w.len() == n) && x.iter().all(|x| x.len() == n),
+        "dot_bf16_4x3: rows of unequal length"
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        assert!(bf16_dot_runs(), "dot_bf16_4x3: no AVX512-BF16 here");
+        // SAFETY: checked just above.
+        unsafe { bf16k::dot_4x3(w, x) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    w.map(|w| x.map(|x| dot_bf16_scalar(x, w)))
+}
+
 /// A weight row of 16-bit floats, as stored.
 #[derive(Clone, Copy)]
 pub enum HalfRow<'a> {
@@ -629,6 +766,117 @@ fn hsum8(l: &[f32; 8]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) use avx2::hsum_ps;
 
+/// The `vdpbf16ps` kernels ([`bf16_dot_runs`]).
+#[cfg(target_arch = "x86_64")]
+mod bf16k {
+    use super::avx2::hsum_ps;
+    use std::arch::x86_64::*;
+
+    /// 32 bf16 from `p`, the lanes past `n` (of 32) zero.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
+    #[inline]
+    unsafe fn load(p: *const u16, n: usize) -> __m512bh {
+        let v = if n >= 32 {
+            _mm512_loadu_si512(p as *const _)
+        } else {
+            _mm512_maskz_loadu_epi16((1u32 << n) - 1, p as *const i16)
+        };
+        std::mem::transmute::<__m512i, __m512bh>(v)
+    }
+
+    /// The four accumulators' lanes added, then halves, then the AVX2 reduction.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
+    #[inline]
+    unsafe fn reduce(a: [__m512; 4]) -> f32 {
+        let v = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+        hsum_ps(_mm256_add_ps(
+            _mm512_castps512_ps256(v),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+        ))
+    }
+
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub unsafe fn f32_to_bf16(src: &[f32], dst: &mut [u16]) {
+        let n = src.len().min(dst.len());
+        let mut i = 0;
+        while i + 16 <= n {
+            let v = _mm512_cvtneps_pbh(_mm512_loadu_ps(src.as_ptr().add(i)));
+            _mm256_storeu_si256(
+                dst.as_mut_ptr().add(i) as *mut __m256i,
+                std::mem::transmute::<__m256bh, __m256i>(v),
+            );
+            i += 16;
+        }
+        super::f32_to_bf16_rne_scalar(&src[i..n], &mut dst[i..n]);
+    }
+
+    /// Callers check the lengths are equal.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub unsafe fn dot(x: &[u16], w: &[u16]) -> f32 {
+        let n = x.len();
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let (px, pw) = (x.as_ptr(), w.as_ptr());
+        let mut i = 0;
+        while i + 128 <= n {
+            for (c, a) in acc.iter_mut().enumerate() {
+                let o = i + 32 * c;
+                *a = _mm512_dpbf16_ps(*a, load(px.add(o), 32), load(pw.add(o), 32));
+            }
+            i += 128;
+        }
+        let mut c = 0;
+        while i < n {
+            let k = (n - i).min(32);
+            acc[c] = _mm512_dpbf16_ps(acc[c], load(px.add(i), k), load(pw.add(i), k));
+            c += 1;
+            i += 32;
+        }
+        reduce(acc)
+    }
+
+    /// The chunks `H, H + 4, …` of four rows against three tokens: twelve accumulators, one
+    /// per (row, token) (see the f32 `half_4x3` for why the accumulator sets are passes).
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
+    #[inline]
+    unsafe fn part_4x3<const H: usize>(
+        w: [*const u16; 4],
+        x: [*const u16; 3],
+        n: usize,
+    ) -> [[__m512; 3]; 4] {
+        let mut acc = [[_mm512_setzero_ps(); 3]; 4];
+        let mut i = 32 * H;
+        while i < n {
+            let k = (n - i).min(32);
+            let xs = x.map(|p| load(p.add(i), k));
+            for (a, p) in acc.iter_mut().zip(w) {
+                let wv = load(p.add(i), k);
+                for (a, x) in a.iter_mut().zip(xs) {
+                    *a = _mm512_dpbf16_ps(*a, x, wv);
+                }
+            }
+            i += 128;
+        }
+        acc
+    }
+
+    /// Callers check every row is `w[0].len()` long.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub unsafe fn dot_4x3(w: [&[u16]; 4], x: [&[u16]; 3]) -> [[f32; 3]; 4] {
+        let n = w[0].len();
+        let pw = w.map(|w| w.as_ptr());
+        let px = x.map(|x| x.as_ptr());
+        let p = [
+            part_4x3::<0>(pw, px, n),
+            part_4x3::<1>(pw, px, n),
+            part_4x3::<2>(pw, px, n),
+            part_4x3::<3>(pw, px, n),
+        ];
+        std::array::from_fn(|r| {
+            std::array::from_fn(|t| reduce([p[0][r][t], p[1][r][t], p[2][r][t], p[3][r][t]]))
+        })
+    }
+}
+
 /// The f32 dots on 512-bit registers ([`zmm_f32`]). Register `h` of a row's pair holds what
 /// the AVX2 kernels keep in accumulators `2h` and `2h + 1`; the two halves of each are added
 /// first, then the pairs, then the AVX2 kernels' eight-lane reduction, so every sum is theirs
@@ -642,8 +890,14 @@ mod avx512 {
     #[target_feature(enable = "avx2,fma,f16c,avx512f")]
     #[inline]
     unsafe fn sum2(lo: __m512, hi: __m512) -> f32 {
-        let a01 = _mm256_add_ps(_mm512_castps512_ps256(lo), _mm512_extractf32x8_ps::<1>(lo));
-        let a23 = _mm256_add_ps(_mm512_castps512_ps256(hi), _mm512_extractf32x8_ps::<1>(hi));
+        let a01 = _mm256_add_ps(
+            _mm512_castps512_ps256(lo),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(lo))),
+        );
+        let a23 = _mm256_add_ps(
+            _mm512_castps512_ps256(hi),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(hi))),
+        );
         hsum_ps(_mm256_add_ps(a01, a23))
     }
 
@@ -1665,6 +1919,92 @@ mod tests {
                         );
                         let b = avx512::dot_half::<true>(x[1], bf16.as_ptr(), n);
                         same(b, bw, "avx512 dot_half bf16");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The `vdpbf16ps` kernels give their scalar twin's bits (one row, and four rows by three
+    /// tokens, at lengths with and without a short last chunk, values from 1e-15 to 1e15 of
+    /// either sign, bf16 subnormals included), and the conversion to bf16 rounds as its twin
+    /// (ties, subnormals, NaN, the largest finite values). A CPU without AVX512-BF16 says so.
+    #[test]
+    fn bf16_kernels_equal_scalar_twin() {
+        if !bf16_dot_runs() {
+            eprintln!("no AVX512-BF16 here: the vdpbf16ps kernels were not checked");
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+        let mut specials: Vec<f32> = vec![
+            0.0,
+            -0.0,
+            1.0e-40,
+            -3.0e-39,
+            f32::MIN_POSITIVE,
+            f32::MAX,
+            -f32::MAX,
+            f32::NAN,
+            f32::from_bits(0x3f80_8000), // a tie, rounds to even (down)
+            f32::from_bits(0x3f81_8000), // a tie, rounds to even (up)
+            f32::from_bits(0x7f7f_ffff),
+        ];
+        specials.extend((0..1000).map(|_| f32::from_bits(rng.gen())));
+        let (mut hw, mut sw) = (vec![0u16; specials.len()], vec![0u16; specials.len()]);
+        f32_to_bf16_rne(&specials, &mut hw);
+        f32_to_bf16_rne_scalar(&specials, &mut sw);
+        for ((x, h), s) in specials.iter().zip(&hw).zip(&sw) {
+            let nan = |b: u16| b & 0x7fff > 0x7f80;
+            assert!(
+                h == s || (nan(*h) && nan(*s)),
+                "{x:e}: {h:#06x} vs twin {s:#06x}"
+            );
+        }
+        // Products stay finite (at overflow the instruction's infinities need not follow the
+        // twin's order of additions); some values are bf16 subnormals.
+        let val = |rng: &mut rand::rngs::StdRng| -> f32 {
+            if rng.gen_ratio(1, 50) {
+                return rng.gen_range(-1.0e-39..1.0e-39);
+            }
+            let e = rng.gen_range(-15.0f32..15.0);
+            let v = 10f32.powf(e) * rng.gen_range(0.5..1.0);
+            if rng.gen() {
+                v
+            } else {
+                -v
+            }
+        };
+        for n in [1usize, 31, 32, 33, 64, 100, 576, 2048, 2049] {
+            for scale_mix in [false, true] {
+                let row = |rng: &mut rand::rngs::StdRng| -> Vec<u16> {
+                    let f: Vec<f32> = (0..n)
+                        .map(|_| {
+                            if scale_mix {
+                                val(rng)
+                            } else {
+                                rng.gen_range(-2.0..2.0)
+                            }
+                        })
+                        .collect();
+                    let mut b = vec![0u16; n];
+                    f32_to_bf16_rne_scalar(&f, &mut b);
+                    b
+                };
+                let ws: Vec<Vec<u16>> = (0..4).map(|_| row(&mut rng)).collect();
+                let xs: Vec<Vec<u16>> = (0..3).map(|_| row(&mut rng)).collect();
+                let w = [&ws[0][..], &ws[1][..], &ws[2][..], &ws[3][..]];
+                let x = [&xs[0][..], &xs[1][..], &xs[2][..]];
+                let tile = dot_bf16_4x3(w, x);
+                for r in 0..4 {
+                    for t in 0..3 {
+                        let (one, twin) = (dot_bf16(x[t], w[r]), dot_bf16_scalar(x[t], w[r]));
+                        let same =
+                            |a: f32, b: f32| a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan();
+                        assert!(
+                            same(one, twin),
+                            "n={n} row {r} token {t}: {one:e} vs twin {twin:e}"
+                        );
+                        assert!(same(tile[r][t], twin), "n={n} 4x3 row {r} token {t}");
                     }
                 }
             }

@@ -59,8 +59,9 @@ extern "C" __global__ void quantize_q8_f32(const float* __restrict__ x, signed c
     const int lane = threadIdx.x & 31;
     const float v = x[(size_t)b * 32 + lane];
     const float amax = warp_max(fabsf(v));
+    // 1 / (amax / 127), not 127 / amax: the CPU's quantiser's reciprocal, so the bytes agree.
     const float scale = amax / 127.f;
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
     q[(size_t)b * 32 + lane] = (signed char)__float2int_rn(v * inv);
     if (lane == 0) d[b] = scale;
 }

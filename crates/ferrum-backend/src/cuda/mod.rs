@@ -100,6 +100,9 @@ impl Device {
             "rows of w.len()"
         );
         let rows = x.len() / width;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
         let e = |what| move |err| cuda_err(what, err);
         let dx = self.stream.clone_htod(x).map_err(e("upload"))?;
         let dw = self.stream.clone_htod(w).map_err(e("upload"))?;
@@ -129,6 +132,9 @@ impl Device {
         assert!(k.is_multiple_of(32), "whole blocks of 32");
         let blocks = k / 32;
         assert_eq!(w.len(), rows * blocks * 34, "Q8_0 bytes for rows × k");
+        if rows == 0 || blocks == 0 {
+            return Ok(vec![0.0; rows]);
+        }
         let e = |what| move |err| cuda_err(what, err);
         let s = &self.stream;
         let dx = s.clone_htod(x).map_err(e("upload"))?;

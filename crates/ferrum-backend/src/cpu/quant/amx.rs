@@ -444,6 +444,9 @@ unsafe fn detect() -> bool {
         );
     }
     if ret != 0 {
+        // ENOSPC, say, where a thread's alternate signal stack is too small for the tile
+        // state: said, so that a machine with AMX running without it is not a mystery.
+        eprintln!("ferrum: Linux refused the AMX tile state (arch_prctl: {ret}); not used");
         return false;
     }
     // Products of known bytes, both forms, on both instances: a wrong encoding or
@@ -465,16 +468,31 @@ unsafe fn self_check<T: Tiles>(t: &mut T) -> Vec<i32> {
         .map(|i| (i * 37 % 251) as u8)
         .collect();
     let b: Vec<u8> = (0..2 * 16 * 64).map(|i| (i * 11 % 253) as u8).collect();
-    let mut out = vec![0i32; 256 + 512];
+    let mut out = vec![0i32; 3 * 256 + 512];
     // SAFETY: the contract; every buffer is the size its operation reads or writes.
     unsafe {
         t.configure(&Config::new(32));
         t.dot(1, a.as_ptr(), 64, b.as_ptr(), out.as_mut_ptr());
+        t.dot(
+            0,
+            a.as_ptr().add(5),
+            64,
+            b.as_ptr().add(512),
+            out.as_mut_ptr().add(256),
+        );
+        t.configure(&Config::new(16));
+        t.dot(
+            0,
+            a.as_ptr().add(9),
+            64,
+            b.as_ptr().add(64),
+            out.as_mut_ptr().add(512),
+        );
         t.configure(&Config::split());
         t.zero_acc();
         t.dot_acc(a.as_ptr(), 64, b.as_ptr(), b.as_ptr().add(1024));
         t.dot_acc(a.as_ptr().add(7), 64, b.as_ptr().add(3), b.as_ptr());
-        t.store_acc(out.as_mut_ptr().add(256));
+        t.store_acc(out.as_mut_ptr().add(768));
         t.release();
     }
     out
