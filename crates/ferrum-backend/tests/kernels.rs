@@ -862,8 +862,32 @@ fn amx_tile_kernels_equal_scalar_twin() {
                 }
             }
         }
-        for &n in &counts {
+        // Both instances: the emulated tiles, and the tiles themselves where they run.
+        #[allow(clippy::too_many_arguments)]
+        fn on_both<A: amx::Act>(
+            hw: bool,
+            p: &Packed,
+            rows: &[A],
+            per_row: usize,
+            n: usize,
+            twin: Twin<A>,
+            dt: DType,
+        ) {
             let what = |t: &str| format!("{dt} on {t}");
+            check(
+                &mut Emulated::default(),
+                p,
+                rows,
+                per_row,
+                n,
+                twin,
+                &what("emulated tiles"),
+            );
+            if hw {
+                check(&mut amx::Amx, p, rows, per_row, n, twin, &what("AMX"));
+            }
+        }
+        for &n in &counts {
             if p.is_k_quant() {
                 let mut a = vec![BlockQ8K::default(); 35 * k / 256];
                 for (x, a) in xs.iter().zip(a.chunks_mut(k / 256)) {
@@ -872,19 +896,7 @@ fn amx_tile_kernels_equal_scalar_twin() {
                 let twin = |g: usize, acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]| {
                     p.gemm_k_scalar(g, acts, out)
                 };
-                let per = k / 256;
-                check(
-                    &mut Emulated::default(),
-                    &p,
-                    &a,
-                    per,
-                    n,
-                    &twin,
-                    &what("emulated tiles"),
-                );
-                if hw {
-                    check(&mut amx::Amx, &p, &a, per, n, &twin, &what("AMX"));
-                }
+                on_both(hw, &p, &a, k / 256, n, &twin, dt);
             } else {
                 let mut a = vec![BlockQ8::default(); 35 * k / 32];
                 for (x, a) in xs.iter().zip(a.chunks_mut(k / 32)) {
@@ -893,19 +905,7 @@ fn amx_tile_kernels_equal_scalar_twin() {
                 let twin = |g: usize, acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]| {
                     p.gemm_scalar(g, acts, out)
                 };
-                let per = k / 32;
-                check(
-                    &mut Emulated::default(),
-                    &p,
-                    &a,
-                    per,
-                    n,
-                    &twin,
-                    &what("emulated tiles"),
-                );
-                if hw {
-                    check(&mut amx::Amx, &p, &a, per, n, &twin, &what("AMX"));
-                }
+                on_both(hw, &p, &a, k / 32, n, &twin, dt);
             }
         }
     }

@@ -574,6 +574,15 @@ fn pair_of<'a, B, A>(
     )
 }
 
+/// One group pair of a packed matrix through [`run`] with kernel `$k`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! pass {
+    ($tiles:expr, $v:expr, $per:expr, $group:expr, $acts:expr, $out:expr, $k:ident $(<$t:ty>)?) => {{
+        let (a, b) = pair_of($v, *$per, $group, $acts);
+        run($tiles, &kernels::$k $(::<$t>)? { a, b }, $acts, $out)
+    }};
+}
+
 impl Act for BlockQ8K {
     const QS: (usize, usize) = (std::mem::offset_of!(BlockQ8K, qs), QK_K);
 
@@ -588,18 +597,9 @@ impl Act for BlockQ8K {
         // SAFETY (each arm): the contract.
         unsafe {
             match p {
-                Packed::Q4K(v, per) => {
-                    let (a, b) = pair_of(v, *per, group, acts);
-                    run(tiles, &kernels::K4 { a, b }, acts, out)
-                }
-                Packed::Q5K(v, per) => {
-                    let (a, b) = pair_of(v, *per, group, acts);
-                    run(tiles, &kernels::K4 { a, b }, acts, out)
-                }
-                Packed::Q6K(v, per) => {
-                    let (a, b) = pair_of(v, *per, group, acts);
-                    run(tiles, &kernels::K6 { a, b }, acts, out)
-                }
+                Packed::Q4K(v, per) => pass!(tiles, v, per, group, acts, out, K4),
+                Packed::Q5K(v, per) => pass!(tiles, v, per, group, acts, out, K4),
+                Packed::Q6K(v, per) => pass!(tiles, v, per, group, acts, out, K6),
                 _ => return false,
             }
         }
@@ -621,17 +621,12 @@ impl Act for BlockQ8 {
         // SAFETY (each arm): the contract.
         unsafe {
             match p {
-                Packed::Q8_0(v, per) => {
-                    let (a, b) = pair_of(v, *per, group, acts);
-                    run(tiles, &kernels::Q8 { a, b }, acts, out)
-                }
+                Packed::Q8_0(v, per) => pass!(tiles, v, per, group, acts, out, Q8),
                 Packed::Q4_0(v, per) => {
-                    let (a, b) = pair_of(v, *per, group, acts);
-                    run(tiles, &kernels::Nib::<Q4_0x8> { a, b }, acts, out)
+                    pass!(tiles, v, per, group, acts, out, Nib<Q4_0x8>)
                 }
                 Packed::Q4_1(v, per) => {
-                    let (a, b) = pair_of(v, *per, group, acts);
-                    run(tiles, &kernels::Nib::<Q4_1x8> { a, b }, acts, out)
+                    pass!(tiles, v, per, group, acts, out, Nib<Q4_1x8>)
                 }
                 _ => return false,
             }
@@ -650,13 +645,28 @@ trait Format {
     const UNPACKED: usize;
     /// C tiles per block.
     const TILES: usize;
-    fn config() -> Config;
+    /// Values per product where each scale's span gets its own ([`per_span`]).
+    const SPAN: usize;
+    fn config() -> Config {
+        Config::new(Self::SPAN)
+    }
     fn blocks(&self) -> usize;
     /// Unpacks block `blk` of both groups into `out` (`UNPACKED` bytes).
     unsafe fn unpack(&self, blk: usize, out: *mut u8);
     /// The block's products for sixteen tokens: their quants at `a` (rows `stride` apart),
-    /// the unpacked weights at `b`; the `TILES` C tiles stored at `c`.
-    unsafe fn products<T: Tiles>(t: &mut T, a: *const u8, stride: usize, b: *const u8, c: *mut i32);
+    /// the unpacked weights at `b`; the `TILES` C tiles stored at `c`. By default one
+    /// product per span.
+    #[inline(always)]
+    unsafe fn products<T: Tiles>(
+        t: &mut T,
+        a: *const u8,
+        stride: usize,
+        b: *const u8,
+        c: *mut i32,
+    ) {
+        // SAFETY: the contract (`TILES` spans of `SPAN` values).
+        unsafe { per_span(t, Self::SPAN, Self::TILES, a, stride, b, c) }
+    }
     unsafe fn prep(&self, blk: usize) -> Self::Prep;
     /// Token row `i` of the block's C tiles (`c`) into `acc`.
     unsafe fn step(
@@ -866,6 +876,8 @@ mod kernels {
         /// then the `hi` ones.
         const UNPACKED: usize = 8192;
         const TILES: usize = 2;
+        /// Unused: the products below span the super-block.
+        const SPAN: usize = 64;
 
         fn config() -> Config {
             Config::split()
@@ -1006,22 +1018,7 @@ mod kernels {
         type Prep = K6Prep;
         const UNPACKED: usize = 4096;
         const TILES: usize = 16;
-
-        fn config() -> Config {
-            Config::new(16)
-        }
-
-        #[inline(always)]
-        unsafe fn products<T: Tiles>(
-            t: &mut T,
-            a: *const u8,
-            stride: usize,
-            b: *const u8,
-            c: *mut i32,
-        ) {
-            // SAFETY: the contract (sixteen spans of 16 values).
-            unsafe { per_span(t, 16, 16, a, stride, b, c) }
-        }
+        const SPAN: usize = 16;
 
         fn blocks(&self) -> usize {
             self.a.len()
@@ -1102,22 +1099,7 @@ mod kernels {
         type Prep = __m512;
         const UNPACKED: usize = 512;
         const TILES: usize = 1;
-
-        fn config() -> Config {
-            Config::new(32)
-        }
-
-        #[inline(always)]
-        unsafe fn products<T: Tiles>(
-            t: &mut T,
-            a: *const u8,
-            stride: usize,
-            b: *const u8,
-            c: *mut i32,
-        ) {
-            // SAFETY: the contract (one span of 32 values).
-            unsafe { per_span(t, 32, 1, a, stride, b, c) }
-        }
+        const SPAN: usize = 32;
 
         fn blocks(&self) -> usize {
             self.a.len()
@@ -1190,22 +1172,7 @@ mod kernels {
         type Prep = NibPrep;
         const UNPACKED: usize = 512;
         const TILES: usize = 1;
-
-        fn config() -> Config {
-            Config::new(32)
-        }
-
-        #[inline(always)]
-        unsafe fn products<T: Tiles>(
-            t: &mut T,
-            a: *const u8,
-            stride: usize,
-            b: *const u8,
-            c: *mut i32,
-        ) {
-            // SAFETY: the contract (one span of 32 values).
-            unsafe { per_span(t, 32, 1, a, stride, b, c) }
-        }
+        const SPAN: usize = 32;
 
         fn blocks(&self) -> usize {
             self.a.len()
