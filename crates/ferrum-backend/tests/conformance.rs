@@ -25,7 +25,7 @@ use rand::{Rng, SeedableRng};
 
 #[allow(dead_code)] // the helpers other test binaries use
 mod common;
-use common::blocks::random_blocks;
+use common::blocks::{random_blocks, FORMATS};
 
 /// One case's result.
 struct Outcome {
@@ -217,22 +217,8 @@ fn judge(name: &str, out: &[Outcome]) {
     eprintln!("{name}: {} cases passed", out.len());
 }
 
-const MATMUL_FORMATS: &[DType] = &[
-    DType::F32,
-    DType::F16,
-    DType::BF16,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Q8_0,
-    DType::Q2K,
-    DType::Q3K,
-    DType::Q4K,
-    DType::Q5K,
-    DType::Q6K,
-    DType::Mxfp4,
-];
+/// The float formats; the block formats are `common::blocks::FORMATS`, every one with a kernel.
+const FLOAT_FORMATS: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 
 fn is_float(dt: DType) -> bool {
     matches!(dt, DType::F32 | DType::F16 | DType::BF16)
@@ -241,7 +227,7 @@ fn is_float(dt: DType) -> bool {
 fn matmuls<B: Backend>(h: &mut Harness<B>, rng: &mut StdRng) {
     // 77 rows: nine packed groups and a tail of five in the file's layout; 48: three pairs of
     // groups (the 512-bit and tile kernels' unit).
-    for &dt in MATMUL_FORMATS {
+    for &dt in FLOAT_FORMATS.iter().chain(FORMATS) {
         for (m, k) in [(48, 256), (77, 512)] {
             let wt = weight_tensor(rng, dt, m, k);
             let bias_t = weight_tensor(rng, DType::F32, 1, m);
