@@ -541,86 +541,90 @@ fn half_weight_matmul_gives_each_token_its_bits_alone() {
     use ferrum_core::DType;
     use ferrum_loader::RawTensor;
     let mut rng = rand::rngs::StdRng::seed_from_u64(31);
-    // 77 rows over two threads: tasks of nine rows, so each task runs row blocks of four,
-    // four and one.
-    let (m, k, width, at) = (77, 100, 85, 3);
     let be = CpuBackend::with_threads(2);
-    let bias: Vec<f32> = (0..m).map(|_| rng.gen_range(-1.0..1.0)).collect();
-    let bias_bytes: Vec<u8> = bias.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let bias_w = be
-        .load_weight(&RawTensor::from_bytes("b", DType::F32, vec![m], bias_bytes).expect("f32"))
-        .expect("bias loads");
-    for dt in [DType::F16, DType::BF16] {
-        let (vals, bytes): (Vec<f32>, Vec<u8>) = (0..m * k)
-            .map(|_| {
-                let v: f32 = rng.gen_range(-1.0..1.0);
-                match dt {
-                    DType::F16 => {
-                        let h = half::f16::from_f32(v);
-                        (h.to_f32(), h.to_le_bytes())
+    // 77 rows over two threads: tasks of nine rows, so each task runs row blocks of four,
+    // four and one; 70 rows: tasks of eight. Rows of 4133 values: the bf16 kernels take rows
+    // past 2048 in stretches.
+    for (m, k, width, at) in [(77, 100, 85, 3), (70, 4133, 75, 3)] {
+        let bias: Vec<f32> = (0..m).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let bias_bytes: Vec<u8> = bias.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let bias_w = be
+            .load_weight(&RawTensor::from_bytes("b", DType::F32, vec![m], bias_bytes).expect("f32"))
+            .expect("bias loads");
+        for dt in [DType::F16, DType::BF16] {
+            let (vals, bytes): (Vec<f32>, Vec<u8>) = (0..m * k)
+                .map(|_| {
+                    let v: f32 = rng.gen_range(-1.0..1.0);
+                    match dt {
+                        DType::F16 => {
+                            let h = half::f16::from_f32(v);
+                            (h.to_f32(), h.to_le_bytes())
+                        }
+                        _ => {
+                            let h = half::bf16::from_f32(v);
+                            (h.to_f32(), h.to_le_bytes())
+                        }
                     }
-                    _ => {
-                        let h = half::bf16::from_f32(v);
-                        (h.to_f32(), h.to_le_bytes())
-                    }
+                })
+                .fold((Vec::new(), Vec::new()), |(mut v, mut b), (x, h)| {
+                    v.push(x);
+                    b.extend_from_slice(&h);
+                    (v, b)
+                });
+            let w = be
+                .load_weight(
+                    &RawTensor::from_bytes("w", dt, vec![m, k], bytes).expect("sizes match"),
+                )
+                .expect("weight loads");
+            for n in [1, 2, 3, 5, 7] {
+                let x: Vec<f32> = (0..n * k).map(|_| rng.gen_range(-2.0..2.0)).collect();
+                let mut out = vec![0f32; n * width];
+                let ov = Rows::columns(n, width, at, m);
+                be.matmul(&x, Rows::dense(n, k), &w, Some(&bias_w), &mut out, ov);
+                // The same rows inside a wider buffer, from an odd offset (a prefill copies such
+                // rows to aligned memory first): the same bits.
+                let (pad, wide) = (3, k + 5);
+                let mut xw = vec![f32::NAN; pad + n * wide];
+                for t in 0..n {
+                    xw[pad + t * wide..][..k].copy_from_slice(&x[t * k..(t + 1) * k]);
                 }
-            })
-            .fold((Vec::new(), Vec::new()), |(mut v, mut b), (x, h)| {
-                v.push(x);
-                b.extend_from_slice(&h);
-                (v, b)
-            });
-        let w = be
-            .load_weight(&RawTensor::from_bytes("w", dt, vec![m, k], bytes).expect("sizes match"))
-            .expect("weight loads");
-        for n in [1, 2, 3, 5, 7] {
-            let x: Vec<f32> = (0..n * k).map(|_| rng.gen_range(-2.0..2.0)).collect();
-            let mut out = vec![0f32; n * width];
-            let ov = Rows::columns(n, width, at, m);
-            be.matmul(&x, Rows::dense(n, k), &w, Some(&bias_w), &mut out, ov);
-            // The same rows inside a wider buffer, from an odd offset (a prefill copies such
-            // rows to aligned memory first): the same bits.
-            let (pad, wide) = (3, k + 5);
-            let mut xw = vec![f32::NAN; pad + n * wide];
-            for t in 0..n {
-                xw[pad + t * wide..][..k].copy_from_slice(&x[t * k..(t + 1) * k]);
-            }
-            let mut out_w = vec![0f32; n * width];
-            let xwv = Rows::columns(n, wide, pad, k);
-            be.matmul(&xw, xwv, &w, Some(&bias_w), &mut out_w, ov);
-            for (i, (a, b)) in out.iter().zip(&out_w).enumerate() {
-                assert_eq!(
-                    a.to_bits(),
-                    b.to_bits(),
-                    "{dt} n={n} strided input, element {i}"
-                );
-            }
-            for t in 0..n {
-                let xt = x[t * k..(t + 1) * k].to_vec();
-                let mut alone = vec![0f32; width];
-                let ov1 = Rows::columns(1, width, at, m);
-                be.matmul(&xt, Rows::dense(1, k), &w, Some(&bias_w), &mut alone, ov1);
-                for j in 0..m {
-                    let (got, one) = (out[t * width + at + j], alone[at + j]);
-                    assert_eq!(got.to_bits(), one.to_bits(), "{dt} n={n} token {t} row {j}");
-                    let exact: f64 = (0..k)
-                        .map(|i| vals[j * k + i] as f64 * xt[i] as f64)
-                        .sum::<f64>()
-                        + bias[j] as f64;
-                    // bf16 weights on `vdpbf16ps` meet activations rounded to bf16: each
-                    // product off by at most 2^-9 of itself.
-                    let rounding: f64 = if dt == DType::BF16 && bf16_dot() {
-                        (0..k)
-                            .map(|i| (vals[j * k + i] as f64 * xt[i] as f64).abs())
-                            .sum::<f64>()
-                            / 512.0
-                    } else {
-                        0.0
-                    };
-                    assert!(
-                        (got as f64 - exact).abs() < 1e-4 + rounding,
-                        "{dt} row {j}: {got} vs {exact}"
+                let mut out_w = vec![0f32; n * width];
+                let xwv = Rows::columns(n, wide, pad, k);
+                be.matmul(&xw, xwv, &w, Some(&bias_w), &mut out_w, ov);
+                for (i, (a, b)) in out.iter().zip(&out_w).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{dt} n={n} strided input, element {i}"
                     );
+                }
+                for t in 0..n {
+                    let xt = x[t * k..(t + 1) * k].to_vec();
+                    let mut alone = vec![0f32; width];
+                    let ov1 = Rows::columns(1, width, at, m);
+                    be.matmul(&xt, Rows::dense(1, k), &w, Some(&bias_w), &mut alone, ov1);
+                    for j in 0..m {
+                        let (got, one) = (out[t * width + at + j], alone[at + j]);
+                        assert_eq!(got.to_bits(), one.to_bits(), "{dt} n={n} token {t} row {j}");
+                        let exact: f64 = (0..k)
+                            .map(|i| vals[j * k + i] as f64 * xt[i] as f64)
+                            .sum::<f64>()
+                            + bias[j] as f64;
+                        // bf16 weights on `vdpbf16ps` meet activations rounded to bf16: each
+                        // product off by at most 2^-9 of itself.
+                        let rounding: f64 = if dt == DType::BF16 && bf16_dot() {
+                            (0..k)
+                                .map(|i| (vals[j * k + i] as f64 * xt[i] as f64).abs())
+                                .sum::<f64>()
+                                / 512.0
+                        } else {
+                            0.0
+                        };
+                        assert!(
+                            (got as f64 - exact).abs() < 1e-4 + rounding,
+                            "{dt} row {j}: {got} vs {exact}"
+                        );
+                    }
                 }
             }
         }

@@ -283,27 +283,77 @@ impl CpuBackend {
         let b = |j: usize| bias.map_or(0.0, |b| b[j]);
         self.pool.run(n_tasks, &|task| {
             let rows = task * per_task..((task + 1) * per_task).min(m);
-            let mut j = rows.start;
-            while j < rows.end {
-                let r = (rows.end - j).min(4);
-                (j..j + r).for_each(|j| w.prefetch_ahead(j));
-                let mut t = 0;
-                if r == 4 {
-                    let ws = [w_j(j), w_j(j + 1), w_j(j + 2), w_j(j + 3)];
-                    while t + 3 <= n {
-                        let v = simd::dot_bf16_4x3(ws, [x_t(t), x_t(t + 1), x_t(t + 2)]);
-                        for (i, v) in v.iter().enumerate() {
-                            for (d, v) in v.iter().enumerate() {
-                                write(t + d, j + i, v + b(j + i));
-                            }
+            // Eight rows at a time, then four, then one by one; against three tokens at a
+            // time, then one by one. Rows longer than `STRETCH` go in stretches of it, every
+            // token's sums carried from one to the next (the same bits): eight whole rows of
+            // 8192 values are 128 KB, which a pass would fetch from L2 again for every three
+            // tokens; a stretch's 32 KB stay in L1.
+            const STRETCH: usize = 2048;
+            fn tile<'a, const R: usize>(
+                j: usize,
+                n: usize,
+                w_j: &impl Fn(usize) -> &'a [u16],
+                x_t: &impl Fn(usize) -> &'a [u16],
+                put: &impl Fn(usize, usize, f32),
+            ) {
+                let ws: [&[u16]; R] = std::array::from_fn(|i| w_j(j + i));
+                let k = ws[0].len();
+                let triples = n / 3;
+                if k > STRETCH {
+                    let mut c3 = vec![simd::BfCarry::<R, 3>::default(); triples];
+                    let mut c1 = vec![simd::BfCarry::<R, 1>::default(); n - 3 * triples];
+                    for c0 in (0..k).step_by(STRETCH) {
+                        let r = c0..(c0 + STRETCH).min(k);
+                        let wc = ws.map(|w| &w[r.clone()]);
+                        for (i, c) in c3.iter_mut().enumerate() {
+                            let x = std::array::from_fn(|d| &x_t(3 * i + d)[r.clone()]);
+                            simd::dot_bf16_carry(wc, x, c);
                         }
-                        t += 3;
+                        for (i, c) in c1.iter_mut().enumerate() {
+                            simd::dot_bf16_carry(wc, [&x_t(3 * triples + i)[r.clone()]], c);
+                        }
+                    }
+                    for (i, c) in c3.iter().enumerate() {
+                        for (row, v) in c.finish().iter().enumerate() {
+                            v.iter()
+                                .enumerate()
+                                .for_each(|(d, v)| put(3 * i + d, j + row, *v));
+                        }
+                    }
+                    for (i, c) in c1.iter().enumerate() {
+                        for (row, v) in c.finish().iter().enumerate() {
+                            put(3 * triples + i, j + row, v[0]);
+                        }
+                    }
+                    return;
+                }
+                for i in 0..triples {
+                    let t = 3 * i;
+                    let v = simd::dot_bf16_rx3(ws, [x_t(t), x_t(t + 1), x_t(t + 2)]);
+                    for (row, v) in v.iter().enumerate() {
+                        for (d, v) in v.iter().enumerate() {
+                            put(t + d, j + row, *v);
+                        }
                     }
                 }
-                for t in t..n {
-                    for j in j..j + r {
-                        write(t, j, simd::dot_bf16(x_t(t), w_j(j)) + b(j));
-                    }
+                for t in 3 * triples..n {
+                    let v = simd::dot_bf16_rx1(ws, x_t(t));
+                    v.iter().enumerate().for_each(|(i, v)| put(t, j + i, *v));
+                }
+            }
+            let put = |t: usize, j: usize, v: f32| write(t, j, v + b(j));
+            let mut j = rows.start;
+            while j < rows.end {
+                let r = match rows.end - j {
+                    8.. => 8,
+                    4.. => 4,
+                    _ => 1,
+                };
+                (j..j + r).for_each(|j| w.prefetch_ahead(j));
+                match r {
+                    8 => tile::<8>(j, n, &w_j, &x_t, &put),
+                    4 => tile::<4>(j, n, &w_j, &x_t, &put),
+                    _ => tile::<1>(j, n, &w_j, &x_t, &put),
                 }
                 j += r;
             }

@@ -453,15 +453,19 @@ pub fn bf16_dot() -> bool {
     false
 }
 
-/// Whether this CPU runs the `vdpbf16ps` kernels (whatever `FERRUM_BF16` says).
+/// Whether this CPU runs the `vdpbf16ps` kernels (whatever `FERRUM_BF16` says). Fixed at the
+/// first call (the kernels' entry points check it every call).
 pub fn bf16_dot_runs() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        avx2_fma()
-            && is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("avx512bf16")
+        static RUNS: OnceLock<bool> = OnceLock::new();
+        *RUNS.get_or_init(|| {
+            avx2_fma()
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512bf16")
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
@@ -499,18 +503,18 @@ fn bf16_rne(x: f32) -> u16 {
     (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
 }
 
-/// `Σ x·w` over bf16 rows as the `vdpbf16ps` kernels sum it: 32 values a chunk, chunk `c` into
-/// accumulator `c % 4` (four chains: one row's dot is bound by the instruction's latency),
-/// lane `l` of a chunk taking values `2l + 1` then `2l` (each product exact, each addition
-/// rounded to nearest with subnormal inputs and results as zero), a short last chunk padded
-/// with zeros; then the accumulators added lane by lane as `(a0 + a1) + (a2 + a3)` and the 16
-/// lanes summed as halves, then [`hsum8`]'s order. The scalar twin of [`dot_bf16`].
+/// `Σ x·w` over bf16 rows as the `vdpbf16ps` kernels sum it: 32 values a chunk, every chunk
+/// into one accumulator of 16 lanes, lane `l` of a chunk taking values `2l + 1` then `2l`
+/// (each product exact, each addition rounded to nearest with subnormal inputs and results as
+/// zero), a short last chunk padded with zeros; then the lanes summed as halves, then
+/// [`hsum8`]'s order. One chain per (row, token): the kernels take their parallelism from
+/// several rows and tokens at once, and the sum needs one reduction. The scalar twin of
+/// [`dot_bf16`].
 pub fn dot_bf16_scalar(x: &[u16], w: &[u16]) -> f32 {
     let n = x.len().min(w.len());
-    let mut acc = [[0f32; 16]; 4];
-    for (c, start) in (0..n).step_by(32).enumerate() {
-        let a = &mut acc[c % 4];
-        for (l, al) in a.iter_mut().enumerate() {
+    let mut acc = [0f32; 16];
+    for start in (0..n).step_by(32) {
+        for (l, al) in acc.iter_mut().enumerate() {
             for e in [start + 2 * l + 1, start + 2 * l] {
                 let (xv, wv) = if e < n { (x[e], w[e]) } else { (0, 0) };
                 let p = daz(bf16_f32(xv)) * daz(bf16_f32(wv));
@@ -518,8 +522,7 @@ pub fn dot_bf16_scalar(x: &[u16], w: &[u16]) -> f32 {
             }
         }
     }
-    let v: [f32; 16] = std::array::from_fn(|l| (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]));
-    let h: [f32; 8] = std::array::from_fn(|l| v[l] + v[l + 8]);
+    let h: [f32; 8] = std::array::from_fn(|l| acc[l] + acc[l + 8]);
     hsum8(&h)
 }
 
@@ -535,42 +538,102 @@ fn daz(x: f32) -> f32 {
     }
 }
 
-/// `Σ x·w` of a bf16 activation row and a bf16 weight row on `vdpbf16ps` ([`bf16_dot_runs`]
-/// must hold); the bits of [`dot_bf16_scalar`].
+/// `Σ x·w` of one bf16 activation row and `R` bf16 weight rows on `vdpbf16ps`
+/// ([`bf16_dot_runs`] must hold): `out[r]` has the bits of [`dot_bf16_scalar`]`(x, w[r])`.
+/// Several rows at once keep several chains in flight (one token's decode).
 ///
 /// # Panics
 /// If the rows differ in length, or the CPU lacks the instructions.
-pub fn dot_bf16(x: &[u16], w: &[u16]) -> f32 {
-    assert_eq!(x.len(), w.len(), "dot_bf16: rows of unequal length");
+pub fn dot_bf16_rx1<const R: usize>(w: [&[u16]; R], x: &[u16]) -> [f32; R] {
+    assert!(
+        w.iter().all(|w| w.len() == x.len()),
+        "dot_bf16: rows of unequal length"
+    );
     #[cfg(target_arch = "x86_64")]
     {
         assert!(bf16_dot_runs(), "dot_bf16: no AVX512-BF16 here");
         // SAFETY: checked just above.
-        unsafe { bf16k::dot(x, w) }
+        unsafe { bf16k::dot_rx::<R, 1>(w, [x]).map(|[v]| v) }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    dot_bf16_scalar(x, w)
+    w.map(|w| dot_bf16_scalar(x, w))
 }
 
-/// [`dot_bf16`] for four weight rows against three activation rows: `out[r][t]` has the bits
-/// of `dot_bf16(x[t], w[r])`.
+/// [`dot_bf16_rx1`] for three activation rows: `out[r][t]` has the bits of
+/// `dot_bf16_scalar(x[t], w[r])`. Eight rows by three tokens keep 24 chains in registers and
+/// load each activation vector once for eight rows.
 ///
 /// # Panics
-/// As `dot_bf16`, for any pair.
-pub fn dot_bf16_4x3(w: [&[u16]; 4], x: [&[u16]; 3]) -> [[f32; 3]; 4] {
-    let n = w[0].len();
+/// As `dot_bf16_rx1`, for any pair.
+pub fn dot_bf16_rx3<const R: usize>(w: [&[u16]; R], x: [&[u16]; 3]) -> [[f32; 3]; R] {
+    let n = x[0].len();
     assert!(
         w.iter().all(|w| w.len() == n) && x.iter().all(|x| x.len() == n),
-        "dot_bf16_4x3: rows of unequal length"
+        "dot_bf16_rx3: rows of unequal length"
     );
     #[cfg(target_arch = "x86_64")]
     {
-        assert!(bf16_dot_runs(), "dot_bf16_4x3: no AVX512-BF16 here");
+        assert!(bf16_dot_runs(), "dot_bf16_rx3: no AVX512-BF16 here");
         // SAFETY: checked just above.
-        unsafe { bf16k::dot_4x3(w, x) }
+        unsafe { bf16k::dot_rx::<R, 3>(w, x) }
     }
     #[cfg(not(target_arch = "x86_64"))]
     w.map(|w| x.map(|x| dot_bf16_scalar(x, w)))
+}
+
+/// The running sums of `R` rows by `T` tokens of the `vdpbf16ps` dots, carried from one
+/// stretch of the rows to the next (a long row in stretches that stay in cache): stretch after
+/// stretch through [`dot_bf16_carry`], then [`BfCarry::finish`], gives the bits of one
+/// [`dot_bf16_rx3`] / [`dot_bf16_rx1`] over the whole rows, as long as every stretch but the
+/// last is a whole number of 32-value chunks.
+#[derive(Clone, Copy)]
+pub struct BfCarry<const R: usize, const T: usize>([[[f32; 16]; T]; R]);
+
+impl<const R: usize, const T: usize> Default for BfCarry<R, T> {
+    fn default() -> Self {
+        BfCarry([[[0.0; 16]; T]; R])
+    }
+}
+
+impl<const R: usize, const T: usize> BfCarry<R, T> {
+    /// The sums: `out[r][t]` for weight row `r` and token `t`.
+    pub fn finish(&self) -> [[f32; T]; R] {
+        self.0.map(|a| {
+            a.map(|v| {
+                let h: [f32; 8] = std::array::from_fn(|l| v[l] + v[l + 8]);
+                hsum8(&h)
+            })
+        })
+    }
+}
+
+/// Adds one stretch of `R` weight rows against `T` activation rows to `carry` (see
+/// [`BfCarry`]).
+///
+/// # Panics
+/// If the stretches differ in length, one before the last is not a multiple of 32 long (the
+/// caller's to keep), or the CPU lacks the instructions.
+pub fn dot_bf16_carry<const R: usize, const T: usize>(
+    w: [&[u16]; R],
+    x: [&[u16]; T],
+    carry: &mut BfCarry<R, T>,
+) {
+    let n = x[0].len();
+    assert!(
+        w.iter().all(|w| w.len() == n) && x.iter().all(|x| x.len() == n),
+        "dot_bf16_carry: stretches of unequal length"
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        assert!(bf16_dot_runs(), "dot_bf16_carry: no AVX512-BF16 here");
+        // SAFETY: checked just above.
+        unsafe { bf16k::carry(w, x, &mut carry.0) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (w, x, carry);
+        unreachable!("bf16_dot_runs is false off x86-64")
+    }
 }
 
 /// A weight row of 16-bit floats, as stored.
@@ -784,11 +847,10 @@ mod bf16k {
         std::mem::transmute::<__m512i, __m512bh>(v)
     }
 
-    /// The four accumulators' lanes added, then halves, then the AVX2 reduction.
+    /// The 16 lanes summed as halves, then the AVX2 reduction.
     #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
     #[inline]
-    unsafe fn reduce(a: [__m512; 4]) -> f32 {
-        let v = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+    unsafe fn reduce(v: __m512) -> f32 {
         hsum_ps(_mm256_add_ps(
             _mm512_castps512_ps256(v),
             _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
@@ -810,70 +872,57 @@ mod bf16k {
         super::f32_to_bf16_rne_scalar(&src[i..n], &mut dst[i..n]);
     }
 
-    /// Callers check the lengths are equal.
+    /// `R` weight rows against `T` activation rows, one accumulator per pair, in one pass
+    /// over the rows (callers check the lengths are equal).
     #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
-    pub unsafe fn dot(x: &[u16], w: &[u16]) -> f32 {
-        let n = x.len();
-        let mut acc = [_mm512_setzero_ps(); 4];
-        let (px, pw) = (x.as_ptr(), w.as_ptr());
-        let mut i = 0;
-        while i + 128 <= n {
-            for (c, a) in acc.iter_mut().enumerate() {
-                let o = i + 32 * c;
-                *a = _mm512_dpbf16_ps(*a, load(px.add(o), 32), load(pw.add(o), 32));
-            }
-            i += 128;
-        }
-        let mut c = 0;
-        while i < n {
-            let k = (n - i).min(32);
-            acc[c] = _mm512_dpbf16_ps(acc[c], load(px.add(i), k), load(pw.add(i), k));
-            c += 1;
-            i += 32;
-        }
-        reduce(acc)
+    pub unsafe fn dot_rx<const R: usize, const T: usize>(
+        w: [&[u16]; R],
+        x: [&[u16]; T],
+    ) -> [[f32; T]; R] {
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        accumulate(w, x, &mut acc);
+        acc.map(|a| a.map(|v| reduce(v)))
     }
 
-    /// The chunks `H, H + 4, …` of four rows against three tokens: twelve accumulators, one
-    /// per (row, token) (see the f32 `half_4x3` for why the accumulator sets are passes).
+    /// [`dot_rx`]'s sums carried in `carry` (lanes as f32 arrays) instead of started at zero
+    /// and reduced.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub unsafe fn carry<const R: usize, const T: usize>(
+        w: [&[u16]; R],
+        x: [&[u16]; T],
+        carry: &mut [[[f32; 16]; T]; R],
+    ) {
+        let mut acc = carry.map(|a| a.map(|v| _mm512_loadu_ps(v.as_ptr())));
+        accumulate(w, x, &mut acc);
+        for (c, a) in carry.iter_mut().zip(acc) {
+            for (c, a) in c.iter_mut().zip(a) {
+                _mm512_storeu_ps(c.as_mut_ptr(), a);
+            }
+        }
+    }
+
     #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
     #[inline]
-    unsafe fn part_4x3<const H: usize>(
-        w: [*const u16; 4],
-        x: [*const u16; 3],
-        n: usize,
-    ) -> [[__m512; 3]; 4] {
-        let mut acc = [[_mm512_setzero_ps(); 3]; 4];
-        let mut i = 32 * H;
+    unsafe fn accumulate<const R: usize, const T: usize>(
+        w: [&[u16]; R],
+        x: [&[u16]; T],
+        acc: &mut [[__m512; T]; R],
+    ) {
+        let n = x[0].len();
+        let pw = w.map(|w| w.as_ptr());
+        let px = x.map(|x| x.as_ptr());
+        let mut i = 0;
         while i < n {
             let k = (n - i).min(32);
-            let xs = x.map(|p| load(p.add(i), k));
-            for (a, p) in acc.iter_mut().zip(w) {
+            let xs = px.map(|p| load(p.add(i), k));
+            for (a, p) in acc.iter_mut().zip(pw) {
                 let wv = load(p.add(i), k);
                 for (a, x) in a.iter_mut().zip(xs) {
                     *a = _mm512_dpbf16_ps(*a, x, wv);
                 }
             }
-            i += 128;
+            i += 32;
         }
-        acc
-    }
-
-    /// Callers check every row is `w[0].len()` long.
-    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
-    pub unsafe fn dot_4x3(w: [&[u16]; 4], x: [&[u16]; 3]) -> [[f32; 3]; 4] {
-        let n = w[0].len();
-        let pw = w.map(|w| w.as_ptr());
-        let px = x.map(|x| x.as_ptr());
-        let p = [
-            part_4x3::<0>(pw, px, n),
-            part_4x3::<1>(pw, px, n),
-            part_4x3::<2>(pw, px, n),
-            part_4x3::<3>(pw, px, n),
-        ];
-        std::array::from_fn(|r| {
-            std::array::from_fn(|t| reduce([p[0][r][t], p[1][r][t], p[2][r][t], p[3][r][t]]))
-        })
     }
 }
 
@@ -1994,10 +2043,21 @@ mod tests {
                 let xs: Vec<Vec<u16>> = (0..3).map(|_| row(&mut rng)).collect();
                 let w = [&ws[0][..], &ws[1][..], &ws[2][..], &ws[3][..]];
                 let x = [&xs[0][..], &xs[1][..], &xs[2][..]];
-                let tile = dot_bf16_4x3(w, x);
+                let tile = dot_bf16_rx3(w, x);
+                let w8 = [w[0], w[1], w[2], w[3], w[3], w[2], w[1], w[0]];
+                let tile8 = dot_bf16_rx3(w8, x);
+                let rows8: Vec<[f32; 8]> = x.iter().map(|x| dot_bf16_rx1(w8, x)).collect();
+                // The same in stretches of 64 values, the sums carried.
+                let mut carry = BfCarry::<8, 3>::default();
+                for c0 in (0..n).step_by(64) {
+                    let c1 = (c0 + 64).min(n);
+                    dot_bf16_carry(w8.map(|w| &w[c0..c1]), x.map(|x| &x[c0..c1]), &mut carry);
+                }
+                let carried = carry.finish();
                 for r in 0..4 {
                     for t in 0..3 {
-                        let (one, twin) = (dot_bf16(x[t], w[r]), dot_bf16_scalar(x[t], w[r]));
+                        let (one, twin) =
+                            (dot_bf16_rx1([w[r]], x[t])[0], dot_bf16_scalar(x[t], w[r]));
                         let same =
                             |a: f32, b: f32| a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan();
                         assert!(
@@ -2005,6 +2065,14 @@ mod tests {
                             "n={n} row {r} token {t}: {one:e} vs twin {twin:e}"
                         );
                         assert!(same(tile[r][t], twin), "n={n} 4x3 row {r} token {t}");
+                        assert!(same(tile8[r][t], twin), "n={n} 8x3 row {r} token {t}");
+                        assert!(
+                            same(tile8[7 - r][t], twin),
+                            "n={n} 8x3 row {} token {t}",
+                            7 - r
+                        );
+                        assert!(same(rows8[t][r], twin), "n={n} 8x1 row {r} token {t}");
+                        assert!(same(carried[r][t], twin), "n={n} carried row {r} token {t}");
                     }
                 }
             }
