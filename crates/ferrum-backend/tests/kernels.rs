@@ -891,24 +891,27 @@ fn amx_tile_kernels_equal_scalar_twin() {
                 check(&mut amx::Amx, p, rows, per_row, n, twin, &what("AMX"));
             }
         }
-        for &n in &counts {
-            if p.is_k_quant() {
-                let mut a = vec![BlockQ8K::default(); 35 * k / 256];
-                for (x, a) in xs.iter().zip(a.chunks_mut(k / 256)) {
-                    quantize_q8k(x, a);
-                }
-                let twin = |g: usize, acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]| {
-                    p.gemm_k_scalar(g, acts, out)
-                };
+        // The activations quantised once for every token count.
+        if p.is_k_quant() {
+            let mut a = vec![BlockQ8K::default(); 35 * k / 256];
+            for (x, a) in xs.iter().zip(a.chunks_mut(k / 256)) {
+                quantize_q8k(x, a);
+            }
+            let twin = |g: usize, acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]| {
+                p.gemm_k_scalar(g, acts, out)
+            };
+            for &n in &counts {
                 on_both(hw, &p, &a, k / 256, n, &twin, dt);
-            } else {
-                let mut a = vec![BlockQ8::default(); 35 * k / 32];
-                for (x, a) in xs.iter().zip(a.chunks_mut(k / 32)) {
-                    quantize_q8(x, a);
-                }
-                let twin = |g: usize, acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]| {
-                    p.gemm_scalar(g, acts, out)
-                };
+            }
+        } else {
+            let mut a = vec![BlockQ8::default(); 35 * k / 32];
+            for (x, a) in xs.iter().zip(a.chunks_mut(k / 32)) {
+                quantize_q8(x, a);
+            }
+            let twin = |g: usize, acts: &[&[BlockQ8]], out: &mut [[f32; ROWS]]| {
+                p.gemm_scalar(g, acts, out)
+            };
+            for &n in &counts {
                 on_both(hw, &p, &a, k / 32, n, &twin, dt);
             }
         }

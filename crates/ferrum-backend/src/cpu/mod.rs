@@ -253,9 +253,9 @@ impl CpuBackend {
     }
 
     /// A matmul over bf16 weights on `vdpbf16ps` ([`simd::bf16_dot`]): the activation rows
-    /// rounded to bf16 once, then four weight rows against three tokens per kernel call where
-    /// there are that many, one by one otherwise; every (row, token) gets the bits of
-    /// [`simd::dot_bf16`], however many tokens share the pass.
+    /// rounded to bf16 once, then eight (or four, or one) weight rows against three tokens per
+    /// kernel call where there are that many, against one otherwise; every (row, token) gets
+    /// the bits of [`simd::dot_bf16_scalar`], however many tokens share the pass.
     #[allow(clippy::too_many_arguments)]
     fn matmul_bf16(
         &self,
@@ -287,7 +287,8 @@ impl CpuBackend {
             // time, then one by one. Rows longer than `STRETCH` go in stretches of it, every
             // token's sums carried from one to the next (the same bits): eight whole rows of
             // 8192 values are 128 KB, which a pass would fetch from L2 again for every three
-            // tokens; a stretch's 32 KB stay in L1.
+            // tokens; a stretch's 32 KB stay in L1. With one triple or less nothing is
+            // fetched twice, so a decode keeps the one-pass kernels (and allocates nothing).
             const STRETCH: usize = 2048;
             fn tile<'a, const R: usize>(
                 j: usize,
@@ -299,7 +300,7 @@ impl CpuBackend {
                 let ws: [&[u16]; R] = std::array::from_fn(|i| w_j(j + i));
                 let k = ws[0].len();
                 let triples = n / 3;
-                if k > STRETCH {
+                if k > STRETCH && triples > 1 {
                     let mut c3 = vec![simd::BfCarry::<R, 3>::default(); triples];
                     let mut c1 = vec![simd::BfCarry::<R, 1>::default(); n - 3 * triples];
                     for c0 in (0..k).step_by(STRETCH) {
@@ -1445,12 +1446,15 @@ trait PackedRows: quant::amx::Act + Sized + 'static {
         // A prefill's pass on the AMX tiles: two groups against sixteen tokens per product,
         // the same bits as the kernels below.
         #[cfg(target_arch = "x86_64")]
-        if n >= quant::amx::MIN_TOKENS && g + 1 < end / ROWS {
+        if n >= quant::amx::MIN_TOKENS
+            && g + 1 < end / ROWS
+            && quant::amx::mode() != quant::amx::Mode::Off
+        {
             use quant::amx::{gemm_pair, Amx, Emulated, Mode};
             let mode = quant::amx::mode();
             let acts: Vec<&[Self]> = (0..n).map(act).collect();
             let mut out = vec![[0f32; quant::amx::PAIR]; n];
-            while mode != Mode::Off && g + 1 < end / ROWS {
+            while g + 1 < end / ROWS {
                 // SAFETY: `mode` checked that the CPU runs the kernels' AVX-512 and, for the
                 // AMX tiles, the tile instructions, and that this process has their state.
                 let done = unsafe {

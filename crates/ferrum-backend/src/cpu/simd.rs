@@ -522,7 +522,12 @@ pub fn dot_bf16_scalar(x: &[u16], w: &[u16]) -> f32 {
             }
         }
     }
-    let h: [f32; 8] = std::array::from_fn(|l| acc[l] + acc[l + 8]);
+    sum16(&acc)
+}
+
+/// Sixteen lanes summed as the bf16 kernels reduce a register: halves, then [`hsum8`].
+fn sum16(v: &[f32; 16]) -> f32 {
+    let h: [f32; 8] = std::array::from_fn(|l| v[l] + v[l + 8]);
     hsum8(&h)
 }
 
@@ -598,12 +603,7 @@ impl<const R: usize, const T: usize> Default for BfCarry<R, T> {
 impl<const R: usize, const T: usize> BfCarry<R, T> {
     /// The sums: `out[r][t]` for weight row `r` and token `t`.
     pub fn finish(&self) -> [[f32; T]; R] {
-        self.0.map(|a| {
-            a.map(|v| {
-                let h: [f32; 8] = std::array::from_fn(|l| v[l] + v[l + 8]);
-                hsum8(&h)
-            })
-        })
+        self.0.map(|a| a.map(|v| sum16(&v)))
     }
 }
 
@@ -767,7 +767,8 @@ pub fn f32_to_f16_scalar(src: &[f32], dst: &mut [half::f16]) {
 }
 
 /// Which SIMD path is in use (for the load summary and `bench`): the packed kernels'
-/// instruction set, "+zmm-k" where the 512-bit two-group Q4_K/Q6_K kernels run, "+amx" where
+/// instruction set, "+zmm-k" where the 512-bit two-group Q4_K/Q6_K kernels run, "+bf16" where
+/// BF16 weights take `vdpbf16ps`, "+amx" where
 /// prefill takes the AMX tiles ("+amx-emulated" on emulated ones, for tests).
 pub fn simd_name() -> String {
     #[cfg(target_arch = "x86_64")]
@@ -782,6 +783,9 @@ pub fn simd_name() -> String {
             }
             if wide_k() {
                 name.push_str("+zmm-k");
+            }
+            if bf16_dot() {
+                name.push_str("+bf16");
             }
             match super::quant::amx::mode() {
                 super::quant::amx::Mode::Amx => name.push_str("+amx"),
