@@ -233,6 +233,45 @@ fn bench_peak(c: &mut Criterion) {
         if !vnni512 {
             eprintln!("peak: this CPU runs no AVX512-VNNI; no peak measured");
         }
+        // The AMX tiles' mix in the prefill kernels: two token tiles by two weight tiles
+        // (`dot_pairs`, its four tiles loaded from L1 each round), four `tdpbsud` a round.
+        if ferrum_backend::cpu::quant::amx::hardware() {
+            use ferrum_backend::cpu::quant::amx::{Amx, Config, Tiles};
+            let a = vec![3u8; 2 * 1024];
+            let w = vec![2u8; 2 * 1024];
+            let rounds = |iters: usize| {
+                let mut c = vec![0i32; 1024];
+                // SAFETY: `hardware` said the tiles run here; every buffer is the size its
+                // operation reads or writes.
+                unsafe {
+                    let t = &mut Amx;
+                    t.configure(&Config::full());
+                    t.zero_c();
+                    for _ in 0..iters {
+                        t.dot_pairs(
+                            a.as_ptr(),
+                            64,
+                            a.as_ptr().add(1024),
+                            64,
+                            w.as_ptr(),
+                            w.as_ptr().add(1024),
+                        );
+                    }
+                    t.store_c(c.as_mut_ptr(), 4);
+                    t.release();
+                }
+                c
+            };
+            // Each round adds 64 products of 3 by 2 to every sum.
+            assert!(
+                rounds(iters).iter().all(|&x| x as usize == iters * 64 * 6),
+                "the tile loop disagrees with its scalar sum"
+            );
+            g.throughput(Throughput::Elements((iters * 4 * 16 * 16 * 64 * 2) as u64));
+            g.bench_function("tdpbsud_2x2", |b| b.iter(|| rounds(black_box(iters))));
+        } else {
+            eprintln!("peak: this CPU (or OS) runs no AMX-INT8; no tile peak measured");
+        }
         g.finish();
     }
     #[cfg(not(target_arch = "x86_64"))]

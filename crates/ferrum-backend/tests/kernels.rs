@@ -823,6 +823,18 @@ fn amx_tile_kernels_equal_scalar_twin() {
     .collect();
     cases.push((DType::Q4K, full(DType::Q4K)));
     cases.push((DType::Q5K, full(DType::Q5K)));
+    // Q6_K at its corners: quants all 0 or all 63 (offset −32 and 31) under scales −128
+    // and 127, the ends of the digit split the tile kernel makes of each scale.
+    let corners: Vec<u8> = (0..rows * k / 256)
+        .flat_map(|i| {
+            let q = if i % 2 == 0 { 0x00 } else { 0xff };
+            let mut b = vec![q; 128 + 64];
+            b.extend((0..16).map(|j| if (i + j) % 2 == 0 { 0x80u8 } else { 0x7f }));
+            b.extend_from_slice(&half::f16::from_f32(0.01).to_bits().to_le_bytes());
+            b
+        })
+        .collect();
+    cases.push((DType::Q6K, corners));
     for (dt, bytes) in cases {
         let wa = Aligned::new(&bytes);
         let p = Packed::new(dt, wa.bytes(), rows, k, &pool, &arena, &|_| {}).expect("packs");

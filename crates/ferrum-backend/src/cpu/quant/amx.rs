@@ -4,19 +4,22 @@
 //! One `tdpbsud` multiplies a tile of sixteen tokens' signed activation bytes (A: 16 rows of
 //! K bytes) by a tile of sixteen weight rows' unsigned quants (B: K/4 rows of sixteen 4-byte
 //! groups, the VNNI order the packed layouts already use), giving each (token, row) pair's
-//! exact integer sum over K values in one 16×16 int32 tile. Where a scale is an integer
-//! (Q4_K/Q5_K's 6-bit sub-block scales) it is folded into the weight bytes, in two parts so
-//! each product fits a byte, and the products run over the whole 256-value super-block;
-//! where it is a float or signed (Q6_K, the 32-value formats) each scale's span (16 or 32
-//! values) gets its own product. The tiles are stored and AVX-512 applies the rest in the
-//! scalar twins' order; so every (row, token) gets the bits of
-//! [`Packed::gemm_k_scalar`] / [`Packed::gemm_scalar`], as every other instance does, and a
-//! token's result does not depend on whether its pass used tiles.
+//! exact integer sum over K values in one 16×16 int32 tile. Where a scale is an integer it
+//! is folded into the weight bytes so the products run over the whole 256-value
+//! super-block: Q4_K/Q5_K's 6-bit sub-block scales in two parts (`8·hi + lo`, each product
+//! under 256), Q6_K's signed 8-bit ones in three digits (`d₀ + 8·d₁ + 64·d₂`, each in
+//! −3..=4, times the offset quant `q − 32`: signed bytes, `tdpbssd`). Where a scale is a
+//! float (the 32-value formats) each block gets its own product. The tiles are stored and
+//! AVX-512 applies the rest in the scalar twins' order; so every (row, token) gets the bits
+//! of [`Packed::gemm_k_scalar`] / [`Packed::gemm_scalar`], as every other instance does, and
+//! a token's result does not depend on whether its pass used tiles.
 //!
-//! The weights of a group pair are unpacked once per pass (nibbles and high bits to bytes,
-//! both groups side by side in each B row) into a thread's scratch and then serve every
-//! sixteen-token chunk. Activations are read in place when the tokens' rows are equally
-//! spaced, as a matmul's are; otherwise they are copied into a scratch tile.
+//! A pass goes block by block: the block of both groups is unpacked (nibbles and high bits
+//! to bytes, scales folded in) into a scratch that stays in L1 and then multiplied by every
+//! token, two tiles of sixteen tokens against each weight tile (the 2×2 blocking that keeps
+//! the tile unit busy: a weight tile loaded once per 32 tokens). Activations are read in
+//! place when the tokens' rows are equally spaced, as a matmul's are; otherwise they are
+//! copied into a scratch tile.
 //!
 //! The tile instructions sit behind [`Tiles`], with two instances: [`Amx`] (the
 //! instructions, only where [`hardware`] says the CPU runs them and Linux granted the tile
@@ -25,10 +28,9 @@
 //! AVX-512 code around it) on any CPU with AVX-512 F/BW/VL; so everything but the tile
 //! instructions themselves is held to the scalar twins on machines without AMX too.
 //!
-//! Written and tested on a CPU without AMX (AMD Zen 5): the tile instructions' speed here is
-//! unmeasured. The AVX-512 part of a Q4_K pass (unpacking, the steps around the tiles) ran
-//! at 784 G multiply-adds/s on one Zen 5 core, against 214 G for the 512-bit VNNI kernels;
-//! Q6_K's at 382 G against 163 G.
+//! Measured on an Intel Xeon with AMX (2 vCPUs, a shared host): the 2×2 tile loop runs at
+//! 2.4–5.3 T int8 ops/s a core (`peak/tdpbsud_2x2`), against 0.96 T for 512-bit
+//! `vpdpbusd`; see docs/performance.md for the passes' figures.
 
 use std::cell::RefCell;
 
@@ -80,22 +82,20 @@ impl Config {
         c
     }
 
-    /// The accumulating form ([`Tiles::dot_acc`]): A in tile 0 (sixteen rows of 64 activation
-    /// bytes), two B tiles in 1 and 2 (sixteen rows of 64 weight bytes), their two C tiles in
-    /// 3 and 4.
-    pub fn split() -> Config {
+    /// Every tile sixteen rows of 64 bytes: the accumulating forms. Tiles 0 and 1 hold
+    /// activations (A), 2 and 3 weights (B), 4 to 7 sums (C); [`Tiles::dot_pairs`] uses all
+    /// eight, [`Tiles::dot_digits`] tiles 0 to 6 (A in 0, B in 1 to 3, C in 4 to 6).
+    pub fn full() -> Config {
         let mut c = Config::new(64);
-        for t in 0..5 {
+        for t in 0..8 {
             c.colsb[t] = 64;
             c.rows[t] = 16;
         }
-        c.colsb[5] = 0;
-        c.rows[5] = 0;
         c
     }
 }
 
-/// The three tile operations the kernels use.
+/// The tile operations the kernels use.
 pub trait Tiles {
     /// Loads `cfg` (`ldtilecfg`).
     ///
@@ -113,26 +113,45 @@ pub trait Tiles {
     /// `k / 4` rows of 64, `c` writable for 256 int32.
     unsafe fn dot(&mut self, set: usize, a: *const u8, stride: usize, b: *const u8, c: *mut i32);
 
-    /// [`Config::split`]: zeroes C tiles 3 and 4.
+    /// [`Config::full`]: zeroes C tiles 4 to 7.
     ///
     /// # Safety
-    /// As `configure`, after [`Config::split`].
-    unsafe fn zero_acc(&mut self);
+    /// As `configure`, after [`Config::full`].
+    unsafe fn zero_c(&mut self);
 
-    /// [`Config::split`]: loads A (tile 0) from `a` (rows `stride` apart) and B tiles 1 and
-    /// 2 from `lo` and `hi` (rows 64 apart), then adds A·B₁ to tile 3 and A·B₂ to tile 4.
+    /// [`Config::full`], two token tiles against two weight tiles: loads A tiles 0 and 1 from
+    /// `a0` and `a1` (rows `s0` and `s1` apart) and B tiles 2 and 3 from `lo` and `hi` (rows
+    /// 64 apart), then adds (`tdpbsud`) A₀·B₂ to tile 4, A₀·B₃ to 5, A₁·B₂ to 6, A₁·B₃ to 7:
+    /// each weight tile loaded once for 32 tokens.
     ///
     /// # Safety
-    /// As `zero_acc`; `a` readable for 16 rows of 64 bytes at `stride`, `lo` and `hi` for
-    /// 16 rows of 64.
-    unsafe fn dot_acc(&mut self, a: *const u8, stride: usize, lo: *const u8, hi: *const u8);
+    /// As `zero_c`; `a0`, `a1` readable for 16 rows of 64 bytes at their strides, `lo` and
+    /// `hi` for 16 rows of 64.
+    unsafe fn dot_pairs(
+        &mut self,
+        a0: *const u8,
+        s0: usize,
+        a1: *const u8,
+        s1: usize,
+        lo: *const u8,
+        hi: *const u8,
+    );
 
-    /// [`Config::split`]: stores tile 3 at `c` and tile 4 at `c + 256` (rows of sixteen
-    /// int32).
+    /// [`Config::full`], signed weights (`tdpbssd`): loads A tile 0 from `a` (rows `stride`
+    /// apart) and B tiles 1 to 3 from `b`, `b + plane` and `b + 2·plane` (rows 64 apart),
+    /// then adds A·B₁ to tile 4, A·B₂ to 5 and A·B₃ to 6.
     ///
     /// # Safety
-    /// As `zero_acc`; `c` writable for 512 int32.
-    unsafe fn store_acc(&mut self, c: *mut i32);
+    /// As `zero_c`; `a` readable for 16 rows of 64 bytes at `stride`, `b` for three planes
+    /// `plane` bytes apart of 16 rows of 64.
+    unsafe fn dot_digits(&mut self, a: *const u8, stride: usize, b: *const u8, plane: usize);
+
+    /// [`Config::full`]: stores the first `n` (3 or 4) C tiles, tile 4 + i at `c + 256·i`
+    /// (rows of sixteen int32).
+    ///
+    /// # Safety
+    /// As `zero_c`; `c` writable for `256·n` int32.
+    unsafe fn store_c(&mut self, c: *mut i32, n: usize);
 
     /// Gives the tile state back (`tilerelease`), so the OS need not save it.
     ///
@@ -184,36 +203,83 @@ impl Tiles for Amx {
     }
 
     #[inline(always)]
-    unsafe fn zero_acc(&mut self) {
+    unsafe fn zero_c(&mut self) {
         // SAFETY: the contract.
-        unsafe { std::arch::asm!("tilezero tmm3", "tilezero tmm4", options(nostack, nomem)) }
+        unsafe {
+            std::arch::asm!(
+                "tilezero tmm4",
+                "tilezero tmm5",
+                "tilezero tmm6",
+                "tilezero tmm7",
+                options(nostack, nomem)
+            )
+        }
     }
 
     #[inline(always)]
-    unsafe fn dot_acc(&mut self, a: *const u8, stride: usize, lo: *const u8, hi: *const u8) {
+    unsafe fn dot_pairs(
+        &mut self,
+        a0: *const u8,
+        s0: usize,
+        a1: *const u8,
+        s1: usize,
+        lo: *const u8,
+        hi: *const u8,
+    ) {
+        // SAFETY: the contract.
+        unsafe {
+            std::arch::asm!(
+                "tileloadd tmm2, [{lo} + {n}*1]",
+                "tileloadd tmm0, [{a0} + {s0}*1]",
+                "tdpbsud tmm4, tmm0, tmm2",
+                "tileloadd tmm3, [{hi} + {n}*1]",
+                "tdpbsud tmm5, tmm0, tmm3",
+                "tileloadd tmm1, [{a1} + {s1}*1]",
+                "tdpbsud tmm6, tmm1, tmm2",
+                "tdpbsud tmm7, tmm1, tmm3",
+                a0 = in(reg) a0, s0 = in(reg) s0, a1 = in(reg) a1, s1 = in(reg) s1,
+                lo = in(reg) lo, hi = in(reg) hi, n = in(reg) 64usize,
+                options(nostack, readonly)
+            )
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn dot_digits(&mut self, a: *const u8, stride: usize, b: *const u8, plane: usize) {
         // SAFETY: the contract.
         unsafe {
             std::arch::asm!(
                 "tileloadd tmm0, [{a} + {s}*1]",
-                "tileloadd tmm1, [{lo} + {n}*1]",
-                "tileloadd tmm2, [{hi} + {n}*1]",
-                "tdpbsud tmm3, tmm0, tmm1",
-                "tdpbsud tmm4, tmm0, tmm2",
-                a = in(reg) a, s = in(reg) stride, lo = in(reg) lo, hi = in(reg) hi,
+                "tileloadd tmm1, [{b} + {n}*1]",
+                "tdpbssd tmm4, tmm0, tmm1",
+                "tileloadd tmm2, [{b1} + {n}*1]",
+                "tdpbssd tmm5, tmm0, tmm2",
+                "tileloadd tmm3, [{b2} + {n}*1]",
+                "tdpbssd tmm6, tmm0, tmm3",
+                a = in(reg) a, s = in(reg) stride, b = in(reg) b,
+                b1 = in(reg) b.add(plane), b2 = in(reg) b.add(2 * plane),
                 n = in(reg) 64usize, options(nostack, readonly)
             )
         }
     }
 
     #[inline(always)]
-    unsafe fn store_acc(&mut self, c: *mut i32) {
+    unsafe fn store_c(&mut self, c: *mut i32, n: usize) {
         // SAFETY: the contract.
         unsafe {
             std::arch::asm!(
-                "tilestored [{c} + {n}*1], tmm3",
-                "tilestored [{d} + {n}*1], tmm4",
-                c = in(reg) c, d = in(reg) c.add(256), n = in(reg) 64usize, options(nostack)
-            )
+                "tilestored [{c} + {n}*1], tmm4",
+                "tilestored [{c1} + {n}*1], tmm5",
+                "tilestored [{c2} + {n}*1], tmm6",
+                c = in(reg) c, c1 = in(reg) c.add(256), c2 = in(reg) c.add(512),
+                n = in(reg) 64usize, options(nostack)
+            );
+            if n > 3 {
+                std::arch::asm!(
+                    "tilestored [{c} + {n}*1], tmm7",
+                    c = in(reg) c.add(768), n = in(reg) 64usize, options(nostack)
+                );
+            }
         }
     }
 
@@ -274,8 +340,9 @@ impl Emulated {
         self.tiles[t] = [0; 1024];
     }
 
-    /// `tdpbsud c, a, b`: C[m][n] += Σ_k Σ_i sext(A[m][4k + i])·zext(B[k][4n + i]).
-    fn dpbsud(&mut self, c: usize, a: usize, b: usize) {
+    /// `tdpbsud c, a, b`: C[m][n] += Σ_k Σ_i sext(A[m][4k + i])·zext(B[k][4n + i]); with
+    /// `signed`, `tdpbssd` (B's bytes sign-extended too).
+    fn dpbsud(&mut self, c: usize, a: usize, b: usize, signed: bool) {
         let (m, k) = self.shape(a);
         let (kb, nb) = self.shape(b);
         let (mc, nc) = self.shape(c);
@@ -291,7 +358,8 @@ impl Emulated {
                 for kk in 0..k / 4 {
                     for i in 0..4 {
                         let x = self.tiles[a][64 * row + 4 * kk + i] as i8 as i32;
-                        let y = self.tiles[b][64 * kk + 4 * col + i] as i32;
+                        let y = self.tiles[b][64 * kk + 4 * col + i];
+                        let y = if signed { y as i8 as i32 } else { y as i32 };
                         sum = sum.wrapping_add(x * y);
                     }
                 }
@@ -315,32 +383,54 @@ impl Tiles for Emulated {
             self.load(t, a, stride);
             self.load(t + 1, b, 64);
             self.zero(t + 2);
-            self.dpbsud(t + 2, t, t + 1);
+            self.dpbsud(t + 2, t, t + 1, false);
             self.store(t + 2, c as *mut u8, 64);
         }
     }
 
-    unsafe fn zero_acc(&mut self) {
-        self.zero(3);
-        self.zero(4);
+    unsafe fn zero_c(&mut self) {
+        (4..8).for_each(|t| self.zero(t));
     }
 
-    unsafe fn dot_acc(&mut self, a: *const u8, stride: usize, lo: *const u8, hi: *const u8) {
+    unsafe fn dot_pairs(
+        &mut self,
+        a0: *const u8,
+        s0: usize,
+        a1: *const u8,
+        s1: usize,
+        lo: *const u8,
+        hi: *const u8,
+    ) {
+        // SAFETY: the contract.
+        unsafe {
+            self.load(0, a0, s0);
+            self.load(1, a1, s1);
+            self.load(2, lo, 64);
+            self.load(3, hi, 64);
+        }
+        self.dpbsud(4, 0, 2, false);
+        self.dpbsud(5, 0, 3, false);
+        self.dpbsud(6, 1, 2, false);
+        self.dpbsud(7, 1, 3, false);
+    }
+
+    unsafe fn dot_digits(&mut self, a: *const u8, stride: usize, b: *const u8, plane: usize) {
         // SAFETY: the contract.
         unsafe {
             self.load(0, a, stride);
-            self.load(1, lo, 64);
-            self.load(2, hi, 64);
+            for i in 0..3 {
+                self.load(1 + i, b.add(i * plane), 64);
+            }
         }
-        self.dpbsud(3, 0, 1);
-        self.dpbsud(4, 0, 2);
+        for i in 0..3 {
+            self.dpbsud(4 + i, 0, 1 + i, true);
+        }
     }
 
-    unsafe fn store_acc(&mut self, c: *mut i32) {
-        // SAFETY: the contract.
-        unsafe {
-            self.store(3, c as *mut u8, 64);
-            self.store(4, c.add(256) as *mut u8, 64);
+    unsafe fn store_c(&mut self, c: *mut i32, n: usize) {
+        for i in 0..n {
+            // SAFETY: the contract.
+            unsafe { self.store(4 + i, c.add(256 * i) as *mut u8, 64) };
         }
     }
 
@@ -468,7 +558,7 @@ unsafe fn self_check<T: Tiles>(t: &mut T) -> Vec<i32> {
         .map(|i| (i * 37 % 251) as u8)
         .collect();
     let b: Vec<u8> = (0..2 * 16 * 64).map(|i| (i * 11 % 253) as u8).collect();
-    let mut out = vec![0i32; 3 * 256 + 512];
+    let mut out = vec![0i32; 3 * 256 + 1024 + 768];
     // SAFETY: the contract; every buffer is the size its operation reads or writes.
     unsafe {
         t.configure(&Config::new(32));
@@ -488,11 +578,29 @@ unsafe fn self_check<T: Tiles>(t: &mut T) -> Vec<i32> {
             b.as_ptr().add(64),
             out.as_mut_ptr().add(512),
         );
-        t.configure(&Config::split());
-        t.zero_acc();
-        t.dot_acc(a.as_ptr(), 64, b.as_ptr(), b.as_ptr().add(1024));
-        t.dot_acc(a.as_ptr().add(7), 64, b.as_ptr().add(3), b.as_ptr());
-        t.store_acc(out.as_mut_ptr().add(768));
+        t.configure(&Config::full());
+        t.zero_c();
+        t.dot_pairs(
+            a.as_ptr(),
+            64,
+            a.as_ptr().add(64),
+            64,
+            b.as_ptr(),
+            b.as_ptr().add(1024),
+        );
+        t.dot_pairs(
+            a.as_ptr().add(7),
+            64,
+            a.as_ptr(),
+            64,
+            b.as_ptr().add(3),
+            b.as_ptr(),
+        );
+        t.store_c(out.as_mut_ptr().add(768), 4);
+        t.zero_c();
+        t.dot_digits(a.as_ptr().add(2), 64, b.as_ptr(), 320);
+        t.dot_digits(a.as_ptr(), 64, b.as_ptr().add(11), 64);
+        t.store_c(out.as_mut_ptr().add(768 + 1024), 3);
         t.release();
     }
     out
@@ -641,9 +749,9 @@ trait Format {
     type Act: Act;
     /// Per block: whatever the float step needs of the two groups' scales.
     type Prep;
-    /// Bytes of unpacked weights per block (both groups).
+    /// Bytes of one block's unpacked weights (both groups).
     const UNPACKED: usize;
-    /// C tiles per block.
+    /// C tiles per block and sixteen tokens.
     const TILES: usize;
     /// Values per product where each scale's span gets its own ([`per_span`]).
     const SPAN: usize;
@@ -653,19 +761,36 @@ trait Format {
     fn blocks(&self) -> usize;
     /// Unpacks block `blk` of both groups into `out` (`UNPACKED` bytes).
     unsafe fn unpack(&self, blk: usize, out: *mut u8);
-    /// The block's products for sixteen tokens: their quants at `a` (rows `stride` apart),
-    /// the unpacked weights at `b`; the `TILES` C tiles stored at `c`. By default one
-    /// product per span.
+    /// The block's products for one or two tiles of sixteen tokens: their quants at `a0`
+    /// and `a1` (rows `s0` and `s1` apart; `a1` null for one tile), the unpacked weights
+    /// at `b`; the first tile's `TILES` C tiles stored at `c`, the second's after them. By
+    /// default one product per span.
+    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     unsafe fn products<T: Tiles>(
         t: &mut T,
-        a: *const u8,
-        stride: usize,
+        a0: *const u8,
+        s0: usize,
+        a1: *const u8,
+        s1: usize,
         b: *const u8,
         c: *mut i32,
     ) {
-        // SAFETY: the contract (`TILES` spans of `SPAN` values).
-        unsafe { per_span(t, Self::SPAN, Self::TILES, a, stride, b, c) }
+        // SAFETY: the contract (`TILES` spans of `SPAN` values per tile of tokens).
+        unsafe {
+            per_span(t, Self::SPAN, Self::TILES, a0, s0, b, c);
+            if !a1.is_null() {
+                per_span(
+                    t,
+                    Self::SPAN,
+                    Self::TILES,
+                    a1,
+                    s1,
+                    b,
+                    c.add(256 * Self::TILES),
+                );
+            }
+        }
     }
     unsafe fn prep(&self, blk: usize) -> Self::Prep;
     /// Token row `i` of the block's C tiles (`c`) into `acc`.
@@ -680,7 +805,7 @@ trait Format {
 
 /// One product per span of `k` values (a scale's span) into its own C tile, alternating the
 /// two tile sets of [`Config::new`]: the products of the formats whose scales apply per span
-/// (Q6_K, the 32-value formats). B tile `d` is `k / 4` rows of 64 bytes at `b + 16·k·d`.
+/// (the 32-value formats). B tile `d` is `k / 4` rows of 64 bytes at `b + 16·k·d`.
 ///
 /// # Safety
 /// As [`Tiles::dot`], for each span.
@@ -709,8 +834,25 @@ unsafe fn per_span<T: Tiles>(
     }
 }
 
-/// The pass: unpack the pair, then per sixteen tokens and block the tile products and the
-/// float steps; the tokens' accumulators go through the blocks in order, as in the twins.
+/// Where a tile of sixteen tokens' quants lies: in place, rows `stride` apart (a matmul's
+/// rows, equally spaced and all sixteen there), or `None`: copied per block.
+fn in_place<A>(chunk: &[&[A]], qs_len: usize) -> Option<usize> {
+    if chunk.len() < TOKENS {
+        return None;
+    }
+    let base = chunk[0].as_ptr() as usize;
+    let stride = (chunk[1].as_ptr() as usize).checked_sub(base)?;
+    let equal = chunk
+        .iter()
+        .enumerate()
+        .all(|(i, a)| a.as_ptr() as usize == base + i * stride);
+    (equal && stride >= qs_len).then_some(stride)
+}
+
+/// The pass, block by block: each block of the pair unpacked once (into a scratch that
+/// stays in L1) and then multiplied by every token, two tiles of sixteen at a time, so a
+/// weight tile is loaded once per 32 tokens; the float steps add each block into the
+/// tokens' sums in `out`, which go through the blocks in order, as in the twins.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
 unsafe fn run<T: Tiles, F: Format>(
@@ -720,78 +862,95 @@ unsafe fn run<T: Tiles, F: Format>(
     out: &mut [[f32; PAIR]],
 ) {
     use std::arch::x86_64::*;
-    let blocks = f.blocks();
+    let n = acts.len();
     let (qs_at, qs_len) = F::Act::QS;
+    out[..n].iter_mut().for_each(|o| *o = [0.0; PAIR]);
+    let places: Vec<Option<usize>> = acts.chunks(TOKENS).map(|c| in_place(c, qs_len)).collect();
     SCRATCH.with(|s| {
         let mut s = s.borrow_mut();
         let s = &mut *s;
-        s.b.resize(blocks * F::UNPACKED, 0);
-        s.c.resize(F::TILES * 256, 0);
-        s.a.resize(TOKENS * qs_len, 0);
-        for blk in 0..blocks {
-            // SAFETY: `b` holds `blocks · UNPACKED` bytes.
-            unsafe { f.unpack(blk, s.b.as_mut_ptr().add(blk * F::UNPACKED)) };
-        }
+        s.b.resize(F::UNPACKED, 0);
+        s.c.resize(2 * F::TILES * 256, 0);
+        s.a.resize(2 * TOKENS * qs_len, 0);
         // SAFETY: the contract.
         unsafe { tiles.configure(&F::config()) };
-        for t0 in (0..acts.len()).step_by(TOKENS) {
-            let m = (acts.len() - t0).min(TOKENS);
-            let chunk = &acts[t0..t0 + m];
-            // The tokens' rows equally spaced (a matmul's are): A straight from them.
-            let base = chunk[0].as_ptr() as usize;
-            let stride = if m == TOKENS {
-                (chunk[1].as_ptr() as usize).saturating_sub(base)
-            } else {
-                0
+        for blk in 0..f.blocks() {
+            // SAFETY: `b` holds `UNPACKED` bytes; the block exists in both groups.
+            let p = unsafe {
+                f.unpack(blk, s.b.as_mut_ptr());
+                f.prep(blk)
             };
-            let direct = stride >= qs_len
-                && chunk
-                    .iter()
-                    .enumerate()
-                    .all(|(i, a)| a.as_ptr() as usize == base + i * stride);
-            let mut acc = [_mm512_setzero_ps(); TOKENS];
-            for blk in 0..blocks {
-                let (a, a_stride) = if direct {
-                    // SAFETY: block `blk` of row `t0` exists (rows checked by `pair_of`).
-                    let p = unsafe { (chunk[0].as_ptr().add(blk) as *const u8).add(qs_at) };
-                    (p, stride)
-                } else {
-                    for (i, row) in chunk.iter().enumerate() {
-                        // SAFETY: a block's quants are `qs_len` bytes from `qs_at`;
-                        // `a` holds sixteen rows of `qs_len`.
-                        unsafe {
-                            let src = (row.as_ptr().add(blk) as *const u8).add(qs_at);
-                            std::ptr::copy_nonoverlapping(
-                                src,
-                                s.a.as_mut_ptr().add(i * qs_len),
-                                qs_len,
-                            );
-                        }
+            for t0 in (0..n).step_by(2 * TOKENS) {
+                // Each tile's A: in place, or its rows' quants copied into the scratch.
+                let mut a = [(std::ptr::null::<u8>(), 0usize); 2];
+                for (h, a) in a.iter_mut().enumerate() {
+                    let from = t0 + h * TOKENS;
+                    if from >= n {
+                        break;
                     }
-                    (s.a.as_ptr(), qs_len)
-                };
-                // SAFETY: sixteen rows of A at `a_stride` (in place: rows of the same
-                // activation matrix; copied: the scratch tile), the block's unpacked
-                // weights, `TILES` C tiles in `c`; the contract for the rest.
+                    let chunk = &acts[from..(from + TOKENS).min(n)];
+                    *a = match places[from / TOKENS] {
+                        // SAFETY: block `blk` of the tile's first row exists (rows checked
+                        // by `pair_of`).
+                        Some(stride) => unsafe {
+                            ((chunk[0].as_ptr().add(blk) as *const u8).add(qs_at), stride)
+                        },
+                        None => {
+                            let dst = s.a[h * TOKENS * qs_len..].as_mut_ptr();
+                            for (i, row) in chunk.iter().enumerate() {
+                                // SAFETY: a block's quants are `qs_len` bytes from `qs_at`;
+                                // the scratch holds sixteen rows of `qs_len` per tile.
+                                unsafe {
+                                    std::ptr::copy_nonoverlapping(
+                                        (row.as_ptr().add(blk) as *const u8).add(qs_at),
+                                        dst.add(i * qs_len),
+                                        qs_len,
+                                    );
+                                }
+                            }
+                            (dst as *const u8, qs_len)
+                        }
+                    };
+                }
+                // SAFETY: sixteen rows of A per tile at its stride (in place: rows of the
+                // same activation matrix; copied: the scratch), the block's unpacked
+                // weights, two tiles' C in `c`; the contract for the rest.
                 unsafe {
                     F::products(
                         tiles,
-                        a,
-                        a_stride,
-                        s.b.as_ptr().add(blk * F::UNPACKED),
+                        a[0].0,
+                        a[0].1,
+                        a[1].0,
+                        a[1].1,
+                        s.b.as_ptr(),
                         s.c.as_mut_ptr(),
                     )
                 };
-                // SAFETY: the block exists in both groups.
-                let p = unsafe { f.prep(blk) };
-                for (i, row) in chunk.iter().enumerate() {
-                    // SAFETY: `c` holds the block's tiles.
-                    acc[i] = unsafe { F::step(&p, s.c.as_ptr(), i, &row[blk], acc[i]) };
+                for t in t0..(t0 + 2 * TOKENS).min(n) {
+                    // The next two tiles' quants (this block's, or the next block's first
+                    // ones), towards L1 while this block's float steps run: the tiles' loads
+                    // otherwise wait on L2.
+                    let (next, nblk) = if t + 2 * TOKENS < n {
+                        (t + 2 * TOKENS, blk)
+                    } else {
+                        (t - t0, blk + 1)
+                    };
+                    if nblk < f.blocks() && next < n {
+                        let q = (acts[next].as_ptr().wrapping_add(nblk) as *const u8)
+                            .wrapping_add(qs_at);
+                        for line in (0..qs_len).step_by(64) {
+                            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(line) as *const i8);
+                        }
+                    }
+                    let (h, i) = ((t - t0) / TOKENS, (t - t0) % TOKENS);
+                    // SAFETY: `c` holds the block's tiles; `out[t]` is sixteen f32.
+                    unsafe {
+                        let c = s.c.as_ptr().add(h * F::TILES * 256);
+                        let o = out[t].as_mut_ptr();
+                        let acc = F::step(&p, c, i, &acts[t][blk], _mm512_loadu_ps(o));
+                        _mm512_storeu_ps(o, acc);
+                    }
                 }
-            }
-            for (i, a) in acc[..m].iter().enumerate() {
-                // SAFETY: `out[t0 + i]` is sixteen f32.
-                unsafe { _mm512_storeu_ps(out[t0 + i].as_mut_ptr(), *a) };
             }
         }
         // SAFETY: the contract.
@@ -859,16 +1018,6 @@ mod kernels {
         mn: [__m512i; 4],
     }
 
-    /// Byte by byte `q·s`, both under 256 and their product too.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    #[inline]
-    unsafe fn mul_bytes(q: __m512i, s: __m512i) -> __m512i {
-        let even = _mm512_set1_epi16(0x00ff);
-        let lo = _mm512_mullo_epi16(_mm512_and_si512(q, even), _mm512_and_si512(s, even));
-        let hi = _mm512_mullo_epi16(_mm512_srli_epi16::<8>(q), _mm512_srli_epi16::<8>(s));
-        _mm512_or_si512(lo, _mm512_slli_epi16::<8>(hi))
-    }
-
     impl<B: K4x8> Format for K4<'_, B> {
         type Act = BlockQ8K;
         type Prep = K4Prep;
@@ -880,7 +1029,7 @@ mod kernels {
         const SPAN: usize = 64;
 
         fn config() -> Config {
-            Config::split()
+            Config::full()
         }
 
         fn blocks(&self) -> usize {
@@ -897,15 +1046,24 @@ mod kernels {
             let (ka, kb) = (ga.k4(), gb.k4());
             let low = _mm512_set1_epi8(0x0f);
             let one = _mm512_set1_epi8(1);
-            let seven = _mm512_set1_epi8(7);
-            // Sub-block j's scale for each byte of a B row: row r's byte four times.
-            let scales: [__m512i; 8] = std::array::from_fn(|j| {
+            let seven = _mm512_set1_epi32(7);
+            // Sub-block j's `lo` and `hi` scale parts in both halves of row r's dword: a
+            // 16-bit multiply scales two quants at once, the even one's product (at most
+            // 31·7) staying in its byte.
+            let mut parts = [[_mm512_setzero_si512(); 2]; 8];
+            for (j, part) in parts.iter_mut().enumerate() {
                 let x = _mm_set_epi64x(
                     u64::from_le_bytes(kb.sc[j]) as i64,
                     u64::from_le_bytes(ka.sc[j]) as i64,
                 );
-                _mm512_mullo_epi32(_mm512_cvtepu8_epi32(x), _mm512_set1_epi32(0x0101_0101))
-            });
+                let sc = _mm512_cvtepu8_epi32(x);
+                let lo = _mm512_and_si512(sc, seven);
+                let hi = _mm512_and_si512(_mm512_srli_epi32::<3>(sc), seven);
+                *part = [
+                    _mm512_or_si512(lo, _mm512_slli_epi32::<16>(lo)),
+                    _mm512_or_si512(hi, _mm512_slli_epi32::<16>(hi)),
+                ];
+            }
             for c in 0..4 {
                 for v in 0..8 {
                     let at = 256 * c + 32 * v;
@@ -916,45 +1074,53 @@ mod kernels {
                         let mut q1 = _mm512_and_si512(_mm512_srli_epi16::<4>(x), low);
                         if let (Some(ha), Some(hb)) = (ga.qh(), gb.qh()) {
                             let h = join(ha.as_ptr().add(32 * v), hb.as_ptr().add(32 * v));
-                            let bit = |s: usize| {
-                                _mm512_slli_epi16::<4>(_mm512_and_si512(shr16(h, s), one))
-                            };
-                            q0 = _mm512_or_si512(q0, bit(2 * c));
-                            q1 = _mm512_or_si512(q1, bit(2 * c + 1));
+                            let b0 = _mm512_and_si512(shr16(h, 2 * c), one);
+                            let b1 = _mm512_and_si512(shr16(h, 2 * c + 1), one);
+                            q0 = _mm512_or_si512(q0, _mm512_slli_epi16::<4>(b0));
+                            q1 = _mm512_or_si512(q1, _mm512_slli_epi16::<4>(b1));
                         }
-                        for (row, q, sc) in [(v, q0, scales[2 * c]), (8 + v, q1, scales[2 * c + 1])]
+                        for (row, q, [lo, hi]) in
+                            [(v, q0, parts[2 * c]), (8 + v, q1, parts[2 * c + 1])]
                         {
-                            let lo = _mm512_and_si512(sc, seven);
-                            let hi = _mm512_and_si512(_mm512_srli_epi16::<3>(sc), seven);
                             let at = 1024 * c + 64 * row;
-                            _mm512_storeu_si512(out.add(at) as *mut _, mul_bytes(q, lo));
-                            _mm512_storeu_si512(out.add(4096 + at) as *mut _, mul_bytes(q, hi));
+                            _mm512_storeu_si512(out.add(at) as *mut _, _mm512_mullo_epi16(q, lo));
+                            _mm512_storeu_si512(
+                                out.add(4096 + at) as *mut _,
+                                _mm512_mullo_epi16(q, hi),
+                            );
                         }
                     }
                 }
             }
         }
 
+        /// Both token tiles against each 64-value step's `lo` and `hi` tiles (a lone tile
+        /// goes twice, its second sums unread).
         #[inline(always)]
         unsafe fn products<T: Tiles>(
             t: &mut T,
-            a: *const u8,
-            stride: usize,
+            a0: *const u8,
+            s0: usize,
+            a1: *const u8,
+            s1: usize,
             b: *const u8,
             c: *mut i32,
         ) {
-            // SAFETY: the contract (256 quants a row at `a`, 8 KiB of tiles at `b`).
+            let (a1, s1) = if a1.is_null() { (a0, s0) } else { (a1, s1) };
+            // SAFETY: the contract (256 quants a row at `a0`, `a1`, 8 KiB of tiles at `b`).
             unsafe {
-                t.zero_acc();
+                t.zero_c();
                 for k in 0..4 {
-                    t.dot_acc(
-                        a.add(64 * k),
-                        stride,
+                    t.dot_pairs(
+                        a0.add(64 * k),
+                        s0,
+                        a1.add(64 * k),
+                        s1,
                         b.add(1024 * k),
                         b.add(4096 + 1024 * k),
                     );
                 }
-                t.store_acc(c);
+                t.store_c(c, 4);
             }
         }
 
@@ -962,16 +1128,21 @@ mod kernels {
         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
         unsafe fn prep(&self, blk: usize) -> K4Prep {
             let (ga, gb) = (self.a[blk].k4(), self.b[blk].k4());
-            // SAFETY: the features (the contract).
+            let mut mn = [_mm512_setzero_si512(); 4];
+            for (c, mn) in mn.iter_mut().enumerate() {
+                // SAFETY: the features (the contract).
+                *mn = unsafe {
+                    let even = bytes16::<false>(&ga.mn[2 * c], &gb.mn[2 * c]);
+                    let odd = bytes16::<false>(&ga.mn[2 * c + 1], &gb.mn[2 * c + 1]);
+                    _mm512_or_si512(even, _mm512_slli_epi32::<16>(odd))
+                };
+            }
+            // SAFETY: as above.
             unsafe {
                 K4Prep {
                     d: halves(&ga.d, &gb.d),
                     dmin: halves(&ga.dmin, &gb.dmin),
-                    mn: std::array::from_fn(|c| {
-                        let even = bytes16::<false>(&ga.mn[2 * c], &gb.mn[2 * c]);
-                        let odd = bytes16::<false>(&ga.mn[2 * c + 1], &gb.mn[2 * c + 1]);
-                        _mm512_or_si512(even, _mm512_slli_epi32::<16>(odd))
-                    }),
+                    mn,
                 }
             }
         }
@@ -987,12 +1158,15 @@ mod kernels {
                 )
             };
             let isum = _mm512_add_epi32(lo, _mm512_slli_epi32::<3>(hi));
+            // The sub-blocks' activation sums (each under 2^15 in size) as i16, sub-blocks
+            // 2c and 2c + 1 side by side in one dword, broadcast against `mn[c]`.
+            // SAFETY: sixteen i16.
+            let bs = unsafe { _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i) };
+            let sums = _mm256_madd_epi16(bs, _mm256_set1_epi16(1));
+            let sums = _mm512_castsi256_si512(_mm256_packs_epi32(sums, sums));
             let mut msum = _mm512_setzero_si512();
-            for (k, mn) in p.mn.iter().enumerate() {
-                let bs = &a.bsums[4 * k..4 * k + 4];
-                let even = (bs[0] as i32 + bs[1] as i32) as u16 as u32;
-                let odd = (bs[2] as i32 + bs[3] as i32) as u16 as u32;
-                let pair = _mm512_set1_epi32((even | odd << 16) as i32);
+            for (mn, at) in p.mn.iter().zip([0, 1, 4, 5]) {
+                let pair = _mm512_permutexvar_epi32(_mm512_set1_epi32(at), sums);
                 msum = _mm512_add_epi32(msum, _mm512_madd_epi16(*mn, pair));
             }
             let qd = _mm512_set1_ps(a.d);
@@ -1001,43 +1175,98 @@ mod kernels {
         }
     }
 
-    /// Q6_K: a product per 16-value sub-block; `Σ_j sc_j·(Σ q·y − 32·Σ y)` in integers (the
-    /// twin's `dot − 32·offs`), then its one fused step.
+    /// Q6_K. Each 16-value sub-block's signed scale is split into three digits,
+    /// `sc = d₀ + 8·d₁ + 64·d₂` with every `dᵢ` in −3..=4, and each digit goes into the
+    /// offset quants `q − 32` (−32..=31, so every product is a signed byte): three planes of
+    /// weight bytes whose products over the whole super-block (`tdpbssd`), `P₀ + 8·P₁ + 64·P₂`,
+    /// are the twin's `Σ_j sc_j·(Σ q·y − 32·Σ y)` exactly: twelve 64-value products a
+    /// super-block in place of sixteen 16-value ones with their sixteen stored sums, and one
+    /// fused step.
     pub struct K6<'a> {
         pub a: &'a [Q6Kx8],
         pub b: &'a [Q6Kx8],
     }
 
-    pub struct K6Prep {
-        d: __m512,
-        sc: [__m512i; 16],
+    /// The digits of a signed byte: `sc = d₀ + 8·d₁ + 64·d₂`, each in −3..=4 (lanes of i32).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    #[inline]
+    unsafe fn digits(sc: __m512i) -> [__m512i; 3] {
+        let three = _mm512_set1_epi32(3);
+        let seven = _mm512_set1_epi32(7);
+        let d0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(sc, three), seven), three);
+        let r1 = _mm512_srai_epi32::<3>(_mm512_sub_epi32(sc, d0));
+        let d1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r1, three), seven), three);
+        let d2 = _mm512_srai_epi32::<3>(_mm512_sub_epi32(r1, d1));
+        [d0, d1, d2]
+    }
+
+    /// A 16-bit lane's low half in both halves of each dword (row r's dword holds two 16-bit
+    /// lanes of row r).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    #[inline]
+    unsafe fn both(x: __m512i) -> __m512i {
+        let x = _mm512_and_si512(x, _mm512_set1_epi32(0xffff));
+        _mm512_or_si512(x, _mm512_slli_epi32::<16>(x))
     }
 
     impl Format for K6<'_> {
         type Act = BlockQ8K;
-        type Prep = K6Prep;
-        const UNPACKED: usize = 4096;
-        const TILES: usize = 16;
-        const SPAN: usize = 16;
+        type Prep = __m512;
+        /// Three planes (the digits) of four 64-value tiles by sixteen rows.
+        const UNPACKED: usize = 3 * 4096;
+        const TILES: usize = 3;
+        /// Unused: the products span the super-block.
+        const SPAN: usize = 64;
+
+        fn config() -> Config {
+            Config::full()
+        }
 
         fn blocks(&self) -> usize {
             self.a.len()
         }
 
         /// 32-value chunk `cc` (`n = cc / 4` the half, `k = cc % 4` the quarter) into B rows
-        /// `8cc .. 8cc + 8`, which are sub-blocks `2cc` and `2cc + 1`'s tiles.
+        /// `8cc .. 8cc + 8` of each plane, which are sub-blocks `2cc` and `2cc + 1`; each byte
+        /// `(q − 32)·d`, `d` its row's digit of the sub-block's scale.
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
         unsafe fn unpack(&self, blk: usize, out: *mut u8) {
             let (ga, gb) = (&self.a[blk], &self.b[blk]);
             let low = _mm512_set1_epi8(0x0f);
             let two = _mm512_set1_epi8(3);
+            let flip = _mm512_set1_epi16(0x80);
+            let (m32, c128) = (_mm512_set1_epi32(-32 * 257), _mm512_set1_epi32(128));
             for cc in 0..8 {
                 let (n, k) = (cc / 4, cc % 4);
+                // Per sub-block and plane: the digit `d`, and `128 − 32·d` in each byte: a
+                // 16-bit multiply of two quants `q` (0..=63) by `d` plus this gives
+                // `(q − 32)·d + 128` in the even byte (0..=252: no borrow from the odd one)
+                // and `(q − 32)·d` in the odd byte; the even byte's 128 is flipped off.
+                let mut ds = [[(_mm512_setzero_si512(), _mm512_setzero_si512()); 3]; 2];
+                for (h, ds) in ds.iter_mut().enumerate() {
+                    let j = 2 * cc + h;
+                    // SAFETY: the features (the contract); eight bytes a group.
+                    let sc = unsafe {
+                        let x = _mm_set_epi64x(
+                            std::ptr::read_unaligned(gb.sc[j].as_ptr() as *const i64),
+                            std::ptr::read_unaligned(ga.sc[j].as_ptr() as *const i64),
+                        );
+                        _mm512_cvtepi8_epi32(x)
+                    };
+                    // SAFETY: as above.
+                    let dg = unsafe { digits(sc) };
+                    for (slot, d) in ds.iter_mut().zip(dg) {
+                        let off = _mm512_add_epi32(_mm512_mullo_epi32(d, m32), c128);
+                        // SAFETY: as above.
+                        *slot = unsafe { (both(d), both(off)) };
+                    }
+                }
                 for v in 0..8 {
                     let l_at = 32 * (16 * n + 8 * (k % 2) + v);
                     let h_at = 32 * (8 * n + v);
-                    // SAFETY: `l_at + 32 <= 1024`, `h_at + 32 <= 512`; `out` holds 4096 bytes.
+                    // SAFETY: `l_at + 32 <= 1024`, `h_at + 32 <= 512`; `out` holds three
+                    // planes of 4096 bytes.
                     unsafe {
                         let l = join(ga.ql.as_ptr().add(l_at), gb.ql.as_ptr().add(l_at));
                         let h = join(ga.qh.as_ptr().add(h_at), gb.qh.as_ptr().add(h_at));
@@ -1047,43 +1276,69 @@ mod kernels {
                             _mm512_and_si512(_mm512_srli_epi16::<4>(l), low)
                         };
                         let hi = _mm512_slli_epi16::<4>(_mm512_and_si512(shr16(h, 2 * k), two));
-                        _mm512_storeu_si512(
-                            out.add(512 * cc + 64 * v) as *mut _,
-                            _mm512_or_si512(lo, hi),
-                        );
+                        let q = _mm512_or_si512(lo, hi);
+                        for (plane, (d, off)) in ds[v / 4].iter().enumerate() {
+                            let p = _mm512_add_epi16(_mm512_mullo_epi16(q, *d), *off);
+                            _mm512_storeu_si512(
+                                out.add(4096 * plane + 512 * cc + 64 * v) as *mut _,
+                                _mm512_xor_si512(p, flip),
+                            );
+                        }
                     }
                 }
             }
         }
 
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-        unsafe fn prep(&self, blk: usize) -> K6Prep {
-            let (ga, gb) = (&self.a[blk], &self.b[blk]);
-            let bytes = |s: &[i8; ROWS]| s.map(|x| x as u8);
-            // SAFETY: the features (the contract).
+        #[inline(always)]
+        unsafe fn products<T: Tiles>(
+            t: &mut T,
+            a0: *const u8,
+            s0: usize,
+            a1: *const u8,
+            s1: usize,
+            b: *const u8,
+            c: *mut i32,
+        ) {
+            // SAFETY: the contract (256 quants a row at `a0`, `a1`; three planes of 4 KiB
+            // at `b`; six C tiles at `c`).
             unsafe {
-                K6Prep {
-                    d: halves(&ga.d, &gb.d),
-                    sc: std::array::from_fn(|j| {
-                        bytes16::<true>(&bytes(&ga.sc[j]), &bytes(&gb.sc[j]))
-                    }),
+                for (a, s, c) in [(a0, s0, c), (a1, s1, c.add(3 * 256))] {
+                    if a.is_null() {
+                        break;
+                    }
+                    t.zero_c();
+                    for k in 0..4 {
+                        t.dot_digits(a.add(64 * k), s, b.add(1024 * k), 4096);
+                    }
+                    t.store_c(c, 3);
                 }
             }
         }
 
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-        unsafe fn step(p: &K6Prep, c: *const i32, i: usize, a: &BlockQ8K, acc: __m512) -> __m512 {
-            let mut isum = _mm512_setzero_si512();
-            for (j, sc) in p.sc.iter().enumerate() {
-                // SAFETY: tile `j`, token row `i`.
-                let dot = unsafe { _mm512_loadu_si512(c.add(256 * j + 16 * i) as *const _) };
-                let off = _mm512_set1_epi32(32 * a.bsums[j] as i32);
-                isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_sub_epi32(dot, off), *sc));
-            }
+        unsafe fn prep(&self, blk: usize) -> __m512 {
+            // SAFETY: the features (the contract).
+            unsafe { halves(&self.a[blk].d, &self.b[blk].d) }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+        unsafe fn step(d: &__m512, c: *const i32, i: usize, a: &BlockQ8K, acc: __m512) -> __m512 {
+            // SAFETY: the three C tiles, token row `i`.
+            let (p0, p1, p2) = unsafe {
+                (
+                    _mm512_loadu_si512(c.add(16 * i) as *const _),
+                    _mm512_loadu_si512(c.add(256 + 16 * i) as *const _),
+                    _mm512_loadu_si512(c.add(512 + 16 * i) as *const _),
+                )
+            };
+            let isum = _mm512_add_epi32(
+                p0,
+                _mm512_add_epi32(_mm512_slli_epi32::<3>(p1), _mm512_slli_epi32::<6>(p2)),
+            );
             let qd = _mm512_set1_ps(a.d);
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(p.d, qd), acc)
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(*d, qd), acc)
         }
     }
 
