@@ -33,6 +33,9 @@ fn tile_pass_gives_each_token_its_bits_alone() {
         DType::Q4K,
         DType::Q5K,
         DType::Q6K,
+        // The 32-value formats keep the VNNI kernels (`amx::pays`): here they check that
+        // the gate leaves them their bits; their tile kernels are held to the twins in
+        // `kernels.rs`.
         DType::Q8_0,
         DType::Q4_0,
         DType::Q4_1,

@@ -1448,6 +1448,7 @@ trait PackedRows: quant::amx::Act + Sized + 'static {
         #[cfg(target_arch = "x86_64")]
         if n >= quant::amx::MIN_TOKENS
             && g + 1 < end / ROWS
+            && quant::amx::pays(p)
             && quant::amx::mode() != quant::amx::Mode::Off
         {
             use quant::amx::{gemm_pair, Amx, Emulated, Mode};
