@@ -623,6 +623,8 @@ struct Scratch {
     b: Vec<u8>,
     c: Vec<i32>,
     a: Vec<u8>,
+    /// Per tile of sixteen tokens: its activations' row stride where read in place.
+    places: Vec<Option<usize>>,
 }
 
 thread_local! {
@@ -875,10 +877,12 @@ unsafe fn run<T: Tiles, F: Format>(
     let n = acts.len();
     let (qs_at, qs_len) = F::Act::QS;
     out[..n].iter_mut().for_each(|o| *o = [0.0; PAIR]);
-    let places: Vec<Option<usize>> = acts.chunks(TOKENS).map(|c| in_place(c, qs_len)).collect();
     SCRATCH.with(|s| {
         let mut s = s.borrow_mut();
         let s = &mut *s;
+        s.places.clear();
+        s.places
+            .extend(acts.chunks(TOKENS).map(|c| in_place(c, qs_len)));
         s.b.resize(F::UNPACKED, 0);
         s.c.resize(2 * F::TILES * 256, 0);
         s.a.resize(2 * TOKENS * qs_len, 0);
@@ -899,7 +903,7 @@ unsafe fn run<T: Tiles, F: Format>(
                         break;
                     }
                     let chunk = &acts[from..(from + TOKENS).min(n)];
-                    *a = match places[from / TOKENS] {
+                    *a = match s.places[from / TOKENS] {
                         // SAFETY: block `blk` of the tile's first row exists (rows checked
                         // by `pair_of`).
                         Some(stride) => unsafe {
@@ -937,21 +941,6 @@ unsafe fn run<T: Tiles, F: Format>(
                     )
                 };
                 for t in t0..(t0 + 2 * TOKENS).min(n) {
-                    // The next two tiles' quants (this block's, or the next block's first
-                    // ones), towards L1 while this block's float steps run: the tiles' loads
-                    // otherwise wait on L2.
-                    let (next, nblk) = if t + 2 * TOKENS < n {
-                        (t + 2 * TOKENS, blk)
-                    } else {
-                        (t - t0, blk + 1)
-                    };
-                    if nblk < f.blocks() && next < n {
-                        let q = (acts[next].as_ptr().wrapping_add(nblk) as *const u8)
-                            .wrapping_add(qs_at);
-                        for line in (0..qs_len).step_by(64) {
-                            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(line) as *const i8);
-                        }
-                    }
                     let (h, i) = ((t - t0) / TOKENS, (t - t0) % TOKENS);
                     // SAFETY: `c` holds the block's tiles; `out[t]` is sixteen f32.
                     unsafe {
@@ -1069,10 +1058,8 @@ mod kernels {
                 let sc = _mm512_cvtepu8_epi32(x);
                 let lo = _mm512_and_si512(sc, seven);
                 let hi = _mm512_and_si512(_mm512_srli_epi32::<3>(sc), seven);
-                *part = [
-                    _mm512_or_si512(lo, _mm512_slli_epi32::<16>(lo)),
-                    _mm512_or_si512(hi, _mm512_slli_epi32::<16>(hi)),
-                ];
+                // SAFETY: the features (the contract).
+                *part = unsafe { [both(lo), both(hi)] };
             }
             for c in 0..4 {
                 for v in 0..8 {
@@ -1256,13 +1243,12 @@ mod kernels {
                 let mut ds = [[(_mm512_setzero_si512(), _mm512_setzero_si512()); 3]; 2];
                 for (h, ds) in ds.iter_mut().enumerate() {
                     let j = 2 * cc + h;
-                    // SAFETY: the features (the contract); eight bytes a group.
+                    // SAFETY: the features (the contract); i8 and u8 share a layout.
                     let sc = unsafe {
-                        let x = _mm_set_epi64x(
-                            std::ptr::read_unaligned(gb.sc[j].as_ptr() as *const i64),
-                            std::ptr::read_unaligned(ga.sc[j].as_ptr() as *const i64),
-                        );
-                        _mm512_cvtepi8_epi32(x)
+                        bytes16::<true>(
+                            &*(ga.sc[j].as_ptr() as *const [u8; ROWS]),
+                            &*(gb.sc[j].as_ptr() as *const [u8; ROWS]),
+                        )
                     };
                     // SAFETY: as above.
                     let dg = unsafe { digits(sc) };
