@@ -8,8 +8,10 @@
 //! - `dot_f32`: the f32 dot product (attention, f32 weights).
 //! - `peak/…`: the int8 multiply-add peak of each `vpdpbusd` form this CPU runs (register
 //!   operands, twelve independent accumulators; and the packed kernels' mix, a broadcast
-//!   activation word from memory per instruction), in int8 operations (multiply and add
-//!   counted apart): what prefill's share of the peak is measured against.
+//!   activation word from memory per instruction), and of AVX2's two mixes (`maddubs` summed
+//!   in i16 as the 4-, 5- and 6-bit kernels do; `sign` + `maddubs` + `madd` as Q8_0's does),
+//!   in int8 operations (multiply and add counted apart): what prefill's share of the peak is
+//!   measured against.
 //!
 //! `cargo bench -p ferrum-backend --bench kernels` runs all (about two minutes);
 //! `cargo bench -p ferrum-backend --bench kernels -- 'matmul_n1/Q4_K'` one. Short measurement
@@ -162,6 +164,65 @@ mod peak {
         t
     }
 
+    /// AVX2's mix in the packed 4- and 5-bit kernels: `maddubs` of the weights with one
+    /// activation word broadcast from memory, summed in i16, widened to i32 by `madd` every
+    /// eight rounds (as the Q4_K kernel widens each eight-vector sub-block).
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn maddubs(iters: usize, u: u8, words: &[i32; ACC]) -> i64 {
+        const A: usize = 6;
+        let (a, ones) = (_mm256_set1_epi8(u as i8), _mm256_set1_epi16(1));
+        let mut s16 = [_mm256_setzero_si256(); A];
+        let mut s32 = [_mm256_setzero_si256(); A];
+        for round in 0..iters {
+            // An opaque pointer each round: the words are loaded again, each load folded into
+            // its broadcast as in the kernels (a volatile read would not be).
+            let p = std::hint::black_box(words.as_ptr());
+            for (i, x) in s16.iter_mut().enumerate() {
+                let w = p.add(i).read();
+                *x = _mm256_add_epi16(*x, _mm256_maddubs_epi16(a, _mm256_set1_epi32(w)));
+            }
+            if round % 8 == 7 {
+                for (x, y) in s16.iter_mut().zip(s32.iter_mut()) {
+                    *y = _mm256_add_epi32(*y, _mm256_madd_epi16(*x, ones));
+                    *x = _mm256_setzero_si256();
+                }
+            }
+        }
+        lanes_sum(&s32)
+    }
+
+    /// AVX2's mix in the packed Q8_0 kernel: the weight's sign moved onto the broadcast
+    /// activation word (`sign`), `maddubs` with the weight's magnitude, `madd` to i32 at once
+    /// (two pair sums of 8-bit products can overflow i16), then the i32 add.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn maddubs_madd(iters: usize, u: u8, words: &[i32; ACC]) -> i64 {
+        const A: usize = 8;
+        let (x, ones) = (_mm256_set1_epi8(u as i8), _mm256_set1_epi16(1));
+        let ax = _mm256_sign_epi8(x, x);
+        let mut s32 = [_mm256_setzero_si256(); A];
+        for _ in 0..iters {
+            let p = std::hint::black_box(words.as_ptr());
+            for (i, acc) in s32.iter_mut().enumerate() {
+                let w = p.add(i).read();
+                let y = _mm256_sign_epi8(_mm256_set1_epi32(w), x);
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, y), ones);
+                *acc = _mm256_add_epi32(*acc, p);
+            }
+        }
+        lanes_sum(&s32)
+    }
+
+    #[target_feature(enable = "avx2")]
+    unsafe fn lanes_sum(v: &[__m256i]) -> i64 {
+        let mut t = 0i64;
+        for &x in v {
+            let mut l = [0i32; 8];
+            _mm256_storeu_si256(l.as_mut_ptr() as *mut __m256i, x);
+            t += l.iter().map(|&v| v as i64).sum::<i64>();
+        }
+        t
+    }
+
     /// 256-bit (the EVEX form; the VEX AVX-VNNI one is the same instruction).
     #[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
     pub unsafe fn ymm(iters: usize, u: u8, s: i8) -> i64 {
@@ -231,7 +292,32 @@ fn bench_peak(c: &mut Criterion) {
             });
         }
         if !vnni512 {
-            eprintln!("peak: this CPU runs no AVX512-VNNI; no peak measured");
+            eprintln!("peak: this CPU runs no AVX512-VNNI; no VNNI peak measured");
+        }
+        if std::is_x86_feature_detected!("avx2") {
+            // Six and eight accumulators: the most whose sums, operands and constants fit
+            // AVX2's sixteen registers.
+            let (u, s) = (3u8, -2i8);
+            let words = [i32::from_le_bytes([s as u8; 4]); ACC];
+            // SAFETY: AVX2 checked just above.
+            let (r, rq) = unsafe {
+                (
+                    peak::maddubs(iters, u, &words),
+                    peak::maddubs_madd(iters, u, &words),
+                )
+            };
+            assert_eq!(r, peak_scalar(iters, 8 * 6, u, [s; 4]));
+            assert_eq!(rq, peak_scalar(iters, 8 * 8, u, [s; 4]));
+            g.throughput(Throughput::Elements((iters * 6 * 32 * 2) as u64));
+            g.bench_function("avx2_maddubs_m32bcst", |b| {
+                // SAFETY: as above.
+                b.iter(|| unsafe { peak::maddubs(black_box(iters), 3, &words) })
+            });
+            g.throughput(Throughput::Elements((iters * 8 * 32 * 2) as u64));
+            g.bench_function("avx2_maddubs_madd_m32bcst", |b| {
+                // SAFETY: as above.
+                b.iter(|| unsafe { peak::maddubs_madd(black_box(iters), 3, &words) })
+            });
         }
         // The AMX tiles' mix in the prefill kernels: two token tiles by two weight tiles
         // (`dot_pairs`, its four tiles loaded from L1 each round), four `tdpbsud` a round.
