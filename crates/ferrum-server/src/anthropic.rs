@@ -347,11 +347,10 @@ fn tool_use(st: &AppState, c: &ToolCall) -> (String, Value) {
 }
 
 fn stop_reason(c: &Choice, tool_use: bool) -> (&'static str, Value) {
-    if tool_use {
-        return ("tool_use", Value::Null);
-    }
+    // `max_tokens` wins over a tool call: a call cut short may have unfinished input.
     match (c.finish, &c.stop_string) {
         (Some(FinishReason::Length), _) => ("max_tokens", Value::Null),
+        _ if tool_use => ("tool_use", Value::Null),
         (_, Some(s)) => ("stop_sequence", json!(s)),
         _ => ("end_turn", Value::Null),
     }

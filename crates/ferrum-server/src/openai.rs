@@ -113,7 +113,17 @@ pub(crate) fn assistant_message(
         })
         .collect();
     m["tool_calls"] = json!(calls);
-    (m, Some("tool_calls"))
+    (m, Some(call_finish(finish)))
+}
+
+/// The finish reason of an answer with tool calls: `tool_calls`, unless `max_tokens` cut it
+/// short (perhaps inside a call's arguments), which says `length` as OpenAI's API does, so
+/// that a client does not run a call whose arguments never closed.
+pub(crate) fn call_finish(finish: Option<FinishReason>) -> &'static str {
+    match finish {
+        Some(FinishReason::Length) => "length",
+        _ => "tool_calls",
+    }
 }
 
 pub async fn chat(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
@@ -237,7 +247,7 @@ async fn chat_inner(
         }
         if let OutputKind::Finished { reason, .. } = &o.kind {
             let finish = if answers[i].calls() > 0 {
-                "tool_calls"
+                call_finish(Some(*reason))
             } else {
                 finish_name(*reason)
             };
