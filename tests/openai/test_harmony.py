@@ -161,6 +161,13 @@ def test_a_call_cut_off_by_max_tokens_finishes_with_length(which, request):
             cut_in_call += bool(r.choices[0].message.tool_calls)
     # Some of the cut answers had a call begun (reported, but as cut short).
     assert cut_in_call > 0
+    # Budgets that end inside the first channel header: nothing of the markup comes back.
+    for max_tokens in range(1, 12):
+        m = c.chat.completions.create(
+            model=served.model, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER],
+            tool_choice=forced, max_tokens=max_tokens, temperature=1.0, seed=1).choices[0].message
+        for text in (m.content or "", getattr(m, "reasoning_content", None) or ""):
+            assert "<|" not in text, (max_tokens, text)
 
 
 def test_a_json_schema_answer_validates_after_the_analysis(templated):

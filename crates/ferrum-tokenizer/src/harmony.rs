@@ -229,7 +229,11 @@ impl Parser {
                     out.push(Event::CallEnd);
                 }
             }
-            State::Header if self.fresh => emit(&mut out, Body::Content, held),
+            // Text that only might have become a header ("assis") is the answer; a header
+            // begun with a whole marker and cut short ("<|channel|>analy") is markup.
+            State::Header if self.fresh && !starts_with_marker(&held) => {
+                emit(&mut out, Body::Content, held)
+            }
             State::Plain => emit(&mut out, Body::Content, held),
             // A header the answer stopped in, or text after the last message, says nothing.
             State::Header | State::Between => {}
@@ -248,6 +252,11 @@ impl Parser {
         let starts = |p: &str| t.starts_with(p) || p.starts_with(t);
         MARKERS.iter().any(|m| starts(m)) || starts("assistant") || starts("to=")
     }
+}
+
+fn starts_with_marker(s: &str) -> bool {
+    let t = s.trim_start();
+    MARKERS.iter().any(|m| t.starts_with(m))
 }
 
 fn emit(out: &mut Vec<Event>, body: Body, text: String) {
@@ -586,6 +595,11 @@ mod tests {
             ("<|channel|>final<|message|>a < b <| c", vec![Content("a < b <| c".into())]),
             // Cut off inside the analysis: reasoning only.
             ("<|channel|>analysis<|message|>Hmm", vec![Reasoning("Hmm".into())]),
+            // Cut off inside the first header (max_tokens): nothing, not the markup as text.
+            ("<|channel|>analysi", vec![]),
+            ("<|channel|>commentary to=functions.f <|constrain|>js", vec![]),
+            // Text that could only have become a header is the answer.
+            ("assis", vec![Content("assis".into())]),
         ];
         for (text, want) in cases {
             for step in [1, 2, 3, 7, 1000] {
