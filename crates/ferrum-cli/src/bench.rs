@@ -8,7 +8,6 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use clap::Args;
 use ferrum_backend::Backend;
-use ferrum_models::Logits;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -168,16 +167,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut kv = model.decoder.alloc_kv_tokens(ctx);
 
     // One untimed warm-up of each test: first touches of the mapped weights are page faults.
+    // Logits stay where the pass leaves them, as in the engine's decode step (no per-token
+    // vocabulary-sized copy: see `Decoder::forward_last`).
+    let mut spare = Vec::new();
     let mut pp = Vec::new();
     if a.pp > 0 {
         model
             .decoder
-            .forward(&mut kv, &tokens[..a.pp], 0, Logits::Last)?;
+            .forward_last(&mut kv, &tokens[..a.pp], 0, &mut spare)?;
         for _ in 0..a.reps {
             let t = Instant::now();
             model
                 .decoder
-                .forward(&mut kv, &tokens[..a.pp], 0, Logits::Last)?;
+                .forward_last(&mut kv, &tokens[..a.pp], 0, &mut spare)?;
             pp.push(a.pp as f64 / t.elapsed().as_secs_f64());
         }
     }
@@ -190,7 +192,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             }
             let t = Instant::now();
             for (i, &tok) in tokens[..a.tg].iter().enumerate() {
-                model.decoder.forward(&mut kv, &[tok], i, Logits::Last)?;
+                model.decoder.forward_last(&mut kv, &[tok], i, &mut spare)?;
             }
             if rep > 0 {
                 tg.push(a.tg as f64 / t.elapsed().as_secs_f64());

@@ -262,3 +262,41 @@ fn batch_logits_read_in_place_equal_the_copied_ones() {
         );
     }
 }
+
+/// `forward_last` (what `ferrum bench` times) gives the bits of `forward`'s last row, for a
+/// prompt of several passes, for one that fills its passes exactly, and for decode steps.
+#[test]
+fn last_logits_in_place_equal_the_copied_ones() {
+    let path = dir("qwen3").join("model-f32.gguf");
+    let ctx = 3 * ferrum_models::decoder::CHUNK;
+    let mut m = Model::open(
+        &path,
+        CpuBackend::new(),
+        &LoadOptions { context: Some(ctx) },
+    )
+    .unwrap();
+    let vocab = m.decoder.config.vocab_size as u32;
+    let tokens: Vec<u32> = (0..ctx as u32).map(|i| (i * 7 + 3) % vocab).collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for prompt in [
+        ferrum_models::decoder::CHUNK + 5,
+        2 * ferrum_models::decoder::CHUNK,
+        1,
+    ] {
+        let mut copied_kv = m.decoder.alloc_kv_tokens(ctx);
+        let mut viewed_kv = m.decoder.alloc_kv_tokens(ctx);
+        let mut spare = Vec::new();
+        for (start, end) in [(0, prompt), (prompt, prompt + 1), (prompt + 1, prompt + 2)] {
+            let copied = m
+                .decoder
+                .forward(&mut copied_kv, &tokens[start..end], start, Logits::Last)
+                .unwrap();
+            let viewed = m
+                .decoder
+                .forward_last(&mut viewed_kv, &tokens[start..end], start, &mut spare)
+                .unwrap();
+            assert_eq!(copied.len(), vocab as usize, "prompt {prompt}, at {start}");
+            assert_eq!(bits(&copied), bits(viewed), "prompt {prompt}, at {start}");
+        }
+    }
+}
