@@ -175,7 +175,7 @@ const MAX_INT_PART: f64 = 999_999_999_999_999.0;
 /// read it: every object closed unless the schema opens it (no `additionalProperties`,
 /// `patternProperties` or `unevaluatedProperties` of its own — left alone inside `allOf`,
 /// whose branches are merged), and every `integer` / `number` without a bound given one of
-/// ±[`MAX_INT_PART`]. Without these a model may add keys until `max_tokens`, or run an
+/// ±`MAX_INT_PART`. Without these a model may add keys until `max_tokens`, or run an
 /// integer to a hundred digits, and never finish the JSON.
 pub fn tighten(mut schema: serde_json::Value) -> serde_json::Value {
     tighten_in(&mut schema, false);

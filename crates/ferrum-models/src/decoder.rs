@@ -4,9 +4,9 @@
 //! differs between families is fixed at load from the [`ModelConfig`]; the pass does not
 //! probe for features.
 //!
-//! Per layer: [norm] → attention (QKV projection → QK-norm → RoPE → K and V written into
-//! the cache → causal GQA attention → O projection) → [post-norm] → residual add (fused with
-//! the next norm) → [norm] → FFN → [post-norm] → residual add. Bracketed norms are where the
+//! Per layer: \[norm\] → attention (QKV projection → QK-norm → RoPE → K and V written into
+//! the cache → causal GQA attention → O projection) → \[post-norm\] → residual add (fused with
+//! the next norm) → \[norm\] → FFN → \[post-norm\] → residual add. Bracketed norms are where the
 //! family has them: Llama the two pre-norms, Gemma all four, OLMo 2 the two post-norms.
 
 use ferrum_backend::{

@@ -5,7 +5,7 @@
 //! `constants.py` for the token type numbers.
 //!
 //! - `gpt2`: byte-level BPE from `tokenizer.ggml.tokens` + `tokenizer.ggml.merges`, with the
-//!   regex split of the file's `tokenizer.ggml.pre` (see [`crate::pretok`]).
+//!   regex split of the file's `tokenizer.ggml.pre` (see `pretok`).
 //! - `llama` (SentencePiece BPE): llama.cpp repeatedly merges the adjacent pair whose
 //!   concatenation is a vocabulary entry with the highest score. That is BPE whose merges
 //!   are every (left, right) split of each vocabulary entry, ranked by the entry's score;

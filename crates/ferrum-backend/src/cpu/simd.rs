@@ -73,7 +73,7 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 ///
 /// `softmax(s, scale)`: `s[j] = exp(scale·s[j] − max) / Σ`, with [`exp_f32`]'s polynomial;
 /// the sum taken in eight lanes (element `j` in lane `j % 8`, the tail past the last multiple
-/// of eight in lanes `0..`) reduced as [`hsum8`].
+/// of eight in lanes `0..`) reduced as `hsum8`.
 ///
 /// `dot4_f16(q, g, cache, offs, out)` and `mix_f16(p, g, cache, offs, acc)`: the same two
 /// for `g` (1 to [`F16_HEADS`]) query heads at once, reading each key or value row straight
@@ -507,9 +507,9 @@ fn bf16_rne(x: f32) -> u16 {
 /// into one accumulator of 16 lanes, lane `l` of a chunk taking values `2l + 1` then `2l`
 /// (each product exact, each addition rounded to nearest with subnormal inputs and results as
 /// zero), a short last chunk padded with zeros; then the lanes summed as halves, then
-/// [`hsum8`]'s order. One chain per (row, token): the kernels take their parallelism from
+/// `hsum8`'s order. One chain per (row, token): the kernels take their parallelism from
 /// several rows and tokens at once, and the sum needs one reduction. The scalar twin of
-/// [`dot_bf16`].
+/// [`dot_bf16_rx1`] and [`dot_bf16_rx3`].
 pub fn dot_bf16_scalar(x: &[u16], w: &[u16]) -> f32 {
     let n = x.len().min(w.len());
     let mut acc = [0f32; 16];

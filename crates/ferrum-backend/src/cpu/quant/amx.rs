@@ -105,7 +105,7 @@ pub trait Tiles {
 
     /// Tile set `set` (0 or 1): loads A from `a` (rows `stride` bytes apart) and B from `b`
     /// (rows 64 bytes apart), zeroes C, adds A·B (`tdpbsud`: A's bytes signed, B's
-    /// unsigned; C[m][n] = Σ_k Σ_i A[m][4k + i]·B[k][4n + i]) and stores C at `c` (rows of
+    /// unsigned; `C[m][n] = Σ_k Σ_i A[m][4k + i]·B[k][4n + i]`) and stores C at `c` (rows of
     /// sixteen int32, 64 bytes apart).
     ///
     /// # Safety

@@ -121,7 +121,7 @@ impl Isa {
 #[derive(Clone, Copy)]
 pub struct Q8_0x8 {
     pub d: [f16; ROWS],
-    /// The quants plus 128, as unsigned bytes (see [`pack_q8_0`]).
+    /// The quants plus 128, as unsigned bytes (see `pack_q8_0`).
     pub qs: [u8; 256],
 }
 const _: () = assert!(std::mem::size_of::<Q8_0x8>() == 8 * 34);

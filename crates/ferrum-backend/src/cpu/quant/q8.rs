@@ -124,7 +124,7 @@ pub(crate) unsafe fn fp16(h: half::f16) -> f32 {
 }
 
 /// How far ahead of the current weight block the kernels prefetch (into L2, see
-/// [`prefetch`]). The weight stream is far larger than the caches, and the hardware
+/// `prefetch`). The weight stream is far larger than the caches, and the hardware
 /// prefetchers (which stop at 4 KiB page boundaries) keep too little of it in flight.
 /// Measured on SmolLM2 decode (2 threads, file-layout kernels, L1 hint): no prefetch
 /// ≈ 58 tok/s (Q4_1), 1 KiB ≈ 110, 2 KiB ≈ 133, 4 KiB ≈ 140. With the packed kernels, the
