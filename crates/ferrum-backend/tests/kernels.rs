@@ -3,11 +3,81 @@
 //! dequantised weights times the unquantised activations).
 
 use ferrum_backend::cpu::quant::q8::{quantize_q8, quantize_q8k, BlockQ8, BlockQ8K};
-use ferrum_backend::cpu::quant::{best_kernel, dequantize, scalar_kernel, Kernel};
+use ferrum_backend::cpu::quant::{best_kernel, dequantize, scalar_kernel, Dot2x4, Kernel};
 use rand::{Rng, SeedableRng};
 
 mod common;
 use common::blocks::{random_blocks, Aligned, FORMATS};
+
+/// A SIMD kernel's four shapes over one activation format.
+struct Shapes<A: 'static> {
+    dot: fn(&[u8], &[A]) -> f32,
+    dot4: fn(&[u8], [&[A]; 4]) -> [f32; 4],
+    rows4: fn([&[u8]; 4], &[A]) -> [f32; 4],
+    dot2x4: Dot2x4<A>,
+}
+
+/// A kernel's shapes, if its activations are the format of `Kernel::$variant`.
+macro_rules! shapes {
+    ($k:expr, $variant:ident) => {
+        match $k {
+            Kernel::$variant {
+                dot,
+                dot4,
+                rows4,
+                dot2x4,
+            } => Some(Shapes {
+                dot,
+                dot4,
+                rows4,
+                dot2x4,
+            }),
+            _ => None,
+        }
+    };
+}
+
+impl<A: Clone + Default> Shapes<A> {
+    /// Quantises `x` into blocks of `block` values, checks that the four-token, four-row and
+    /// two-by-four kernels give each (row, token) exactly the one-token result, and returns the
+    /// scalar twin's and this kernel's dot with the bound of the activations' rounding.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        dt: impl std::fmt::Display,
+        w: &[u8],
+        wf: &[f32],
+        x: &[f32],
+        scalar: fn(&[u8], &[A]) -> f32,
+        quantize: fn(&[f32], &mut [A]),
+        block: usize,
+        d: fn(&A) -> f32,
+    ) -> (f32, f32, f64) {
+        let mut a = vec![A::default(); x.len() / block];
+        quantize(x, &mut a);
+        let a = &a[..];
+        let one = (self.dot)(w, a).to_bits();
+        let x4 = (self.dot4)(w, [a, a, a, a]);
+        assert!(x4.iter().all(|v| v.to_bits() == one), "{dt}: dot4");
+        let r4 = (self.rows4)([w, w, w, w], a);
+        assert!(r4.iter().all(|v| v.to_bits() == one), "{dt}: rows4");
+        let t = (self.dot2x4)([w, w], [a, a, a, a]);
+        assert!(
+            t.iter().flatten().all(|v| v.to_bits() == one),
+            "{dt}: dot2x4"
+        );
+        let bound = rounding_bound(wf, block, a.iter().map(d));
+        (scalar(w, a), (self.dot)(w, a), bound)
+    }
+}
+
+/// |Σ w (x - x̂)| ≤ Σ_blocks Σ|w| · d/2, for activation blocks of `block` values and scales `d`.
+fn rounding_bound(wf: &[f32], block: usize, d: impl Iterator<Item = f32>) -> f64 {
+    wf.chunks(block)
+        .zip(d)
+        .map(|(wb, d)| wb.iter().map(|v| v.abs() as f64).sum::<f64>() * d as f64 * 0.5)
+        .sum()
+}
 
 #[test]
 fn simd_equals_scalar_and_both_approximate_f32() {
@@ -22,86 +92,15 @@ fn simd_equals_scalar_and_both_approximate_f32() {
             let mut wf = vec![0f32; n];
             assert!(dequantize(dt, w, &mut wf));
             let exact: f64 = wf.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
-            let (scalar, fast, bound) = match (scalar_kernel(dt).unwrap(), best_kernel(dt).unwrap())
-            {
-                (
-                    Kernel::Q8 { dot: s, .. },
-                    Kernel::Q8 {
-                        dot: f,
-                        dot4: f4,
-                        rows4: r4,
-                        dot2x4: d24,
-                    },
-                ) => {
-                    let mut a = vec![BlockQ8::default(); n / 32];
-                    quantize_q8(&x, &mut a);
-                    // The four-token kernel gives each token exactly the one-token result.
-                    let x4 = f4(w, [&a, &a, &a, &a]);
-                    assert!(
-                        x4.iter().all(|v| v.to_bits() == f(w, &a).to_bits()),
-                        "{dt}: dot4"
-                    );
-                    let r4v = r4([w, w, w, w], &a);
-                    assert!(
-                        r4v.iter().all(|v| v.to_bits() == f(w, &a).to_bits()),
-                        "{dt}: rows4"
-                    );
-                    let t = d24([w, w], [&a, &a, &a, &a]);
-                    assert!(
-                        t.iter()
-                            .flatten()
-                            .all(|v| v.to_bits() == f(w, &a).to_bits()),
-                        "{dt}: dot2x4"
-                    );
-                    // |Σ w (x - x̂)| ≤ Σ_blocks Σ|w| · d/2.
-                    let bound: f64 = wf
-                        .chunks(32)
-                        .zip(&a)
-                        .map(|(wb, ab)| {
-                            wb.iter().map(|v| v.abs() as f64).sum::<f64>() * ab.d as f64 * 0.5
-                        })
-                        .sum();
-                    (s(w, &a), f(w, &a), bound)
-                }
-                (
-                    Kernel::Q8K { dot: s, .. },
-                    Kernel::Q8K {
-                        dot: f,
-                        dot4: f4,
-                        rows4: r4,
-                        dot2x4: d24,
-                    },
-                ) => {
-                    let mut a = vec![BlockQ8K::default(); n / 256];
-                    quantize_q8k(&x, &mut a);
-                    let x4 = f4(w, [&a, &a, &a, &a]);
-                    assert!(
-                        x4.iter().all(|v| v.to_bits() == f(w, &a).to_bits()),
-                        "{dt}: dot4"
-                    );
-                    let r4v = r4([w, w, w, w], &a);
-                    assert!(
-                        r4v.iter().all(|v| v.to_bits() == f(w, &a).to_bits()),
-                        "{dt}: rows4"
-                    );
-                    let t = d24([w, w], [&a, &a, &a, &a]);
-                    assert!(
-                        t.iter()
-                            .flatten()
-                            .all(|v| v.to_bits() == f(w, &a).to_bits()),
-                        "{dt}: dot2x4"
-                    );
-                    let bound: f64 = wf
-                        .chunks(256)
-                        .zip(&a)
-                        .map(|(wb, ab)| {
-                            wb.iter().map(|v| v.abs() as f64).sum::<f64>() * ab.d as f64 * 0.5
-                        })
-                        .sum();
-                    (s(w, &a), f(w, &a), bound)
-                }
-                _ => panic!("{dt}: scalar and SIMD kernels disagree on the activation format"),
-            };
+            let (scalar, best) = (scalar_kernel(dt).unwrap(), best_kernel(dt).unwrap());
+            let (scalar, fast, bound) =
+                if let (Some(s), Some(f)) = (shapes!(scalar, Q8), shapes!(best, Q8)) {
+                    f.run(dt, w, &wf, &x, s.dot, quantize_q8, 32, |b| b.d)
+                } else if let (Some(s), Some(f)) = (shapes!(scalar, Q8K), shapes!(best, Q8K)) {
+                    f.run(dt, w, &wf, &x, s.dot, quantize_q8k, 256, |b| b.d)
+                } else {
+                    panic!("{dt}: scalar and SIMD kernels disagree on the activation format")
+                };
             let mag: f64 = wf
                 .iter()
                 .zip(&x)
