@@ -367,8 +367,10 @@ impl<B: Backend> Decoder<B> {
         want: Logits,
     ) -> Result<Vec<f32>> {
         let mut out = Vec::new();
-        self.run_alone(kv, tokens, start, want, |_, _, logits| {
-            out.extend_from_slice(&logits)
+        self.run_alone(kv, tokens, start, want, |d, _, rows| {
+            let at = out.len();
+            out.resize(at + rows * d.config.vocab_size, 0.0);
+            d.backend.read(&d.state.logits, 0, &mut out[at..]);
         })?;
         Ok(out)
     }
@@ -385,32 +387,21 @@ impl<B: Backend> Decoder<B> {
         start: usize,
         spare: &'a mut Vec<f32>,
     ) -> Result<&'a [f32]> {
-        let split = tokens.len().saturating_sub(1) / CHUNK * CHUNK;
-        let (head, last) = tokens.split_at(split);
-        self.run_alone(kv, head, start, Logits::None, |_, _, _| {})?;
-        let tables = std::mem::take(&mut kv.identity);
-        let seq = SeqChunk {
-            tokens: last,
-            start: start + split,
-            tables: &tables,
-            logits: Logits::Last,
-            state: 0,
-        };
-        let logits = self.forward_batch_view(kv, &[seq], spare);
-        kv.identity = tables;
-        logits
+        let mut rows = 0;
+        self.run_alone(kv, tokens, start, Logits::Last, |_, _, r| rows = r)?;
+        Ok(self.logits_view(rows, spare))
     }
 
     /// Runs `tokens` as one sequence owning the whole of `kv`, a chunk per pass, calling
-    /// `after(self, chunk, logits)` after each pass (the chunk's hidden states are then in the
-    /// residual buffer).
+    /// `after(self, chunk, rows)` after each pass (the chunk's hidden states are then in the
+    /// residual buffer, its `rows` rows of logits in `state.logits`).
     fn run_alone(
         &mut self,
         kv: &mut KvCache<B>,
         tokens: &[u32],
         start: usize,
         want: Logits,
-        mut after: impl FnMut(&mut Self, &[u32], Vec<f32>),
+        mut after: impl FnMut(&mut Self, &[u32], usize),
     ) -> Result<()> {
         // Taken out for the duration, so the tables can be borrowed while `kv` is written.
         let tables = std::mem::take(&mut kv.identity);
@@ -429,8 +420,8 @@ impl<B: Backend> Decoder<B> {
                 logits,
                 state: 0,
             };
-            match self.forward_batch(kv, &[seq]) {
-                Ok(l) => after(self, chunk, l),
+            match self.forward_rows(kv, &[seq]) {
+                Ok(rows) => after(self, chunk, rows),
                 Err(e) => {
                     result = Err(e);
                     break;
@@ -487,14 +478,19 @@ impl<B: Backend> Decoder<B> {
         spare: &'a mut Vec<f32>,
     ) -> Result<&'a [f32]> {
         let rows = self.forward_rows(kv, seqs)?;
+        Ok(self.logits_view(rows, spare))
+    }
+
+    /// The first `rows` rows of `state.logits` where they lie, or copied into `spare`.
+    fn logits_view<'a>(&'a self, rows: usize, spare: &'a mut Vec<f32>) -> &'a [f32] {
         let len = rows * self.config.vocab_size;
         if rows > 0 {
             if let Some(v) = self.backend.host_view(&self.state.logits, 0, len) {
-                return Ok(v);
+                return v;
             }
         }
         self.logits_rows(rows, spare);
-        Ok(&spare[..])
+        &spare[..]
     }
 
     /// The pass itself: leaves the logits of the rows that asked in `state.logits` and
