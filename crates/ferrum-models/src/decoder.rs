@@ -369,8 +369,7 @@ impl<B: Backend> Decoder<B> {
         let mut out = Vec::new();
         self.run_alone(kv, tokens, start, want, |d, _, rows| {
             let at = out.len();
-            out.resize(at + rows * d.config.vocab_size, 0.0);
-            d.backend.read(&d.state.logits, 0, &mut out[at..]);
+            d.logits_rows(rows, &mut out, at)
         })?;
         Ok(out)
     }
@@ -463,7 +462,7 @@ impl<B: Backend> Decoder<B> {
     pub fn forward_batch(&mut self, kv: &mut KvCache<B>, seqs: &[SeqChunk]) -> Result<Vec<f32>> {
         let rows = self.forward_rows(kv, seqs)?;
         let mut out = Vec::new();
-        self.logits_rows(rows, &mut out);
+        self.logits_rows(rows, &mut out, 0);
         Ok(out)
     }
 
@@ -489,7 +488,7 @@ impl<B: Backend> Decoder<B> {
                 return v;
             }
         }
-        self.logits_rows(rows, spare);
+        self.logits_rows(rows, spare, 0);
         &spare[..]
     }
 
@@ -748,13 +747,15 @@ impl<B: Backend> Decoder<B> {
         }
     }
 
-    /// Copies the first `rows` rows of `state.logits` into `out` (its contents replaced).
-    fn logits_rows(&self, rows: usize, out: &mut Vec<f32>) {
+    /// Copies the first `rows` rows of `state.logits` into `out` from index `at` on (what
+    /// was there replaced, `out` cut or grown to end with them).
+    fn logits_rows(&self, rows: usize, out: &mut Vec<f32>, at: usize) {
+        let end = at + rows * self.config.vocab_size;
         // Truncate, not clear: only a growth is zero-filled before the copy overwrites it.
-        out.truncate(rows * self.config.vocab_size);
-        out.resize(rows * self.config.vocab_size, 0.0);
+        out.truncate(end);
+        out.resize(end, 0.0);
         if rows > 0 {
-            self.backend.read(&self.state.logits, 0, out);
+            self.backend.read(&self.state.logits, 0, &mut out[at..]);
         }
     }
 }
