@@ -9,6 +9,42 @@ use rand::{Rng, SeedableRng};
 mod common;
 use common::blocks::{random_blocks, Aligned, FORMATS};
 
+/// An activation block format, as these tests quantise and bound it.
+trait ActFormat: Clone + Default + 'static {
+    /// Values per block.
+    const BLOCK: usize;
+    fn quantize(x: &[f32], out: &mut [Self]);
+    /// The block's scale: each value's rounding error is at most half of it.
+    fn scale(&self) -> f32;
+
+    /// `x` quantised, in blocks of [`Self::BLOCK`] values.
+    fn blocks(x: &[f32]) -> Vec<Self> {
+        let mut a = vec![Self::default(); x.len() / Self::BLOCK];
+        Self::quantize(x, &mut a);
+        a
+    }
+}
+
+impl ActFormat for BlockQ8 {
+    const BLOCK: usize = 32;
+    fn quantize(x: &[f32], out: &mut [Self]) {
+        quantize_q8(x, out)
+    }
+    fn scale(&self) -> f32 {
+        self.d
+    }
+}
+
+impl ActFormat for BlockQ8K {
+    const BLOCK: usize = 256;
+    fn quantize(x: &[f32], out: &mut [Self]) {
+        quantize_q8k(x, out)
+    }
+    fn scale(&self) -> f32 {
+        self.d
+    }
+}
+
 /// A SIMD kernel's four shapes over one activation format.
 struct Shapes<A: 'static> {
     dot: fn(&[u8], &[A]) -> f32,
@@ -37,11 +73,10 @@ macro_rules! shapes {
     };
 }
 
-impl<A: Clone + Default> Shapes<A> {
-    /// Quantises `x` into blocks of `block` values, checks that the four-token, four-row and
-    /// two-by-four kernels give each (row, token) exactly the one-token result, and returns the
-    /// scalar twin's and this kernel's dot with the bound of the activations' rounding.
-    #[allow(clippy::too_many_arguments)]
+impl<A: ActFormat> Shapes<A> {
+    /// Quantises `x`, checks that the four-token, four-row and two-by-four kernels give each
+    /// (row, token) exactly the one-token result, and returns the scalar twin's and this
+    /// kernel's dot with the bound of the activations' rounding.
     fn run(
         &self,
         dt: impl std::fmt::Display,
@@ -49,13 +84,8 @@ impl<A: Clone + Default> Shapes<A> {
         wf: &[f32],
         x: &[f32],
         scalar: fn(&[u8], &[A]) -> f32,
-        quantize: fn(&[f32], &mut [A]),
-        block: usize,
-        d: fn(&A) -> f32,
     ) -> (f32, f32, f64) {
-        let mut a = vec![A::default(); x.len() / block];
-        quantize(x, &mut a);
-        let a = &a[..];
+        let a = &A::blocks(x)[..];
         let one = (self.dot)(w, a).to_bits();
         let x4 = (self.dot4)(w, [a, a, a, a]);
         assert!(x4.iter().all(|v| v.to_bits() == one), "{dt}: dot4");
@@ -66,7 +96,7 @@ impl<A: Clone + Default> Shapes<A> {
             t.iter().flatten().all(|v| v.to_bits() == one),
             "{dt}: dot2x4"
         );
-        let bound = rounding_bound(wf, block, a.iter().map(d));
+        let bound = rounding_bound(wf, A::BLOCK, a.iter().map(A::scale));
         (scalar(w, a), (self.dot)(w, a), bound)
     }
 }
@@ -95,9 +125,9 @@ fn simd_equals_scalar_and_both_approximate_f32() {
             let (scalar, best) = (scalar_kernel(dt).unwrap(), best_kernel(dt).unwrap());
             let (scalar, fast, bound) =
                 if let (Some(s), Some(f)) = (shapes!(scalar, Q8), shapes!(best, Q8)) {
-                    f.run(dt, w, &wf, &x, s.dot, quantize_q8, 32, |b| b.d)
+                    f.run(dt, w, &wf, &x, s.dot)
                 } else if let (Some(s), Some(f)) = (shapes!(scalar, Q8K), shapes!(best, Q8K)) {
-                    f.run(dt, w, &wf, &x, s.dot, quantize_q8k, 256, |b| b.d)
+                    f.run(dt, w, &wf, &x, s.dot)
                 } else {
                     panic!("{dt}: scalar and SIMD kernels disagree on the activation format")
                 };
@@ -269,23 +299,13 @@ fn packed_kernels_equal_scalar_twin_and_file_layout_kernel() {
         let Some(Kernel::Q8 { dot, .. }) = scalar_kernel(dt) else {
             panic!("{dt}: a Q8 kernel")
         };
-        let q8 = |x: &[f32]| {
-            let mut a = vec![BlockQ8::default(); x.len() / 32];
-            quantize_q8(x, &mut a);
-            a
-        };
-        check_packed(dt, 256, q8, dot, Packed::gemm_on, Packed::gemm_scalar);
+        check_packed(dt, 256, dot, Packed::gemm_on, Packed::gemm_scalar);
     }
     for dt in [DType::Q4K, DType::Q5K, DType::Q6K] {
         let Some(Kernel::Q8K { dot, .. }) = scalar_kernel(dt) else {
             panic!("{dt}: a Q8_K kernel")
         };
-        let q8k = |x: &[f32]| {
-            let mut a = vec![BlockQ8K::default(); x.len() / 256];
-            quantize_q8k(x, &mut a);
-            a
-        };
-        check_packed(dt, 512, q8k, dot, Packed::gemm_k_on, Packed::gemm_k_scalar);
+        check_packed(dt, 512, dot, Packed::gemm_k_on, Packed::gemm_k_scalar);
     }
 }
 
@@ -437,10 +457,9 @@ type GemmOn<A> = fn(
     &mut [[f32; 8]],
 );
 
-fn check_packed<A>(
+fn check_packed<A: ActFormat>(
     dt: ferrum_core::DType,
     k: usize,
-    quantize: impl Fn(&[f32]) -> Vec<A>,
     dot: fn(&[u8], &[A]) -> f32,
     gemm: GemmOn<A>,
     gemm_scalar: Gemm<A>,
@@ -471,7 +490,7 @@ fn check_packed<A>(
         .map(|t| {
             let scale = [0.5f32, 4.0, 30.0][t % 3];
             let x: Vec<f32> = (0..k).map(|_| rng.gen_range(-scale..scale)).collect();
-            let a = quantize(&x);
+            let a = A::blocks(&x);
             (x, a)
         })
         .collect();
