@@ -466,7 +466,8 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// Starts recording the prefix cache's [`KvEvent`](crate::block_pool::KvEvent)s (for a router's cache index).
+    /// Starts recording the prefix cache's [`KvEvent`](crate::block_pool::KvEvent)s (for a
+    /// router's cache index).
     pub fn enable_kv_events(&mut self) {
         self.pool.enable_events();
     }
