@@ -252,6 +252,10 @@ fn activation_quantisation_round_trips_within_half_a_step() {
             let s: i16 = q.qs[16 * g..16 * g + 16].iter().map(|&v| v as i16).sum();
             assert_eq!(q.bsums[g], s);
         }
+        for j in 0..8 {
+            let s: i16 = q.qs[32 * j..32 * j + 32].iter().map(|&v| v as i16).sum();
+            assert_eq!(q.sums32[j], s);
+        }
     }
 }
 
@@ -275,6 +279,7 @@ fn simd_activation_quantisation_equals_scalar_twin() {
         quantize_q8k_scalar(&x, &mut b);
         for (p, q) in a.iter().zip(&b) {
             assert_eq!((p.d, p.qs, p.bsums), (q.d, q.qs, q.bsums));
+            assert_eq!(p.sums32, q.sums32);
         }
     }
 }
