@@ -349,22 +349,43 @@ fn packed_q5k_at_full_scale_equals_scalar_twin() {
     }
 }
 
-/// The 512-bit Q4_K and Q6_K kernels over two packed groups at once: the scalar twin's bits
-/// for both groups at every token count (and, for Q4_K, the top of the range: every quant
-/// 15, every scale and minimum 63, activations ±127). A CPU without AVX-512 F/BW/VL/VNNI
-/// says it could not check.
+/// The kernels over two packed groups at once (the 512-bit Q4_K and Q6_K ones; AVX2's Q4_K
+/// pair, which takes four tokens and leaves other counts and formats to single groups): the
+/// scalar twin's bits for both groups at every token count (and, for Q4_K, the top of the
+/// range: every quant 15, every scale and minimum 63, activations ±127). A CPU without an
+/// instance's features says it could not check it.
 #[test]
-fn wide_k_quant_pairs_equal_scalar_twin() {
+fn k_quant_pairs_equal_scalar_twin() {
+    use ferrum_backend::cpu::quant::packed::{Isa, Packed};
+    #[cfg(target_arch = "x86_64")]
+    let wide = ferrum_backend::cpu::quant::packed::has_wide();
+    #[cfg(not(target_arch = "x86_64"))]
+    let wide = false;
+    let instances: [(&str, bool, PairKernel); 2] = [
+        ("512-bit", wide, Packed::gemm_k2_wide_on),
+        ("AVX2", Isa::Avx2.runs(), Packed::gemm_k2_avx2_on),
+    ];
+    for (name, runs, pair) in instances {
+        if runs {
+            check_k_quant_pairs(name, pair);
+        } else {
+            eprintln!("this CPU does not run the {name} pair kernels: not checked");
+        }
+    }
+}
+
+/// `Packed::gemm_k2_*_on`: two packed groups against the same tokens.
+type PairKernel = fn(
+    &ferrum_backend::cpu::quant::packed::Packed,
+    usize,
+    &[&[BlockQ8K]],
+    &mut [[f32; ferrum_backend::cpu::quant::packed::ROWS]],
+    &mut [[f32; ferrum_backend::cpu::quant::packed::ROWS]],
+);
+
+fn check_k_quant_pairs(name: &str, pair: PairKernel) {
     use ferrum_backend::cpu::quant::packed::{Packed, ROWS};
     use ferrum_core::DType;
-    #[cfg(target_arch = "x86_64")]
-    let runs = ferrum_backend::cpu::quant::packed::has_wide();
-    #[cfg(not(target_arch = "x86_64"))]
-    let runs = false;
-    if !runs {
-        eprintln!("this CPU does not run the 512-bit kernels: not checked");
-        return;
-    }
     let (rows, k) = (4 * ROWS, 768);
     let pool = ferrum_backend::cpu::pool::ThreadPool::new(2);
     let arena = ferrum_backend::cpu::arena::Arena::default();
@@ -399,7 +420,7 @@ fn wide_k_quant_pairs_equal_scalar_twin() {
             let acts: Vec<&[BlockQ8K]> = xs[..n].iter().map(|a| &a[..]).collect();
             for g in [0, 2] {
                 let (mut a, mut b) = (vec![[0f32; ROWS]; n], vec![[0f32; ROWS]; n]);
-                p.gemm_k2_wide_on(g, &acts, &mut a, &mut b);
+                pair(&p, g, &acts, &mut a, &mut b);
                 for (grp, got) in [(g, &a), (g + 1, &b)] {
                     let mut want = vec![[0f32; ROWS]; n];
                     p.gemm_k_scalar(grp, &acts, &mut want);
@@ -407,7 +428,7 @@ fn wide_k_quant_pairs_equal_scalar_twin() {
                         assert_eq!(
                             x.to_bits(),
                             y.to_bits(),
-                            "{dt} group {grp} n={n}: {x} vs {y}"
+                            "{name} {dt} group {grp} n={n}: {x} vs {y}"
                         );
                     }
                 }

@@ -1400,8 +1400,9 @@ trait PackedRows: quant::amx::Act + Sized + 'static {
         out: &mut [[f32; quant::packed::ROWS]],
     );
 
-    /// Whether `p` has a kernel for two groups at once on this CPU ([`PackedRows::gemm2`]).
-    fn pairs(_p: &quant::packed::Packed) -> bool {
+    /// Whether `p` has a kernel for two groups at once on this CPU that pays for passes of
+    /// `n` tokens ([`PackedRows::gemm2`]).
+    fn pairs(_p: &quant::packed::Packed, _n: usize) -> bool {
         false
     }
 
@@ -1437,11 +1438,12 @@ trait PackedRows: quant::amx::Act + Sized + 'static {
         debug_assert!(rows.start.is_multiple_of(ROWS), "tasks start on a group");
         let mut out = [[0f32; ROWS]; 4];
         let mut out_b = [[0f32; ROWS]; 4];
-        // Two groups per pass where a kernel does both: half the instructions per weight
-        // byte, which prefill and batched decode need (the arithmetic is their limit) and
-        // one token's decode too (from the last-level cache the 256-bit one-group kernels
-        // read Q4_K and Q6_K slower than main memory delivers on AMD Zen 5).
-        let pairs = Self::pairs(p);
+        // Two groups per pass where a kernel does both: fewer instructions per weight byte,
+        // which prefill and batched decode need (the arithmetic is their limit). The 512-bit
+        // kernels pair for one token's decode too (from the last-level cache the 256-bit
+        // one-group kernels read Q4_K and Q6_K slower than main memory delivers on AMD Zen 5);
+        // AVX2's Q4_K pair only where each group serves several four-token passes.
+        let pairs = Self::pairs(p, n);
         let mut g = rows.start / ROWS;
         // A prefill's pass on the AMX tiles: two groups against sixteen tokens per product,
         // the same bits as the kernels below.
@@ -1527,16 +1529,8 @@ impl PackedRows for quant::q8::BlockQ8K {
     ) {
         p.gemm_k(group, acts, out)
     }
-    fn pairs(p: &quant::packed::Packed) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        if matches!(
-            p,
-            quant::packed::Packed::Q4K(..) | quant::packed::Packed::Q6K(..)
-        ) {
-            return quant::packed::wide_k();
-        }
-        let _ = p;
-        false
+    fn pairs(p: &quant::packed::Packed, n: usize) -> bool {
+        p.pairs_k(n)
     }
     fn gemm2(
         p: &quant::packed::Packed,
