@@ -1198,13 +1198,6 @@ macro_rules! packed_kernels {
                 _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr() as *const __m128i))
             }
 
-            /// The activation's 32-value sums `2p` and `2p + 1` as the i16 pair of every lane.
-            #[target_feature(enable = $feat)]
-            unsafe fn sums32_pair(q: &BlockQ8K, p: usize) -> __m256i {
-                debug_assert!(p < 4);
-                _mm256_set1_epi32((q.sums32.as_ptr().add(2 * p) as *const i32).read_unaligned())
-            }
-
             /// Four activation quants (`qs[e..e+4]`) in every lane.
             #[target_feature(enable = $feat)]
             unsafe fn word(qs: &[i8], e: usize) -> __m256i {
@@ -1865,7 +1858,8 @@ macro_rules! packed_kernels {
                     let mut msum = _mm256_setzero_si256();
                     for p in 0..4 {
                         let m = byte_pairs::<0, 8>(load_pairs(&b.mn[2 * p..]));
-                        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m, sums32_pair(q[t], p)));
+                        let y = _mm256_set1_epi32(q[t].sums32_pair(p));
+                        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m, y));
                     }
                     let da = _mm256_set1_ps(q[t].d);
                     acc[t] =
@@ -2229,9 +2223,8 @@ mod wide {
             for t in 0..N {
                 let mut msum = _mm512_setzero_si512();
                 for (p, m) in mins.iter().enumerate() {
-                    // Sums `2p` and `2p + 1` of 32 activations as one i16 pair.
-                    let pair = (q[t].sums32.as_ptr().add(2 * p) as *const i32).read_unaligned();
-                    msum = _mm512_add_epi32(msum, _mm512_madd_epi16(*m, _mm512_set1_epi32(pair)));
+                    let y = _mm512_set1_epi32(q[t].sums32_pair(p));
+                    msum = _mm512_add_epi32(msum, _mm512_madd_epi16(*m, y));
                 }
                 let da = _mm512_set1_ps(q[t].d);
                 acc[t] =

@@ -50,6 +50,27 @@ pub struct BlockQ8K {
 }
 const _: () = assert!(std::mem::size_of::<BlockQ8K>() == 308);
 
+impl BlockQ8K {
+    /// 32-value sums `2p` and `2p + 1` as one word (`2p` in the low half): the i16 pair a
+    /// kernel broadcasts into every lane for Q4_K's and Q5_K's minimums.
+    #[inline(always)]
+    pub(crate) fn sums32_pair(&self, p: usize) -> i32 {
+        let (lo, hi) = (
+            self.sums32[2 * p] as u16 as u32,
+            self.sums32[2 * p + 1] as u16 as u32,
+        );
+        (lo | hi << 16) as i32
+    }
+
+    /// `bsums` and `sums32` from the quants, as both quantisers set them.
+    fn set_sums(&mut self) {
+        for (g, s) in self.bsums.iter_mut().enumerate() {
+            *s = self.qs[g * 16..g * 16 + 16].iter().map(|&q| q as i16).sum();
+        }
+        self.sums32 = std::array::from_fn(|j| self.bsums[2 * j] + self.bsums[2 * j + 1]);
+    }
+}
+
 impl Default for BlockQ8K {
     fn default() -> Self {
         BlockQ8K {
@@ -112,10 +133,7 @@ pub fn quantize_q8k_scalar(x: &[f32], out: &mut [BlockQ8K]) {
         for (q, &v) in o.qs.iter_mut().zip(blk) {
             *q = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
         }
-        for (g, s) in o.bsums.iter_mut().enumerate() {
-            *s = o.qs[g * 16..g * 16 + 16].iter().map(|&q| q as i16).sum();
-        }
-        o.sums32 = std::array::from_fn(|j| o.bsums[2 * j] + o.bsums[2 * j + 1]);
+        o.set_sums();
         o.d = d;
     }
 }
@@ -325,10 +343,7 @@ mod avx2 {
             for c in 0..QK_K / 32 {
                 round_pack(blk.as_ptr().add(32 * c), id, o.qs.as_mut_ptr().add(32 * c));
             }
-            for (g, s) in o.bsums.iter_mut().enumerate() {
-                *s = o.qs[g * 16..g * 16 + 16].iter().map(|&q| q as i16).sum();
-            }
-            o.sums32 = std::array::from_fn(|j| o.bsums[2 * j] + o.bsums[2 * j + 1]);
+            o.set_sums();
             o.d = d;
         }
     }
