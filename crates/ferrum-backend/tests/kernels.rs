@@ -437,6 +437,62 @@ fn check_k_quant_pairs(name: &str, pair: PairKernel) {
     }
 }
 
+/// The AVX2 Q8_0 pair (two packed groups, four tokens) gives each group the scalar twin's
+/// bits: random blocks, and blocks of −128 and 127 against activations of ±127 (the sign
+/// moved onto the activation, the pair sums at their largest).
+#[test]
+fn q8_0_pair_equals_scalar_twin() {
+    use ferrum_backend::cpu::quant::packed::{Isa, Packed, ROWS};
+    use ferrum_core::DType;
+    if !Isa::Avx2.runs() {
+        eprintln!("this CPU does not run the AVX2 pair kernels: not checked");
+        return;
+    }
+    let (rows, k) = (4 * ROWS, 512);
+    let pool = ferrum_backend::cpu::pool::ThreadPool::new(2);
+    let arena = ferrum_backend::cpu::arena::Arena::default();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let extreme = |q: u8| -> Vec<u8> {
+        let mut block = half::f16::from_f32(0.5).to_bits().to_le_bytes().to_vec();
+        block.extend_from_slice(&[q; 32]);
+        (0..rows * k / 32).flat_map(|_| block.clone()).collect()
+    };
+    let cases = [
+        random_blocks(&mut rng, DType::Q8_0, rows * k),
+        extreme(0x80),
+        extreme(0x7f),
+    ];
+    for bytes in cases {
+        let wa = Aligned::new(&bytes);
+        let p =
+            Packed::new(DType::Q8_0, wa.bytes(), rows, k, &pool, &arena, &|_| {}).expect("packs");
+        let xs: Vec<Vec<BlockQ8>> = (0..6)
+            .map(|t| {
+                let x: Vec<f32> = match t {
+                    0 => vec![127.0; k],
+                    1 => vec![-127.0; k],
+                    _ => (0..k).map(|_| rng.gen_range(-20.0..20.0)).collect(),
+                };
+                BlockQ8::blocks(&x)
+            })
+            .collect();
+        for n in 1..=xs.len() {
+            let acts: Vec<&[BlockQ8]> = xs[..n].iter().map(|a| &a[..]).collect();
+            for g in [0, 2] {
+                let (mut a, mut b) = (vec![[0f32; ROWS]; n], vec![[0f32; ROWS]; n]);
+                p.gemm2_avx2_on(g, &acts, &mut a, &mut b);
+                for (grp, got) in [(g, &a), (g + 1, &b)] {
+                    let mut want = vec![[0f32; ROWS]; n];
+                    p.gemm_scalar(grp, &acts, &mut want);
+                    for (x, y) in got.iter().flatten().zip(want.iter().flatten()) {
+                        assert_eq!(x.to_bits(), y.to_bits(), "group {grp} n={n}: {x} vs {y}");
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The packed MXFP4 kernels at the top of their range: every weight ±6 (doubled, ±12: 24
 /// after the kernels' +12) against activations of ±127, where the AVX2 kernel's 16-bit partial
 /// sums come closest to overflowing. Each instruction set gives the scalar twin's bits.

@@ -1442,7 +1442,7 @@ trait PackedRows: quant::amx::Act + Sized + 'static {
         // which prefill and batched decode need (the arithmetic is their limit). The 512-bit
         // kernels pair for one token's decode too (from the last-level cache the 256-bit
         // one-group kernels read Q4_K and Q6_K slower than main memory delivers on AMD Zen 5);
-        // AVX2's Q4_K pair only where each group serves several four-token passes.
+        // AVX2's Q4_K and Q8_0 pairs only where each group serves several four-token passes.
         let pairs = Self::pairs(p, n);
         let mut g = rows.start / ROWS;
         // A prefill's pass on the AMX tiles: two groups against sixteen tokens per product,
@@ -1514,6 +1514,18 @@ impl PackedRows for quant::q8::BlockQ8 {
         out: &mut [[f32; quant::packed::ROWS]],
     ) {
         p.gemm(group, acts, out)
+    }
+    fn pairs(p: &quant::packed::Packed, n: usize) -> bool {
+        p.pairs(n)
+    }
+    fn gemm2(
+        p: &quant::packed::Packed,
+        group: usize,
+        acts: &[&[Self]],
+        out_a: &mut [[f32; quant::packed::ROWS]],
+        out_b: &mut [[f32; quant::packed::ROWS]],
+    ) {
+        p.gemm2(group, acts, out_a, out_b)
     }
 }
 
