@@ -363,7 +363,7 @@ fn k_quant_pairs_equal_scalar_twin() {
     let wide = false;
     let instances: [(&str, bool, PairKernel); 2] = [
         ("512-bit", wide, Packed::gemm_k2_wide_on),
-        ("AVX2", Isa::Avx2.runs(), Packed::gemm_k2_avx2_on),
+        ("AVX2", Isa::Avx2.runs(), Packed::gemm2_avx2_on),
     ];
     for (name, runs, pair) in instances {
         if runs {

@@ -1387,37 +1387,9 @@ fn packed_unit<'w>(ws: impl Iterator<Item = &'w CpuWeight> + Clone) -> usize {
     ROWS
 }
 
-/// The packed part of a matmul task, per activation format (Q8 for the 32-value layouts,
-/// Q8_K for the K-quant ones).
-trait PackedRows: quant::amx::Act + Sized + 'static {
-    /// Whether `p` takes this activation format.
-    fn pairs_with(p: &quant::packed::Packed) -> bool;
-
-    fn gemm(
-        p: &quant::packed::Packed,
-        group: usize,
-        acts: &[&[Self]],
-        out: &mut [[f32; quant::packed::ROWS]],
-    );
-
-    /// Whether `p` has a kernel for two groups at once on this CPU that pays for passes of
-    /// `n` tokens ([`PackedRows::gemm2`]).
-    fn pairs(_p: &quant::packed::Packed, _n: usize) -> bool {
-        false
-    }
-
-    /// Groups `group` and `group + 1`: the same results as two [`PackedRows::gemm`] calls.
-    fn gemm2(
-        p: &quant::packed::Packed,
-        group: usize,
-        acts: &[&[Self]],
-        out_a: &mut [[f32; quant::packed::ROWS]],
-        out_b: &mut [[f32; quant::packed::ROWS]],
-    ) {
-        Self::gemm(p, group, acts, out_a);
-        Self::gemm(p, group + 1, acts, out_b);
-    }
-
+/// The packed part of a matmul task, for either activation format (Q8 for the 32-value
+/// layouts, Q8_K for the K-quant ones: [`quant::packed::PackedAct`]).
+trait PackedRows: quant::amx::Act + quant::packed::PackedAct + Sized + 'static {
     /// Computes the packed rows of `rows` for all `n` tokens; returns the first row left
     /// for the file-layout kernels.
     fn run<'a>(
@@ -1428,7 +1400,7 @@ trait PackedRows: quant::amx::Act + Sized + 'static {
         write8: &impl Fn(usize, usize, &[f32; quant::packed::ROWS]),
     ) -> usize {
         use quant::packed::ROWS;
-        let Some(p) = w.packed.as_ref().filter(|p| Self::pairs_with(p)) else {
+        let Some(p) = w.packed.as_ref().filter(|p| Self::takes(p)) else {
             return rows.start;
         };
         let end = rows.end.min(p.rows());
@@ -1503,57 +1475,7 @@ trait PackedRows: quant::amx::Act + Sized + 'static {
     }
 }
 
-impl PackedRows for quant::q8::BlockQ8 {
-    fn pairs_with(p: &quant::packed::Packed) -> bool {
-        !p.is_k_quant()
-    }
-    fn gemm(
-        p: &quant::packed::Packed,
-        group: usize,
-        acts: &[&[Self]],
-        out: &mut [[f32; quant::packed::ROWS]],
-    ) {
-        p.gemm(group, acts, out)
-    }
-    fn pairs(p: &quant::packed::Packed, n: usize) -> bool {
-        p.pairs(n)
-    }
-    fn gemm2(
-        p: &quant::packed::Packed,
-        group: usize,
-        acts: &[&[Self]],
-        out_a: &mut [[f32; quant::packed::ROWS]],
-        out_b: &mut [[f32; quant::packed::ROWS]],
-    ) {
-        p.gemm2(group, acts, out_a, out_b)
-    }
-}
-
-impl PackedRows for quant::q8::BlockQ8K {
-    fn pairs_with(p: &quant::packed::Packed) -> bool {
-        p.is_k_quant()
-    }
-    fn gemm(
-        p: &quant::packed::Packed,
-        group: usize,
-        acts: &[&[Self]],
-        out: &mut [[f32; quant::packed::ROWS]],
-    ) {
-        p.gemm_k(group, acts, out)
-    }
-    fn pairs(p: &quant::packed::Packed, n: usize) -> bool {
-        p.pairs_k(n)
-    }
-    fn gemm2(
-        p: &quant::packed::Packed,
-        group: usize,
-        acts: &[&[Self]],
-        out_a: &mut [[f32; quant::packed::ROWS]],
-        out_b: &mut [[f32; quant::packed::ROWS]],
-    ) {
-        p.gemm_k2(group, acts, out_a, out_b)
-    }
-}
+impl<A: quant::amx::Act + quant::packed::PackedAct> PackedRows for A {}
 
 /// Whether `views` are column windows of the same `count` rows that no two share: then tasks
 /// of different views never write the same element, in any order.

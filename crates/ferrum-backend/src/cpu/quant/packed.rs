@@ -534,6 +534,125 @@ fn pack_all<S: Copy + Sync, P: Copy + Send>(
 
 /// Groups `group` and `group + 1` of a packed matrix of `p` blocks a row group.
 #[cfg(target_arch = "x86_64")]
+/// An activation format of the packed kernels, Q8 for the 32-value layouts and Q8_K for the
+/// K-quants: one name per operation, so that the matmul tasks and the AVX2 two-group
+/// wrappers are written once for both.
+pub trait PackedAct: Sized {
+    /// Whether `p`'s kernels take this format.
+    fn takes(p: &Packed) -> bool;
+
+    /// [`Packed::gemm`] or [`Packed::gemm_k`].
+    fn gemm(p: &Packed, group: usize, acts: &[&[Self]], out: &mut [[f32; ROWS]]);
+
+    /// [`Packed::gemm_on`] or [`Packed::gemm_k_on`].
+    fn gemm_on(p: &Packed, isa: Isa, group: usize, acts: &[&[Self]], out: &mut [[f32; ROWS]]);
+
+    /// [`Packed::pairs`] or [`Packed::pairs_k`].
+    fn pairs(p: &Packed, n: usize) -> bool;
+
+    /// [`Packed::gemm2`] or [`Packed::gemm_k2`].
+    fn gemm2(
+        p: &Packed,
+        group: usize,
+        acts: &[&[Self]],
+        out_a: &mut [[f32; ROWS]],
+        out_b: &mut [[f32; ROWS]],
+    );
+
+    /// Groups `group` and `group + 1` of `p` against four tokens on the AVX2 pair kernel of
+    /// `p`'s layout (Q8_0, Q4_K); `false`, nothing done, for a layout without one.
+    ///
+    /// # Safety
+    /// The CPU runs AVX2, FMA and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn pair_avx2(
+        p: &Packed,
+        group: usize,
+        acts: [&[Self]; 4],
+        out_a: &mut [[f32; ROWS]],
+        out_b: &mut [[f32; ROWS]],
+    ) -> bool;
+}
+
+/// [`PackedAct`] for an activation format: its `Packed` methods, whether a layout takes it,
+/// and the one layout with an AVX2 pair kernel and that kernel.
+macro_rules! packed_act {
+    ($act:ty, $takes:expr, $gemm:ident, $gemm_on:ident, $pairs:ident, $gemm2:ident,
+     $paired:ident, $pair:ident) => {
+        impl PackedAct for $act {
+            fn takes(p: &Packed) -> bool {
+                $takes(p)
+            }
+            fn gemm(p: &Packed, group: usize, acts: &[&[Self]], out: &mut [[f32; ROWS]]) {
+                p.$gemm(group, acts, out)
+            }
+            fn gemm_on(
+                p: &Packed,
+                isa: Isa,
+                group: usize,
+                acts: &[&[Self]],
+                out: &mut [[f32; ROWS]],
+            ) {
+                p.$gemm_on(isa, group, acts, out)
+            }
+            fn pairs(p: &Packed, n: usize) -> bool {
+                p.$pairs(n)
+            }
+            fn gemm2(
+                p: &Packed,
+                group: usize,
+                acts: &[&[Self]],
+                out_a: &mut [[f32; ROWS]],
+                out_b: &mut [[f32; ROWS]],
+            ) {
+                p.$gemm2(group, acts, out_a, out_b)
+            }
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn pair_avx2(
+                p: &Packed,
+                group: usize,
+                acts: [&[Self]; 4],
+                out_a: &mut [[f32; ROWS]],
+                out_b: &mut [[f32; ROWS]],
+            ) -> bool {
+                let Packed::$paired(v, per_row) = p else {
+                    return false;
+                };
+                let (wa, wb) = two(v, group, *per_row);
+                assert!(
+                    acts.iter().all(|a| a.len() >= *per_row)
+                        && out_a.len() >= 4
+                        && out_b.len() >= 4
+                );
+                // SAFETY: the CPU runs AVX2 (the contract); lengths checked just above.
+                unsafe { avx2::$pair(wa, wb, acts, out_a, out_b) };
+                true
+            }
+        }
+    };
+}
+
+packed_act!(
+    BlockQ8,
+    |p: &Packed| !p.is_k_quant(),
+    gemm,
+    gemm_on,
+    pairs,
+    gemm2,
+    Q8_0,
+    tile_q8_0_pair
+);
+packed_act!(
+    BlockQ8K,
+    Packed::is_k_quant,
+    gemm_k,
+    gemm_k_on,
+    pairs_k,
+    gemm_k2,
+    Q4K,
+    tile_q4k_pair
+);
+
 fn two<T>(v: &[T], group: usize, p: usize) -> (&[T], &[T]) {
     (
         &v[group * p..(group + 1) * p],
@@ -813,46 +932,6 @@ impl Packed {
         }
     }
 
-    /// [`gemm2`](Self::gemm2) on the AVX2 kernels (the Q8_0 pair for four tokens, single
-    /// groups otherwise), for tests.
-    ///
-    /// # Panics
-    /// As `gemm2`, or if this CPU does not run AVX2.
-    pub fn gemm2_avx2_on(
-        &self,
-        group: usize,
-        acts: &[&[BlockQ8]],
-        out_a: &mut [[f32; ROWS]],
-        out_b: &mut [[f32; ROWS]],
-    ) {
-        assert!(Isa::Avx2.runs(), "this CPU does not run AVX2");
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: checked just above.
-        unsafe {
-            self.gemm2_avx2(group, acts, out_a, out_b)
-        }
-    }
-
-    /// # Safety
-    /// The CPU runs AVX2, FMA and F16C.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn gemm2_avx2(
-        &self,
-        group: usize,
-        acts: &[&[BlockQ8]],
-        out_a: &mut [[f32; ROWS]],
-        out_b: &mut [[f32; ROWS]],
-    ) {
-        if let (Packed::Q8_0(v, p), Ok(a)) = (self, <[&[BlockQ8]; 4]>::try_from(acts)) {
-            let (wa, wb) = two(v, group, *p);
-            assert!(a.iter().all(|a| a.len() >= *p) && out_a.len() >= 4 && out_b.len() >= 4);
-            // SAFETY: the CPU runs AVX2 (the contract); lengths checked just above.
-            return unsafe { avx2::tile_q8_0_pair(wa, wb, a, out_a, out_b) };
-        }
-        self.gemm_on(Isa::Avx2, group, acts, out_a);
-        self.gemm_on(Isa::Avx2, group + 1, acts, out_b);
-    }
-
     /// [`gemm`](Self::gemm) for the K-quant layouts, against Q8_K activations.
     ///
     /// # Panics
@@ -939,7 +1018,7 @@ impl Packed {
             }
             if Isa::best() == Isa::Avx2 {
                 // SAFETY: `best` only names an instruction set the CPU runs.
-                return unsafe { self.gemm_k2_avx2(group, acts, out_a, out_b) };
+                return unsafe { self.gemm2_avx2(group, acts, out_a, out_b) };
             }
         }
         self.gemm_k(group, acts, out_a);
@@ -965,15 +1044,15 @@ impl Packed {
         }
     }
 
-    /// [`gemm_k2`](Self::gemm_k2) on the AVX2 kernels (the Q4_K pair for four tokens, single
-    /// groups otherwise), for tests.
+    /// [`gemm2`](Self::gemm2) or [`gemm_k2`](Self::gemm_k2) on the AVX2 kernels: the Q8_0 or
+    /// Q4_K pair for four tokens, single groups otherwise. For tests.
     ///
     /// # Panics
-    /// As `gemm_k2`, or if this CPU does not run AVX2.
-    pub fn gemm_k2_avx2_on(
+    /// As `gemm2`, or if this CPU does not run AVX2.
+    pub fn gemm2_avx2_on<A: PackedAct>(
         &self,
         group: usize,
-        acts: &[&[BlockQ8K]],
+        acts: &[&[A]],
         out_a: &mut [[f32; ROWS]],
         out_b: &mut [[f32; ROWS]],
     ) {
@@ -981,28 +1060,28 @@ impl Packed {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: checked just above.
         unsafe {
-            self.gemm_k2_avx2(group, acts, out_a, out_b)
+            self.gemm2_avx2(group, acts, out_a, out_b)
         }
     }
 
     /// # Safety
     /// The CPU runs AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn gemm_k2_avx2(
+    unsafe fn gemm2_avx2<A: PackedAct>(
         &self,
         group: usize,
-        acts: &[&[BlockQ8K]],
+        acts: &[&[A]],
         out_a: &mut [[f32; ROWS]],
         out_b: &mut [[f32; ROWS]],
     ) {
-        if let (Packed::Q4K(v, p), Ok(a)) = (self, <[&[BlockQ8K]; 4]>::try_from(acts)) {
-            let (wa, wb) = two(v, group, *p);
-            assert!(a.iter().all(|a| a.len() >= *p) && out_a.len() >= 4 && out_b.len() >= 4);
-            // SAFETY: the CPU runs AVX2 (the contract); lengths checked just above.
-            return unsafe { avx2::tile_q4k_pair(wa, wb, a, out_a, out_b) };
+        if let Ok(a) = <[&[A]; 4]>::try_from(acts) {
+            // SAFETY: the CPU runs AVX2 (the contract).
+            if unsafe { A::pair_avx2(self, group, a, out_a, out_b) } {
+                return;
+            }
         }
-        self.gemm_k_on(Isa::Avx2, group, acts, out_a);
-        self.gemm_k_on(Isa::Avx2, group + 1, acts, out_b);
+        A::gemm_on(self, Isa::Avx2, group, acts, out_a);
+        A::gemm_on(self, Isa::Avx2, group + 1, acts, out_b);
     }
 
     /// [`gemm_k2`](Self::gemm_k2) on the 512-bit kernels wherever they exist (Q4_K, Q6_K), for
