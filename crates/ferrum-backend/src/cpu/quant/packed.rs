@@ -532,8 +532,6 @@ fn pack_all<S: Copy + Sync, P: Copy + Send>(
     Some(out)
 }
 
-/// Groups `group` and `group + 1` of a packed matrix of `p` blocks a row group.
-#[cfg(target_arch = "x86_64")]
 /// An activation format of the packed kernels, Q8 for the 32-value layouts and Q8_K for the
 /// K-quants: one name per operation, so that the matmul tasks and the AVX2 two-group
 /// wrappers are written once for both.
@@ -549,6 +547,9 @@ pub trait PackedAct: Sized {
 
     /// [`Packed::pairs`] or [`Packed::pairs_k`].
     fn pairs(p: &Packed, n: usize) -> bool;
+
+    /// Whether `p`'s layout has an AVX2 pair kernel for this format (Q8_0, Q4_K).
+    fn has_pair_avx2(p: &Packed) -> bool;
 
     /// [`Packed::gemm2`] or [`Packed::gemm_k2`].
     fn gemm2(
@@ -597,6 +598,9 @@ macro_rules! packed_act {
             }
             fn pairs(p: &Packed, n: usize) -> bool {
                 p.$pairs(n)
+            }
+            fn has_pair_avx2(p: &Packed) -> bool {
+                matches!(p, Packed::$paired(..))
             }
             fn gemm2(
                 p: &Packed,
@@ -653,6 +657,8 @@ packed_act!(
     tile_q4k_pair
 );
 
+/// Groups `group` and `group + 1` of a packed matrix of `p` blocks a row group.
+#[cfg(target_arch = "x86_64")]
 fn two<T>(v: &[T], group: usize, p: usize) -> (&[T], &[T]) {
     (
         &v[group * p..(group + 1) * p],
@@ -908,22 +914,42 @@ impl Packed {
         out_a: &mut [[f32; ROWS]],
         out_b: &mut [[f32; ROWS]],
     ) {
-        #[cfg(target_arch = "x86_64")]
-        if Isa::best() == Isa::Avx2 {
-            // SAFETY: `best` only names an instruction set the CPU runs.
-            return unsafe { self.gemm2_avx2(group, acts, out_a, out_b) };
-        }
-        self.gemm(group, acts, out_a);
-        self.gemm(group + 1, acts, out_b);
+        self.gemm2_256(group, acts, out_a, out_b)
     }
 
     /// Whether [`gemm2`](Self::gemm2) has a kernel for two groups at once on this CPU that
     /// pays for a pass of `n` tokens: the AVX2 Q8_0 pair, where a group's weights serve
     /// several four-token passes (as for the Q4_K pair, [`pairs_k`](Self::pairs_k)).
     pub fn pairs(&self, n: usize) -> bool {
+        self.pairs_avx2::<BlockQ8>(n)
+    }
+
+    /// Two groups on the 256-bit kernels: the AVX2 pair where the CPU has nothing better
+    /// ([`gemm2_avx2`](Self::gemm2_avx2)), else one group after the other.
+    fn gemm2_256<A: PackedAct>(
+        &self,
+        group: usize,
+        acts: &[&[A]],
+        out_a: &mut [[f32; ROWS]],
+        out_b: &mut [[f32; ROWS]],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if Isa::best() == Isa::Avx2 {
+            // SAFETY: `best` only names an instruction set the CPU runs.
+            return unsafe { self.gemm2_avx2(group, acts, out_a, out_b) };
+        }
+        A::gemm(self, group, acts, out_a);
+        A::gemm(self, group + 1, acts, out_b);
+    }
+
+    /// Whether an AVX2 pair kernel runs for this layout and pays for passes of `n` tokens:
+    /// only where a group's weights serve several four-token passes (from memory the Q4_K
+    /// pair is slower than two single-group passes: see `tile_q4k_pair`), and only where
+    /// AVX2 is the best the CPU has (the VNNI instances have `vpdpbusd`).
+    fn pairs_avx2<A: PackedAct>(&self, n: usize) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            matches!(self, Packed::Q8_0(..)) && n > 4 && Isa::best() == Isa::Avx2
+            A::has_pair_avx2(self) && n > 4 && Isa::best() == Isa::Avx2
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -1011,37 +1037,22 @@ impl Packed {
         out_b: &mut [[f32; ROWS]],
     ) {
         #[cfg(target_arch = "x86_64")]
-        {
-            if wide_k() {
-                // SAFETY: `wide_k` checked the CPU's features.
-                return unsafe { self.gemm_k2_wide(group, acts, out_a, out_b) };
-            }
-            if Isa::best() == Isa::Avx2 {
-                // SAFETY: `best` only names an instruction set the CPU runs.
-                return unsafe { self.gemm2_avx2(group, acts, out_a, out_b) };
-            }
+        if wide_k() {
+            // SAFETY: `wide_k` checked the CPU's features.
+            return unsafe { self.gemm_k2_wide(group, acts, out_a, out_b) };
         }
-        self.gemm_k(group, acts, out_a);
-        self.gemm_k(group + 1, acts, out_b);
+        self.gemm2_256(group, acts, out_a, out_b)
     }
 
     /// Whether [`gemm_k2`](Self::gemm_k2) has a kernel for two groups at once on this CPU
     /// that pays for a pass of `n` tokens: the 512-bit kernels (Q4_K, Q6_K) always; the AVX2
-    /// Q4_K pair when a group's weights serve several four-token passes (from memory it is
-    /// slower than two single-group passes: see `tile_q4k_pair`).
+    /// Q4_K pair when a group's weights serve several four-token passes (`pairs_avx2`).
     pub fn pairs_k(&self, n: usize) -> bool {
         #[cfg(target_arch = "x86_64")]
-        {
-            if matches!(self, Packed::Q4K(..) | Packed::Q6K(..)) && wide_k() {
-                return true;
-            }
-            matches!(self, Packed::Q4K(..)) && n > 4 && Isa::best() == Isa::Avx2
+        if matches!(self, Packed::Q4K(..) | Packed::Q6K(..)) && wide_k() {
+            return true;
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = n;
-            false
-        }
+        self.pairs_avx2::<BlockQ8K>(n)
     }
 
     /// [`gemm2`](Self::gemm2) or [`gemm_k2`](Self::gemm_k2) on the AVX2 kernels: the Q8_0 or
