@@ -294,6 +294,14 @@ pub trait Backend: Send + Sync {
 
     /// Takes a tensor from a model file; matrices keep their format.
     fn load_weight(&self, t: &RawTensor) -> Result<Self::Weight>;
+    /// [`Self::load_weight`] for a matrix whose products must keep the activations' full
+    /// precision on every path: the backend may store it as the file does, but multiplies it
+    /// with f32 activations (no bf16 or 8-bit rounding of the input). The models use it for
+    /// the few matrices that feed a discontinuity or a recurrence (routers, a Gated
+    /// DeltaNet's projections), where input rounding is amplified; see docs/accuracy.md.
+    fn load_weight_precise(&self, t: &RawTensor) -> Result<Self::Weight> {
+        self.load_weight(t)
+    }
     /// `(rows, cols)` of a loaded weight (a vector is one row).
     fn weight_shape(&self, w: &Self::Weight) -> (usize, usize);
 

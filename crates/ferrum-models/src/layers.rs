@@ -79,6 +79,62 @@ impl WeightSource<'_> {
         Ok(w)
     }
 
+    /// [`Self::require`] for a matrix whose products decide something discontinuous (a
+    /// router's top-k) or feed a recurrence (a Gated DeltaNet's projections): loaded with
+    /// [`Backend::load_weight_precise`], so the default backend multiplies it with f32
+    /// activations (bf16 and f16 weights) or two-level 8-bit ones (quantised weights) instead
+    /// of rounding them once, whatever the file stores. llama.cpp keeps routers in F32 for the
+    /// same reason. See docs/accuracy.md for what each choice measured.
+    pub fn require_precise<B: Backend>(
+        &self,
+        be: &B,
+        hf: &str,
+        layer: usize,
+        shape: (usize, usize),
+    ) -> Result<B::Weight> {
+        self.require_with(be, hf, layer, shape, |_| true)
+    }
+
+    /// [`Self::require_precise`] where the file stores floats (bf16, f16, f32), else
+    /// [`Self::require`]: for the query and key projections, whose rounding the attention
+    /// scores amplify, where f32 activations cost only `vdpbf16ps`'s prefill speed on a small
+    /// share of the weights; quantised files keep llama.cpp's 8-bit activations there.
+    pub fn require_precise_float<B: Backend>(
+        &self,
+        be: &B,
+        hf: &str,
+        layer: usize,
+        shape: (usize, usize),
+    ) -> Result<B::Weight> {
+        self.require_with(be, hf, layer, shape, |t| !t.dtype.is_quantized())
+    }
+
+    fn require_with<B: Backend>(
+        &self,
+        be: &B,
+        hf: &str,
+        layer: usize,
+        shape: (usize, usize),
+        precise: impl Fn(&RawTensor) -> bool,
+    ) -> Result<B::Weight> {
+        let name = self.name(hf, layer);
+        let t = self
+            .tensor(hf, layer)
+            .ok_or_else(|| Error::Weights(format!("missing tensor {name:?}")))?;
+        let w = if precise(t) {
+            be.load_weight_precise(t)?
+        } else {
+            be.load_weight(t)?
+        };
+        let got = be.weight_shape(&w);
+        if got != shape {
+            return Err(Error::Weights(format!(
+                "tensor {name:?} has shape {got:?}, expected {shape:?}"
+            )));
+        }
+        Ok(w)
+    }
+
     /// A tensor of `len` values read to the host as f32 (attention sinks, biases the host
     /// applies).
     pub fn vector(&self, hf: &str, layer: usize, len: usize) -> Result<Vec<f32>> {
@@ -215,10 +271,18 @@ impl<B: Backend> Attention<B> {
     fn load(be: &B, src: &WeightSource, i: usize, c: &ModelConfig) -> Result<Self> {
         let (h, qd, kvd) = (c.hidden_size, c.q_dim(), c.kv_dim());
         let l = |name: &str, shape| src.require(be, name, i, shape);
+        // Queries and keys meet in the attention scores, whose softmax amplifies their
+        // rounding (docs/accuracy.md): f32 activations where the weights are floats.
+        let qk = |name: &str, shape| src.require_precise_float(be, name, i, shape);
         let q_name = "model.layers.{i}.self_attn.q_proj.weight";
         let (qkv_q, gate) = if c.attn_gate {
             let (q, g) = split_gate(src, q_name, i, c)?;
-            (Some(be.load_weight(&q)?), Some(be.load_weight(&g)?))
+            let q = if q.dtype.is_quantized() {
+                be.load_weight(&q)?
+            } else {
+                be.load_weight_precise(&q)?
+            };
+            (Some(q), Some(be.load_weight(&g)?))
         } else {
             (None, None)
         };
@@ -227,14 +291,14 @@ impl<B: Backend> Attention<B> {
             && src.tensor(fused_qkv, i).is_some()
             && gate.is_none()
         {
-            Qkv::Fused(l(fused_qkv, (qd + 2 * kvd, h))?)
+            Qkv::Fused(qk(fused_qkv, (qd + 2 * kvd, h))?)
         } else {
             Qkv::Split {
                 q: match qkv_q {
                     Some(q) => q,
-                    None => l(q_name, (qd, h))?,
+                    None => qk(q_name, (qd, h))?,
                 },
-                k: l("model.layers.{i}.self_attn.k_proj.weight", (kvd, h))?,
+                k: qk("model.layers.{i}.self_attn.k_proj.weight", (kvd, h))?,
                 v: l("model.layers.{i}.self_attn.v_proj.weight", (kvd, h))?,
             }
         };

@@ -59,7 +59,10 @@ impl<B: Backend> DeltaNet<B> {
         l: &LinearAttn,
     ) -> Result<Self> {
         let (h, conv, vd, nv) = (c.hidden_size, l.conv_dim(), l.v_heads * l.v_dim, l.v_heads);
-        let w = |name: &str, shape| src.require(be, name, i, shape);
+        // The delta rule carries every token's q/k/v, gates and output into later tokens
+        // through its state, so input rounding here is amplified (docs/accuracy.md): these
+        // take f32 activations.
+        let w = |name: &str, shape| src.require_precise(be, name, i, shape);
         let taps = src.vector(
             "model.layers.{i}.linear_attn.conv1d.weight",
             i,

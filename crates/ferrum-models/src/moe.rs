@@ -54,7 +54,7 @@ impl<B: Backend> MoeLayer<B> {
                 Activation::ClampedSwiglu { alpha, limit },
             );
         }
-        let router = src.require(be, "model.layers.{i}.mlp.gate.weight", i, (e, h))?;
+        let router = src.require_precise(be, "model.layers.{i}.mlp.gate.weight", i, (e, h))?;
         let experts = if src.gguf {
             let [gate, up, down] = gguf_stacks(be, src, i, e, f, h)?;
             (0..e)
@@ -95,7 +95,12 @@ impl<B: Backend> MoeLayer<B> {
                         "model.layers.{i}.mlp.shared_expert.down_proj.weight",
                         (h, sf),
                     )?,
-                    gate: w("model.layers.{i}.mlp.shared_expert_gate.weight", (1, h))?,
+                    gate: src.require_precise(
+                        be,
+                        "model.layers.{i}.mlp.shared_expert_gate.weight",
+                        i,
+                        (1, h),
+                    )?,
                     ffn: sf,
                 })
             }
@@ -126,7 +131,7 @@ impl<B: Backend> MoeLayer<B> {
         activation: Activation,
     ) -> Result<Self> {
         let (h, f, e) = (c.hidden_size, m.expert_ffn, m.n_experts);
-        let router = src.require(be, "model.layers.{i}.mlp.router.weight", i, (e, h))?;
+        let router = src.require_precise(be, "model.layers.{i}.mlp.router.weight", i, (e, h))?;
         let router_bias = Some(src.require(be, "model.layers.{i}.mlp.router.bias", i, (1, e))?);
         let experts = if src.gguf {
             let [gate, up, down] = gguf_stacks(be, src, i, e, f, h)?;

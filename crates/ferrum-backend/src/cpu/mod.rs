@@ -145,6 +145,9 @@ impl CpuBackend {
         ov: Rows,
         out_len: usize,
     ) -> Option<QuantPart<'a>> {
+        if w.precise {
+            return None;
+        }
         let kernel = w.kernel?;
         let (bias, per_task, n_tasks) = self.checked_part(xv, w, bias, ov, out_len);
         Some(QuantPart {
@@ -221,6 +224,7 @@ impl CpuBackend {
             data,
             kernel,
             packed: None,
+            precise: false,
         })
     }
 
@@ -361,6 +365,67 @@ impl CpuBackend {
         });
     }
 
+    /// A precise quantised weight ([`Backend::load_weight_precise`]) in the default mode: each
+    /// activation row `x` goes to the integer kernels as two tokens, `x` and what its 8-bit
+    /// quantisation drops (`q8::residual_q8`/`residual_q8k`), and the two products are summed:
+    /// the activation keeps about 16 significant bits for the price of a second token in the
+    /// same pass over the weights (a decode's weights are still read once). Each (row, token)
+    /// gets the same bits whatever the batch, as the kernels give.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_two_level(
+        &self,
+        x: &[f32],
+        xv: Rows,
+        w: &CpuWeight,
+        kernel: quant::Kernel,
+        bias: Option<&CpuWeight>,
+        out: &mut [f32],
+        ov: Rows,
+    ) {
+        let (m, k, n) = (w.rows, w.cols, xv.count);
+        let (bias, _, _) = self.checked_part(xv, w, bias, ov, out.len());
+        let mut rows = vec![0f32; 2 * n * k];
+        let pairs = SharedMut(rows.as_mut_ptr());
+        self.pool.run(n, &|t| {
+            // SAFETY: token t's two rows, in bounds, are this task's alone.
+            let pair = unsafe { pairs.slice(2 * t * k, 2 * k) };
+            let src = &x[xv.offset + t * xv.stride..][..k];
+            let (hi, lo) = pair.split_at_mut(k);
+            hi.copy_from_slice(src);
+            match kernel {
+                quant::Kernel::Q8 { .. } => quant::q8::residual_q8(src, lo),
+                quant::Kernel::Q8K { .. } => quant::q8::residual_q8k(src, lo),
+            }
+        });
+        let mut y = vec![0f32; 2 * n * m];
+        let yv = Rows::dense(2 * n, m);
+        let (_, per_task, n_tasks) = self.checked_part(Rows::dense(2 * n, k), w, None, yv, y.len());
+        let part = QuantPart {
+            w,
+            kernel,
+            bias: None,
+            ov: yv,
+            per_task,
+            n_tasks,
+        };
+        let row = |t: usize| &rows[t * k..(t + 1) * k];
+        quantized_matmuls(
+            &self.pool,
+            &row,
+            2 * n,
+            k,
+            &[part],
+            SharedMut(y.as_mut_ptr()),
+        );
+        for (t, pair) in y.chunks_exact(2 * m).enumerate() {
+            let (hi, lo) = pair.split_at(m);
+            let dst = &mut out[ov.offset + t * ov.stride..][..m];
+            for (j, d) in dst.iter_mut().enumerate() {
+                *d = hi[j] + lo[j] + bias.map_or(0.0, |b| b[j]);
+            }
+        }
+    }
+
     /// f32 activations everywhere: each quantised weight row is dequantised and multiplied in
     /// f32. Used to check the model against an exact reference.
     pub fn exact() -> Self {
@@ -370,6 +435,14 @@ impl CpuBackend {
             ..CpuBackend::new()
         }
     }
+}
+
+/// Whether [`Backend::load_weight_precise`] is honoured: `FERRUM_PRECISE=0` loads those
+/// weights like any other (to measure what the precision costs and buys). Fixed at the first
+/// call.
+fn precise_allowed() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FERRUM_PRECISE").map_or(true, |v| v != "0"))
 }
 
 /// A weight in its stored format. Vectors (norm weights, biases) and unaligned f32 matrices
@@ -387,6 +460,9 @@ pub struct CpuWeight {
     /// Q5_K and Q6_K, with AVX2); the matmul reads these instead of the mapped rows. See
     /// [`quant::packed`].
     packed: Option<quant::packed::Packed>,
+    /// Loaded by [`Backend::load_weight_precise`]: multiplied with f32 activations even in
+    /// the default mode (no integer kernel, no `vdpbf16ps`).
+    precise: bool,
 }
 
 enum WeightData {
@@ -693,6 +769,29 @@ impl Backend for CpuBackend {
         Some(&buf[offset..offset + len])
     }
 
+    fn load_weight_precise(&self, t: &RawTensor) -> Result<CpuWeight> {
+        if !precise_allowed() {
+            return self.load_weight(t);
+        }
+        if t.dtype.is_quantized() {
+            // Packed as usual: the integer kernels take two-level activations
+            // (`matmul_two_level`), which cost a second token in the same pass rather than
+            // the exact path's dequantised rows.
+            let mut w = self.load_weight(t)?;
+            w.precise = true;
+            return Ok(w);
+        }
+        let mut w = self.load_mapped(t)?;
+        // Without a kernel the matmul dequantises weight rows and keeps f32 activations
+        // (the exact mode's path, for this weight only).
+        w.kernel = None;
+        w.precise = true;
+        if let (WeightData::Mapped(_), 2) = (&w.data, t.shape.len()) {
+            w.data = WeightData::Owned(self.copy_to_arena(t));
+        }
+        Ok(w)
+    }
+
     fn load_weight(&self, t: &RawTensor) -> Result<CpuWeight> {
         let mut w = self.load_mapped(t)?;
         #[cfg(target_arch = "x86_64")]
@@ -752,13 +851,21 @@ impl Backend for CpuBackend {
         let (m, k) = (w.rows, w.cols);
         check_view("matmul x", xv, x.len());
         let n = xv.count;
+        if let (true, Some(kernel)) = (w.precise, w.kernel) {
+            return self.matmul_two_level(x, xv, w, kernel, bias, out, ov);
+        }
         let dst = SharedMut(out.as_mut_ptr());
         if let Some(part) = self.quant_part(xv, w, bias, ov, out.len()) {
             let row = |t: usize| &x[xv.offset + t * xv.stride..][..k];
             return quantized_matmuls(&self.pool, &row, n, k, &[part], dst);
         }
         let (bias, per_task, n_tasks) = self.checked_part(xv, w, bias, ov, out.len());
-        if !self.exact && w.dtype == DType::BF16 && simd::bf16_dot() && w.half_row(0).is_some() {
+        if !self.exact
+            && !w.precise
+            && w.dtype == DType::BF16
+            && simd::bf16_dot()
+            && w.half_row(0).is_some()
+        {
             return self.matmul_bf16(x, xv, w, bias, (per_task, n_tasks), dst, ov);
         }
         // An f16/bf16 row read by one or two tokens is converted as it is dotted; for more

@@ -436,21 +436,37 @@ pub fn dot_f32_x3_scalar(w: &[f32], x: [&[f32]; 3]) -> [f32; 3] {
     x.map(|x| dot_f32_scalar(x, w))
 }
 
-/// Whether bf16 weights meet bf16 activations in `vdpbf16ps` (the default backend's path for
-/// BF16 matrices, as llama.cpp's): AVX512-BF16 with F/BW/VL pass the OS-state check and
-/// `FERRUM_BF16=0` is not set. Activations round to bf16 (8 significant bits, finer than the
-/// 8-bit integer activations of the quantised formats); the products are exact and the sums
-/// f32. Fixed at the first call.
+/// Whether bf16 weights meet bf16 activations in `vdpbf16ps` (llama.cpp's path for BF16
+/// matrices): only when asked for, `FERRUM_BF16=1` on a CPU with AVX512-BF16 and F/BW/VL (the
+/// OS-state check included), or `FERRUM_BF16=emulate` on any CPU (its arithmetic then runs in
+/// the kernels' scalar twins: tests, and machines without the instruction). Otherwise bf16
+/// weights meet f32 activations, as f16 ones do: rounding every matrix's input to bf16 puts
+/// the default path's logits about half as far from the exact ones as transformers' own bf16
+/// run, but routing and attention amplify it, and on models with near ties that loses the
+/// top-1 token or an expert choice transformers keeps (docs/accuracy.md). Measured on a
+/// Zen 4, f32 activations prefill bf16 files at 0.68–0.73× the speed and decode them at
+/// 1.23–1.36×.
+/// Activations round to bf16 once per matmul; the products are exact and the sums f32. Fixed
+/// at the first call.
 pub fn bf16_dot() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static ON: OnceLock<bool> = OnceLock::new();
-        *ON.get_or_init(|| {
-            bf16_dot_runs() && std::env::var("FERRUM_BF16").map_or(true, |v| v != "0")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| match std::env::var("FERRUM_BF16").as_deref() {
+        Ok("1") => bf16_dot_runs(),
+        Ok("emulate") => true,
+        _ => false,
+    })
+}
+
+/// Whether the bf16 path runs on its scalar twins (`FERRUM_BF16=emulate`), whatever the CPU
+/// has: the same bits as the instruction, slowly.
+pub fn bf16_emulated() -> bool {
+    static EMU: OnceLock<bool> = OnceLock::new();
+    *EMU.get_or_init(|| std::env::var("FERRUM_BF16").as_deref() == Ok("emulate"))
+}
+
+/// Whether the `vdpbf16ps` kernels are the ones to run (not emulated, and the CPU has them).
+fn bf16_native() -> bool {
+    bf16_dot_runs() && !bf16_emulated()
 }
 
 /// Whether this CPU runs the `vdpbf16ps` kernels (whatever `FERRUM_BF16` says). Fixed at the
@@ -511,8 +527,15 @@ fn bf16_rne(x: f32) -> u16 {
 /// several rows and tokens at once, and the sum needs one reduction. The scalar twin of
 /// [`dot_bf16_rx1`] and [`dot_bf16_rx3`].
 pub fn dot_bf16_scalar(x: &[u16], w: &[u16]) -> f32 {
-    let n = x.len().min(w.len());
     let mut acc = [0f32; 16];
+    bf16_chain_scalar(x, w, &mut acc);
+    sum16(&acc)
+}
+
+/// The sixteen lanes of [`dot_bf16_scalar`]'s accumulator, carried on over `x · w` (the scalar
+/// twin of one stretch of [`dot_bf16_carry`]).
+fn bf16_chain_scalar(x: &[u16], w: &[u16], acc: &mut [f32; 16]) {
+    let n = x.len().min(w.len());
     for start in (0..n).step_by(32) {
         for (l, al) in acc.iter_mut().enumerate() {
             for e in [start + 2 * l + 1, start + 2 * l] {
@@ -522,7 +545,6 @@ pub fn dot_bf16_scalar(x: &[u16], w: &[u16]) -> f32 {
             }
         }
     }
-    sum16(&acc)
 }
 
 /// Sixteen lanes summed as the bf16 kernels reduce a register: halves, then [`hsum8`].
@@ -543,24 +565,23 @@ fn daz(x: f32) -> f32 {
     }
 }
 
-/// `Σ x·w` of one bf16 activation row and `R` bf16 weight rows on `vdpbf16ps`
-/// ([`bf16_dot_runs`] must hold): `out[r]` has the bits of [`dot_bf16_scalar`]`(x, w[r])`.
-/// Several rows at once keep several chains in flight (one token's decode).
+/// `Σ x·w` of one bf16 activation row and `R` bf16 weight rows on `vdpbf16ps` (on the scalar
+/// twin where the CPU lacks it or the path is emulated): `out[r]` has the bits of
+/// [`dot_bf16_scalar`]`(x, w[r])`. Several rows at once keep several chains in flight (one
+/// token's decode).
 ///
 /// # Panics
-/// If the rows differ in length, or the CPU lacks the instructions.
+/// If the rows differ in length.
 pub fn dot_bf16_rx1<const R: usize>(w: [&[u16]; R], x: &[u16]) -> [f32; R] {
     assert!(
         w.iter().all(|w| w.len() == x.len()),
         "dot_bf16: rows of unequal length"
     );
     #[cfg(target_arch = "x86_64")]
-    {
-        assert!(bf16_dot_runs(), "dot_bf16: no AVX512-BF16 here");
-        // SAFETY: checked just above.
-        unsafe { bf16k::dot_rx::<R, 1>(w, [x]).map(|[v]| v) }
+    if bf16_native() {
+        // SAFETY: the CPU has AVX-512 F/BW/VL and BF16 (`bf16_native`).
+        return unsafe { bf16k::dot_rx::<R, 1>(w, [x]).map(|[v]| v) };
     }
-    #[cfg(not(target_arch = "x86_64"))]
     w.map(|w| dot_bf16_scalar(x, w))
 }
 
@@ -577,12 +598,10 @@ pub fn dot_bf16_rx3<const R: usize>(w: [&[u16]; R], x: [&[u16]; 3]) -> [[f32; 3]
         "dot_bf16_rx3: rows of unequal length"
     );
     #[cfg(target_arch = "x86_64")]
-    {
-        assert!(bf16_dot_runs(), "dot_bf16_rx3: no AVX512-BF16 here");
-        // SAFETY: checked just above.
-        unsafe { bf16k::dot_rx::<R, 3>(w, x) }
+    if bf16_native() {
+        // SAFETY: the CPU has AVX-512 F/BW/VL and BF16 (`bf16_native`).
+        return unsafe { bf16k::dot_rx::<R, 3>(w, x) };
     }
-    #[cfg(not(target_arch = "x86_64"))]
     w.map(|w| x.map(|x| dot_bf16_scalar(x, w)))
 }
 
@@ -612,7 +631,7 @@ impl<const R: usize, const T: usize> BfCarry<R, T> {
 ///
 /// # Panics
 /// If the stretches differ in length, one before the last is not a multiple of 32 long (the
-/// caller's to keep), or the CPU lacks the instructions.
+/// caller's to keep).
 pub fn dot_bf16_carry<const R: usize, const T: usize>(
     w: [&[u16]; R],
     x: [&[u16]; T],
@@ -624,15 +643,14 @@ pub fn dot_bf16_carry<const R: usize, const T: usize>(
         "dot_bf16_carry: stretches of unequal length"
     );
     #[cfg(target_arch = "x86_64")]
-    {
-        assert!(bf16_dot_runs(), "dot_bf16_carry: no AVX512-BF16 here");
-        // SAFETY: checked just above.
-        unsafe { bf16k::carry(w, x, &mut carry.0) }
+    if bf16_native() {
+        // SAFETY: the CPU has AVX-512 F/BW/VL and BF16 (`bf16_native`).
+        return unsafe { bf16k::carry(w, x, &mut carry.0) };
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (w, x, carry);
-        unreachable!("bf16_dot_runs is false off x86-64")
+    for (wr, acc) in w.iter().zip(carry.0.iter_mut()) {
+        for (xt, a) in x.iter().zip(acc.iter_mut()) {
+            bf16_chain_scalar(xt, wr, a);
+        }
     }
 }
 
@@ -785,7 +803,11 @@ pub fn simd_name() -> String {
                 name.push_str("+zmm-k");
             }
             if bf16_dot() {
-                name.push_str("+bf16");
+                name.push_str(if bf16_native() {
+                    "+bf16"
+                } else {
+                    "+bf16-emulated"
+                });
             }
             match super::quant::amx::mode() {
                 super::quant::amx::Mode::Amx => name.push_str("+amx"),
@@ -1975,6 +1997,33 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// The emulated carry (the scalar chain carried over stretches of whole 32-value chunks,
+    /// `FERRUM_BF16=emulate`'s path for long rows) gives the bits of one scalar dot over the
+    /// whole row: it runs on every CPU.
+    #[test]
+    fn scalar_bf16_carry_equals_one_scalar_dot() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        for n in [1usize, 32, 33, 100, 2049] {
+            let row = |rng: &mut rand::rngs::StdRng| -> Vec<u16> {
+                let f: Vec<f32> = (0..n).map(|_| rng.gen_range(-2.0..2.0)).collect();
+                let mut b = vec![0u16; n];
+                f32_to_bf16_rne_scalar(&f, &mut b);
+                b
+            };
+            let (w, x) = (row(&mut rng), row(&mut rng));
+            let mut acc = [0f32; 16];
+            for c0 in (0..n).step_by(64) {
+                let c1 = (c0 + 64).min(n);
+                bf16_chain_scalar(&x[c0..c1], &w[c0..c1], &mut acc);
+            }
+            assert_eq!(
+                sum16(&acc).to_bits(),
+                dot_bf16_scalar(&x, &w).to_bits(),
+                "{n}"
+            );
         }
     }
 

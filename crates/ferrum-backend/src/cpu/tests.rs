@@ -577,3 +577,149 @@ fn matmul_many_one_pass_only_for_side_by_side_views() {
     assert!(!side_by_side(&[cols(4, 96, 0, 64), cols(4, 97, 64, 16)], 4));
     assert!(!side_by_side(&[cols(4, 96, 0, 64), cols(3, 96, 64, 16)], 4));
 }
+
+/// A precise quantised weight (`load_weight_precise`) on the default backend takes two-level
+/// activations: each product is within 1e-4 of the largest of the exact backend's (f32 activations,
+/// dequantised rows), where the one-level 8-bit product of the same weight is ~100 times
+/// further; a bias is added once; and every token gets the bits it gets alone. Q8_0 (Q8
+/// activations) and Q4_K (Q8_K), with rows left over past the packed groups.
+#[test]
+fn precise_quantised_matmul_is_two_level_and_batch_invariant() {
+    let be = CpuBackend::new();
+    let exact = CpuBackend::exact();
+    let mut r = rng();
+    for (dt, k, m) in [(DType::Q8_0, 96, 29), (DType::Q4K, 256, 21)] {
+        let w = rand_vec(&mut r, m * k);
+        let bytes = match dt {
+            DType::Q8_0 => q8_0_bytes(&w),
+            _ => {
+                // Q4_K blocks from the scalar reference quantiser's layout: random bytes with
+                // small scales, as the kernel tests make them.
+                let mut b = vec![0u8; dt.bytes_for(m * k).unwrap()];
+                r.fill(&mut b[..]);
+                for blk in b.chunks_mut(dt.block_bytes()) {
+                    blk[..2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+                    blk[2..4].copy_from_slice(&half::f16::from_f32(0.005).to_le_bytes());
+                }
+                b
+            }
+        };
+        let t = RawTensor::from_bytes("w", dt, vec![m, k], bytes).unwrap();
+        let bias_v = rand_vec(&mut r, m);
+        let bias = be.load_weight(&f32_tensor("b", vec![m], &bias_v)).unwrap();
+        let ebias = exact
+            .load_weight(&f32_tensor("b", vec![m], &bias_v))
+            .unwrap();
+        let precise = be.load_weight_precise(&t).unwrap();
+        let plain = be.load_weight(&t).unwrap();
+        let reference = exact.load_weight(&t).unwrap();
+        // Activations of unequal sizes, as a residual stream's are.
+        let n = 7;
+        let x: Vec<f32> = (0..n * k)
+            .map(|i| r.gen_range(-1.0..1.0) * if i % 13 == 0 { 20.0 } else { 1.0 })
+            .collect();
+        let run = |b: &CpuBackend, w: &CpuWeight, bias: &CpuWeight, first: usize, n: usize| {
+            let mut out = vec![0.0; n * m];
+            b.matmul(
+                &x[first * k..(first + n) * k].to_vec(),
+                Rows::dense(n, k),
+                w,
+                Some(bias),
+                &mut out,
+                Rows::dense(n, m),
+            );
+            out
+        };
+        let got = run(&be, &precise, &bias, 0, n);
+        let one = run(&be, &plain, &bias, 0, n);
+        let want = run(&exact, &reference, &ebias, 0, n);
+        let err = |a: &[f32]| {
+            a.iter()
+                .zip(&want)
+                .fold(0f32, |e, (a, b)| e.max((a - b).abs()))
+        };
+        let scale = want.iter().fold(0f32, |s, v| s.max(v.abs()));
+        let (two, eight) = (err(&got), err(&one));
+        assert!(
+            two <= 1e-4 * scale,
+            "{dt}: two-level error {two} of {scale}"
+        );
+        assert!(
+            eight > 30.0 * two,
+            "{dt}: one-level {eight} vs two-level {two}"
+        );
+        for t in 0..n {
+            let alone = run(&be, &precise, &bias, t, 1);
+            for j in 0..m {
+                assert_eq!(
+                    got[t * m + j].to_bits(),
+                    alone[j].to_bits(),
+                    "{dt}: token {t} row {j}"
+                );
+            }
+        }
+    }
+}
+
+/// What `residual_q8`/`residual_q8k` leave is what the 8-bit blocks dropped: `x` minus the
+/// blocks' values, each within half a step of the block's scale.
+#[test]
+fn residuals_are_what_the_blocks_drop() {
+    let mut r = rng();
+    let x: Vec<f32> = (0..512).map(|_| r.gen_range(-3.0..3.0)).collect();
+    let mut lo = vec![0f32; 512];
+    quant::q8::residual_q8(&x, &mut lo);
+    let mut b = vec![quant::q8::BlockQ8::default(); 16];
+    quant::q8::quantize_q8(&x, &mut b);
+    for (i, (&v, &l)) in x.iter().zip(&lo).enumerate() {
+        let blk = &b[i / 32];
+        assert_eq!(l, v - blk.d * blk.qs[i % 32] as f32);
+        assert!(
+            l.abs() <= 0.5 * blk.d * 1.0001,
+            "{i}: {l} vs step {}",
+            blk.d
+        );
+    }
+    quant::q8::residual_q8k(&x, &mut lo);
+    let mut bk = vec![quant::q8::BlockQ8K::default(); 2];
+    quant::q8::quantize_q8k(&x, &mut bk);
+    for (i, (&v, &l)) in x.iter().zip(&lo).enumerate() {
+        let blk = &bk[i / 256];
+        assert_eq!(l, v - blk.d * blk.qs[i % 256] as f32);
+        assert!(l.abs() <= 0.5 * blk.d * 1.0001);
+    }
+}
+
+/// A precise bf16 weight is multiplied with f32 activations: the products of the exact
+/// backend, bit for bit (whatever `FERRUM_BF16` says for other weights).
+#[test]
+fn precise_bf16_weight_takes_f32_activations() {
+    let be = CpuBackend::new();
+    let exact = CpuBackend::exact();
+    let mut r = rng();
+    let (k, m, n) = (64, 16, 5);
+    let w = rand_vec(&mut r, m * k);
+    let bytes: Vec<u8> = w
+        .iter()
+        .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+        .collect();
+    let t = RawTensor::from_bytes("w", DType::BF16, vec![m, k], bytes).unwrap();
+    let x = rand_vec(&mut r, n * k);
+    let mut got = vec![0.0; n * m];
+    let mut want = vec![0.0; n * m];
+    let p = be.load_weight_precise(&t).unwrap();
+    be.matmul(&x, Rows::dense(n, k), &p, None, &mut got, Rows::dense(n, m));
+    let e = exact.load_weight(&t).unwrap();
+    exact.matmul(
+        &x,
+        Rows::dense(n, k),
+        &e,
+        None,
+        &mut want,
+        Rows::dense(n, m),
+    );
+    assert!(got
+        .iter()
+        .zip(&want)
+        .all(|(a, b)| a.to_bits() == b.to_bits()));
+}

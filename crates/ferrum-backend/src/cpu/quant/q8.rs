@@ -138,6 +138,39 @@ pub fn quantize_q8k_scalar(x: &[f32], out: &mut [BlockQ8K]) {
     }
 }
 
+/// What [`quantize_q8`] drops from each value of `x`: `x − d · q`, block by block, into `out`.
+/// Quantised in turn, it is the second row of a two-level activation (`x ≈ d₁q₁ + d₂q₂`,
+/// `d₂ ≤ d₁ / 254`), which the integer kernels multiply as a second token: about 16
+/// significant bits of the activation for a precise weight (`Backend::load_weight_precise`).
+pub fn residual_q8(x: &[f32], out: &mut [f32]) {
+    let mut blocks = vec![BlockQ8::default(); x.len() / QK8];
+    quantize_q8(x, &mut blocks);
+    for ((b, xs), o) in blocks
+        .iter()
+        .zip(x.chunks_exact(QK8))
+        .zip(out.chunks_exact_mut(QK8))
+    {
+        for ((o, &v), &q) in o.iter_mut().zip(xs).zip(&b.qs) {
+            *o = v - b.d * q as f32;
+        }
+    }
+}
+
+/// [`residual_q8`] for the 256-value activation format ([`quantize_q8k`]).
+pub fn residual_q8k(x: &[f32], out: &mut [f32]) {
+    let mut blocks = vec![BlockQ8K::default(); x.len() / QK_K];
+    quantize_q8k(x, &mut blocks);
+    for ((b, xs), o) in blocks
+        .iter()
+        .zip(x.chunks_exact(QK_K))
+        .zip(out.chunks_exact_mut(QK_K))
+    {
+        for ((o, &v), &q) in o.iter_mut().zip(xs).zip(&b.qs) {
+            *o = v - b.d * q as f32;
+        }
+    }
+}
+
 /// f16 → f32 with the F16C instruction, inlined into the kernels (the `half` crate's
 /// conversion is an out-of-line call per block, which dominated the kernels' time).
 #[cfg(target_arch = "x86_64")]
