@@ -66,17 +66,7 @@ impl WeightSource<'_> {
         layer: usize,
         shape: (usize, usize),
     ) -> Result<B::Weight> {
-        let name = self.name(hf, layer);
-        let w = self
-            .get(be, hf, layer)?
-            .ok_or_else(|| Error::Weights(format!("missing tensor {name:?}")))?;
-        let got = be.weight_shape(&w);
-        if got != shape {
-            return Err(Error::Weights(format!(
-                "tensor {name:?} has shape {got:?}, expected {shape:?}"
-            )));
-        }
-        Ok(w)
+        self.require_with(be, hf, layer, shape, |_| false)
     }
 
     /// [`Self::require`] for a matrix whose products decide something discontinuous (a

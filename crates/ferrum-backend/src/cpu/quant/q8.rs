@@ -145,28 +145,29 @@ pub fn quantize_q8k_scalar(x: &[f32], out: &mut [BlockQ8K]) {
 pub fn residual_q8(x: &[f32], out: &mut [f32]) {
     let mut blocks = vec![BlockQ8::default(); x.len() / QK8];
     quantize_q8(x, &mut blocks);
-    for ((b, xs), o) in blocks
-        .iter()
-        .zip(x.chunks_exact(QK8))
-        .zip(out.chunks_exact_mut(QK8))
-    {
-        for ((o, &v), &q) in o.iter_mut().zip(xs).zip(&b.qs) {
-            *o = v - b.d * q as f32;
-        }
-    }
+    subtract_blocks(x, out, QK8, blocks.iter().map(|b| (b.d, &b.qs[..])));
 }
 
 /// [`residual_q8`] for the 256-value activation format ([`quantize_q8k`]).
 pub fn residual_q8k(x: &[f32], out: &mut [f32]) {
     let mut blocks = vec![BlockQ8K::default(); x.len() / QK_K];
     quantize_q8k(x, &mut blocks);
-    for ((b, xs), o) in blocks
-        .iter()
-        .zip(x.chunks_exact(QK_K))
-        .zip(out.chunks_exact_mut(QK_K))
+    subtract_blocks(x, out, QK_K, blocks.iter().map(|b| (b.d, &b.qs[..])));
+}
+
+/// `out = x − d · q`, block by block (blocks of `len` values, given as scale and quants).
+fn subtract_blocks<'a>(
+    x: &[f32],
+    out: &mut [f32],
+    len: usize,
+    blocks: impl Iterator<Item = (f32, &'a [i8])>,
+) {
+    for (((d, qs), xs), o) in blocks
+        .zip(x.chunks_exact(len))
+        .zip(out.chunks_exact_mut(len))
     {
-        for ((o, &v), &q) in o.iter_mut().zip(xs).zip(&b.qs) {
-            *o = v - b.d * q as f32;
+        for ((o, &v), &q) in o.iter_mut().zip(xs).zip(qs) {
+            *o = v - d * q as f32;
         }
     }
 }
