@@ -66,7 +66,7 @@ impl WeightSource<'_> {
         layer: usize,
         shape: (usize, usize),
     ) -> Result<B::Weight> {
-        self.require_with(be, hf, layer, shape, |_| false)
+        self.require_with(be, hf, layer, shape, |t| be.load_weight(t))
     }
 
     /// [`Self::require`] for a matrix whose products decide something discontinuous (a
@@ -82,7 +82,7 @@ impl WeightSource<'_> {
         layer: usize,
         shape: (usize, usize),
     ) -> Result<B::Weight> {
-        self.require_with(be, hf, layer, shape, |_| true)
+        self.require_with(be, hf, layer, shape, |t| be.load_weight_precise(t))
     }
 
     /// [`Self::require_precise`] where the file stores floats (bf16, f16, f32), else
@@ -96,7 +96,7 @@ impl WeightSource<'_> {
         layer: usize,
         shape: (usize, usize),
     ) -> Result<B::Weight> {
-        self.require_with(be, hf, layer, shape, |t| !t.dtype.is_quantized())
+        self.require_with(be, hf, layer, shape, |t| load_precise_float(be, t))
     }
 
     fn require_with<B: Backend>(
@@ -105,17 +105,13 @@ impl WeightSource<'_> {
         hf: &str,
         layer: usize,
         shape: (usize, usize),
-        precise: impl Fn(&RawTensor) -> bool,
+        load: impl Fn(&RawTensor) -> Result<B::Weight>,
     ) -> Result<B::Weight> {
         let name = self.name(hf, layer);
         let t = self
             .tensor(hf, layer)
             .ok_or_else(|| Error::Weights(format!("missing tensor {name:?}")))?;
-        let w = if precise(t) {
-            be.load_weight_precise(t)?
-        } else {
-            be.load_weight(t)?
-        };
+        let w = load(t)?;
         let got = be.weight_shape(&w);
         if got != shape {
             return Err(Error::Weights(format!(
@@ -223,6 +219,16 @@ pub enum Mixer<B: Backend> {
     Linear(DeltaNet<B>),
 }
 
+/// [`Backend::load_weight_precise`] where `t` holds floats, [`Backend::load_weight`] where it
+/// is quantised (see [`WeightSource::require_precise_float`]).
+fn load_precise_float<B: Backend>(be: &B, t: &RawTensor) -> Result<B::Weight> {
+    if t.dtype.is_quantized() {
+        be.load_weight(t)
+    } else {
+        be.load_weight_precise(t)
+    }
+}
+
 pub struct Layer<B: Backend> {
     pub norms: Norms<B::Weight>,
     pub mixer: Mixer<B>,
@@ -267,12 +273,7 @@ impl<B: Backend> Attention<B> {
         let q_name = "model.layers.{i}.self_attn.q_proj.weight";
         let (qkv_q, gate) = if c.attn_gate {
             let (q, g) = split_gate(src, q_name, i, c)?;
-            let q = if q.dtype.is_quantized() {
-                be.load_weight(&q)?
-            } else {
-                be.load_weight_precise(&q)?
-            };
-            (Some(q), Some(be.load_weight(&g)?))
+            (Some(load_precise_float(be, &q)?), Some(be.load_weight(&g)?))
         } else {
             (None, None)
         };

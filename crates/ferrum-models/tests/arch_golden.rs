@@ -9,14 +9,14 @@
 //! logits swing widely) moves logits by 8e-5 (Granite) to 5e-3 (SmolLM3) of the largest: it
 //! must stay within 6e-3 with the same argmax everywhere, as the Llama/Qwen fixtures' 5e-3.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use ferrum_backend::CpuBackend;
 use ferrum_models::{LoadOptions, Logits, Model};
 use serde::Deserialize;
 
 mod common;
-use common::argmax;
+use common::{argmax, logits_all as run};
 
 #[derive(Deserialize)]
 struct Reference {
@@ -74,15 +74,6 @@ fn reference(name: &str, file: &str) -> Option<Reference> {
     let p = dir(name).join(file);
     let text = std::fs::read_to_string(&p).ok()?;
     Some(serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
-}
-
-fn run(be: CpuBackend, path: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
-    let mut m = Model::open(path, be, &LoadOptions { context: Some(64) })
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let mut kv = m.decoder.alloc_kv_tokens(64);
-    let v = m.decoder.config.vocab_size;
-    let all = m.decoder.forward(&mut kv, tokens, 0, Logits::All).unwrap();
-    all.chunks(v).map(|r| r.to_vec()).collect()
 }
 
 /// Every position within `tol × max|logit|` of the reference, with the same argmax.

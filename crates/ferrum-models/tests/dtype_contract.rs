@@ -28,11 +28,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use ferrum_backend::CpuBackend;
-use ferrum_models::{LoadOptions, Logits, Model};
 use serde::Deserialize;
 
 mod common;
-use common::argmax;
+use common::{argmax, logits_all};
 
 #[derive(Deserialize)]
 struct Reference {
@@ -116,19 +115,7 @@ fn reference(path: &Path) -> Option<Reference> {
 }
 
 fn run(path: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
-    run_on(CpuBackend::new(), path, tokens)
-}
-
-fn run_on(be: CpuBackend, path: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
-    let mut m = Model::open(path, be, &LoadOptions { context: Some(64) })
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let mut kv = m.decoder.alloc_kv_tokens(64);
-    let v = m.decoder.config.vocab_size;
-    let all = m
-        .decoder
-        .forward(&mut kv, tokens, 0, Logits::All)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    all.chunks(v).map(|r| r.to_vec()).collect()
+    logits_all(CpuBackend::new(), path, tokens)
 }
 
 /// f32 → bf16, round to nearest even (torch's `.to(torch.bfloat16)`; no value here is NaN).
@@ -448,7 +435,7 @@ fn accuracy_table() {
             if name.contains("q8_0") && head_dim % 32 != 0 {
                 continue; // a Q8_0 cache needs heads of whole 32-value blocks
             }
-            let d = distance(&run_on(be(), &st, &exact.tokens), &exact.logits);
+            let d = distance(&logits_all(be(), &st, &exact.tokens), &exact.logits);
             // Relative to the bar, fixture by fixture.
             rows[i].push((d.max / bar.max, d.p90 / bar.p90, d.argmax));
         }

@@ -781,10 +781,9 @@ impl Backend for CpuBackend {
             w.precise = true;
             return Ok(w);
         }
+        // Float weights have no integer kernel: `precise` keeps them off `vdpbf16ps`, so the
+        // matmul converts their rows and keeps f32 activations.
         let mut w = self.load_mapped(t)?;
-        // Without a kernel the matmul dequantises weight rows and keeps f32 activations
-        // (the exact mode's path, for this weight only).
-        w.kernel = None;
         w.precise = true;
         if let (WeightData::Mapped(_), 2) = (&w.data, t.shape.len()) {
             w.data = WeightData::Owned(self.copy_to_arena(t));

@@ -465,6 +465,7 @@ pub fn bf16_emulated() -> bool {
 }
 
 /// Whether the `vdpbf16ps` kernels are the ones to run (not emulated, and the CPU has them).
+#[cfg(target_arch = "x86_64")]
 fn bf16_native() -> bool {
     bf16_dot_runs() && !bf16_emulated()
 }

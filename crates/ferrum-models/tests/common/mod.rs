@@ -13,6 +13,25 @@ pub fn argmax(r: &[f32]) -> u32 {
     best as u32
 }
 
+/// The logits of every position of `tokens`, one pass with a 64-token context, one row per
+/// position.
+pub fn logits_all(
+    be: ferrum_backend::CpuBackend,
+    path: &std::path::Path,
+    tokens: &[u32],
+) -> Vec<Vec<f32>> {
+    use ferrum_models::{LoadOptions, Logits, Model};
+    let mut m = Model::open(path, be, &LoadOptions { context: Some(64) })
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut kv = m.decoder.alloc_kv_tokens(64);
+    let v = m.decoder.config.vocab_size;
+    let all = m
+        .decoder
+        .forward(&mut kv, tokens, 0, Logits::All)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    all.chunks(v).map(|r| r.to_vec()).collect()
+}
+
 /// Every position within `1e-4 × max|logit|` of the reference; prints the worst ratio.
 pub fn assert_close(label: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
     assert_eq!(got.len(), want.len(), "{label}: positions");
