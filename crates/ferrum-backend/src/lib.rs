@@ -12,6 +12,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod vulkan;
 
 use ferrum_core::Result;
 use ferrum_loader::RawTensor;
@@ -290,6 +291,26 @@ pub trait Backend: Send + Sync {
     fn host_view<'a>(&self, buf: &'a Self::Buf, offset: usize, len: usize) -> Option<&'a [f32]> {
         let _ = (buf, offset, len);
         None
+    }
+
+    /// Waits for the ops issued so far and reports a fault of the device under them (out of
+    /// memory, lost). The ops themselves cannot fail: a device backend keeps its first error,
+    /// skips the ops after it, and returns it here; the model code calls this once per pass.
+    fn sync(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Whether `causal_conv1d` and `gated_delta` (the hybrid models' recurrent layers) run
+    /// here; the model loader refuses a hybrid model on a backend without them.
+    fn recurrent_ops(&self) -> bool {
+        true
+    }
+
+    /// Refuses a model whose weights (`weight_bytes` in the file's formats) cannot fit the
+    /// backend's memory, before any is loaded, with both sizes in the error.
+    fn reserve(&self, weight_bytes: u64) -> Result<()> {
+        let _ = weight_bytes;
+        Ok(())
     }
 
     /// Takes a tensor from a model file; matrices keep their format.

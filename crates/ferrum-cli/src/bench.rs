@@ -5,9 +5,9 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use crate::device::MakeBackend;
 use anyhow::{bail, Result};
 use clap::Args;
-use ferrum_backend::Backend;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -32,6 +32,9 @@ pub struct BenchArgs {
     /// KV cache element format: f16 (default), f32 or q8_0.
     #[arg(long, value_parser = crate::parse_kv_dtype)]
     kv_dtype: Option<ferrum_backend::cpu::KvDtype>,
+    /// auto (a GPU if there is one, else the CPU), cpu, vulkan or vulkan:N.
+    #[arg(long, value_parser = crate::device::parse_device, default_value = "auto")]
+    device: crate::device::Device,
     /// Instead of pp/tg: serve this many concurrent streams through the engine, for each
     /// value in the list (e.g. 1,2,4,8), each stream a `--pp`-token prompt and `--tg` tokens.
     #[arg(long, value_delimiter = ',')]
@@ -125,17 +128,18 @@ fn peak_rss() -> Option<u64> {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    let be = crate::BackendOpts::new(a.exact, a.kv_dtype, a.device);
+    crate::device::on_backend!(be, run_on(a, be))
+}
+
+fn run_on<B: MakeBackend>(a: BenchArgs, be: crate::BackendOpts) -> Result<()> {
     if a.reps == 0 {
         bail!("--reps must be at least 1");
     }
     let ctx = a.pp.max(a.tg).max(1);
     let file = ferrum_loader::ModelFile::open(&a.model)?;
-    let be = crate::BackendOpts {
-        exact: a.exact,
-        kv: a.kv_dtype,
-    };
     if a.spec.enabled() {
-        return crate::bench_spec::run(crate::bench_spec::SpecBench {
+        return crate::bench_spec::run::<B>(crate::bench_spec::SpecBench {
             model: &a.model,
             be,
             spec: &a.spec,
@@ -146,7 +150,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         });
     }
     if !a.concurrency.is_empty() {
-        return crate::bench_engine::run(
+        return crate::bench_engine::run::<B>(
             &a.model,
             &file,
             be,
@@ -157,7 +161,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             a.json,
         );
     }
-    let mut model = crate::load_model(&a.model, &file, Some(ctx), be)?;
+    let mut model = crate::load_model::<B>(&a.model, &file, Some(ctx), be)?;
     let vocab = model.decoder.config.vocab_size as u32;
     // Deterministic, varied token ids (a constant prompt would route every MoE token alike).
     let tokens: Vec<u32> = (0..ctx as u64)
@@ -202,7 +206,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     // Peak RSS before the bandwidth probe allocates its buffer.
     let rss = peak_rss();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let bandwidth = if a.tg > 0 {
+    // The host's memory bounds the CPU's decode, not a GPU's (the device script works out
+    // the GPU's share of its own bandwidth).
+    let bandwidth = if a.tg > 0 && !be.on_vulkan() {
         Some(memory_bandwidth(threads, 512 << 20))
     } else {
         None

@@ -11,13 +11,13 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use ferrum_backend::cpu::CpuBackend;
 use ferrum_generate::{Engine, EngineConfig, OutputKind, Request};
 use ferrum_loader::ModelFile;
 use ferrum_models::Model;
 use ferrum_tokenizer::Tokenizer;
 
 use crate::bench::median;
+use crate::device::MakeBackend;
 use crate::BackendOpts;
 
 /// One level run once.
@@ -54,7 +54,7 @@ fn percentiles(mut v: Vec<f64>) -> [f64; 3] {
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn run(
+pub fn run<B: MakeBackend>(
     path: &Path,
     file: &ModelFile,
     be: BackendOpts,
@@ -73,7 +73,7 @@ pub fn run(
     }
     let max_c = levels.iter().copied().max().unwrap_or(1);
     let per_seq = prompt_len + gen + 1;
-    let mut model = Some(crate::load_model(path, file, Some(per_seq), be)?);
+    let mut model = Some(crate::load_model::<B>(path, file, Some(per_seq), be)?);
     let mut tokenizer = Some(match file {
         ModelFile::Gguf(g) => Tokenizer::from_gguf(g)?,
         ModelFile::Hf(h) => Tokenizer::from_hf_dir(&h.dir)?,
@@ -183,15 +183,15 @@ pub fn run(
 
 /// Runs `c` streams of a `prompt_len`-token prompt and `gen` tokens each through a fresh
 /// engine over the model, and hands the model and tokenizer back.
-fn measure(
-    model: Model<CpuBackend>,
+fn measure<B: MakeBackend>(
+    model: Model<B>,
     tokenizer: Tokenizer,
     (per_seq, streams): (usize, usize),
     vocab: u64,
     c: usize,
     prompt_len: usize,
     gen: usize,
-) -> Result<(Sample, Model<CpuBackend>, Tokenizer)> {
+) -> Result<(Sample, Model<B>, Tokenizer)> {
     let mut config = EngineConfig::for_model(&model.decoder, per_seq);
     config.kv_blocks *= streams;
     config.prefix_caching = false;

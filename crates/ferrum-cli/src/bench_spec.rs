@@ -9,11 +9,10 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use ferrum_backend::cpu::CpuBackend;
-use ferrum_backend::Backend;
 use ferrum_generate::{Engine, EngineConfig, OutputKind, Request, Speculate};
 
 use crate::bench::median;
+use crate::device::MakeBackend;
 use crate::BackendOpts;
 
 /// The default prompts: two that copy (code to rewrite with one change, a text to quote)
@@ -46,8 +45,8 @@ struct Answer {
     accepted: u64,
 }
 
-fn answer(
-    e: &mut Engine<CpuBackend>,
+fn answer<B: MakeBackend>(
+    e: &mut Engine<B>,
     prompt: &[u32],
     tg: usize,
     speculate: Speculate,
@@ -92,13 +91,13 @@ pub struct SpecBench<'a> {
     pub json: bool,
 }
 
-pub fn run(b: SpecBench) -> Result<()> {
+pub fn run<B: MakeBackend>(b: SpecBench) -> Result<()> {
     let (k, draft) = b.spec.resolve()?;
     if k == 0 {
         bail!("bench --spec: say which drafter (ngram or draft) and --spec-tokens above 0");
     }
     let ctx = 2048;
-    let (model, tok) = crate::load(b.model, Some(ctx), b.be)?;
+    let (model, tok) = crate::load::<B>(b.model, Some(ctx), b.be)?;
     let backend = model.decoder.backend().name();
     let config = EngineConfig::for_model(&model.decoder, ctx);
     let mut engine = Engine::new(model, tok, config)?;

@@ -5,6 +5,7 @@ mod bench;
 mod bench_engine;
 mod bench_spec;
 mod default_model;
+mod device;
 mod models;
 mod plan;
 mod repl;
@@ -14,7 +15,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use ferrum_backend::{cpu::KvDtype, Backend, CpuBackend};
+use device::{on_backend, parse_device, BackendOpts, Device, MakeBackend};
+use ferrum_backend::{cpu::KvDtype, Backend};
 use ferrum_generate::{EngineConfig, GenerateOptions, SamplingExtras, SamplingParams, Session};
 use ferrum_loader::ModelFile;
 use ferrum_models::{LoadOptions, Logits, Model};
@@ -29,7 +31,7 @@ static ALLOC: ferrum_core::alloc::Metered = ferrum_core::alloc::Metered;
 #[command(
     name = "ferrum",
     version,
-    about = "A fast, exact LLM inference engine for the CPU"
+    about = "A fast, exact LLM inference engine for the CPU and Vulkan GPUs"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -42,6 +44,9 @@ enum Cmd {
     Run(RunArgs),
     /// Serve a model over an OpenAI-compatible HTTP API.
     Serve(ServeArgs),
+    /// The devices a model can run on (`--device`): the CPU and each Vulkan device, with
+    /// memory, driver and features.
+    Devices,
     /// Download a model into the Hugging Face cache: org/repo, org/repo:file.gguf,
     /// org/repo:Q4_K_M or an alias (see `ferrum list --aliases`).
     Pull { reference: String },
@@ -81,6 +86,9 @@ enum Cmd {
         /// Keep activations in f32 (the reference's math).
         #[arg(long)]
         exact: bool,
+        /// auto (a GPU if there is one, else the CPU), cpu, vulkan or vulkan:N.
+        #[arg(long, value_parser = parse_device, default_value = "auto")]
+        device: Device,
     },
     /// Prompt-processing and generation speed (llama-bench's pp and tg), with RSS.
     Bench(bench::BenchArgs),
@@ -107,6 +115,9 @@ enum Cmd {
         /// Keep activations in f32 (the reference's math).
         #[arg(long)]
         exact: bool,
+        /// auto (a GPU if there is one, else the CPU), cpu, vulkan or vulkan:N.
+        #[arg(long, value_parser = parse_device, default_value = "auto")]
+        device: Device,
     },
 }
 
@@ -143,6 +154,9 @@ struct RunArgs {
     /// KV cache element format: f16 (default), f32 (default with --exact) or q8_0.
     #[arg(long, value_parser = parse_kv_dtype)]
     kv_dtype: Option<KvDtype>,
+    /// auto (a GPU if there is one, else the CPU), cpu, vulkan or vulkan:N.
+    #[arg(long, value_parser = parse_device, default_value = "auto")]
+    device: Device,
     /// Drop tokens less likely than this fraction of the most likely one (0 = off).
     #[arg(long, default_value_t = 0.0)]
     min_p: f32,
@@ -212,8 +226,8 @@ impl SpecArgs {
 }
 
 /// Loads the draft model at `path` and drafts with it in `engine`.
-fn attach_draft(
-    engine: &mut ferrum_generate::Engine<CpuBackend>,
+fn attach_draft<B: MakeBackend>(
+    engine: &mut ferrum_generate::Engine<B>,
     path: &Path,
     be: BackendOpts,
 ) -> Result<()> {
@@ -237,7 +251,7 @@ fn attach_draft(
 }
 
 /// The summary line's note on speculative decoding.
-fn spec_note(e: &ferrum_generate::Engine<CpuBackend>) -> String {
+fn spec_note<B: Backend>(e: &ferrum_generate::Engine<B>) -> String {
     match (e.draft_model(), e.config().spec_tokens) {
         (Some(m), k) => format!(
             ", drafting {k} tokens with a {:.0} M-parameter {} draft model",
@@ -296,6 +310,9 @@ struct ServeArgs {
     /// Keep activations in f32 (the reference's math).
     #[arg(long)]
     exact: bool,
+    /// auto (a GPU if there is one, else the CPU), cpu, vulkan or vulkan:N.
+    #[arg(long, value_parser = parse_device, default_value = "auto")]
+    device: Device,
     /// Accept requests whose Host header is this name (repeatable). When bound to a loopback
     /// address only IP literals and localhost are accepted otherwise (DNS-rebinding guard).
     #[arg(long = "allowed-host")]
@@ -360,6 +377,11 @@ fn list(aliases: bool) -> Result<()> {
 }
 
 fn serve(a: ServeArgs) -> Result<()> {
+    let be = BackendOpts::new(a.exact, a.kv_dtype, a.device);
+    on_backend!(be, serve_on(a, be))
+}
+
+fn serve_on<B: MakeBackend>(a: ServeArgs, be: BackendOpts) -> Result<()> {
     let path = model_path(a.model.as_deref())?;
     let file = ModelFile::open(&path)?;
     let tokenizer = |f: &ModelFile| -> Result<Tokenizer> {
@@ -377,14 +399,10 @@ fn serve(a: ServeArgs) -> Result<()> {
             .to_string_lossy();
         name.strip_suffix(".gguf").unwrap_or(&name).to_string()
     });
-    let be = BackendOpts {
-        exact: a.exact,
-        kv: a.kv_dtype,
-    };
     let (ctx, kv_tokens, prefix) = (a.ctx, a.kv_tokens, !a.no_prefix_cache);
     let (spec_tokens, draft) = a.spec.resolve()?;
-    let load = move || -> ferrum_core::Result<ferrum_generate::Engine<CpuBackend>> {
-        let model = load_model(&path, &file, ctx, be)
+    let load = move || -> ferrum_core::Result<ferrum_generate::Engine<B>> {
+        let model = load_model::<B>(&path, &file, ctx, be)
             .map_err(|e| ferrum_core::Error::Weights(format!("{e:#}")))?;
         let engine_tok =
             tokenizer(&file).map_err(|e| ferrum_core::Error::Tokenizer(format!("{e:#}")))?;
@@ -454,6 +472,7 @@ fn main() {
     let result = match cli.cmd {
         Cmd::Run(a) => run(a),
         Cmd::Serve(a) => serve(a),
+        Cmd::Devices => device::list(),
         Cmd::Pull { reference } => models::pull(&reference).map(|p| {
             eprintln!("ferrum: {reference} is at {}", p.display());
         }),
@@ -485,13 +504,21 @@ fn main() {
             model,
             tokens,
             exact,
-        } => logits(&model, &tokens, exact),
+            device,
+        } => {
+            let be = BackendOpts::new(exact, None, device);
+            on_backend!(be, logits(&model, &tokens, be))
+        }
         Cmd::Perplexity {
             model,
             file,
             ctx,
             exact,
-        } => perplexity(&model, &file, ctx, exact),
+            device,
+        } => {
+            let be = BackendOpts::new(exact, None, device);
+            on_backend!(be, perplexity(&model, &file, ctx, be))
+        }
     };
     if let Err(e) = result {
         eprintln!("ferrum: error: {e:#}");
@@ -503,18 +530,11 @@ pub(crate) fn parse_kv_dtype(s: &str) -> std::result::Result<KvDtype, String> {
     KvDtype::parse(s).ok_or_else(|| format!("unknown KV format {s:?} (f16, f32 or q8_0)"))
 }
 
-/// How to set up the CPU backend.
-#[derive(Clone, Copy, Default)]
-pub(crate) struct BackendOpts {
-    pub exact: bool,
-    pub kv: Option<KvDtype>,
-}
-
-fn load(
+fn load<B: MakeBackend>(
     path: &Path,
     ctx: Option<usize>,
     be: BackendOpts,
-) -> Result<(Model<CpuBackend>, Tokenizer)> {
+) -> Result<(Model<B>, Tokenizer)> {
     let file = ModelFile::open(path)?;
     let tokenizer = match &file {
         ModelFile::Gguf(g) => Tokenizer::from_gguf(g)?,
@@ -524,20 +544,13 @@ fn load(
 }
 
 /// Loads only the model (the benchmark needs no tokenizer), printing the summary line.
-pub(crate) fn load_model(
+pub(crate) fn load_model<B: MakeBackend>(
     path: &Path,
     file: &ModelFile,
     ctx: Option<usize>,
     be: BackendOpts,
-) -> Result<Model<CpuBackend>> {
-    let mut backend = if be.exact {
-        CpuBackend::exact()
-    } else {
-        CpuBackend::new()
-    };
-    if let Some(kv) = be.kv {
-        backend = backend.with_kv(kv);
-    }
+) -> Result<Model<B>> {
+    let backend = B::make(&be)?;
     let backend_name = backend.name();
     let spinner = repl::spinner(&format!(
         "loading {}",
@@ -580,13 +593,14 @@ fn run(a: RunArgs) -> Result<()> {
             anyhow::bail!("--reasoning-effort {e:?}: low, medium or high");
         }
     }
+    let be = BackendOpts::new(a.exact, a.kv_dtype, a.device);
+    on_backend!(be, run_on(a, be))
+}
+
+fn run_on<B: MakeBackend>(a: RunArgs, be: BackendOpts) -> Result<()> {
     let path = model_path(a.model.as_deref())?;
-    let be = BackendOpts {
-        exact: a.exact,
-        kv: a.kv_dtype,
-    };
     let (spec_tokens, draft) = a.spec.resolve()?;
-    let (model, tokenizer) = load(&path, a.ctx, be)?;
+    let (model, tokenizer) = load::<B>(&path, a.ctx, be)?;
     let mut session = Session::speculative(model, tokenizer, spec_tokens)?;
     if let Some(d) = &draft {
         attach_draft(&mut session.engine, d, be)?;
@@ -676,8 +690,8 @@ pub(crate) fn render(
 /// (keeping what was said) when `interrupted` is set, e.g. by Ctrl-C. A harmony answer
 /// (kept control tokens: `opts.skip_special` false) is split by channel: the analysis goes to
 /// stderr, dimmed, tool calls are shown as such, and the text returned is the final answer.
-pub(crate) fn answer(
-    session: &mut Session<CpuBackend>,
+pub(crate) fn answer<B: Backend>(
+    session: &mut Session<B>,
     ids: &[u32],
     opts: &GenerateOptions,
     interrupted: &std::sync::atomic::AtomicBool,
@@ -761,12 +775,11 @@ fn quantize(input: &Path, output: &Path, ftype: &str) -> Result<()> {
     Ok(())
 }
 
-fn logits(model: &Path, tokens: &[u32], exact: bool) -> Result<()> {
+fn logits<B: MakeBackend>(model: &Path, tokens: &[u32], be: BackendOpts) -> Result<()> {
     if tokens.is_empty() {
         bail!("--tokens needs at least one token id");
     }
-    let be = BackendOpts { exact, kv: None };
-    let (mut model, _) = load(model, Some(tokens.len()), be)?;
+    let (mut model, _) = load::<B>(model, Some(tokens.len()), be)?;
     let vocab = model.decoder.config.vocab_size;
     let mut kv = model.decoder.alloc_kv_tokens(tokens.len());
     let all = model.decoder.forward(&mut kv, tokens, 0, Logits::All)?;
@@ -775,14 +788,18 @@ fn logits(model: &Path, tokens: &[u32], exact: bool) -> Result<()> {
     Ok(())
 }
 
-fn perplexity(model: &Path, file: &Path, window: usize, exact: bool) -> Result<()> {
+fn perplexity<B: MakeBackend>(
+    model: &Path,
+    file: &Path,
+    window: usize,
+    be: BackendOpts,
+) -> Result<()> {
     if window < 2 {
         bail!("--ctx must be at least 2");
     }
     let text =
         std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-    let be = BackendOpts { exact, kv: None };
-    let (mut model, tok) = load(model, Some(window), be)?;
+    let (mut model, tok) = load::<B>(model, Some(window), be)?;
     let ids = tok.encode(&text, true)?;
     if ids.len() < 2 {
         bail!("{} has fewer than two tokens", file.display());

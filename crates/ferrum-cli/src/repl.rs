@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Result;
-use ferrum_backend::CpuBackend;
+use ferrum_backend::Backend;
 use ferrum_generate::{GenerateOptions, Session};
 use ferrum_tokenizer::Message;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -61,8 +61,8 @@ fn read_message(input: &mut impl BufRead) -> std::io::Result<Option<String>> {
     Ok(Some(text.trim_matches('\n').to_string()))
 }
 
-pub fn chat(
-    session: &mut Session<CpuBackend>,
+pub fn chat<B: Backend>(
+    session: &mut Session<B>,
     mut messages: Vec<Message>,
     opts: &GenerateOptions,
     kwargs: &serde_json::Map<String, serde_json::Value>,

@@ -32,6 +32,9 @@ pub enum Error {
     /// A request the engine refuses (prompt longer than the context, bad parameter).
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// A compute device that is missing, out of memory or lost (the Vulkan backend).
+    #[error("device: {0}")]
+    Device(String),
 }
 
 impl Error {

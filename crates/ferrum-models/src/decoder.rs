@@ -572,6 +572,8 @@ impl<B: Backend> Decoder<B> {
         }
         self.run_layers(kv, &tokens, &positions, seqs)?;
         self.head(n, &want_rows);
+        // A device runs the pass here; its fault (out of memory, lost) fails the pass.
+        self.backend.sync()?;
         Ok(want_rows.len())
     }
 

@@ -121,6 +121,15 @@ impl<B: Backend> Model<B> {
             gguf,
             names: arch.info().names,
         };
+        if config.linear_layers() > 0 && !backend.recurrent_ops() {
+            return Err(Error::Unsupported(format!(
+                "{}'s linear-attention (Gated DeltaNet) layers are not on {} yet; run it on \
+                 the CPU (--device cpu)",
+                arch.name(),
+                backend.name()
+            )));
+        }
+        backend.reserve(store.total_bytes() as u64)?;
         let decoder = Decoder::load(backend, config, &src, context)?;
         let mut by_type: std::collections::HashMap<DType, usize> = Default::default();
         for t in store.tensors.values() {

@@ -27,7 +27,6 @@ use std::sync::Arc;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
-use ferrum_backend::CpuBackend;
 use ferrum_core::Result;
 use ferrum_generate::Engine;
 use ferrum_tokenizer::{SpecialTokens, Tokenizer};
@@ -96,10 +95,10 @@ pub fn router(state: Arc<routes::AppState>, max_body: usize) -> Router {
 
 /// Binds, starts loading the model on the engine thread (`/health` answers 503 until it is
 /// ready), and serves until SIGTERM or Ctrl-C; running requests finish first.
-pub fn serve(
+pub fn serve<B: ferrum_backend::Backend + 'static>(
     cfg: ServeConfig,
     tokenizer: Tokenizer,
-    load: impl FnOnce() -> Result<Engine<CpuBackend>> + Send + 'static,
+    load: impl FnOnce() -> Result<Engine<B>> + Send + 'static,
 ) -> std::result::Result<(), String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

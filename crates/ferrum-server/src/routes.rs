@@ -59,6 +59,11 @@ impl AppState {
                 "the model failed to load: {e}"
             )));
         }
+        if let Some(e) = self.handle.shared.fault.get() {
+            return Err(ApiError::not_ready(format!(
+                "the model's device failed: {e}"
+            )));
+        }
         self.handle
             .shared
             .card

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use ferrum_backend::{Backend, CpuBackend};
+use ferrum_backend::Backend;
 use ferrum_core::{Error, Result};
 use ferrum_generate::{Engine, EngineStats, Output, OutputKind, Request, RequestId};
 use tokio::sync::{mpsc as tmpsc, oneshot};
@@ -50,6 +50,9 @@ pub struct Shared {
     pub stats: Mutex<EngineStats>,
     /// Set when loading failed; /health reports it.
     pub load_error: OnceLock<String>,
+    /// Set when the device under the engine failed (out of memory, lost): requests get 503
+    /// with it and /health and /ready report it; the process stays up.
+    pub fault: OnceLock<String>,
 }
 
 #[derive(Clone)]
@@ -99,9 +102,9 @@ impl Handle {
 
 /// Starts the worker thread; `load` builds the engine on that thread (the server answers
 /// /health with 503 meanwhile).
-pub fn spawn(
+pub fn spawn<B: Backend + 'static>(
     id: String,
-    load: impl FnOnce() -> Result<Engine<CpuBackend>> + Send + 'static,
+    load: impl FnOnce() -> Result<Engine<B>> + Send + 'static,
     kv_events: Option<crate::kv_events::Sender>,
 ) -> Handle {
     let (tx, rx) = mpsc::channel();
@@ -179,14 +182,14 @@ fn yield_to_http_threads() {
     }
 }
 
-fn publish(sh: &Shared, engine: &Engine<CpuBackend>) {
+fn publish<B: Backend>(sh: &Shared, engine: &Engine<B>) {
     if let Ok(mut s) = sh.stats.lock() {
         *s = engine.stats();
     }
 }
 
-fn run(
-    engine: &mut Engine<CpuBackend>,
+fn run<B: Backend>(
+    engine: &mut Engine<B>,
     rx: &mpsc::Receiver<Command>,
     sh: &Shared,
     kv_events: Option<&crate::kv_events::Sender>,
@@ -218,9 +221,13 @@ fn run(
                     }
                 }
                 Err(e) => {
-                    // Not expected (requests are validated): end every request rather than
-                    // spin on the error; their handlers see the channel close.
+                    // Not expected (requests are validated) but for a device's fault: end
+                    // every request rather than spin on the error; their handlers see the
+                    // channel close. A device fault stays: the server reports it from now on.
                     tracing::error!("engine step failed: {e}");
+                    if matches!(e, ferrum_core::Error::Device(_)) {
+                        let _ = sh.fault.set(e.to_string());
+                    }
                     for id in senders.keys() {
                         engine.cancel(*id);
                     }
@@ -239,8 +246,8 @@ fn run(
     }
 }
 
-fn handle(
-    engine: &mut Engine<CpuBackend>,
+fn handle<B: Backend>(
+    engine: &mut Engine<B>,
     cmd: Command,
     senders: &mut HashMap<RequestId, tmpsc::UnboundedSender<Output>>,
 ) {

@@ -58,25 +58,32 @@ struct RopeCache {
     sin: Vec<f32>,
 }
 
+/// RoPE's cos and sin for each position and rotated pair (row-major), as every backend
+/// rotates with them: Hugging Face forms the angle in f32 and takes cos/sin of that f32
+/// value (then multiplies by the attention factor, in f32).
+pub(crate) fn rope_tables(positions: &[u32], p: &RopeParams) -> (Vec<f32>, Vec<f32>) {
+    let n = positions.len() * p.inv_freq.len();
+    let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for &pos in positions {
+        for &f in p.inv_freq {
+            let angle = (pos as f32 * f) as f64;
+            cos.push(angle.cos() as f32 * p.factor);
+            sin.push(angle.sin() as f32 * p.factor);
+        }
+    }
+    (cos, sin)
+}
+
 impl RopeCache {
     fn new(positions: &[u32], p: &RopeParams) -> RopeCache {
-        let mut c = RopeCache {
+        let (cos, sin) = rope_tables(positions, p);
+        RopeCache {
             positions: positions.to_vec(),
             inv_freq: p.inv_freq.to_vec(),
             factor: p.factor,
-            cos: Vec::with_capacity(positions.len() * p.inv_freq.len()),
-            sin: Vec::with_capacity(positions.len() * p.inv_freq.len()),
-        };
-        for &pos in positions {
-            for &f in p.inv_freq {
-                // Hugging Face forms the angle in f32 and takes cos/sin of that f32 value
-                // (then multiplies by the attention factor, in f32).
-                let angle = (pos as f32 * f) as f64;
-                c.cos.push(angle.cos() as f32 * p.factor);
-                c.sin.push(angle.sin() as f32 * p.factor);
-            }
+            cos,
+            sin,
         }
-        c
     }
 
     /// By bits: equal floats of different bits (0.0 and -0.0) give sines of other signs.

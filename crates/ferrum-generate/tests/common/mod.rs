@@ -14,7 +14,11 @@ pub fn smollm2(be: CpuBackend, context: usize) -> (Model<CpuBackend>, Tokenizer)
 
 /// A GGUF model (fetched by `scripts/fetch-test-assets.sh`) on `be`, for sequences of up to
 /// `context` tokens, with its own tokenizer.
-pub fn load(p: &std::path::Path, be: CpuBackend, context: usize) -> (Model<CpuBackend>, Tokenizer) {
+pub fn load<B: ferrum_backend::Backend>(
+    p: &std::path::Path,
+    be: B,
+    context: usize,
+) -> (Model<B>, Tokenizer) {
     assert!(
         p.exists(),
         "{} is missing: run scripts/fetch-test-assets.sh",

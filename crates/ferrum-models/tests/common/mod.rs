@@ -15,8 +15,8 @@ pub fn argmax(r: &[f32]) -> u32 {
 
 /// The logits of every position of `tokens`, one pass with a 64-token context, one row per
 /// position.
-pub fn logits_all(
-    be: ferrum_backend::CpuBackend,
+pub fn logits_all<B: ferrum_backend::Backend>(
+    be: B,
     path: &std::path::Path,
     tokens: &[u32],
 ) -> Vec<Vec<f32>> {
