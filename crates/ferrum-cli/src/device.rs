@@ -49,15 +49,23 @@ impl BackendOpts {
         BackendOpts { exact, kv, device }.resolve()
     }
 
-    /// `auto` made concrete: the first GPU the loader lists, else the CPU.
+    /// `auto` made concrete: the first GPU the loader lists, else the CPU. The loader is asked
+    /// in a child process (`ferrum devices --first-gpu`): loading the drivers maps tens of
+    /// megabytes (lavapipe brings LLVM) that would stay in a process that then runs on the CPU.
     fn resolve(mut self) -> BackendOpts {
         if self.device == Device::Auto {
-            let gpu = vulkan::list_devices().ok().and_then(|ds| {
-                ds.into_iter()
-                    .find(|d| d.kind != "CPU" && d.kind != "other")
-            });
+            let gpu = std::env::current_exe()
+                .ok()
+                .and_then(|exe| {
+                    std::process::Command::new(exe)
+                        .args(["devices", "--first-gpu"])
+                        .stderr(std::process::Stdio::null())
+                        .output()
+                        .ok()
+                })
+                .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok());
             self.device = match gpu {
-                Some(d) => Device::Vulkan(Some(d.index)),
+                Some(i) => Device::Vulkan(Some(i)),
                 None => Device::Cpu,
             };
         }
@@ -113,8 +121,24 @@ macro_rules! on_backend {
 }
 pub(crate) use on_backend;
 
-/// `ferrum devices`: the CPU, then every Vulkan device with its memory, driver and features.
-pub(crate) fn list() -> Result<()> {
+/// The index of the first GPU the Vulkan loader lists (not a CPU device such as lavapipe).
+fn first_gpu() -> Option<usize> {
+    vulkan::list_devices()
+        .ok()?
+        .into_iter()
+        .find(|d| d.kind != "CPU" && d.kind != "other")
+        .map(|d| d.index)
+}
+
+/// `ferrum devices`: the CPU, then every Vulkan device with its memory, driver and features;
+/// with `first`, only the first GPU's index (or nothing), for `auto`.
+pub(crate) fn list(first: bool) -> Result<()> {
+    if first {
+        if let Some(i) = first_gpu() {
+            println!("{i}");
+        }
+        return Ok(());
+    }
     println!("cpu       {}", CpuBackend::new().name());
     match vulkan::list_devices() {
         Ok(ds) if ds.is_empty() => println!("vulkan    no devices (the loader found no driver)"),

@@ -46,7 +46,11 @@ enum Cmd {
     Serve(ServeArgs),
     /// The devices a model can run on (`--device`): the CPU and each Vulkan device, with
     /// memory, driver and features.
-    Devices,
+    Devices {
+        /// Print only the index of the first GPU (what `--device auto` picks), or nothing.
+        #[arg(long, hide = true)]
+        first_gpu: bool,
+    },
     /// Download a model into the Hugging Face cache: org/repo, org/repo:file.gguf,
     /// org/repo:Q4_K_M or an alias (see `ferrum list --aliases`).
     Pull { reference: String },
@@ -472,7 +476,7 @@ fn main() {
     let result = match cli.cmd {
         Cmd::Run(a) => run(a),
         Cmd::Serve(a) => serve(a),
-        Cmd::Devices => device::list(),
+        Cmd::Devices { first_gpu } => device::list(first_gpu),
         Cmd::Pull { reference } => models::pull(&reference).map(|p| {
             eprintln!("ferrum: {reference} is at {}", p.display());
         }),
