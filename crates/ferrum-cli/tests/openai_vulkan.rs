@@ -5,7 +5,8 @@
 mod common;
 use common::pytest;
 
-/// The OpenAI suite's API tests against `serve --device vulkan` (lavapipe here and in CI).
+/// The OpenAI suite's API tests and the agent APIs' (Responses, Messages, tokenize) against
+/// `serve --device vulkan` (lavapipe here and in CI).
 /// Lavapipe decodes SmolLM2 at a few tokens a second, so the four tests that generate
 /// hundreds of answers (twenty schema-constrained ones, ten forced tool calls, sixteen
 /// concurrent streams) and the memory plan's (a CPU figure) run only on the CPU
@@ -18,7 +19,12 @@ fn openai_suite_on_vulkan() {
     let skip = "not json_schema_output and not forced_tool_calls and not 16_concurrent \
                 and not plan_predicts";
     pytest(
-        &["tests/openai/test_openai.py", "-k", skip],
+        &[
+            "tests/openai/test_openai.py",
+            "tests/openai/test_agent_apis.py",
+            "-k",
+            skip,
+        ],
         "--device vulkan",
     );
 }
