@@ -953,6 +953,27 @@ impl Context {
         }
     }
 
+    /// Fills `dst` with zeros on the device (recorded in order with the dispatches).
+    pub fn zero(&self, dst: &Arc<RawBuf>) {
+        if self.failed() {
+            return;
+        }
+        let mut r = self.lock();
+        if let Err(e) = self.begin(&mut r) {
+            drop(r);
+            self.fail(e);
+            return;
+        }
+        // SAFETY: recording; the whole buffer, whose size is a multiple of 4.
+        unsafe {
+            self.shared
+                .device
+                .cmd_fill_buffer(r.cmd, dst.buffer, 0, vk::WHOLE_SIZE, 0)
+        };
+        r.keep.push(dst.clone());
+        self.barrier(&r);
+    }
+
     /// Runs everything recorded, then copies `out.len()` bytes of `src` from byte `at`.
     pub fn download(&self, src: &Arc<RawBuf>, at: u64, out: &mut [u8]) {
         if self.failed() {

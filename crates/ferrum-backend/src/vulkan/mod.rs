@@ -224,7 +224,7 @@ impl VulkanBackend {
     fn zeroed(&self, bytes: u64) -> Option<Arc<RawBuf>> {
         match self.ctx.alloc(bytes) {
             Ok(b) => {
-                self.ctx.upload(&b, 0, &vec![0u8; bytes as usize]);
+                self.ctx.zero(&b);
                 Some(b)
             }
             Err(e) => {
@@ -789,20 +789,13 @@ impl Backend for VulkanBackend {
         assert_eq!(rows.len(), dv.count);
         assert!(rows.iter().all(|&r| (r as usize) < sv.count));
         if let (Some(s), Some(d), false) = (self.buf(src), self.buf(dst), rows.is_empty()) {
-            // rows_op walks the first view's rows: here the destination's.
-            let (g, gx) = grid((dv.count * dv.width()).div_ceil(64));
-            let push = [
-                u(sv.offset),
-                u(sv.stride),
-                u(dv.offset),
-                u(dv.stride),
-                u(dv.width()),
-                u(dv.count),
-                gx,
-                1,
-            ];
-            let binds = [Bind::Buf(s), Bind::Buf(d), Bind::Bytes(bytes_of(rows))];
-            self.ctx.dispatch(Op::RowsIndex as usize, &binds, &push, g);
+            // rows_op walks the first view's rows: one per index (mode 1 reads src row idx[t]).
+            let sv = Rows {
+                count: rows.len(),
+                ..sv
+            };
+            let idx = [Bind::Bytes(bytes_of(rows))];
+            self.rows_op(Op::RowsIndex, s, sv, d, dv, dv.width(), &[1], &idx);
         }
     }
 
