@@ -11,7 +11,8 @@
 #     and, from the same download, the published models' chat templates that llama.cpp
 #     keeps for its own tests (vendor/llama.cpp/models/templates/*.jinja)
 #       -> $CACHE/llama-templates/<model>.jinja
-#  3. A Python venv with the official `openai` and `anthropic` clients, pytest, jsonschema,
+#  3. A Python venv from tests/openai/requirements.txt: the official `openai`, `anthropic` and
+#     `ollama` clients (pinned to their newest releases), pytest, jsonschema,
 #     selenium, prometheus-client's parser, pyzmq + msgpack, pyyaml and kubernetes-validate
 #     (Kubernetes' schemas, offline) and vllm-router, for the OpenAI-compatibility suite, the
 #     chat-page test, the replica tests and the deployment files' checks (tests/openai, run by
@@ -119,19 +120,19 @@ PY
     trap - EXIT
 fi
 
-# --- 3. the OpenAI client venv -------------------------------------------------
+# --- 3. the clients' venv ----------------------------------------------------------
+# What it holds is tests/openai/requirements.txt (the openai, anthropic and ollama clients
+# pinned); the marker names that file's checksum, so a version bump rebuilds the venv.
 VENV="$CACHE/venv-openai"
-VENV_MARKER="$VENV/.complete-openai-4"
+REQS="$SCRIPT_DIR/../tests/openai/requirements.txt"
+VENV_MARKER="$VENV/.complete-$(sha256sum "$REQS" | cut -c1-16)"
 if [[ -f "$VENV_MARKER" ]]; then
-    log "OpenAI client venv already present"
+    log "client venv already present ($REQS)"
 else
-    log "creating $VENV (openai, anthropic, pytest, jsonschema, selenium, prometheus-client, pyzmq, msgpack, pyyaml, kubernetes-validate, vllm-router)"
+    log "creating $VENV from $REQS"
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-        "openai>=1.50,<3" "anthropic>=0.40,<1" "pytest>=8,<10" "jsonschema>=4,<5" \
-        "selenium>=4.20,<5" "prometheus-client>=0.20,<1" "pyzmq>=25,<28" "msgpack>=1,<2" \
-        "pyyaml>=6,<7" "kubernetes-validate>=1.30,<2" "vllm-router>=0.1.17,<0.2" >&2
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r "$REQS" >&2
     touch "$VENV_MARKER"
 fi
 

@@ -162,3 +162,47 @@ def test_a_full_disk_during_pull_is_a_clear_error(ferrum, env, tmp_path):
         assert all(row[-1] == "no" for name, row in rows.items() if name.startswith("test-org")), rows
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def test_ollama_pull_streams_progress_over_ferrums_pull(ferrum, model, env, hub):
+    """Ollama's /api/pull, through the official `ollama` client, downloads with ferrum's own
+    pull (the same store, checksums and errors) and streams each file's progress."""
+    import socket
+
+    import httpx
+    import ollama
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([ferrum, "serve", model, "--port", str(port), "--ctx", "256"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        c = ollama.Client(host=base)
+        lines = list(c.pull("test-org/tiny-llama-GGUF:Q8_0", stream=True))
+        assert lines[0].status == "pulling manifest" and lines[-1].status == "success", lines
+        progress = [x for x in lines if x.total]
+        size = (TINY / "model-q8_0.gguf").stat().st_size
+        assert progress and progress[-1].completed == progress[-1].total == size, progress
+        assert [x.completed for x in progress] == sorted(x.completed for x in progress)
+        r = ferrum_cmd(ferrum, env, "list")
+        assert "test-org/tiny-llama-GGUF:tiny-llama-Q8_0.gguf" in r.stdout, r.stdout
+        # Not streamed: one answer; a pull that fails is an error in Ollama's shape.
+        assert c.pull("test-org/tiny-llama-GGUF:Q8_0", stream=False).status == "success"
+        with pytest.raises(ollama.ResponseError) as e:
+            c.pull("test-org/gated", stream=False)
+        assert "gated" in e.value.error and e.value.status_code == 500
+        with pytest.raises(ollama.ResponseError, match="gated"):
+            list(c.pull("test-org/gated", stream=True))
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)

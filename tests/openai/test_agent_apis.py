@@ -21,6 +21,9 @@ RESP_TOOL = {"type": "function", "name": "get_weather", "description": "Current 
 ANTH_TOOL = {"name": "get_weather", "description": "Current weather in a city",
              "input_schema": WEATHER_PARAMS}
 QUESTION = "What is the capital of France?"
+# anthropic 2.x's messages.create has no sampling arguments; ferrum still takes them (older
+# clients, and extra_body), and the suite wants greedy answers.
+T0 = {"temperature": 0}
 
 
 def claude(server):
@@ -121,11 +124,11 @@ def test_responses_bad_requests_are_400(server, extra, param):
 
 def test_messages_create_stream_and_usage(server):
     c = claude(server)
-    m = c.messages.create(model=server.model, max_tokens=40, system="Be brief.", temperature=0,
+    m = c.messages.create(model=server.model, max_tokens=40, system="Be brief.", extra_body=T0,
                           messages=[{"role": "user", "content": QUESTION}])
     assert m.type == "message" and m.role == "assistant" and m.stop_reason == "end_turn"
     assert m.content[0].type == "text" and "Paris" in m.content[0].text
-    with c.messages.stream(model=server.model, max_tokens=40, system="Be brief.", temperature=0,
+    with c.messages.stream(model=server.model, max_tokens=40, system="Be brief.", extra_body=T0,
                            messages=[{"role": "user", "content": QUESTION}]) as s:
         text = "".join(s.text_stream)
         final = s.get_final_message()
@@ -140,7 +143,7 @@ def test_messages_create_stream_and_usage(server):
 
 def test_messages_stop_reasons(server):
     c = claude(server)
-    m = c.messages.create(model=server.model, max_tokens=40, system="Be brief.", temperature=0,
+    m = c.messages.create(model=server.model, max_tokens=40, system="Be brief.", extra_body=T0,
                           stop_sequences=["Paris"], messages=[{"role": "user", "content": QUESTION}])
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == "Paris"
     assert "Paris" not in m.content[0].text
@@ -153,19 +156,19 @@ def test_messages_tool_use_round_trip(server):
     c = claude(server)
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     m = c.messages.create(model=server.model, max_tokens=100, tools=[ANTH_TOOL],
-                          tool_choice={"type": "any"}, temperature=0, messages=ask)
+                          tool_choice={"type": "any"}, extra_body=T0, messages=ask)
     assert m.stop_reason == "tool_use"
     (use,) = [b for b in m.content if b.type == "tool_use"]
     assert use.name == "get_weather" and use.id
     jsonschema.validate(use.input, {**WEATHER_PARAMS, "additionalProperties": False})
     follow = c.messages.create(
-        model=server.model, max_tokens=40, tools=[ANTH_TOOL], temperature=0,
+        model=server.model, max_tokens=40, tools=[ANTH_TOOL], extra_body=T0,
         messages=ask + [{"role": "assistant", "content": m.content},
                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                       "content": "Sunny, 22 C"}]}])
     assert follow.stop_reason in ("end_turn", "max_tokens", "tool_use")
     with c.messages.stream(model=server.model, max_tokens=100, tools=[ANTH_TOOL],
-                           tool_choice={"type": "tool", "name": "get_weather"}, temperature=0,
+                           tool_choice={"type": "tool", "name": "get_weather"}, extra_body=T0,
                            messages=[{"role": "user", "content": "Weather in Rome?"}]) as s:
         final = s.get_final_message()
     (use,) = [b for b in final.content if b.type == "tool_use"]
@@ -177,7 +180,7 @@ def test_messages_tool_use_round_trip(server):
     {"max_tokens": 10, "messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}]},
     {"max_tokens": 10, "messages": [{"role": "user", "content": "hi"}], "no_such_field": 1},
-    {"max_tokens": 10, "messages": [{"role": "system", "content": "hi"}]},
+    {"max_tokens": 10, "messages": [{"role": "robot", "content": "hi"}]},
     {"max_tokens": 10, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
     {"max_tokens": 10, "messages": [{"role": "user", "content": "hi"}], "tools": [
         {"name": "t", "input_schema": {"type": "no-such-type"}}], "tool_choice": {"type": "any"}},
@@ -336,7 +339,7 @@ def test_tool_call_arguments_stream_as_generated_in_all_three_apis(server):
     assert len(deltas) >= 2 and "".join(deltas) == call.arguments
     # Messages.
     with claude(server).messages.stream(model=server.model, max_tokens=100, tools=[ANTH_TOOL],
-                                        tool_choice={"type": "any"}, temperature=0,
+                                        tool_choice={"type": "any"}, extra_body=T0,
                                         messages=[{"role": "user", "content": ask}]) as s:
         parts = [ev.delta.partial_json for ev in s
                  if ev.type == "content_block_delta" and ev.delta.type == "input_json_delta"]

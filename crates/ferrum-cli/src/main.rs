@@ -280,9 +280,14 @@ struct ServeArgs {
     /// Require this key as a Bearer token on /v1 routes (or set FERRUM_API_KEY).
     #[arg(long, env = "FERRUM_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
-    /// The model id clients name (default: the file name without .gguf).
+    /// A name clients may give in `model` (repeatable: every one is listed in /v1/models,
+    /// the first is the model's id; default: the reference, or the file name without .gguf).
+    #[arg(long = "served-model-name", alias = "model-name")]
+    model_names: Vec<String>,
+    /// Answer requests whatever model name they give, as llama-server does (for clients that
+    /// send their own names).
     #[arg(long)]
-    model_name: Option<String>,
+    any_model_name: bool,
     /// Longest sequence (prompt + answer) per request.
     #[arg(long)]
     ctx: Option<usize>,
@@ -396,13 +401,18 @@ fn serve_on<B: MakeBackend>(a: ServeArgs, be: BackendOpts) -> Result<()> {
     };
     let tok = tokenizer(&file)?;
     let reference = a.model.clone().filter(|r| !Path::new(r).exists());
-    let id = a.model_name.clone().or(reference).unwrap_or_else(|| {
-        let name = path
-            .file_name()
-            .unwrap_or(path.as_os_str())
-            .to_string_lossy();
-        name.strip_suffix(".gguf").unwrap_or(&name).to_string()
-    });
+    let id = a
+        .model_names
+        .first()
+        .cloned()
+        .or(reference)
+        .unwrap_or_else(|| {
+            let name = path
+                .file_name()
+                .unwrap_or(path.as_os_str())
+                .to_string_lossy();
+            name.strip_suffix(".gguf").unwrap_or(&name).to_string()
+        });
     let (ctx, kv_tokens, prefix) = (a.ctx, a.kv_tokens, !a.no_prefix_cache);
     let (spec_tokens, draft) = a.spec.resolve()?;
     let load = move || -> ferrum_core::Result<ferrum_generate::Engine<B>> {
@@ -441,6 +451,13 @@ fn serve_on<B: MakeBackend>(a: ServeArgs, be: BackendOpts) -> Result<()> {
         port: a.port,
         api_key: a.api_key.filter(|k| !k.is_empty()),
         model_id: id,
+        model_aliases: a.model_names.iter().skip(1).cloned().collect(),
+        any_model_name: a.any_model_name,
+        pull: Some(std::sync::Arc::new(|reference: &str, progress| {
+            models::pull_reporting(reference, Some(progress))
+                .map(|p| p.display().to_string())
+                .map_err(|e| format!("{e:#}"))
+        })),
         max_body_bytes: a.max_body,
         max_waiting: a.max_waiting.max(1),
         allowed_hosts: a.allowed_hosts,

@@ -162,20 +162,64 @@ fn verify(path: &Path, etag: &str) -> Result<()> {
     Ok(())
 }
 
+/// Where a download reports its progress: the file, its size and the bytes so far (the
+/// server's `/api/pull` streams these; the CLI draws its progress bar instead).
+pub type Progress<'a> = &'a mut dyn FnMut(&str, u64, u64);
+
+/// hf-hub's progress calls, forwarded to a [`Progress`].
+struct Report<'a> {
+    to: &'a mut dyn FnMut(&str, u64, u64),
+    file: String,
+    total: u64,
+    done: u64,
+}
+
+impl hf_hub::api::Progress for Report<'_> {
+    fn init(&mut self, size: usize, _filename: &str) {
+        self.total = size as u64;
+        (self.to)(&self.file, self.total, self.done);
+    }
+
+    fn update(&mut self, size: usize) {
+        self.done += size as u64;
+        (self.to)(&self.file, self.total, self.done);
+    }
+
+    fn finish(&mut self) {
+        (self.to)(&self.file, self.total, self.total);
+    }
+}
+
 /// One file of a repo: from the cache if it is there, else downloaded (resuming a partial
 /// download) and verified.
-fn fetch(api: &Api, repo_id: &str, file: &str) -> Result<PathBuf> {
+fn fetch(api: &Api, repo_id: &str, file: &str, progress: &mut Option<Progress>) -> Result<PathBuf> {
     if let Some(p) = Cache::from_env()
         .repo(Repo::model(repo_id.to_string()))
         .get(file)
     {
+        if let Some(report) = progress.as_mut() {
+            let size = std::fs::metadata(&p).map_or(0, |m| m.len());
+            report(file, size, size);
+        }
         return Ok(p);
     }
     let repo = api.repo(Repo::model(repo_id.to_string()));
     let meta = api
         .metadata(&repo.url(file))
         .map_err(|e| explain(repo_id, e))?;
-    let path = repo.download(file).map_err(|e| explain(repo_id, e))?;
+    let path = match progress.as_mut() {
+        Some(to) => {
+            let report = Report {
+                to: &mut **to,
+                file: file.to_string(),
+                total: meta.size() as u64,
+                done: 0,
+            };
+            repo.download_with_progress(file, report)
+        }
+        None => repo.download(file),
+    }
+    .map_err(|e| explain(repo_id, e))?;
     verify(&path, meta.etag())?;
     Ok(path)
 }
@@ -221,13 +265,18 @@ fn folder_files(files: &[String]) -> Vec<String> {
 
 /// `ferrum pull`: downloads what `reference` names; returns the local path.
 pub fn pull(reference: &str) -> Result<PathBuf> {
+    pull_reporting(reference, None)
+}
+
+/// [`pull`], reporting each file's progress to `progress` instead of drawing a bar.
+pub fn pull_reporting(reference: &str, mut progress: Option<Progress>) -> Result<PathBuf> {
     let (repo_id, file, quant) = match parse(reference)? {
         Source::Local(p) => return Ok(p),
         Source::Hub { repo, file, quant } => (repo, file, quant),
     };
     let api = api()?;
     if let Some(f) = file {
-        return fetch(&api, &repo_id, &f);
+        return fetch(&api, &repo_id, &f, &mut progress);
     }
     let repo = api.repo(Repo::model(repo_id.clone()));
     let info = repo.info().map_err(|e| explain(&repo_id, e))?;
@@ -241,7 +290,7 @@ pub fn pull(reference: &str) -> Result<PathBuf> {
                 files.join(", ")
             );
         };
-        return fetch(&api, &repo_id, &f);
+        return fetch(&api, &repo_id, &f, &mut progress);
     }
     let wanted = folder_files(&files);
     if !wanted.iter().any(|f| f == "config.json") {
@@ -249,7 +298,7 @@ pub fn pull(reference: &str) -> Result<PathBuf> {
     }
     let mut dir = None;
     for f in &wanted {
-        let p = fetch(&api, &repo_id, f)?;
+        let p = fetch(&api, &repo_id, f, &mut progress)?;
         dir = p.parent().map(Path::to_path_buf);
     }
     dir.ok_or_else(|| anyhow!("{repo_id}: nothing downloaded"))

@@ -45,6 +45,20 @@ pub const FIELDS: &[&str] = &[
     "metadata",
     "thinking",
     "service_tier",
+    "output_config",
+    "cache_control",
+    "speed",
+    "inference_geo",
+    "diagnostics",
+    "container",
+    // The beta endpoint's (same path, `anthropic-beta` header).
+    "context_management",
+    "compaction",
+    "mcp_servers",
+    "fallbacks",
+    "billing_policy",
+    "fallback_credit_token",
+    "thread",
 ];
 
 pub const COUNT_FIELDS: &[&str] = &[
@@ -54,6 +68,30 @@ pub const COUNT_FIELDS: &[&str] = &[
     "tools",
     "tool_choice",
     "thinking",
+    "output_config",
+    "cache_control",
+    "speed",
+    "context_management",
+    "mcp_servers",
+];
+
+/// Fields that ask for something a local server has no part in, refused when set: a
+/// container for Anthropic's code execution, remote MCP servers Anthropic's side would call,
+/// and threads kept on Anthropic's side.
+const REFUSED: &[(&str, &str)] = &[
+    (
+        "container",
+        "code-execution containers are not supported (no server tools here)",
+    ),
+    (
+        "mcp_servers",
+        "remote MCP servers are not supported: run the MCP client on your side and send its \
+         tools in `tools`",
+    ),
+    (
+        "thread",
+        "this server keeps no threads: send the whole conversation in `messages`",
+    ),
 ];
 
 /// An error in Anthropic's shape, with the status the server would give it.
@@ -114,9 +152,9 @@ fn to_chat(body: &Map<String, Value>, count_only: bool, template: &str) -> Resul
     let mut tool_uses: HashSet<String> = HashSet::new();
     for (i, m) in list.iter().enumerate() {
         let role = m.get("role").and_then(Value::as_str).unwrap_or("");
-        if role != "user" && role != "assistant" {
+        if !["user", "assistant", "system"].contains(&role) {
             return Err(bad(format!(
-                "messages.{i}.role: {role:?} (user or assistant; the system text goes in `system`)"
+                "messages.{i}.role: {role:?} (user, assistant or system)"
             )));
         }
         if let Some(k) = m
@@ -124,6 +162,14 @@ fn to_chat(body: &Map<String, Value>, count_only: bool, template: &str) -> Resul
             .and_then(|o| o.keys().find(|k| *k != "role" && *k != "content"))
         {
             return Err(bad(format!("messages.{i}.{k}: unknown field")));
+        }
+        if role == "system" {
+            let text = text_of(
+                m.get("content").unwrap_or(&Value::Null),
+                &format!("messages.{i}"),
+            )?;
+            messages.push(json!({"role": "system", "content": text}));
+            continue;
         }
         let blocks = match m.get("content") {
             Some(Value::String(s)) => {
@@ -257,36 +303,92 @@ fn to_chat(body: &Map<String, Value>, count_only: bool, template: &str) -> Resul
             chat.insert("parallel_tool_calls".into(), json!(false));
         }
     }
-    // A template with a thinking switch (Qwen3's `enable_thinking`) follows `thinking`.
+    for (field, why) in REFUSED {
+        if body
+            .get(*field)
+            .is_some_and(|v| !v.is_null() && v != &json!([]))
+        {
+            return Err(bad(format!("{field}: {why}")));
+        }
+    }
+    // A template with a thinking switch (Qwen3's `enable_thinking`) follows `thinking`, and a
+    // reasoning-effort setting (harmony's) follows it too: off is the least effort, a budget
+    // of 16k tokens or more the most.
+    let mut effort = None;
     if let Some(t) = body.get("thinking").filter(|t| !t.is_null()) {
         let on = match t.get("type").and_then(Value::as_str) {
-            Some("enabled") => true,
+            Some("enabled" | "adaptive" | "between_tools") => true,
             Some("disabled") => false,
             other => {
                 return Err(bad(format!(
-                    "thinking.type {other:?} (enabled or disabled)"
+                    "thinking.type {other:?} (enabled, adaptive, between_tools or disabled)"
                 )))
             }
         };
         api::set_thinking(&mut chat, template, on);
-        // A reasoning-effort setting (harmony's) follows it too: off is the least effort,
-        // a budget of 16k tokens or more the most.
         let budget = t.get("budget_tokens").and_then(Value::as_u64).unwrap_or(0);
-        let effort = match (on, budget) {
+        effort = Some(match (on, budget) {
             (false, _) => "low",
             (true, b) if b >= 16_000 => "high",
             _ => "medium",
-        };
-        chat.insert("reasoning_effort".into(), effort.into());
+        });
+    }
+    if let Some(oc) = body.get("output_config").filter(|v| !v.is_null()) {
+        let oc = oc
+            .as_object()
+            .ok_or_else(|| bad("output_config: an object is required"))?;
+        for (k, v) in oc {
+            match k.as_str() {
+                // An explicit effort wins over the one `thinking` implies.
+                "effort" if !v.is_null() => {
+                    effort = Some(match v.as_str() {
+                        Some("low") => "low",
+                        Some("medium") => "medium",
+                        Some("high" | "xhigh" | "max") => "high",
+                        _ => {
+                            return Err(bad(format!(
+                                "output_config.effort {v} (low, medium, high, xhigh or max)"
+                            )))
+                        }
+                    })
+                }
+                // Structured output: the same constraint as Chat Completions' json_schema.
+                "format" if !v.is_null() => {
+                    let schema = match v.get("type").and_then(Value::as_str) {
+                        Some("json_schema") => v.get("schema").filter(|s| s.is_object()),
+                        _ => None,
+                    }
+                    .ok_or_else(|| {
+                        bad("output_config.format: {\"type\": \"json_schema\", \"schema\": {…}} is required")
+                    })?;
+                    chat.insert(
+                        "response_format".into(),
+                        json!({"type": "json_schema",
+                            "json_schema": {"name": "output", "schema": schema}}),
+                    );
+                }
+                // A budget the model is told of (a beta): it has no such prompt here.
+                "effort" | "format" | "task_budget" => {}
+                other => return Err(bad(format!("output_config.{other}: unknown field"))),
+            }
+        }
+    }
+    if let Some(e) = effort {
+        chat.insert("reasoning_effort".into(), e.into());
     }
     if count_only {
         return Ok(Value::Object(chat));
     }
-    match body.get("max_tokens") {
-        Some(v) if v.is_i64() || v.is_u64() => {
-            chat.insert("max_tokens".into(), v.clone());
+    match body.get("max_tokens").and_then(Value::as_u64) {
+        // Zero only warms the prompt cache: the prompt is read (one token is generated
+        // and dropped), and the answer is empty.
+        Some(0) => {
+            chat.insert("max_tokens".into(), json!(1));
         }
-        _ => return Err(bad("max_tokens: an integer is required")),
+        Some(n) => {
+            chat.insert("max_tokens".into(), json!(n));
+        }
+        None => return Err(bad("max_tokens: a non-negative integer is required")),
     }
     api::copy_fields(
         body,
@@ -372,6 +474,8 @@ async fn messages_inner(
     let t0 = Instant::now();
     let bytes = routes::body(b)?;
     let req = parse(&bytes, FIELDS, false, template(&st))?;
+    let warm_only = serde_json::from_slice::<Value>(&bytes)
+        .is_ok_and(|v| v.get("max_tokens").and_then(Value::as_u64) == Some(0));
     let p = routes::prepare_chat(&st, &req).await?;
     st.check_load()?;
     let input_tokens = p.plan.base.prompt.len();
@@ -381,6 +485,16 @@ async fn messages_inner(
         let out = routes::collect(rx, 1).await?;
         routes::record(&st, &id, t0, &out, 1);
         let c = &out[0];
+        if warm_only {
+            let u = json!({"input_tokens": c.usage.prompt_tokens, "output_tokens": 0,
+                "cache_read_input_tokens": c.usage.cached_tokens,
+                "cache_creation_input_tokens": 0});
+            return Ok(Json(json!({
+                "id": id, "type": "message", "role": "assistant", "model": p.card.id,
+                "content": [], "stop_reason": "max_tokens", "stop_sequence": null, "usage": u,
+            }))
+            .into_response());
+        }
         let b = Answer::of(st.format, p.tools.as_ref(), &c.text);
         let mut content = Vec::new();
         if let Some(t) = &b.reasoning {
@@ -418,14 +532,22 @@ async fn messages_inner(
             return;
         }
         let mut answer = AnswerStream::new(st.format, p.tools.as_ref());
-        let Some(choice) = answer.drive(&mut rx, |piece| w.piece(&st, piece)).await else {
+        // A cache warm-up's one token is not the answer's.
+        let Some(mut choice) = answer
+            .drive(&mut rx, |piece| warm_only || w.piece(&st, piece))
+            .await
+        else {
             return;
         };
+        if warm_only {
+            choice.usage.completion_tokens = 0;
+            choice.finish = Some(FinishReason::Length);
+        }
         routes::record(&st, &id, t0, std::slice::from_ref(&choice), 1);
         if !w.close() {
             return;
         }
-        let calls = answer.calls();
+        let calls = if warm_only { 0 } else { answer.calls() };
         let (reason, seq) = stop_reason(&choice, calls > 0);
         let delta = json!({"type": "message_delta",
             "delta": {"stop_reason": reason, "stop_sequence": seq},

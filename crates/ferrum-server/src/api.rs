@@ -26,6 +26,10 @@ pub struct StreamOptions {
     pub include_usage: bool,
     #[serde(default)]
     pub continuous_usage_stats: bool,
+    /// Random padding OpenAI adds to chunks against length side channels; there is no such
+    /// channel to a local server's clients worth the bytes: taken, and left.
+    #[serde(default)]
+    pub include_obfuscation: bool,
 }
 
 /// Sampling fields shared by chat and text completions.
@@ -65,6 +69,12 @@ pub struct ContentPart {
     #[serde(rename = "type")]
     pub kind: String,
     pub text: Option<String>,
+    /// OpenAI's explicit prompt-cache marker: the prefix cache here is automatic.
+    pub prompt_cache_breakpoint: Option<Value>,
+    // Parts of other kinds, named so that they are refused by kind (not as unknown fields).
+    pub image_url: Option<Value>,
+    pub input_audio: Option<Value>,
+    pub file: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -85,6 +95,11 @@ pub struct ChatMessage {
     /// An assistant turn's reasoning, as this server returns it (vLLM also reads `reasoning`).
     pub reasoning_content: Option<String>,
     pub reasoning: Option<String>,
+    /// An assistant turn's refusal text (OpenAI's models'), taken as its content.
+    pub refusal: Option<String>,
+    /// Audio and the deprecated function call of an assistant turn: refused.
+    pub audio: Option<Value>,
+    pub function_call: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -102,6 +117,14 @@ pub struct ChatRequest {
     pub parallel_tool_calls: Option<bool>,
     /// How hard a reasoning model thinks (gpt-oss's "Reasoning: low|medium|high").
     pub reasoning_effort: Option<String>,
+    // Asked of OpenAI's service and refused when set (`check_supported`): audio out, web
+    // search, moderation, the deprecated functions.
+    pub modalities: Option<Value>,
+    pub audio: Option<Value>,
+    pub web_search_options: Option<Value>,
+    pub moderation: Option<Value>,
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -134,6 +157,8 @@ pub struct CompletionRequest {
 pub enum EmbeddingInput {
     One(String),
     Many(Vec<String>),
+    Tokens(Vec<u32>),
+    ManyTokens(Vec<Vec<u32>>),
 }
 
 #[derive(Debug, Deserialize)]
@@ -180,6 +205,24 @@ pub const CHAT_FIELDS: &[&str] = &[
     "tool_choice",
     "parallel_tool_calls",
     "reasoning_effort",
+    // Taken and left (docs/api.md): settings of OpenAI's service with no part in a local
+    // server's answer.
+    "verbosity",
+    "store",
+    "metadata",
+    "prompt_cache_key",
+    "prompt_cache_options",
+    "prompt_cache_retention",
+    "safety_identifier",
+    "service_tier",
+    "prediction",
+    // Refused when set to what this server cannot do (`ChatRequest::check_supported`).
+    "modalities",
+    "audio",
+    "web_search_options",
+    "moderation",
+    "functions",
+    "function_call",
 ];
 
 pub const COMPLETION_FIELDS: &[&str] = &[
@@ -581,6 +624,57 @@ fn positive(name: &str, v: i64) -> Result<usize, ApiError> {
 }
 
 impl ChatRequest {
+    /// Refuses what asks for something this server does not do, where taking it would
+    /// silently change the answer.
+    pub fn check_supported(&self) -> Result<(), ApiError> {
+        let set = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
+        if let Some(m) = self.modalities.as_ref().and_then(Value::as_array) {
+            if m.iter().any(|x| x != "text") {
+                return Err(ApiError::param(
+                    "modalities",
+                    "only text output is supported (modalities: [\"text\"])",
+                ));
+            }
+        }
+        let refused = [
+            (&self.audio, "audio", "audio output is not supported"),
+            (
+                &self.web_search_options,
+                "web_search_options",
+                "web search is not supported: give the model a search tool in `tools`",
+            ),
+            (
+                &self.moderation,
+                "moderation",
+                "moderation is not supported: this server runs no moderation model",
+            ),
+            (
+                &self.functions,
+                "functions",
+                "functions (deprecated) is not supported: send them as `tools`",
+            ),
+            (
+                &self.function_call,
+                "function_call",
+                "function_call (deprecated) is not supported: use `tool_choice`",
+            ),
+        ];
+        for (v, name, why) in refused {
+            if set(v) {
+                return Err(ApiError::param(name, why));
+            }
+        }
+        for (i, m) in self.messages.iter().enumerate() {
+            if set(&m.audio) || set(&m.function_call) {
+                return Err(ApiError::param(
+                    "messages",
+                    format!("messages[{i}]: audio and function_call (deprecated) are not supported in messages"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The tools in play (checked), if any.
     pub fn tools(&self) -> Result<Option<Tools>, ApiError> {
         tools::parse(self.tools.as_ref(), self.tool_choice.as_ref())
@@ -669,7 +763,7 @@ impl ChatRequest {
                 }
             };
             let content = match &m.content {
-                None => String::new(),
+                None => m.refusal.clone().unwrap_or_default(),
                 Some(Content::Text(t)) => t.clone(),
                 Some(Content::Parts(parts)) => {
                     let mut s = String::new();
@@ -793,11 +887,11 @@ impl ChatRequest {
             let effort = match e.as_str() {
                 "none" | "minimal" | "low" => "low",
                 "medium" => "medium",
-                "high" | "xhigh" => "high",
+                "high" | "xhigh" | "max" => "high",
                 other => {
                     return Err(ApiError::param(
                         "reasoning_effort",
-                        format!("reasoning_effort {other:?} (low, medium or high)"),
+                        format!("reasoning_effort {other:?} (none, minimal, low, medium, high, xhigh or max)"),
                     ))
                 }
             };

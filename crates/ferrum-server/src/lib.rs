@@ -12,6 +12,7 @@ pub mod error;
 pub mod guard;
 pub mod kv_events;
 pub mod metrics;
+pub mod ollama;
 pub mod openai;
 pub mod reasoning;
 pub mod responses;
@@ -38,6 +39,12 @@ pub struct ServeConfig {
     pub api_key: Option<String>,
     /// The id clients name in `model`.
     pub model_id: String,
+    /// More names the model answers to (`--served-model-name` after the first).
+    pub model_aliases: Vec<String>,
+    /// Answer whatever name a request gives (`--any-model-name`).
+    pub any_model_name: bool,
+    /// Ollama's `/api/pull`: downloads a model reference into the local store.
+    pub pull: Option<ollama::Pull>,
     pub max_body_bytes: usize,
     /// Requests allowed to wait for KV room before new ones get 429.
     pub max_waiting: usize,
@@ -63,6 +70,7 @@ pub fn router(state: Arc<routes::AppState>, max_body: usize) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/embeddings", post(openai::embeddings))
         .route("/v1/models", get(routes::models))
+        .route("/v1/models/{*id}", get(routes::model))
         .route("/v1/responses", post(responses::create))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
@@ -70,6 +78,19 @@ pub fn router(state: Arc<routes::AppState>, max_body: usize) -> Router {
         .route("/v1/completions/render", post(tokenize::render_completion))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/api/chat", post(ollama::chat))
+        .route("/api/generate", post(ollama::generate))
+        .route("/api/embed", post(ollama::embed))
+        .route("/api/embeddings", post(ollama::embeddings))
+        .route("/api/tags", get(ollama::tags))
+        .route("/api/show", post(ollama::show))
+        .route("/api/ps", get(ollama::ps))
+        .route("/api/pull", post(ollama::pull))
+        .route("/api/version", get(ollama::version))
+        .route("/api/create", post(ollama::unsupported))
+        .route("/api/copy", post(ollama::unsupported))
+        .route("/api/delete", axum::routing::delete(ollama::unsupported))
+        .route("/api/push", post(ollama::unsupported))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             routes::auth,
@@ -139,8 +160,17 @@ pub fn serve<B: ferrum_backend::Backend + 'static>(
                 tracing::warn!("chat requests will be refused: {e}");
             }
         }
+        let mut names = vec![cfg.model_id.clone()];
+        names.extend(
+            cfg.model_aliases
+                .iter()
+                .filter(|n| **n != cfg.model_id)
+                .cloned(),
+        );
         let state = Arc::new(routes::AppState {
             handle,
+            names: routes::ModelNames::new(names, cfg.any_model_name),
+            pull: cfg.pull.clone(),
             format,
             tokenizer,
             metrics: Default::default(),
@@ -275,12 +305,17 @@ mod tests {
                 dtype: "F32".into(),
                 prefix_caching: true,
                 kv_dtype: "f16".into(),
+                params: 1000,
+                file_bytes: 4000,
+                load_secs: 0.0,
             });
             shared.ready.store(true, Ordering::SeqCst);
         }
         shared.stats.lock().unwrap().waiting = waiting;
         let state = Arc::new(routes::AppState {
             handle: worker::Handle::detached(shared),
+            names: routes::ModelNames::new(vec!["tiny".into()], false),
+            pull: None,
             tokenizer,
             metrics: Default::default(),
             api_key: Some("k".into()),

@@ -22,6 +22,7 @@ use tokio_stream::StreamExt;
 use crate::answer::{Answer, AnswerStream, Piece};
 use crate::api::{self};
 use crate::error::ApiError;
+use crate::routes;
 use crate::tools::Tools;
 
 use crate::routes::{
@@ -76,7 +77,7 @@ pub(crate) fn usage_json(u: &[Usage], n: usize) -> Value {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
     })
 }
 
@@ -346,7 +347,7 @@ async fn completions_inner(
     let t0 = Instant::now();
     let bytes = body(b)?;
     let req: api::CompletionRequest = api::parse(&bytes, api::COMPLETION_FIELDS, true)?;
-    let card = st.check_model(&req.model)?.clone();
+    let card = st.check_model(&req.model)?;
     req.check_supported()?;
     let logprobs = req.logprobs()?;
     let prompts = req.prompts(&st.tokenizer)?;
@@ -487,7 +488,7 @@ async fn embeddings_inner(
 ) -> Result<Response, ApiError> {
     let bytes = body(b)?;
     let req: api::EmbeddingRequest = api::parse(&bytes, api::EMBEDDING_FIELDS, false)?;
-    let card = st.check_model(&req.model)?.clone();
+    let card = st.check_model(&req.model)?;
     let base64 = match req.encoding_format.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,
@@ -498,32 +499,15 @@ async fn embeddings_inner(
             ))
         }
     };
-    let inputs = match &req.input {
-        api::EmbeddingInput::One(s) => vec![s.clone()],
-        api::EmbeddingInput::Many(v) => v.clone(),
+    let inputs = match req.input {
+        api::EmbeddingInput::One(s) => routes::encode_texts(&st, &[s])?,
+        api::EmbeddingInput::Many(v) => routes::encode_texts(&st, &v)?,
+        api::EmbeddingInput::Tokens(t) => vec![t],
+        api::EmbeddingInput::ManyTokens(v) => v,
     };
-    if inputs.is_empty() {
-        return Err(ApiError::param("input", "input must not be empty"));
-    }
+    let (vectors, tokens) = routes::embed_ids(&st, &card, inputs, false, "input").await?;
     let mut data = Vec::new();
-    let mut tokens = 0;
-    for (i, text) in inputs.iter().enumerate() {
-        let ids = st.tokenizer.encode(text, true)?;
-        if ids.is_empty() {
-            return Err(ApiError::param("input", format!("input {i} is empty")));
-        }
-        if ids.len() > card.context {
-            return Err(ApiError::param(
-                "input",
-                format!(
-                    "input {i} is {} tokens; the context holds {}",
-                    ids.len(),
-                    card.context
-                ),
-            ));
-        }
-        tokens += ids.len();
-        let v = st.handle.embed(ids).await?;
+    for (i, v) in vectors.into_iter().enumerate() {
         if let Some(d) = req.dimensions {
             if d != v.len() as i64 {
                 return Err(ApiError::param(

@@ -52,6 +52,35 @@ const FIELDS: &[&str] = &[
     "prompt_cache_key",
     "safety_identifier",
     "service_tier",
+    "prompt_cache_options",
+    "prompt_cache_retention",
+    "stream_options",
+    "max_tool_calls",
+    "top_logprobs",
+    "context_management",
+    "conversation",
+    "background",
+    "background_options",
+    "prompt",
+    "moderation",
+    "image",
+    "access_programs",
+];
+
+/// Fields refused when set: they ask for state, work or checks kept on OpenAI's side.
+const REFUSED: &[(&str, &str)] = &[
+    (
+        "conversation",
+        "this server keeps no conversations: send the whole conversation in input",
+    ),
+    (
+        "prompt",
+        "stored prompt templates are not supported: send instructions and input",
+    ),
+    (
+        "moderation",
+        "moderation is not supported: this server runs no moderation model",
+    ),
 ];
 
 fn bad(param: &str, message: impl Into<String>) -> ApiError {
@@ -74,6 +103,30 @@ fn text_of(v: &Value, at: &str) -> Result<String, ApiError> {
 
 /// The Responses request as the chat request the server runs (Chat Completions' shape).
 fn to_chat(body: &Map<String, Value>, template: &str) -> Result<Value, ApiError> {
+    for (field, why) in REFUSED {
+        if body.get(*field).is_some_and(|v| !v.is_null()) {
+            return Err(bad(field, *why));
+        }
+    }
+    if body.get("background").and_then(Value::as_bool) == Some(true) {
+        return Err(bad(
+            "background",
+            "background responses are not supported: this server keeps no responses (stream \
+             instead)",
+        ));
+    }
+    if body
+        .get("top_logprobs")
+        .and_then(Value::as_u64)
+        .unwrap_or(0)
+        > 0
+    {
+        return Err(bad(
+            "top_logprobs",
+            "log-probabilities are not supported in the Responses API here (Chat Completions \
+             has them)",
+        ));
+    }
     if body.get("store").and_then(Value::as_bool) == Some(true) {
         return Err(bad(
             "store",
@@ -252,6 +305,16 @@ fn to_chat(body: &Map<String, Value>, template: &str) -> Result<Value, ApiError>
     if let Some(p) = body.get("parallel_tool_calls").filter(|v| !v.is_null()) {
         chat.insert("parallel_tool_calls".into(), p.clone());
     }
+    // At most one call a turn is what parallel_tool_calls: false asks for; none, no tools.
+    match body.get("max_tool_calls").and_then(Value::as_u64) {
+        Some(0) => {
+            chat.insert("tool_choice".into(), json!("none"));
+        }
+        Some(1) => {
+            chat.insert("parallel_tool_calls".into(), json!(false));
+        }
+        _ => {}
+    }
     if let Some(format) = body
         .get("text")
         .filter(|t| !t.is_null())
@@ -366,7 +429,7 @@ fn usage(c: &Choice) -> Value {
     let u = c.usage;
     json!({
         "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": u.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u.prompt_tokens + u.completion_tokens,

@@ -29,6 +29,10 @@ use crate::worker::{Handle, ModelCard};
 
 pub struct AppState {
     pub handle: Handle,
+    /// The names clients may give in `model`.
+    pub names: ModelNames,
+    /// How Ollama's `/api/pull` downloads (the CLI's store), when it can.
+    pub pull: Option<crate::ollama::Pull>,
     pub tokenizer: Tokenizer,
     pub metrics: Metrics,
     pub api_key: Option<String>,
@@ -52,6 +56,31 @@ pub struct AppState {
 
 type App = State<Arc<AppState>>;
 
+/// The names the served model answers to: `--served-model-name` (repeatable, vLLM's flag;
+/// the first is its id) and, with `--any-model-name`, any name at all (llama-server's way, for
+/// clients that send their own model names, as Claude Code does).
+#[derive(Debug, Clone)]
+pub struct ModelNames {
+    pub names: Vec<String>,
+    pub any: bool,
+}
+
+impl ModelNames {
+    pub fn new(names: Vec<String>, any: bool) -> ModelNames {
+        ModelNames { names, any }
+    }
+
+    /// Whether a request naming `model` is for the served model.
+    pub fn answers(&self, model: &str) -> bool {
+        self.any || self.names.iter().any(|n| n == model)
+    }
+
+    /// The names `/v1/models` lists.
+    pub fn listed(&self) -> &[String] {
+        &self.names
+    }
+}
+
 impl AppState {
     pub(crate) fn card(&self) -> Result<&ModelCard, ApiError> {
         if let Some(e) = self.handle.shared.load_error.get() {
@@ -71,17 +100,22 @@ impl AppState {
             .ok_or_else(|| ApiError::not_ready("the model is still loading"))
     }
 
-    pub(crate) fn check_model(&self, model: &str) -> Result<&ModelCard, ApiError> {
+    /// The served model when `model` names it (any of its names, or any name at all with
+    /// `--any-model-name`), with the name asked for as its id: answers carry the name the
+    /// client used, as vLLM's do.
+    pub(crate) fn check_model(&self, model: &str) -> Result<ModelCard, ApiError> {
         let card = self.card()?;
-        if model != card.id {
+        if !self.names.answers(model) {
             return Err(ApiError::not_found(
                 format!(
-                    "model {model:?} is not served here (this server has {:?})",
-                    card.id
+                    "model {model:?} is not served here (this server has {})",
+                    self.names.listed().join(", ")
                 ),
                 Some("model"),
             ));
         }
+        let mut card = card.clone();
+        card.id = model.to_string();
         Ok(card)
     }
 
@@ -136,14 +170,21 @@ pub async fn auth(State(st): App, req: HttpRequest, next: Next) -> Response {
         let x_api_key = h.get("x-api-key").and_then(|v| v.to_str().ok());
         let ok = bearer.is_some_and(|k| k == key) || x_api_key.is_some_and(|k| k == key);
         if !ok {
-            // Each API's clients read errors in their own shape.
-            if req.uri().path().starts_with("/v1/messages") {
-                return crate::anthropic::error_response(&st, ApiError::unauthorized());
-            }
-            return ApiError::unauthorized().into_response();
+            return error_for(&st, req.uri().path(), ApiError::unauthorized());
         }
     }
     next.run(req).await
+}
+
+/// An error in the shape the clients of `path`'s API read.
+fn error_for(st: &AppState, path: &str, e: ApiError) -> Response {
+    if path.starts_with("/v1/messages") {
+        crate::anthropic::error_response(st, e)
+    } else if path.starts_with("/api/") {
+        crate::ollama::error_response(st, e)
+    } else {
+        e.into_response()
+    }
 }
 
 /// Lets API requests in unless the server is draining (503, as for a server not ready), and
@@ -151,10 +192,7 @@ pub async fn auth(State(st): App, req: HttpRequest, next: Next) -> Response {
 pub async fn admit(State(st): App, req: HttpRequest, next: Next) -> Response {
     if st.draining.load(Ordering::SeqCst) {
         let e = ApiError::not_ready("the server is shutting down");
-        if req.uri().path().starts_with("/v1/messages") {
-            return crate::anthropic::error_response(&st, e);
-        }
-        return e.into_response();
+        return error_for(&st, req.uri().path(), e);
     }
     st.in_handlers.fetch_add(1, Ordering::SeqCst);
     let _done = InHandler(&st.in_handlers);
@@ -249,17 +287,57 @@ pub async fn metrics(State(st): App) -> Response {
 
 pub async fn models(State(st): App) -> Result<Response, ApiError> {
     let c = st.card()?;
+    let data: Vec<Value> = st
+        .names
+        .listed()
+        .iter()
+        .map(|n| model_entry(c, n))
+        .collect();
+    // Anthropic's clients list models at the same path, with a page's fields around them.
     Ok(Json(json!({
         "object": "list",
-        "data": [{
-            "id": c.id,
-            "object": "model",
-            "created": c.created,
-            "owned_by": "ferrum",
-            "max_model_len": c.max_sequence,
-        }]
+        "data": data,
+        "has_more": false,
+        "first_id": st.names.listed().first(),
+        "last_id": st.names.listed().last(),
     }))
     .into_response())
+}
+
+/// `GET /v1/models/{id}`: one of the names the model answers to.
+pub async fn model(
+    State(st): App,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Response, ApiError> {
+    let c = st.check_model(&id)?;
+    Ok(Json(model_entry(&c, &id)).into_response())
+}
+
+/// A model as OpenAI's clients read it (`id`, `object`, `created`, `owned_by`) and as
+/// Anthropic's do (`type`, `display_name`, `created_at`).
+fn model_entry(c: &ModelCard, name: &str) -> Value {
+    json!({
+        "id": name,
+        "object": "model",
+        "created": c.created,
+        "owned_by": "ferrum",
+        "max_model_len": c.max_sequence,
+        "type": "model",
+        "display_name": name,
+        "created_at": rfc3339(c.created),
+    })
+}
+
+/// Seconds since the epoch as an RFC 3339 UTC time (`2026-12-04T08:11:12Z`).
+pub(crate) fn rfc3339(secs: u64) -> String {
+    let (y, m, d) = ferrum_tokenizer::chat::civil_from_days((secs / 86_400) as i64);
+    let rem = secs % 86_400;
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
 /// One generated choice, accumulated.
@@ -448,12 +526,40 @@ pub(crate) async fn prepare_chat(
     st: &Arc<AppState>,
     req: &api::ChatRequest,
 ) -> Result<Prepared, ApiError> {
-    let card = st.check_model(&req.model)?.clone();
+    prepare_with(st, req, PromptIds::Render { before: Vec::new() }).await
+}
+
+/// Where a chat-shaped request's prompt ids come from.
+pub(crate) enum PromptIds {
+    /// The conversation through the chat template, after `before` (Ollama's `context`: the
+    /// ids of an earlier exchange).
+    Render { before: Vec<u32> },
+    /// Ids given as they are (Ollama's `raw` prompts): no template, and the answer read as
+    /// plain text.
+    Raw(Vec<u32>),
+}
+
+/// [`prepare_chat`] with the prompt's ids from `ids`.
+pub(crate) async fn prepare_with(
+    st: &Arc<AppState>,
+    req: &api::ChatRequest,
+    ids: PromptIds,
+) -> Result<Prepared, ApiError> {
+    let card = st.check_model(&req.model)?;
+    req.check_supported()?;
     let tools = req.tools()?;
-    let harmony = st.format == AnswerFormat::Harmony;
+    let raw = matches!(ids, PromptIds::Raw(_));
+    let format = if raw { AnswerFormat::Plain } else { st.format };
+    let harmony = format == AnswerFormat::Harmony;
     let constraint = req.constraint(tools.as_ref(), harmony)?;
     let logprobs = req.logprobs()?;
-    let prompt = chat_prompt_ids(st, req, tools.as_ref()).await?;
+    let prompt = match ids {
+        PromptIds::Raw(ids) => ids,
+        PromptIds::Render { mut before } => {
+            before.extend(chat_prompt_ids(st, req, tools.as_ref()).await?);
+            before
+        }
+    };
     let limits = api::Limits {
         max_sequence: card.max_sequence,
         request_tokens: st.request_tokens(&card),
@@ -461,7 +567,7 @@ pub(crate) async fn prepare_chat(
     let mut plan = req
         .sampling
         .plan(prompt, limits, card.vocab_size, logprobs)?;
-    plan.base.constraint = match st.format {
+    plan.base.constraint = match format {
         AnswerFormat::Think => constraint.map(|c| c.after_reasoning()),
         // The analysis may take half the budget: the answer it leads to needs the rest.
         AnswerFormat::Harmony => {
@@ -478,4 +584,55 @@ pub(crate) async fn prepare_chat(
         tools: tools.filter(|t| t.active()),
         logprobs,
     })
+}
+
+/// Each text as token ids, as embeddings read them (with the model's BOS rule).
+pub(crate) fn encode_texts(st: &AppState, texts: &[String]) -> Result<Vec<Vec<u32>>, ApiError> {
+    texts
+        .iter()
+        .map(|t| Ok(st.tokenizer.encode(t, true)?))
+        .collect()
+}
+
+/// The model's embedding of each input (token ids), and the tokens read: an input longer
+/// than the context is cut to it when `truncate`, else refused (naming `param`).
+pub(crate) async fn embed_ids(
+    st: &AppState,
+    card: &ModelCard,
+    inputs: Vec<Vec<u32>>,
+    truncate: bool,
+    param: &str,
+) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
+    if inputs.is_empty() {
+        return Err(ApiError::param(param, format!("{param} must not be empty")));
+    }
+    let mut out = Vec::with_capacity(inputs.len());
+    let mut tokens = 0;
+    for (i, mut ids) in inputs.into_iter().enumerate() {
+        if ids.is_empty() {
+            return Err(ApiError::param(param, format!("{param} {i} is empty")));
+        }
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= card.vocab_size) {
+            return Err(ApiError::param(
+                param,
+                format!("{param} {i}: token {bad} is outside the vocabulary"),
+            ));
+        }
+        if ids.len() > card.context {
+            if !truncate {
+                return Err(ApiError::param(
+                    param,
+                    format!(
+                        "{param} {i} is {} tokens; the context holds {}",
+                        ids.len(),
+                        card.context
+                    ),
+                ));
+            }
+            ids.truncate(card.context);
+        }
+        tokens += ids.len();
+        out.push(st.handle.embed(ids).await?);
+    }
+    Ok((out, tokens))
 }

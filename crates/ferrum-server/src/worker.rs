@@ -40,6 +40,9 @@ pub struct ModelCard {
     pub prefix_caching: bool,
     /// The KV cache's element format.
     pub kv_dtype: String,
+    pub params: usize,
+    pub file_bytes: usize,
+    pub load_secs: f64,
 }
 
 /// State the handlers read without asking the worker.
@@ -137,6 +140,9 @@ pub fn spawn<B: Backend + 'static>(
                 dtype: engine.model.info.main_dtype.name().to_string(),
                 prefix_caching: engine.config().prefix_caching,
                 kv_dtype: engine.model.decoder.backend().kv_dtype().to_string(),
+                params: engine.model.info.params,
+                file_bytes: engine.model.info.file_bytes,
+                load_secs: engine.model.info.load_secs,
             });
             publish(&sh, &engine);
             if kv_events.is_some() {

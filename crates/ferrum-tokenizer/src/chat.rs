@@ -599,7 +599,7 @@ fn strftime(unix_secs: i64, format: &str) -> std::result::Result<String, minijin
 
 /// Proleptic Gregorian (year, month, day) of a day count since 1970-01-01
 /// (Howard Hinnant's `civil_from_days`).
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
+pub fn civil_from_days(days: i64) -> (i64, i64, i64) {
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z.rem_euclid(146_097);

@@ -1,0 +1,1086 @@
+//! Ollama's API (`/api/*`), the one Open WebUI's Ollama connection, LangChain's `ChatOllama`
+//! and the `ollama` clients speak. `/api/chat` and `/api/generate` are translated into the chat
+//! request the rest of the server runs ([`crate::api::ChatRequest`]: `options` as sampling
+//! fields, `format` as a JSON constraint, `think` as the template's thinking switch and
+//! reasoning effort, tools in OpenAI's shape already), and the engine's events back into
+//! Ollama's objects — one JSON object per line (NDJSON) when streaming, which is Ollama's
+//! default. Errors come as `{"error": "…"}`, in a stream as its last line.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use ferrum_generate::{FinishReason, OutputKind, TokenLogprob};
+use ferrum_tokenizer::SpecialTokens;
+use serde_json::{json, Map, Value};
+use tokio::sync::mpsc;
+
+use crate::answer::{Answer, AnswerFormat, AnswerStream, Piece};
+use crate::api;
+use crate::error::ApiError;
+use crate::routes::{self, AppState, Choice, Prepared, PromptIds};
+use crate::tools::ToolCall;
+use crate::worker::ModelCard;
+
+type App = State<Arc<AppState>>;
+
+/// Downloads a model reference into the local store, reporting each file's progress (name,
+/// size, bytes so far); the local path, or why not. The CLI's `ferrum pull` behind
+/// `/api/pull`.
+pub type Pull =
+    Arc<dyn Fn(&str, &mut dyn FnMut(&str, u64, u64)) -> Result<String, String> + Send + Sync>;
+
+/// The Ollama API version reported by `/api/version`: the release whose request and response
+/// fields this module follows (`think` with levels, `logprobs`, `/api/embed` `dimensions`).
+pub const API_VERSION: &str = "0.13.0";
+
+const CHAT_FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "tools",
+    "format",
+    "options",
+    "stream",
+    "keep_alive",
+    "think",
+    "logprobs",
+    "top_logprobs",
+];
+
+const GENERATE_FIELDS: &[&str] = &[
+    "model",
+    "prompt",
+    "suffix",
+    "system",
+    "template",
+    "context",
+    "stream",
+    "raw",
+    "format",
+    "images",
+    "options",
+    "keep_alive",
+    "think",
+    "logprobs",
+    "top_logprobs",
+    // Image generation's.
+    "width",
+    "height",
+    "steps",
+];
+
+/// An error as Ollama's clients read it: `{"error": message}` with the status.
+pub(crate) fn error_response(st: &AppState, e: ApiError) -> Response {
+    st.metrics.request_failed();
+    tracing::info!(status = e.status.as_u16(), "request refused: {}", e.message);
+    (e.status, Json(json!({"error": e.message}))).into_response()
+}
+
+fn bad(message: impl Into<String>) -> ApiError {
+    ApiError::bad_request(message, None)
+}
+
+/// Ollama's timestamps: RFC 3339 in UTC.
+fn created_at() -> String {
+    routes::rfc3339(routes::now())
+}
+
+fn nanos(d: std::time::Duration) -> u64 {
+    d.as_nanos().min(u64::MAX as u128) as u64
+}
+
+/// The served model for the name a request gives (`model`, or `name` as older clients
+/// send it), with that name as its id, and the name the rest of the pipeline knows it by.
+/// Ollama's names carry a tag; `NAME:latest` is `NAME`.
+fn served(st: &AppState, body: &Map<String, Value>) -> Result<(ModelCard, String), ApiError> {
+    let name = body
+        .get("model")
+        .or_else(|| body.get("name"))
+        .and_then(Value::as_str)
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| bad("model is required"))?;
+    let bare = name.strip_suffix(":latest").unwrap_or(name);
+    let (mut card, known) = match st.check_model(name) {
+        Ok(c) => (c, name),
+        Err(e) if e.status == StatusCode::NOT_FOUND && bare != name => {
+            (st.check_model(bare)?, bare)
+        }
+        Err(e) => return Err(e),
+    };
+    card.id = name.to_string();
+    Ok((card, known.to_string()))
+}
+
+/// How a name is listed: with a tag, as Ollama lists models.
+fn tagged(name: &str) -> String {
+    match name
+        .rsplit('/')
+        .next()
+        .is_some_and(|last| last.contains(':'))
+    {
+        true => name.to_string(),
+        false => format!("{name}:latest"),
+    }
+}
+
+/// `options` as the chat request's sampling fields. What only sets up a model's load
+/// (threads, GPU layers, mmap, the context) has no meaning per request here and is taken and
+/// left; a sampler this engine does not have is refused unless it asks for its no-op value.
+fn options(opts: &Value, chat: &mut Map<String, Value>) -> Result<(), ApiError> {
+    if opts.is_null() {
+        return Ok(());
+    }
+    let o = opts
+        .as_object()
+        .ok_or_else(|| ApiError::param("options", "options must be an object"))?;
+    for (k, v) in o {
+        if v.is_null() {
+            continue;
+        }
+        let same = |to: &str, chat: &mut Map<String, Value>| {
+            chat.insert(to.into(), v.clone());
+        };
+        match k.as_str() {
+            "temperature" | "top_k" | "top_p" | "min_p" | "seed" | "stop" | "presence_penalty"
+            | "frequency_penalty" => same(k, chat),
+            "repeat_penalty" => same("repetition_penalty", chat),
+            // -1: until the model stops; -2: until the context is full. Both are the
+            // default here (the context bounds every answer).
+            "num_predict" => match v.as_i64() {
+                Some(n) if n > 0 => same("max_tokens", chat),
+                Some(-1 | -2) => {}
+                _ => {
+                    return Err(ApiError::param(
+                        "options.num_predict",
+                        "num_predict must be positive, -1 or -2",
+                    ))
+                }
+            },
+            "num_ctx" | "num_keep" | "num_batch" | "num_gpu" | "main_gpu" | "low_vram"
+            | "numa" | "vocab_only" | "use_mmap" | "use_mlock" | "embedding_only"
+            | "logits_all" | "num_thread" | "f16_kv" | "repeat_last_n" | "penalize_newline"
+            | "mirostat_tau" | "mirostat_eta" => {}
+            "typical_p" | "tfs_z" if v.as_f64() == Some(1.0) => {}
+            "mirostat" if v.as_i64() == Some(0) => {}
+            "typical_p" | "tfs_z" | "mirostat" => {
+                return Err(ApiError::param(
+                    &format!("options.{k}"),
+                    format!("options.{k} {v} is not supported (samplers here: temperature, top_k, top_p, min_p, penalties)"),
+                ))
+            }
+            other => {
+                return Err(ApiError::param(
+                    &format!("options.{other}"),
+                    format!("unsupported option {other:?}"),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The fields `/api/chat` and `/api/generate` share, onto the chat request.
+fn common(
+    body: &Map<String, Value>,
+    chat: &mut Map<String, Value>,
+    template: &str,
+) -> Result<(), ApiError> {
+    if let Some(o) = body.get("options") {
+        options(o, chat)?;
+    }
+    match body.get("format") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s.is_empty() => {}
+        Some(Value::String(s)) if s == "json" => {
+            chat.insert("response_format".into(), json!({"type": "json_object"}));
+        }
+        Some(schema @ Value::Object(_)) => {
+            chat.insert(
+                "response_format".into(),
+                json!({"type": "json_schema", "json_schema": {"name": "format", "schema": schema}}),
+            );
+        }
+        Some(other) => {
+            return Err(ApiError::param(
+                "format",
+                format!("format {other} (\"json\" or a JSON schema)"),
+            ))
+        }
+    }
+    match body.get("think") {
+        None | Some(Value::Null) => {}
+        Some(Value::Bool(on)) => api::set_thinking(chat, template, *on),
+        Some(Value::String(level)) if ["low", "medium", "high"].contains(&level.as_str()) => {
+            api::set_thinking(chat, template, true);
+            chat.insert("reasoning_effort".into(), json!(level));
+        }
+        Some(other) => {
+            return Err(ApiError::param(
+                "think",
+                format!("think {other} (true, false, \"low\", \"medium\" or \"high\")"),
+            ))
+        }
+    }
+    api::copy_fields(
+        body,
+        chat,
+        &[("logprobs", "logprobs"), ("top_logprobs", "top_logprobs")],
+    );
+    // Ollama streams unless told not to.
+    let stream = match body.get("stream") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::param("stream", "stream must be true or false")),
+    };
+    chat.insert("stream".into(), json!(stream));
+    chat.insert(
+        "model".into(),
+        body.get("model").cloned().unwrap_or(Value::Null),
+    );
+    Ok(())
+}
+
+fn no_images(v: Option<&Value>, at: &str) -> Result<(), ApiError> {
+    match v {
+        Some(Value::Array(a)) if !a.is_empty() => Err(ApiError::param(
+            at,
+            "this model takes no image input (images are not supported yet)",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Ollama's messages as the chat request's: tool calls' arguments (objects) as JSON text
+/// with an id each, a tool result's `tool_name` as its name, `thinking` as the turn's
+/// reasoning.
+fn messages(list: &[Value]) -> Result<Vec<Value>, ApiError> {
+    let mut out = Vec::with_capacity(list.len());
+    let mut calls = 0;
+    for (i, m) in list.iter().enumerate() {
+        let at = format!("messages[{i}]");
+        let o = m
+            .as_object()
+            .ok_or_else(|| ApiError::param("messages", format!("{at} must be an object")))?;
+        for k in o.keys() {
+            if ![
+                "role",
+                "content",
+                "images",
+                "thinking",
+                "tool_calls",
+                "tool_name",
+                "tool_call_id",
+            ]
+            .contains(&k.as_str())
+            {
+                return Err(ApiError::param(
+                    "messages",
+                    format!("{at}.{k}: unknown field"),
+                ));
+            }
+        }
+        no_images(o.get("images"), "images")?;
+        let role = o.get("role").and_then(Value::as_str).unwrap_or("");
+        let content = match o.get("content") {
+            None | Some(Value::Null) => "",
+            Some(Value::String(s)) => s,
+            Some(_) => {
+                return Err(ApiError::param(
+                    "messages",
+                    format!("{at}.content must be a string"),
+                ))
+            }
+        };
+        let mut msg = json!({"role": role, "content": content});
+        if let Some(t) = o.get("thinking").and_then(Value::as_str) {
+            msg["reasoning_content"] = json!(t);
+        }
+        if let Some(n) = o.get("tool_name").and_then(Value::as_str) {
+            msg["name"] = json!(n);
+        }
+        if let Some(id) = o.get("tool_call_id").and_then(Value::as_str) {
+            msg["tool_call_id"] = json!(id);
+        }
+        if let Some(list) = o.get("tool_calls").filter(|v| !v.is_null()) {
+            let list = list.as_array().ok_or_else(|| {
+                ApiError::param("messages", format!("{at}.tool_calls must be a list"))
+            })?;
+            let mut out_calls = Vec::new();
+            for c in list {
+                let f = &c["function"];
+                let name = f["name"].as_str().unwrap_or("");
+                if name.is_empty() {
+                    return Err(ApiError::param(
+                        "messages",
+                        format!("{at}.tool_calls: each call needs function.name"),
+                    ));
+                }
+                let args = match &f["arguments"] {
+                    Value::String(s) => s.clone(),
+                    Value::Null => "{}".into(),
+                    v => v.to_string(),
+                };
+                calls += 1;
+                let id = c["id"]
+                    .as_str()
+                    .map_or_else(|| format!("call_{calls}"), str::to_string);
+                out_calls.push(json!({"id": id, "type": "function",
+                    "function": {"name": name, "arguments": args}}));
+            }
+            msg["tool_calls"] = json!(out_calls);
+        }
+        out.push(msg);
+    }
+    Ok(out)
+}
+
+fn template(st: &AppState) -> &str {
+    st.tokenizer.chat_template().map_or("", |t| t.source())
+}
+
+/// What `/api/chat` and `/api/generate` answer a request with nothing to generate: the model
+/// is loaded (it always is here), or "unloaded" with `keep_alive: 0` (it stays).
+fn load_reply(card: &ModelCard, body: &Map<String, Value>, chat: bool) -> Response {
+    let unload = matches!(body.get("keep_alive"), Some(v) if v == &json!(0) || v == &json!("0"));
+    let mut r = json!({
+        "model": card.id, "created_at": created_at(), "done": true,
+        "done_reason": if unload { "unload" } else { "load" },
+    });
+    if chat {
+        r["message"] = json!({"role": "assistant", "content": ""});
+    } else {
+        r["response"] = json!("");
+    }
+    Json(r).into_response()
+}
+
+pub async fn chat(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
+    let r = chat_inner(st.clone(), b).await;
+    r.unwrap_or_else(|e| error_response(&st, e))
+}
+
+async fn chat_inner(
+    st: Arc<AppState>,
+    b: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let t0 = Instant::now();
+    let body = api::object(&routes::body(b)?, CHAT_FIELDS, false)?;
+    let (card, known) = served(&st, &body)?;
+    let list = match body.get("messages") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) => a.clone(),
+        Some(_) => return Err(ApiError::param("messages", "messages must be a list")),
+    };
+    if list.is_empty() {
+        return Ok(load_reply(&card, &body, true));
+    }
+    let mut chat = Map::new();
+    chat.insert("messages".into(), Value::Array(messages(&list)?));
+    if let Some(t) = body.get("tools").filter(|t| !t.is_null()) {
+        chat.insert("tools".into(), t.clone());
+    }
+    common(&body, &mut chat, template(&st))?;
+    let mut req: api::ChatRequest = api::parse(
+        Value::Object(chat).to_string().as_bytes(),
+        api::CHAT_FIELDS,
+        true,
+    )?;
+    req.model = known;
+    let mut p = routes::prepare_chat(&st, &req).await?;
+    p.card.id = card.id;
+    let format = st_format(&st, false);
+    run(st, p, t0, Shape::Chat, format).await
+}
+
+fn st_format(st: &AppState, raw: bool) -> AnswerFormat {
+    if raw {
+        AnswerFormat::Plain
+    } else {
+        st.format
+    }
+}
+
+pub async fn generate(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
+    let r = generate_inner(st.clone(), b).await;
+    r.unwrap_or_else(|e| error_response(&st, e))
+}
+
+async fn generate_inner(
+    st: Arc<AppState>,
+    b: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let t0 = Instant::now();
+    let body = api::object(&routes::body(b)?, GENERATE_FIELDS, false)?;
+    let (card, known) = served(&st, &body)?;
+    for k in ["width", "height", "steps"] {
+        if body.get(k).is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::param(k, "image generation is not supported"));
+        }
+    }
+    no_images(body.get("images"), "images")?;
+    let text = |k: &str| -> Result<String, ApiError> {
+        match body.get(k) {
+            None | Some(Value::Null) => Ok(String::new()),
+            Some(Value::String(s)) => Ok(s.clone()),
+            Some(_) => Err(ApiError::param(k, format!("{k} must be a string"))),
+        }
+    };
+    let (prompt, system) = (text("prompt")?, text("system")?);
+    if !text("suffix")?.is_empty() {
+        return Err(ApiError::param(
+            "suffix",
+            "suffix (fill-in-the-middle) is not supported",
+        ));
+    }
+    if !text("template")?.is_empty() {
+        return Err(ApiError::param(
+            "template",
+            "Go templates are not supported: the model's own chat template renders prompts \
+             (send raw: true with a prompt already formatted)",
+        ));
+    }
+    let raw = match body.get("raw") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::param("raw", "raw must be true or false")),
+    };
+    let before: Vec<u32> = match body.get("context") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(v) => serde_json::from_value(v.clone())
+            .map_err(|_| ApiError::param("context", "context must be a list of token ids"))?,
+    };
+    if before.iter().any(|&t| t as usize >= card.vocab_size) {
+        return Err(ApiError::param(
+            "context",
+            "context has a token outside the vocabulary",
+        ));
+    }
+    if prompt.is_empty() && before.is_empty() {
+        return Ok(load_reply(&card, &body, false));
+    }
+    let mut msgs = Vec::new();
+    if !system.is_empty() {
+        msgs.push(json!({"role": "system", "content": system}));
+    }
+    msgs.push(json!({"role": "user", "content": prompt}));
+    let mut chat = Map::new();
+    chat.insert("messages".into(), Value::Array(msgs));
+    common(&body, &mut chat, template(&st))?;
+    let mut req: api::ChatRequest = api::parse(
+        Value::Object(chat).to_string().as_bytes(),
+        api::CHAT_FIELDS,
+        true,
+    )?;
+    req.model = known;
+    let ids = if raw {
+        // A raw prompt is written for the model: its special-token texts are control tokens.
+        let mut ids = before;
+        let bos = ids.is_empty();
+        ids.extend(
+            st.tokenizer
+                .encode_with(&prompt, bos, SpecialTokens::Control)?,
+        );
+        PromptIds::Raw(ids)
+    } else {
+        PromptIds::Render { before }
+    };
+    let mut p = routes::prepare_with(&st, &req, ids).await?;
+    p.card.id = card.id;
+    let format = st_format(&st, raw);
+    run(st, p, t0, Shape::Generate, format).await
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Shape {
+    Chat,
+    Generate,
+}
+
+/// A part of an answer as Ollama carries it.
+#[derive(Default)]
+struct Part {
+    text: String,
+    thinking: String,
+    calls: Vec<Value>,
+    logprobs: Vec<Value>,
+}
+
+impl Part {
+    fn is_empty(&self) -> bool {
+        self.text.is_empty()
+            && self.thinking.is_empty()
+            && self.calls.is_empty()
+            && self.logprobs.is_empty()
+    }
+
+    /// The part as a response object (not done: [`finish`] adds the end's fields).
+    fn json(&self, shape: Shape, model: &str) -> Value {
+        let mut r = json!({"model": model, "created_at": created_at(), "done": false});
+        match shape {
+            Shape::Chat => {
+                let mut m = json!({"role": "assistant", "content": self.text});
+                if !self.thinking.is_empty() {
+                    m["thinking"] = json!(self.thinking);
+                }
+                if !self.calls.is_empty() {
+                    m["tool_calls"] = json!(self.calls);
+                }
+                r["message"] = m;
+            }
+            Shape::Generate => {
+                r["response"] = json!(self.text);
+                if !self.thinking.is_empty() {
+                    r["thinking"] = json!(self.thinking);
+                }
+            }
+        }
+        if !self.logprobs.is_empty() {
+            r["logprobs"] = json!(self.logprobs);
+        }
+        r
+    }
+}
+
+/// A tool call as Ollama returns it: arguments as an object.
+fn call_json(st: &AppState, index: usize, c: &ToolCall) -> Value {
+    let args: Value = serde_json::from_str(&c.arguments).unwrap_or(json!({}));
+    json!({"id": st.new_id("call"), "function": {"index": index, "name": c.name, "arguments": args}})
+}
+
+fn logprob_json(st: &AppState, id: u32, lp: &TokenLogprob) -> Value {
+    let entry = |id: u32, l: f32| {
+        let t = routes::token_text(&st.tokenizer, id);
+        json!({"token": t, "logprob": l, "bytes": t.as_bytes()})
+    };
+    let mut e = entry(id, lp.logprob);
+    e["top_logprobs"] = lp.top.iter().map(|&(t, l)| entry(t, l)).collect();
+    e
+}
+
+/// The last object's `done`, reason and counters (durations in nanoseconds, as Ollama's).
+fn finish(r: &mut Value, c: &Choice, t0: Instant) {
+    let end = Instant::now();
+    let first = c.first_token.unwrap_or(end);
+    r["done"] = json!(true);
+    r["done_reason"] = json!(match c.finish {
+        Some(FinishReason::Length) => "length",
+        _ => "stop",
+    });
+    r["total_duration"] = json!(nanos(end - t0));
+    r["load_duration"] = json!(0);
+    r["prompt_eval_count"] = json!(c.usage.prompt_tokens);
+    r["prompt_eval_duration"] = json!(nanos(first - t0));
+    r["eval_count"] = json!(c.usage.completion_tokens);
+    r["eval_duration"] = json!(nanos(end - first));
+}
+
+/// Submits the prepared request and answers it: one object, or NDJSON lines as the answer
+/// is generated (text, thinking and each tool call once it is whole), then the last object
+/// with the counters.
+async fn run(
+    st: Arc<AppState>,
+    p: Prepared,
+    t0: Instant,
+    shape: Shape,
+    format: AnswerFormat,
+) -> Result<Response, ApiError> {
+    st.check_load()?;
+    let mut rx = routes::launch(&st, vec![p.plan.base.clone()]).await?;
+    let id = st.new_id("ollama");
+    let model = p.card.id.clone();
+    let prompt = p.plan.base.prompt.clone();
+    if !p.plan.stream {
+        let mut tokens = Vec::new();
+        let mut logprobs = Vec::new();
+        let mut c = Choice::default();
+        loop {
+            let Some((_, o)) = rx.recv().await else {
+                return Err(ApiError::internal("the engine dropped the request"));
+            };
+            if let OutputKind::Token { token, logprob, .. } = &o.kind {
+                tokens.push(*token);
+                if let Some(l) = logprob {
+                    logprobs.push(logprob_json(&st, *token, l));
+                }
+            }
+            if c.absorb(&o.kind) {
+                break;
+            }
+        }
+        routes::record(&st, &id, t0, std::slice::from_ref(&c), 1);
+        let a = Answer::of(format, p.tools.as_ref(), &c.text);
+        let part = Part {
+            text: a.text,
+            thinking: a.reasoning.unwrap_or_default(),
+            calls: a
+                .calls
+                .iter()
+                .enumerate()
+                .map(|(i, call)| call_json(&st, i, call))
+                .collect(),
+            logprobs,
+        };
+        let mut r = part.json(shape, &model);
+        finish(&mut r, &c, t0);
+        if shape == Shape::Generate {
+            r["context"] = json!([prompt, tokens].concat());
+        }
+        return Ok(Json(r).into_response());
+    }
+    let (tx, lines) = mpsc::unbounded_channel::<Result<Bytes, Infallible>>();
+    let send = move |v: Value| tx.send(Ok(Bytes::from(format!("{v}\n")))).is_ok();
+    tokio::spawn(async move {
+        let mut answer = AnswerStream::new(format, p.tools.as_ref());
+        let mut c = Choice::default();
+        let mut tokens = Vec::new();
+        let mut call: Option<ToolCall> = None;
+        let mut calls = 0;
+        loop {
+            let Some((_, o)) = rx.recv().await else {
+                let _ = send(json!({"error": "the engine dropped the request"}));
+                return;
+            };
+            let last = c.absorb(&o.kind);
+            let mut part = Part::default();
+            let delta = match &o.kind {
+                OutputKind::Token {
+                    token,
+                    text,
+                    logprob,
+                } => {
+                    tokens.push(*token);
+                    if let Some(l) = logprob {
+                        part.logprobs.push(logprob_json(&st, *token, l));
+                    }
+                    text
+                }
+                OutputKind::Finished { text, .. } => text,
+            };
+            for piece in answer.push(delta, last) {
+                match piece {
+                    Piece::Reasoning(r) => part.thinking.push_str(&r),
+                    Piece::Text(t) => part.text.push_str(&t),
+                    Piece::CallStart(name) => {
+                        call = Some(ToolCall {
+                            name,
+                            arguments: String::new(),
+                        })
+                    }
+                    Piece::CallArgs(a) => {
+                        if let Some(c) = call.as_mut() {
+                            c.arguments.push_str(&a);
+                        }
+                    }
+                    // Ollama sends a call whole, once its arguments are complete.
+                    Piece::CallEnd => {
+                        if let Some(c) = call.take() {
+                            part.calls.push(call_json(&st, calls, &c));
+                            calls += 1;
+                        }
+                    }
+                    Piece::Call(c) => {
+                        part.calls.push(call_json(&st, calls, &c));
+                        calls += 1;
+                    }
+                }
+            }
+            if !part.is_empty() && !send(part.json(shape, &model)) {
+                return;
+            }
+            if last {
+                break;
+            }
+        }
+        routes::record(&st, &id, t0, std::slice::from_ref(&c), 1);
+        let mut r = Part::default().json(shape, &model);
+        finish(&mut r, &c, t0);
+        if shape == Shape::Generate {
+            r["context"] = json!([prompt, tokens].concat());
+        }
+        let _ = send(r);
+    });
+    Ok(ndjson(lines))
+}
+
+fn ndjson(lines: mpsc::UnboundedReceiver<Result<Bytes, Infallible>>) -> Response {
+    let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(lines);
+    (
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
+
+/// Scales `v` to unit length, as Ollama's `/api/embed` returns embeddings.
+fn normalise(v: &mut [f32]) {
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    if norm > 0.0 {
+        v.iter_mut().for_each(|x| *x /= norm);
+    }
+}
+
+pub async fn embed(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
+    let r = async {
+        let t0 = Instant::now();
+        let body = api::object(
+            &routes::body(b)?,
+            &[
+                "model",
+                "input",
+                "truncate",
+                "options",
+                "keep_alive",
+                "dimensions",
+            ],
+            false,
+        )?;
+        let (card, _) = served(&st, &body)?;
+        let inputs: Vec<String> = match body.get("input") {
+            Some(Value::String(s)) => vec![s.clone()],
+            Some(v @ Value::Array(_)) => serde_json::from_value(v.clone())
+                .map_err(|_| ApiError::param("input", "input must be a string or strings"))?,
+            _ => {
+                return Err(ApiError::param(
+                    "input",
+                    "input must be a string or strings",
+                ))
+            }
+        };
+        let truncate = body
+            .get("truncate")
+            .and_then(Value::as_bool)
+            .unwrap_or(true);
+        let (mut vectors, tokens) = routes::embed_ids(
+            &st,
+            &card,
+            routes::encode_texts(&st, &inputs)?,
+            truncate,
+            "input",
+        )
+        .await?;
+        if let Some(d) = body.get("dimensions").filter(|d| !d.is_null()) {
+            let width = vectors.first().map_or(0, Vec::len);
+            let d = d
+                .as_u64()
+                .filter(|&d| d >= 1 && d as usize <= width)
+                .ok_or_else(|| {
+                    ApiError::param(
+                        "dimensions",
+                        format!("dimensions must be 1..={width} (this model's width)"),
+                    )
+                })?;
+            vectors.iter_mut().for_each(|v| v.truncate(d as usize));
+        }
+        vectors.iter_mut().for_each(|v| normalise(v));
+        Ok::<_, ApiError>(
+            Json(json!({
+                "model": card.id, "embeddings": vectors,
+                "total_duration": nanos(t0.elapsed()), "load_duration": 0,
+                "prompt_eval_count": tokens,
+            }))
+            .into_response(),
+        )
+    }
+    .await;
+    r.unwrap_or_else(|e| error_response(&st, e))
+}
+
+/// The older endpoint: one prompt, its embedding as the model gives it (not normalised).
+pub async fn embeddings(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
+    let r = async {
+        let body = api::object(
+            &routes::body(b)?,
+            &["model", "prompt", "options", "keep_alive"],
+            false,
+        )?;
+        let (card, _) = served(&st, &body)?;
+        let prompt = body.get("prompt").and_then(Value::as_str).unwrap_or("");
+        if prompt.is_empty() {
+            return Ok(Json(json!({"embedding": []})).into_response());
+        }
+        let ids = routes::encode_texts(&st, &[prompt.to_string()])?;
+        let (v, _) = routes::embed_ids(&st, &card, ids, true, "prompt").await?;
+        Ok::<_, ApiError>(Json(json!({"embedding": v.first()})).into_response())
+    }
+    .await;
+    r.unwrap_or_else(|e| error_response(&st, e))
+}
+
+/// A stable identifier for a served name (Ollama shows a manifest's sha256 here; this is no
+/// checksum of anything, only the same for the same model file and name).
+fn digest(c: &ModelCard, name: &str) -> String {
+    use std::hash::{Hash, Hasher};
+    (0..4u8)
+        .map(|k| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            (k, name, c.file_bytes, c.params, &c.arch).hash(&mut h);
+            format!("{:016x}", h.finish())
+        })
+        .collect()
+}
+
+/// Parameters in Ollama's words: `135M`, `7.6B`.
+fn parameter_size(n: usize) -> String {
+    let n = n as f64;
+    if n >= 1e9 {
+        format!("{:.1}B", n / 1e9)
+    } else {
+        format!("{:.0}M", n / 1e6)
+    }
+}
+
+fn details(c: &ModelCard) -> Value {
+    json!({
+        "parent_model": "", "format": "gguf", "family": c.arch, "families": [c.arch],
+        "parameter_size": parameter_size(c.params), "quantization_level": c.dtype,
+    })
+}
+
+fn entries(st: &AppState, ps: bool) -> Result<Vec<Value>, ApiError> {
+    let c = st.card()?;
+    Ok(st
+        .names
+        .listed()
+        .iter()
+        .map(|n| {
+            let name = tagged(n);
+            let mut e = json!({
+                "name": name, "model": name, "modified_at": routes::rfc3339(c.created),
+                "size": c.file_bytes, "digest": digest(c, n), "details": details(c),
+            });
+            if ps {
+                e["size"] = json!(c.file_bytes + c.kv_bytes);
+                e["size_vram"] = json!(0);
+                // Loaded for as long as the server runs.
+                e["expires_at"] = json!("2318-11-10T00:00:00Z");
+                e["context_length"] = json!(c.context);
+            }
+            e
+        })
+        .collect())
+}
+
+/// `GET /api/tags`: the models this server answers to (the one it serves, under each name).
+pub async fn tags(State(st): App) -> Response {
+    match entries(&st, false) {
+        Ok(m) => Json(json!({"models": m})).into_response(),
+        Err(e) => error_response(&st, e),
+    }
+}
+
+/// `GET /api/ps`: the running models (the served one, always loaded).
+pub async fn ps(State(st): App) -> Response {
+    match entries(&st, true) {
+        Ok(m) => Json(json!({"models": m})).into_response(),
+        Err(e) => error_response(&st, e),
+    }
+}
+
+pub async fn version() -> Response {
+    Json(json!({"version": API_VERSION})).into_response()
+}
+
+/// `POST /api/show`: what a client asks of a model before using it: its template, details,
+/// architecture numbers and capabilities.
+pub async fn show(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
+    let r = async {
+        let body = api::object(
+            &routes::body(b)?,
+            &["model", "name", "verbose", "system"],
+            false,
+        )?;
+        let (c, _) = served(&st, &body)?;
+        let template = template(&st).to_string();
+        let mut caps = vec!["completion", "tools"];
+        if st.format != AnswerFormat::Plain {
+            caps.push("thinking");
+        }
+        let info = json!({
+            "general.architecture": c.arch,
+            "general.parameter_count": c.params,
+            "general.file_type": c.dtype,
+            format!("{}.context_length", c.arch): c.context,
+        });
+        Ok::<_, ApiError>(
+            Json(json!({
+                "modelfile": format!("# served by ferrum\nFROM {}\n", c.id),
+                "parameters": "", "template": template, "details": details(&c),
+                "model_info": info, "capabilities": caps,
+                "modified_at": routes::rfc3339(c.created),
+            }))
+            .into_response(),
+        )
+    }
+    .await;
+    r.unwrap_or_else(|e| error_response(&st, e))
+}
+
+/// `POST /api/pull`: downloads a model into the local store through ferrum's own pull,
+/// streaming its progress as Ollama does (`status`, and `digest`/`total`/`completed` per
+/// file). A name this server already serves is there: success at once. What is pulled is
+/// served by a server started on it (`ferrum serve NAME`); this one keeps its model.
+pub async fn pull(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
+    let r = async {
+        let body = api::object(
+            &routes::body(b)?,
+            &["model", "name", "insecure", "stream"],
+            false,
+        )?;
+        let name = body
+            .get("model")
+            .or_else(|| body.get("name"))
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| bad("model is required"))?
+            .to_string();
+        let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(true);
+        let (tx, mut rx) = mpsc::unbounded_channel::<Value>();
+        let _ = tx.send(json!({"status": "pulling manifest"}));
+        let bare = name.strip_suffix(":latest").unwrap_or(&name).to_string();
+        let job = if served(&st, &body).is_ok() {
+            None
+        } else {
+            let pull = st.pull.clone().ok_or_else(|| {
+                ApiError::internal("this server cannot pull models (no model store)")
+            })?;
+            let tx = tx.clone();
+            Some(tokio::task::spawn_blocking(move || {
+                let mut last = (String::new(), u64::MAX);
+                let mut report = |file: &str, total: u64, done: u64| {
+                    // A line per file per percent, not per chunk.
+                    let pct = (done * 100).checked_div(total).unwrap_or(100);
+                    if last.0 != file || last.1 != pct {
+                        last = (file.to_string(), pct);
+                        let _ = tx.send(json!({"status": format!("pulling {file}"),
+                            "digest": file, "total": total, "completed": done}));
+                    }
+                };
+                pull(&bare, &mut report)
+            }))
+        };
+        drop(tx);
+        let done = async move {
+            match job {
+                None => Ok(()),
+                Some(j) => match j.await {
+                    Ok(r) => r.map(|path| tracing::info!("pulled {name} into {path}")),
+                    Err(e) => Err(format!("the pull failed: {e}")),
+                },
+            }
+        };
+        if !stream {
+            while rx.recv().await.is_some() {}
+            return match done.await {
+                Ok(()) => Ok(Json(json!({"status": "success"})).into_response()),
+                Err(e) => Err(ApiError::internal(e)),
+            };
+        }
+        let (out, lines) = mpsc::unbounded_channel::<Result<Bytes, Infallible>>();
+        tokio::spawn(async move {
+            let send = |v: Value| out.send(Ok(Bytes::from(format!("{v}\n")))).is_ok();
+            while let Some(v) = rx.recv().await {
+                if !send(v) {
+                    return;
+                }
+            }
+            match done.await {
+                Ok(()) => {
+                    let _ = send(json!({"status": "verifying sha256 digest"}))
+                        && send(json!({"status": "writing manifest"}))
+                        && send(json!({"status": "success"}));
+                }
+                Err(e) => {
+                    let _ = send(json!({"error": e}));
+                }
+            }
+        });
+        Ok::<_, ApiError>(ndjson(lines))
+    }
+    .await;
+    r.unwrap_or_else(|e| error_response(&st, e))
+}
+
+/// Ollama's model-management routes this server has no store behind.
+pub async fn unsupported(State(st): App) -> Response {
+    error_response(
+        &st,
+        ApiError {
+            status: StatusCode::NOT_IMPLEMENTED,
+            ..bad("not supported by ferrum: it serves the model it was started with")
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `options` map onto the sampling fields; load-time options are taken and left; a
+    /// sampler this engine lacks is refused unless at its no-op value.
+    #[test]
+    fn options_map_and_refuse() {
+        let mut chat = Map::new();
+        let o = json!({"temperature": 0.2, "num_predict": 12, "repeat_penalty": 1.1,
+            "stop": ["\n"], "num_ctx": 4096, "num_thread": 2, "typical_p": 1.0, "mirostat": 0});
+        options(&o, &mut chat).unwrap();
+        assert_eq!(chat["temperature"], json!(0.2));
+        assert_eq!(chat["max_tokens"], json!(12));
+        assert_eq!(chat["repetition_penalty"], json!(1.1));
+        assert_eq!(chat["stop"], json!(["\n"]));
+        assert!(!chat.contains_key("num_ctx"));
+        let mut chat = Map::new();
+        options(&json!({"num_predict": -1}), &mut chat).unwrap();
+        assert!(!chat.contains_key("max_tokens"));
+        for bad in [
+            json!({"typical_p": 0.5}),
+            json!({"mirostat": 2}),
+            json!({"num_predict": 0}),
+            json!({"warp_speed": 9}),
+        ] {
+            let e = options(&bad, &mut Map::new()).unwrap_err();
+            assert!(e.param.unwrap().starts_with("options."), "{bad}");
+        }
+    }
+
+    #[test]
+    fn timestamps_are_rfc3339_utc() {
+        assert_eq!(routes::rfc3339(0), "1970-01-01T00:00:00Z");
+        // datetime.fromtimestamp(1796371872, UTC)
+        assert_eq!(routes::rfc3339(1_796_371_872), "2026-12-04T08:11:12Z");
+    }
+
+    #[test]
+    fn names_are_listed_with_a_tag() {
+        assert_eq!(tagged("smollm2"), "smollm2:latest");
+        assert_eq!(tagged("smollm2:135m"), "smollm2:135m");
+        assert_eq!(tagged("org/repo"), "org/repo:latest");
+        assert_eq!(tagged("org/repo:Q4_K_M"), "org/repo:Q4_K_M");
+    }
+
+    /// Tool calls come with object arguments and no ids; the chat request gets JSON text and
+    /// an id for each, and a tool result's name.
+    #[test]
+    fn messages_translate_calls_and_results() {
+        let list = vec![
+            json!({"role": "user", "content": "Weather in Oslo?"}),
+            json!({"role": "assistant", "content": "", "tool_calls": [
+                {"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}),
+            json!({"role": "tool", "content": "12 C", "tool_name": "get_weather"}),
+        ];
+        let m = messages(&list).unwrap();
+        let call = &m[1]["tool_calls"][0];
+        assert_eq!(call["function"]["arguments"], json!("{\"city\":\"Oslo\"}"));
+        assert_eq!(call["id"], json!("call_1"));
+        assert_eq!(m[2]["name"], json!("get_weather"));
+        let e = messages(&[json!({"role": "user", "content": "x", "images": ["aGk="]})]);
+        assert!(e.is_err());
+        let e = messages(&[json!({"role": "user", "content": "x", "mood": "happy"})]);
+        assert!(e.is_err());
+    }
+}
