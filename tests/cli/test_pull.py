@@ -175,7 +175,8 @@ def test_ollama_pull_streams_progress_over_ferrums_pull(ferrum, model, env, hub)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([ferrum, "serve", model, "--port", str(port), "--ctx", "256"],
+    # --any-model-name answers any name, but a pull still fetches what is not in the store.
+    proc = subprocess.Popen([ferrum, "serve", model, "--port", str(port), "--ctx", "256", "--any-model-name"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -203,6 +204,12 @@ def test_ollama_pull_streams_progress_over_ferrums_pull(ferrum, model, env, hub)
         assert "gated" in e.value.error and e.value.status_code == 500
         with pytest.raises(ollama.ResponseError, match="gated"):
             list(c.pull("test-org/gated", stream=True))
+        # A download cut half-way resumes; its progress never passes the file's size.
+        lines = list(c.pull("test-org/flaky", stream=True))
+        assert lines[-1].status == "success" and all(x.completed <= x.total for x in lines if x.total), lines
+        # A client names models, not the server's files.
+        with pytest.raises(ollama.ResponseError, match="not a model name"):
+            c.pull(model, stream=False)
     finally:
         proc.terminate()
         proc.communicate(timeout=60)

@@ -277,7 +277,8 @@ struct ServeArgs {
     host: String,
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Require this key as a Bearer token on /v1 routes (or set FERRUM_API_KEY).
+    /// Require this key as a Bearer token (or x-api-key) on the API routes, /v1 and Ollama's
+    /// /api (or set FERRUM_API_KEY).
     #[arg(long, env = "FERRUM_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
     /// A name clients may give in `model` (repeatable: every one is listed in /v1/models,
@@ -288,6 +289,10 @@ struct ServeArgs {
     /// send their own names).
     #[arg(long)]
     any_model_name: bool,
+    /// Refuse Ollama's /api/pull (by default it downloads into the model store, as
+    /// `ferrum pull` does, for whoever may call the API).
+    #[arg(long)]
+    no_pull: bool,
     /// Longest sequence (prompt + answer) per request.
     #[arg(long)]
     ctx: Option<usize>,
@@ -453,11 +458,17 @@ fn serve_on<B: MakeBackend>(a: ServeArgs, be: BackendOpts) -> Result<()> {
         model_id: id,
         model_aliases: a.model_names.iter().skip(1).cloned().collect(),
         any_model_name: a.any_model_name,
-        pull: Some(std::sync::Arc::new(|reference: &str, progress| {
-            models::pull_reporting(reference, Some(progress))
-                .map(|p| p.display().to_string())
-                .map_err(|e| format!("{e:#}"))
-        })),
+        pull: (!a.no_pull).then(|| -> ferrum_server::ollama::Pull {
+            std::sync::Arc::new(|reference: &str, progress| {
+                // A client names models, not the server's files.
+                if Path::new(reference).exists() {
+                    return Err(format!("{reference:?} is not a model name to pull"));
+                }
+                models::pull_reporting(reference, Some(progress))
+                    .map(|p| p.display().to_string())
+                    .map_err(|e| format!("{e:#}"))
+            })
+        }),
         max_body_bytes: a.max_body,
         max_waiting: a.max_waiting.max(1),
         allowed_hosts: a.allowed_hosts,

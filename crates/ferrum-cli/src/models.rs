@@ -176,7 +176,9 @@ struct Report<'a> {
 
 impl hf_hub::api::Progress for Report<'_> {
     fn init(&mut self, size: usize, _filename: &str) {
+        // A retry starts over: hf-hub then reports the bytes already there as one update.
         self.total = size as u64;
+        self.done = 0;
         (self.to)(&self.file, self.total, self.done);
     }
 

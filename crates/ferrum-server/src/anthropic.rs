@@ -109,7 +109,9 @@ pub(crate) fn error_response(st: &AppState, e: ApiError) -> Response {
         _ => "invalid_request_error",
     };
     let body = json!({"type": "error", "error": {"type": kind, "message": e.message}});
-    (e.status, Json(body)).into_response()
+    let mut r = (e.status, Json(body)).into_response();
+    e.retry_header(&mut r);
+    r
 }
 
 fn template(st: &AppState) -> &str {
@@ -482,7 +484,11 @@ async fn messages_inner(
     let mut rx = routes::launch(&st, vec![p.plan.base.clone()]).await?;
     let id = st.new_id("msg").replace('-', "_");
     if !p.plan.stream {
-        let out = routes::collect(rx, 1).await?;
+        let mut out = routes::collect(rx, 1).await?;
+        if warm_only {
+            // A cache warm-up's one token is not the answer's.
+            out[0].usage.completion_tokens = 0;
+        }
         routes::record(&st, &id, t0, &out, 1);
         let c = &out[0];
         if warm_only {

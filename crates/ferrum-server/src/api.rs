@@ -61,6 +61,10 @@ pub struct Sampling {
     /// llama.cpp server's spelling of `speculative.n_max`.
     #[serde(rename = "speculative.n_max")]
     pub speculative_n_max: Option<i64>,
+    /// A `max_tokens` past the context is cut to it instead of refused: Ollama's way with
+    /// `num_predict` (set by its module, never by a request).
+    #[serde(skip)]
+    pub cap_max_tokens: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -487,6 +491,13 @@ impl Sampling {
             )),
             (None, Some(v)) => Some(("max_tokens", positive("max_tokens", v)?)),
             (None, None) => None,
+        };
+        let asked = match asked {
+            Some((_, m)) if self.cap_max_tokens => Some((
+                "max_tokens",
+                m.min(room).min(limits.request_tokens / n).max(1),
+            )),
+            a => a,
         };
         let max_tokens = match asked {
             Some((name, m)) => {

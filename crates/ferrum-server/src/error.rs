@@ -76,6 +76,15 @@ impl ApiError {
         }
     }
 
+    /// `Retry-After` on a 429, whatever shape the body takes.
+    pub fn retry_header(&self, r: &mut Response) {
+        if let Some(s) = self.retry_after {
+            if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
+                r.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+        }
+    }
+
     fn kind(&self) -> &'static str {
         match self.status {
             StatusCode::UNAUTHORIZED => "authentication_error",
@@ -133,11 +142,7 @@ impl IntoResponse for ApiError {
             }
         });
         let mut r = (self.status, Json(body)).into_response();
-        if let Some(s) = self.retry_after {
-            if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
-                r.headers_mut().insert(header::RETRY_AFTER, v);
-            }
-        }
+        self.retry_header(&mut r);
         r
     }
 }

@@ -107,7 +107,7 @@ fn header_str(h: &HeaderMap, name: header::HeaderName) -> Result<Option<&str>, A
     }
 }
 
-fn forbidden(message: String) -> Response {
+fn forbidden(message: String) -> ApiError {
     ApiError {
         status: StatusCode::FORBIDDEN,
         message,
@@ -115,7 +115,19 @@ fn forbidden(message: String) -> Response {
         code: Some("forbidden"),
         retry_after: None,
     }
-    .into_response()
+}
+
+/// A refusal in the shape the path's clients read: Ollama's `{"error": "…"}` under `/api/`,
+/// OpenAI's elsewhere (Anthropic's clients read the message from either).
+fn reject(path: &str, e: ApiError) -> Response {
+    if path.starts_with("/api/") {
+        return (
+            e.status,
+            axum::Json(serde_json::json!({"error": e.message})),
+        )
+            .into_response();
+    }
+    e.into_response()
 }
 
 fn is_json(content_type: Option<&str>) -> bool {
@@ -126,45 +138,52 @@ fn is_json(content_type: Option<&str>) -> bool {
 
 /// The middleware; see the module's documentation for the order of the checks.
 pub async fn check(State(g): State<Arc<BrowserGuard>>, req: Request, next: Next) -> Response {
+    let path = req.uri().path().to_string();
     let headers = req.headers();
     // HTTP/2 carries the host in the request's authority instead of a Host header.
     let host = match header_str(headers, header::HOST) {
         Ok(h) => h.or_else(|| req.uri().authority().map(|a| a.as_str())),
-        Err(e) => return e.into_response(),
+        Err(e) => return reject(&path, e),
     };
     if g.check_host {
         if let Some(h) = host.filter(|h| !g.host_allowed(h)) {
-            return forbidden(format!(
-                "Host {h:?} is not this server's name (add it with --allowed-host)"
-            ));
+            return reject(
+                &path,
+                forbidden(format!(
+                    "Host {h:?} is not this server's name (add it with --allowed-host)"
+                )),
+            );
         }
     }
     let origin = match header_str(headers, header::ORIGIN) {
         Ok(o) => o.map(str::to_string),
-        Err(e) => return e.into_response(),
+        Err(e) => return reject(&path, e),
     };
     let content_type = match header_str(headers, header::CONTENT_TYPE) {
         Ok(c) => c,
-        Err(e) => return e.into_response(),
+        Err(e) => return reject(&path, e),
     };
     if req.method() == Method::OPTIONS {
         return preflight(&g, origin.as_deref(), host, headers);
     }
     if req.method() == Method::POST && !is_json(content_type) {
-        return ApiError {
+        let e = ApiError {
             status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
             message: "the body must be sent as Content-Type: application/json".into(),
             param: None,
             code: Some("unsupported_media_type"),
             retry_after: None,
-        }
-        .into_response();
+        };
+        return reject(&path, e);
     }
     if let Some(o) = &origin {
         if !g.origin_allowed(o, host) {
-            return forbidden(format!(
-                "Origin {o:?} may not use this server (add it with --allowed-origin)"
-            ));
+            return reject(
+                &path,
+                forbidden(format!(
+                    "Origin {o:?} may not use this server (add it with --allowed-origin)"
+                )),
+            );
         }
     }
     let mut resp = next.run(req).await;
@@ -184,12 +203,15 @@ fn preflight(
     h: &HeaderMap,
 ) -> Response {
     let Some(o) = origin.filter(|o| g.origin_allowed(o, host)) else {
-        return forbidden(match origin {
-            Some(o) => {
-                format!("Origin {o:?} may not use this server (add it with --allowed-origin)")
-            }
-            None => "a preflight needs an Origin".into(),
-        });
+        return reject(
+            "",
+            forbidden(match origin {
+                Some(o) => {
+                    format!("Origin {o:?} may not use this server (add it with --allowed-origin)")
+                }
+                None => "a preflight needs an Origin".into(),
+            }),
+        );
     };
     let mut resp = StatusCode::NO_CONTENT.into_response();
     let out = resp.headers_mut();

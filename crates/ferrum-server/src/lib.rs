@@ -161,16 +161,16 @@ pub fn serve<B: ferrum_backend::Backend + 'static>(
             }
         }
         let mut names = vec![cfg.model_id.clone()];
-        names.extend(
-            cfg.model_aliases
-                .iter()
-                .filter(|n| **n != cfg.model_id)
-                .cloned(),
-        );
+        for n in &cfg.model_aliases {
+            if !names.contains(n) {
+                names.push(n.clone());
+            }
+        }
         let state = Arc::new(routes::AppState {
             handle,
             names: routes::ModelNames::new(names, cfg.any_model_name),
             pull: cfg.pull.clone(),
+            pulling: Default::default(),
             format,
             tokenizer,
             metrics: Default::default(),
@@ -307,7 +307,7 @@ mod tests {
                 kv_dtype: "f16".into(),
                 params: 1000,
                 file_bytes: 4000,
-                load_secs: 0.0,
+                embedding_width: 8,
             });
             shared.ready.store(true, Ordering::SeqCst);
         }
@@ -316,6 +316,7 @@ mod tests {
             handle: worker::Handle::detached(shared),
             names: routes::ModelNames::new(vec!["tiny".into()], false),
             pull: None,
+            pulling: Default::default(),
             tokenizer,
             metrics: Default::default(),
             api_key: Some("k".into()),

@@ -43,6 +43,8 @@ pub const API_VERSION: &str = "0.13.0";
 const CHAT_FIELDS: &[&str] = &[
     "model",
     "messages",
+    // Open WebUI moves a `system` option here; it leads the conversation.
+    "system",
     "tools",
     "format",
     "options",
@@ -75,11 +77,32 @@ const GENERATE_FIELDS: &[&str] = &[
     "steps",
 ];
 
+/// A JSON object body. Fields other than `known` are left out with a log line, as Ollama
+/// does: its clients (Open WebUI's proxy among them) pass on what they are given, and Ollama
+/// has never refused a field. What this server cannot do is refused by name where it is read.
+fn object(body: &[u8], known: &[&str]) -> Result<Map<String, Value>, ApiError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| bad(format!("the body is not valid JSON: {e}")))?;
+    let Value::Object(mut o) = v else {
+        return Err(bad("the body must be a JSON object"));
+    };
+    o.retain(|k, _| {
+        let keep = known.contains(&k.as_str());
+        if !keep {
+            tracing::debug!("ignoring the unknown field {k:?} (as Ollama does)");
+        }
+        keep
+    });
+    Ok(o)
+}
+
 /// An error as Ollama's clients read it: `{"error": message}` with the status.
 pub(crate) fn error_response(st: &AppState, e: ApiError) -> Response {
     st.metrics.request_failed();
     tracing::info!(status = e.status.as_u16(), "request refused: {}", e.message);
-    (e.status, Json(json!({"error": e.message}))).into_response()
+    let mut r = (e.status, Json(json!({"error": e.message}))).into_response();
+    e.retry_header(&mut r);
+    r
 }
 
 fn bad(message: impl Into<String>) -> ApiError {
@@ -105,16 +128,21 @@ fn served(st: &AppState, body: &Map<String, Value>) -> Result<(ModelCard, String
         .and_then(Value::as_str)
         .filter(|n| !n.is_empty())
         .ok_or_else(|| bad("model is required"))?;
-    let bare = name.strip_suffix(":latest").unwrap_or(name);
+    let other = match name.strip_suffix(":latest") {
+        Some(bare) => bare.to_string(),
+        None => format!("{name}:latest"),
+    };
     let (mut card, known) = match st.check_model(name) {
-        Ok(c) => (c, name),
-        Err(e) if e.status == StatusCode::NOT_FOUND && bare != name => {
-            (st.check_model(bare)?, bare)
-        }
+        Ok(c) => (c, name.to_string()),
+        Err(e) if e.status == StatusCode::NOT_FOUND => match st.check_model(&other) {
+            Ok(c) => (c, other),
+            // The error names what the client asked for.
+            Err(_) => return Err(e),
+        },
         Err(e) => return Err(e),
     };
     card.id = name.to_string();
-    Ok((card, known.to_string()))
+    Ok((card, known))
 }
 
 /// How a name is listed: with a tag, as Ollama lists models.
@@ -147,6 +175,8 @@ fn options(opts: &Value, chat: &mut Map<String, Value>) -> Result<(), ApiError> 
             chat.insert(to.into(), v.clone());
         };
         match k.as_str() {
+            // Ollama's -1 (any negative seed): a random one, as no seed is here.
+            "seed" if v.as_i64().is_some_and(|s| s < 0) => {}
             "temperature" | "top_k" | "top_p" | "min_p" | "seed" | "stop" | "presence_penalty"
             | "frequency_penalty" => same(k, chat),
             "repeat_penalty" => same("repetition_penalty", chat),
@@ -174,15 +204,40 @@ fn options(opts: &Value, chat: &mut Map<String, Value>) -> Result<(), ApiError> 
                     format!("options.{k} {v} is not supported (samplers here: temperature, top_k, top_p, min_p, penalties)"),
                 ))
             }
-            other => {
-                return Err(ApiError::param(
-                    &format!("options.{other}"),
-                    format!("unsupported option {other:?}"),
-                ))
+            // Open WebUI's settings, which it sends to Ollama as options.
+            "reasoning_effort" => same("reasoning_effort", chat),
+            "logit_bias" => {
+                chat.insert("logit_bias".into(), logit_bias(v)?);
             }
+            // Options Ollama does not know either (an app's custom parameters): Ollama
+            // leaves them with a warning, and so does this server.
+            other => tracing::debug!("ignoring the unknown option {other:?} (as Ollama does)"),
         }
     }
     Ok(())
+}
+
+/// A logit bias as an object (`{"id": bias}`) or as Open WebUI writes it (`"id:bias, id:bias"`).
+fn logit_bias(v: &Value) -> Result<Value, ApiError> {
+    let refuse = || {
+        ApiError::param(
+            "options.logit_bias",
+            "logit_bias must be {\"token id\": bias} or \"id:bias, id:bias\"",
+        )
+    };
+    match v {
+        Value::Object(_) => Ok(v.clone()),
+        Value::String(s) => {
+            let mut out = Map::new();
+            for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                let (id, bias) = pair.split_once(':').ok_or_else(refuse)?;
+                let bias: f64 = bias.trim().parse().map_err(|_| refuse())?;
+                out.insert(id.trim().to_string(), json!(bias));
+            }
+            Ok(Value::Object(out))
+        }
+        _ => Err(refuse()),
+    }
 }
 
 /// The fields `/api/chat` and `/api/generate` share, onto the chat request.
@@ -267,24 +322,6 @@ fn messages(list: &[Value]) -> Result<Vec<Value>, ApiError> {
         let o = m
             .as_object()
             .ok_or_else(|| ApiError::param("messages", format!("{at} must be an object")))?;
-        for k in o.keys() {
-            if ![
-                "role",
-                "content",
-                "images",
-                "thinking",
-                "tool_calls",
-                "tool_name",
-                "tool_call_id",
-            ]
-            .contains(&k.as_str())
-            {
-                return Err(ApiError::param(
-                    "messages",
-                    format!("{at}.{k}: unknown field"),
-                ));
-            }
-        }
         no_images(o.get("images"), "images")?;
         let role = o.get("role").and_then(Value::as_str).unwrap_or("");
         let content = match o.get("content") {
@@ -347,7 +384,7 @@ fn template(st: &AppState) -> &str {
 /// What `/api/chat` and `/api/generate` answer a request with nothing to generate: the model
 /// is loaded (it always is here), or "unloaded" with `keep_alive: 0` (it stays).
 fn load_reply(card: &ModelCard, body: &Map<String, Value>, chat: bool) -> Response {
-    let unload = matches!(body.get("keep_alive"), Some(v) if v == &json!(0) || v == &json!("0"));
+    let unload = body.get("keep_alive").is_some_and(zero_duration);
     let mut r = json!({
         "model": card.id, "created_at": created_at(), "done": true,
         "done_reason": if unload { "unload" } else { "load" },
@@ -360,6 +397,19 @@ fn load_reply(card: &ModelCard, body: &Map<String, Value>, chat: bool) -> Respon
     Json(r).into_response()
 }
 
+/// Whether a `keep_alive` says zero: `0`, `0.0`, `"0"`, `"0s"`, `"0m"`, ...
+fn zero_duration(v: &Value) -> bool {
+    match v {
+        Value::Number(n) => n.as_f64() == Some(0.0),
+        Value::String(s) => s
+            .trim()
+            .trim_end_matches(|c: char| c.is_ascii_alphabetic())
+            .parse::<f64>()
+            .is_ok_and(|x| x == 0.0),
+        _ => false,
+    }
+}
+
 pub async fn chat(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
     let r = chat_inner(st.clone(), b).await;
     r.unwrap_or_else(|e| error_response(&st, e))
@@ -370,7 +420,7 @@ async fn chat_inner(
     b: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let t0 = Instant::now();
-    let body = api::object(&routes::body(b)?, CHAT_FIELDS, false)?;
+    let body = object(&routes::body(b)?, CHAT_FIELDS)?;
     let (card, known) = served(&st, &body)?;
     let list = match body.get("messages") {
         None | Some(Value::Null) => Vec::new(),
@@ -380,8 +430,16 @@ async fn chat_inner(
     if list.is_empty() {
         return Ok(load_reply(&card, &body, true));
     }
+    let mut msgs = messages(&list)?;
+    if let Some(s) = body
+        .get("system")
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
+    {
+        msgs.insert(0, json!({"role": "system", "content": s}));
+    }
     let mut chat = Map::new();
-    chat.insert("messages".into(), Value::Array(messages(&list)?));
+    chat.insert("messages".into(), Value::Array(msgs));
     if let Some(t) = body.get("tools").filter(|t| !t.is_null()) {
         chat.insert("tools".into(), t.clone());
     }
@@ -392,18 +450,10 @@ async fn chat_inner(
         true,
     )?;
     req.model = known;
+    req.sampling.cap_max_tokens = true;
     let mut p = routes::prepare_chat(&st, &req).await?;
     p.card.id = card.id;
-    let format = st_format(&st, false);
-    run(st, p, t0, Shape::Chat, format).await
-}
-
-fn st_format(st: &AppState, raw: bool) -> AnswerFormat {
-    if raw {
-        AnswerFormat::Plain
-    } else {
-        st.format
-    }
+    run(st, p, t0, Shape::Chat).await
 }
 
 pub async fn generate(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
@@ -416,7 +466,7 @@ async fn generate_inner(
     b: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let t0 = Instant::now();
-    let body = api::object(&routes::body(b)?, GENERATE_FIELDS, false)?;
+    let body = object(&routes::body(b)?, GENERATE_FIELDS)?;
     let (card, known) = served(&st, &body)?;
     for k in ["width", "height", "steps"] {
         if body.get(k).is_some_and(|v| !v.is_null()) {
@@ -490,10 +540,10 @@ async fn generate_inner(
     } else {
         PromptIds::Render { before }
     };
+    req.sampling.cap_max_tokens = true;
     let mut p = routes::prepare_with(&st, &req, ids).await?;
     p.card.id = card.id;
-    let format = st_format(&st, raw);
-    run(st, p, t0, Shape::Generate, format).await
+    run(st, p, t0, Shape::Generate).await
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -547,10 +597,14 @@ impl Part {
     }
 }
 
-/// A tool call as Ollama returns it: arguments as an object.
-fn call_json(st: &AppState, index: usize, c: &ToolCall) -> Value {
-    let args: Value = serde_json::from_str(&c.arguments).unwrap_or(json!({}));
-    json!({"id": st.new_id("call"), "function": {"index": index, "name": c.name, "arguments": args}})
+/// A tool call as Ollama returns it: arguments as an object. Arguments that are no JSON
+/// object (a call cut short) make no call: a client would run the tool without them.
+fn call_json(st: &AppState, index: usize, c: &ToolCall) -> Option<Value> {
+    let args: Value = serde_json::from_str(&c.arguments)
+        .ok()
+        .filter(Value::is_object)?;
+    Some(json!({"id": st.new_id("call"),
+        "function": {"index": index, "name": c.name, "arguments": args}}))
 }
 
 fn logprob_json(st: &AppState, id: u32, lp: &TokenLogprob) -> Value {
@@ -588,8 +642,8 @@ async fn run(
     p: Prepared,
     t0: Instant,
     shape: Shape,
-    format: AnswerFormat,
 ) -> Result<Response, ApiError> {
+    let format = p.format;
     st.check_load()?;
     let mut rx = routes::launch(&st, vec![p.plan.base.clone()]).await?;
     let id = st.new_id("ollama");
@@ -621,8 +675,12 @@ async fn run(
             calls: a
                 .calls
                 .iter()
+                .filter_map(|call| call_json(&st, 0, call))
                 .enumerate()
-                .map(|(i, call)| call_json(&st, i, call))
+                .map(|(i, mut c)| {
+                    c["function"]["index"] = json!(i);
+                    c
+                })
                 .collect(),
             logprobs,
         };
@@ -679,14 +737,16 @@ async fn run(
                     }
                     // Ollama sends a call whole, once its arguments are complete.
                     Piece::CallEnd => {
-                        if let Some(c) = call.take() {
-                            part.calls.push(call_json(&st, calls, &c));
+                        if let Some(c) = call.take().and_then(|c| call_json(&st, calls, &c)) {
+                            part.calls.push(c);
                             calls += 1;
                         }
                     }
                     Piece::Call(c) => {
-                        part.calls.push(call_json(&st, calls, &c));
-                        calls += 1;
+                        if let Some(c) = call_json(&st, calls, &c) {
+                            part.calls.push(c);
+                            calls += 1;
+                        }
                     }
                 }
             }
@@ -728,7 +788,7 @@ fn normalise(v: &mut [f32]) {
 pub async fn embed(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
     let r = async {
         let t0 = Instant::now();
-        let body = api::object(
+        let body = object(
             &routes::body(b)?,
             &[
                 "model",
@@ -738,7 +798,6 @@ pub async fn embed(State(st): App, b: Result<Bytes, BytesRejection>) -> Response
                 "keep_alive",
                 "dimensions",
             ],
-            false,
         )?;
         let (card, _) = served(&st, &body)?;
         let inputs: Vec<String> = match body.get("input") {
@@ -752,31 +811,34 @@ pub async fn embed(State(st): App, b: Result<Bytes, BytesRejection>) -> Response
                 ))
             }
         };
-        let truncate = body
-            .get("truncate")
-            .and_then(Value::as_bool)
-            .unwrap_or(true);
-        let (mut vectors, tokens) = routes::embed_ids(
-            &st,
-            &card,
-            routes::encode_texts(&st, &inputs)?,
-            truncate,
-            "input",
-        )
-        .await?;
-        if let Some(d) = body.get("dimensions").filter(|d| !d.is_null()) {
-            let width = vectors.first().map_or(0, Vec::len);
-            let d = d
-                .as_u64()
-                .filter(|&d| d >= 1 && d as usize <= width)
-                .ok_or_else(|| {
-                    ApiError::param(
+        let truncate = match body.get("truncate") {
+            None | Some(Value::Null) => true,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => {
+                return Err(ApiError::param(
+                    "truncate",
+                    "truncate must be true or false",
+                ))
+            }
+        };
+        // Checked before any work; 0 (or none) is the model's width.
+        let width = card.embedding_width;
+        let dims = match body.get("dimensions") {
+            None | Some(Value::Null) => width,
+            Some(d) => match d.as_u64() {
+                Some(0) => width,
+                Some(d) if d as usize <= width => d as usize,
+                _ => {
+                    return Err(ApiError::param(
                         "dimensions",
-                        format!("dimensions must be 1..={width} (this model's width)"),
-                    )
-                })?;
-            vectors.iter_mut().for_each(|v| v.truncate(d as usize));
-        }
+                        format!("dimensions must be 0..={width} (this model's width)"),
+                    ))
+                }
+            },
+        };
+        let ids = routes::encode_texts(&st, &inputs)?;
+        let (mut vectors, tokens) = routes::embed_ids(&st, &card, ids, truncate, "input").await?;
+        vectors.iter_mut().for_each(|v| v.truncate(dims));
         vectors.iter_mut().for_each(|v| normalise(v));
         Ok::<_, ApiError>(
             Json(json!({
@@ -794,13 +856,16 @@ pub async fn embed(State(st): App, b: Result<Bytes, BytesRejection>) -> Response
 /// The older endpoint: one prompt, its embedding as the model gives it (not normalised).
 pub async fn embeddings(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
     let r = async {
-        let body = api::object(
+        let body = object(
             &routes::body(b)?,
             &["model", "prompt", "options", "keep_alive"],
-            false,
         )?;
         let (card, _) = served(&st, &body)?;
-        let prompt = body.get("prompt").and_then(Value::as_str).unwrap_or("");
+        let prompt = match body.get("prompt") {
+            None | Some(Value::Null) => "",
+            Some(Value::String(s)) => s,
+            Some(_) => return Err(ApiError::param("prompt", "prompt must be a string")),
+        };
         if prompt.is_empty() {
             return Ok(Json(json!({"embedding": []})).into_response());
         }
@@ -890,11 +955,7 @@ pub async fn version() -> Response {
 /// architecture numbers and capabilities.
 pub async fn show(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
     let r = async {
-        let body = api::object(
-            &routes::body(b)?,
-            &["model", "name", "verbose", "system"],
-            false,
-        )?;
+        let body = object(&routes::body(b)?, &["model", "name", "verbose", "system"])?;
         let (c, _) = served(&st, &body)?;
         let template = template(&st).to_string();
         let mut caps = vec!["completion", "tools"];
@@ -904,7 +965,6 @@ pub async fn show(State(st): App, b: Result<Bytes, BytesRejection>) -> Response 
         let info = json!({
             "general.architecture": c.arch,
             "general.parameter_count": c.params,
-            "general.file_type": c.dtype,
             format!("{}.context_length", c.arch): c.context,
         });
         Ok::<_, ApiError>(
@@ -927,11 +987,7 @@ pub async fn show(State(st): App, b: Result<Bytes, BytesRejection>) -> Response 
 /// served by a server started on it (`ferrum serve NAME`); this one keeps its model.
 pub async fn pull(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
     let r = async {
-        let body = api::object(
-            &routes::body(b)?,
-            &["model", "name", "insecure", "stream"],
-            false,
-        )?;
+        let body = object(&routes::body(b)?, &["model", "name", "insecure", "stream"])?;
         let name = body
             .get("model")
             .or_else(|| body.get("name"))
@@ -943,35 +999,64 @@ pub async fn pull(State(st): App, b: Result<Bytes, BytesRejection>) -> Response 
         let (tx, mut rx) = mpsc::unbounded_channel::<Value>();
         let _ = tx.send(json!({"status": "pulling manifest"}));
         let bare = name.strip_suffix(":latest").unwrap_or(&name).to_string();
-        let job = if served(&st, &body).is_ok() {
+        // Only the names listed are here already (`--any-model-name` answers any name, but
+        // has not got every model).
+        let here = st
+            .names
+            .listed()
+            .iter()
+            .any(|n| *n == name || *n == bare || tagged(n) == name);
+        let job = if here {
             None
         } else {
-            let pull = st.pull.clone().ok_or_else(|| {
-                ApiError::internal("this server cannot pull models (no model store)")
+            let pull = st.pull.clone().ok_or_else(|| ApiError {
+                status: StatusCode::FORBIDDEN,
+                ..bad("pulling models is off on this server (--no-pull)")
             })?;
             let tx = tx.clone();
-            Some(tokio::task::spawn_blocking(move || {
-                let mut last = (String::new(), u64::MAX);
-                let mut report = |file: &str, total: u64, done: u64| {
-                    // A line per file per percent, not per chunk.
-                    let pct = (done * 100).checked_div(total).unwrap_or(100);
-                    if last.0 != file || last.1 != pct {
-                        last = (file.to_string(), pct);
-                        let _ = tx.send(json!({"status": format!("pulling {file}"),
-                            "digest": file, "total": total, "completed": done}));
+            let one = st.pulling.clone();
+            // A task of its own: a pull the client leaves still finishes (the store is left
+            // whole) and logs its end.
+            Some(tokio::spawn(async move {
+                // One pull at a time: hf-hub locks a file while it downloads it, so a second
+                // pull of the same model (a client retrying) waits, then finds it in the store.
+                let _one = match one.clone().try_lock_owned() {
+                    Ok(g) => g,
+                    Err(_) => {
+                        let _ = tx.send(json!({"status": "waiting for another pull to finish"}));
+                        one.lock_owned().await
                     }
                 };
-                pull(&bare, &mut report)
+                let job = tokio::task::spawn_blocking(move || {
+                    let mut last = (String::new(), u64::MAX);
+                    let mut report = |file: &str, total: u64, done: u64| {
+                        // A line per file per percent, not per chunk.
+                        let pct = (done * 100).checked_div(total).unwrap_or(100);
+                        if last.0 != file || last.1 != pct {
+                            last = (file.to_string(), pct);
+                            let _ = tx.send(json!({"status": format!("pulling {file}"),
+                                "digest": file, "total": total, "completed": done}));
+                        }
+                    };
+                    let r = pull(&bare, &mut report);
+                    match &r {
+                        Ok(path) => tracing::info!("pulled {bare} into {path}"),
+                        Err(e) => tracing::warn!("pulling {bare} failed: {e}"),
+                    }
+                    r
+                });
+                job.await
+                    .unwrap_or_else(|e| Err(format!("the pull failed: {e}")))
             }))
         };
         drop(tx);
         let done = async move {
             match job {
                 None => Ok(()),
-                Some(j) => match j.await {
-                    Ok(r) => r.map(|path| tracing::info!("pulled {name} into {path}")),
-                    Err(e) => Err(format!("the pull failed: {e}")),
-                },
+                Some(j) => j
+                    .await
+                    .unwrap_or_else(|e| Err(format!("the pull failed: {e}")))
+                    .map(drop),
             }
         };
         if !stream {
@@ -1034,6 +1119,14 @@ mod tests {
         assert_eq!(chat["repetition_penalty"], json!(1.1));
         assert_eq!(chat["stop"], json!(["\n"]));
         assert!(!chat.contains_key("num_ctx"));
+        // Open WebUI's: effort and a bias written as text; custom options are left out.
+        let mut chat = Map::new();
+        let o = json!({"reasoning_effort": "high", "logit_bias": "5432:100, 7: -2",
+            "my_custom": 1, "seed": -1, "mirostat": null});
+        options(&o, &mut chat).unwrap();
+        assert_eq!(chat["reasoning_effort"], json!("high"));
+        assert_eq!(chat["logit_bias"], json!({"5432": 100.0, "7": -2.0}));
+        assert!(!chat.contains_key("my_custom") && !chat.contains_key("seed"));
         let mut chat = Map::new();
         options(&json!({"num_predict": -1}), &mut chat).unwrap();
         assert!(!chat.contains_key("max_tokens"));
@@ -1041,7 +1134,7 @@ mod tests {
             json!({"typical_p": 0.5}),
             json!({"mirostat": 2}),
             json!({"num_predict": 0}),
-            json!({"warp_speed": 9}),
+            json!({"logit_bias": "12"}),
         ] {
             let e = options(&bad, &mut Map::new()).unwrap_err();
             assert!(e.param.unwrap().starts_with("options."), "{bad}");
@@ -1080,7 +1173,8 @@ mod tests {
         assert_eq!(m[2]["name"], json!("get_weather"));
         let e = messages(&[json!({"role": "user", "content": "x", "images": ["aGk="]})]);
         assert!(e.is_err());
-        let e = messages(&[json!({"role": "user", "content": "x", "mood": "happy"})]);
-        assert!(e.is_err());
+        // What Ollama does not know either is left out, as Ollama does.
+        let m = messages(&[json!({"role": "user", "content": "x", "mood": "happy"})]).unwrap();
+        assert_eq!(m[0], json!({"role": "user", "content": "x"}));
     }
 }

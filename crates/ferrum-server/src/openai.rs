@@ -144,6 +144,7 @@ async fn chat_inner(
         plan,
         tools,
         logprobs,
+        ..
     } = prepare_chat(&st, &req).await?;
     st.check_load()?;
     let rx = launch(&st, choices(&plan)).await?;

@@ -115,17 +115,29 @@ fn to_chat(body: &Map<String, Value>, template: &str) -> Result<Value, ApiError>
              instead)",
         ));
     }
-    if body
-        .get("top_logprobs")
-        .and_then(Value::as_u64)
-        .unwrap_or(0)
-        > 0
-    {
+    // Log-probabilities are Chat Completions' here: asking for them is refused, 0 is taken.
+    let wants_logprobs = body
+        .get("include")
+        .and_then(Value::as_array)
+        .is_some_and(|i| i.iter().any(|x| x == "message.output_text.logprobs"));
+    if wants_logprobs {
         return Err(bad(
-            "top_logprobs",
-            "log-probabilities are not supported in the Responses API here (Chat Completions \
-             has them)",
+            "include",
+            "message.output_text.logprobs is not supported in the Responses API here (Chat \
+             Completions has log-probabilities)",
         ));
+    }
+    match body.get("top_logprobs") {
+        None | Some(Value::Null) => {}
+        Some(v) if v.as_u64() == Some(0) => {}
+        Some(v) if v.as_u64().is_some() => {
+            return Err(bad(
+                "top_logprobs",
+                "log-probabilities are not supported in the Responses API here (Chat \
+                 Completions has them)",
+            ))
+        }
+        Some(_) => return Err(bad("top_logprobs", "top_logprobs must be 0..=20")),
     }
     if body.get("store").and_then(Value::as_bool) == Some(true) {
         return Err(bad(
@@ -307,6 +319,16 @@ fn to_chat(body: &Map<String, Value>, template: &str) -> Result<Value, ApiError>
     }
     // At most one call a turn is what parallel_tool_calls: false asks for; none, no tools.
     match body.get("max_tool_calls").and_then(Value::as_u64) {
+        Some(0)
+            if chat
+                .get("tool_choice")
+                .is_some_and(|c| c != "none" && c != "auto") =>
+        {
+            return Err(bad(
+                "max_tool_calls",
+                "max_tool_calls 0 allows no call, and tool_choice requires one",
+            ))
+        }
         Some(0) => {
             chat.insert("tool_choice".into(), json!("none"));
         }

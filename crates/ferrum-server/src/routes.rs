@@ -31,8 +31,10 @@ pub struct AppState {
     pub handle: Handle,
     /// The names clients may give in `model`.
     pub names: ModelNames,
-    /// How Ollama's `/api/pull` downloads (the CLI's store), when it can.
+    /// How Ollama's `/api/pull` downloads (the CLI's store), when it may.
     pub pull: Option<crate::ollama::Pull>,
+    /// Held by the pull running now (one at a time).
+    pub pulling: Arc<tokio::sync::Mutex<()>>,
     pub tokenizer: Tokenizer,
     pub metrics: Metrics,
     pub api_key: Option<String>,
@@ -506,6 +508,8 @@ pub(crate) fn record(st: &AppState, id: &str, t0: Instant, choices: &[Choice], p
 /// Messages each submit once they have parsed their own shapes into an [`api::ChatRequest`].
 pub(crate) struct Prepared {
     pub card: ModelCard,
+    /// How the answer is to be split (plain for a raw prompt, else the model's way).
+    pub format: AnswerFormat,
     pub plan: Plan,
     /// The tools in play, when a call may be made.
     pub tools: Option<Tools>,
@@ -556,7 +560,14 @@ pub(crate) async fn prepare_with(
     let prompt = match ids {
         PromptIds::Raw(ids) => ids,
         PromptIds::Render { mut before } => {
-            before.extend(chat_prompt_ids(st, req, tools.as_ref()).await?);
+            let ids = chat_prompt_ids(st, req, tools.as_ref()).await?;
+            // After an earlier exchange's ids the conversation goes on: one BOS, at the start.
+            let skip = usize::from(
+                !before.is_empty()
+                    && st.tokenizer.bos_id().is_some()
+                    && ids.first() == st.tokenizer.bos_id().as_ref(),
+            );
+            before.extend_from_slice(&ids[skip..]);
             before
         }
     };
@@ -580,6 +591,7 @@ pub(crate) async fn prepare_with(
     plan.base.skip_special &= !harmony;
     Ok(Prepared {
         card,
+        format,
         plan,
         tools: tools.filter(|t| t.active()),
         logprobs,

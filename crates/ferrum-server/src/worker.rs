@@ -40,9 +40,12 @@ pub struct ModelCard {
     pub prefix_caching: bool,
     /// The KV cache's element format.
     pub kv_dtype: String,
+    /// Parameters, for Ollama's model details.
     pub params: usize,
+    /// The weights file's (or folder's) size on disk.
     pub file_bytes: usize,
-    pub load_secs: f64,
+    /// How many numbers an embedding has (the hidden size).
+    pub embedding_width: usize,
 }
 
 /// State the handlers read without asking the worker.
@@ -142,7 +145,7 @@ pub fn spawn<B: Backend + 'static>(
                 kv_dtype: engine.model.decoder.backend().kv_dtype().to_string(),
                 params: engine.model.info.params,
                 file_bytes: engine.model.info.file_bytes,
-                load_secs: engine.model.info.load_secs,
+                embedding_width: engine.model.decoder.config.hidden_size,
             });
             publish(&sh, &engine);
             if kv_events.is_some() {
