@@ -301,9 +301,16 @@ pub fn openai_request(data: &[u8]) {
         }
         return;
     }
-    // Anthropic's Messages (`a`) and OpenAI's Responses (`r`) bodies become chat requests.
+    // Anthropic's Messages (`a`), OpenAI's Responses (`r`) and Ollama's chat (`o`) and
+    // generate (`g`) bodies become chat requests.
     let template = tok.chat_template().map_or("", |t| t.source());
     let parsed = match data.first() {
+        Some(b'o' | b'g') => {
+            match ferrum_server::ollama::parse(&data[1..], data[0] == b'g', template) {
+                Ok(Some(r)) => Ok(r),
+                _ => return,
+            }
+        }
         Some(b'a') => ferrum_server::anthropic::parse(
             &data[1..],
             ferrum_server::anthropic::FIELDS,
@@ -440,6 +447,8 @@ pub mod seeds {
             br#"c{"model": "m", "prompt": ["a", "b"], "max_tokens": 3, "logprobs": 2, "parse_special": false}"#.to_vec(),
             br#"c{"model": "m", "prompt": [[1, 2, 3]], "echo": false, "stream": true, "stream_options": {"include_usage": true}}"#.to_vec(),
             br#"a{"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "s"}], "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "text", "text": "t"}, {"type": "tool_use", "id": "u1", "name": "w", "input": {"c": "x"}}]}, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "u1", "content": [{"type": "text", "text": "r"}], "is_error": true}]}], "tools": [{"name": "w", "input_schema": {"type": "object", "properties": {"c": {"type": "string"}}}}], "tool_choice": {"type": "any"}, "stop_sequences": ["z"], "top_k": 3}"#.to_vec(),
+            br#"o{"model": "m:latest", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "w", "arguments": {"c": "x"}}}]}, {"role": "tool", "content": "r", "tool_name": "w"}], "tools": [{"type": "function", "function": {"name": "w", "parameters": {"type": "object", "properties": {"c": {"type": "string"}}}}}], "format": {"type": "object"}, "options": {"temperature": 0, "num_predict": 4, "stop": ["z"], "seed": -1, "logit_bias": "5:1"}, "think": "low", "stream": false, "keep_alive": "5m"}"#.to_vec(),
+            br#"g{"model": "m", "prompt": "p", "system": "s", "format": "json", "raw": false, "context": [1, 2], "options": {"num_predict": -1, "top_k": 3}, "logprobs": true, "top_logprobs": 2}"#.to_vec(),
             br#"r{"model": "m", "instructions": "i", "input": [{"role": "user", "content": [{"type": "input_text", "text": "q"}]}, {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"}, {"type": "function_call_output", "call_id": "c1", "output": "o"}], "tools": [{"type": "function", "name": "w", "parameters": {"type": "object"}}], "tool_choice": {"type": "function", "name": "w"}, "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}, "strict": true}}, "max_output_tokens": 4, "store": false}"#.to_vec(),
         ]
     }

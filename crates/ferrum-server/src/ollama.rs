@@ -422,15 +422,28 @@ async fn chat_inner(
     let t0 = Instant::now();
     let body = object(&routes::body(b)?, CHAT_FIELDS)?;
     let (card, known) = served(&st, &body)?;
+    let Some(mut req) = chat_request(&body, template(&st))? else {
+        return Ok(load_reply(&card, &body, true));
+    };
+    req.model = known;
+    let mut p = routes::prepare_chat(&st, &req).await?;
+    p.card.id = card.id;
+    run(st, p, t0, Shape::Chat).await
+}
+
+/// `/api/chat`'s body as the chat request the server runs; `None` for one with no messages
+/// (a request to load the model).
+fn chat_request(
+    body: &Map<String, Value>,
+    template: &str,
+) -> Result<Option<api::ChatRequest>, ApiError> {
     let list = match body.get("messages") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Array(a)) => a.clone(),
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Array(a)) if a.is_empty() => return Ok(None),
+        Some(Value::Array(a)) => a,
         Some(_) => return Err(ApiError::param("messages", "messages must be a list")),
     };
-    if list.is_empty() {
-        return Ok(load_reply(&card, &body, true));
-    }
-    let mut msgs = messages(&list)?;
+    let mut msgs = messages(list)?;
     if let Some(s) = body
         .get("system")
         .and_then(Value::as_str)
@@ -443,31 +456,39 @@ async fn chat_inner(
     if let Some(t) = body.get("tools").filter(|t| !t.is_null()) {
         chat.insert("tools".into(), t.clone());
     }
-    common(&body, &mut chat, template(&st))?;
+    to_request(body, chat, template).map(Some)
+}
+
+/// The chat request from `chat` (messages, tools) and the fields chat and generate share.
+fn to_request(
+    body: &Map<String, Value>,
+    mut chat: Map<String, Value>,
+    template: &str,
+) -> Result<api::ChatRequest, ApiError> {
+    common(body, &mut chat, template)?;
     let mut req: api::ChatRequest = api::parse(
         Value::Object(chat).to_string().as_bytes(),
         api::CHAT_FIELDS,
         true,
     )?;
-    req.model = known;
     req.sampling.cap_max_tokens = true;
-    let mut p = routes::prepare_chat(&st, &req).await?;
-    p.card.id = card.id;
-    run(st, p, t0, Shape::Chat).await
+    Ok(req)
 }
 
-pub async fn generate(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
-    let r = generate_inner(st.clone(), b).await;
-    r.unwrap_or_else(|e| error_response(&st, e))
+/// `/api/generate`'s body, checked: the chat request (the prompt as a user turn after
+/// `system`), and what a raw prompt or a `context` needs.
+struct Generate {
+    req: api::ChatRequest,
+    prompt: String,
+    raw: bool,
+    context: Vec<u32>,
 }
 
-async fn generate_inner(
-    st: Arc<AppState>,
-    b: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    let t0 = Instant::now();
-    let body = object(&routes::body(b)?, GENERATE_FIELDS)?;
-    let (card, known) = served(&st, &body)?;
+/// `None` for a request with nothing to generate (a request to load the model).
+fn generate_request(
+    body: &Map<String, Value>,
+    template: &str,
+) -> Result<Option<Generate>, ApiError> {
     for k in ["width", "height", "steps"] {
         if body.get(k).is_some_and(|v| !v.is_null()) {
             return Err(ApiError::param(k, "image generation is not supported"));
@@ -500,19 +521,13 @@ async fn generate_inner(
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(ApiError::param("raw", "raw must be true or false")),
     };
-    let before: Vec<u32> = match body.get("context") {
+    let context: Vec<u32> = match body.get("context") {
         None | Some(Value::Null) => Vec::new(),
         Some(v) => serde_json::from_value(v.clone())
             .map_err(|_| ApiError::param("context", "context must be a list of token ids"))?,
     };
-    if before.iter().any(|&t| t as usize >= card.vocab_size) {
-        return Err(ApiError::param(
-            "context",
-            "context has a token outside the vocabulary",
-        ));
-    }
-    if prompt.is_empty() && before.is_empty() {
-        return Ok(load_reply(&card, &body, false));
+    if prompt.is_empty() && context.is_empty() {
+        return Ok(None);
     }
     let mut msgs = Vec::new();
     if !system.is_empty() {
@@ -521,16 +536,62 @@ async fn generate_inner(
     msgs.push(json!({"role": "user", "content": prompt}));
     let mut chat = Map::new();
     chat.insert("messages".into(), Value::Array(msgs));
-    common(&body, &mut chat, template(&st))?;
-    let mut req: api::ChatRequest = api::parse(
-        Value::Object(chat).to_string().as_bytes(),
-        api::CHAT_FIELDS,
-        true,
-    )?;
+    let req = to_request(body, chat, template)?;
+    Ok(Some(Generate {
+        req,
+        prompt,
+        raw,
+        context,
+    }))
+}
+
+/// An `/api/chat` body (or an `/api/generate` one, `generate`) as the chat request, for a
+/// model whose chat template is `template`: the parsers the handlers run, for the fuzzer.
+pub fn parse(
+    bytes: &[u8],
+    generate: bool,
+    template: &str,
+) -> Result<Option<api::ChatRequest>, ApiError> {
+    if generate {
+        let body = object(bytes, GENERATE_FIELDS)?;
+        Ok(generate_request(&body, template)?.map(|g| g.req))
+    } else {
+        let body = object(bytes, CHAT_FIELDS)?;
+        chat_request(&body, template)
+    }
+}
+
+pub async fn generate(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
+    let r = generate_inner(st.clone(), b).await;
+    r.unwrap_or_else(|e| error_response(&st, e))
+}
+
+async fn generate_inner(
+    st: Arc<AppState>,
+    b: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let t0 = Instant::now();
+    let body = object(&routes::body(b)?, GENERATE_FIELDS)?;
+    let (card, known) = served(&st, &body)?;
+    let Some(Generate {
+        mut req,
+        prompt,
+        raw,
+        context,
+    }) = generate_request(&body, template(&st))?
+    else {
+        return Ok(load_reply(&card, &body, false));
+    };
+    if context.iter().any(|&t| t as usize >= card.vocab_size) {
+        return Err(ApiError::param(
+            "context",
+            "context has a token outside the vocabulary",
+        ));
+    }
     req.model = known;
     let ids = if raw {
         // A raw prompt is written for the model: its special-token texts are control tokens.
-        let mut ids = before;
+        let mut ids = context;
         let bos = ids.is_empty();
         ids.extend(
             st.tokenizer
@@ -538,9 +599,8 @@ async fn generate_inner(
         );
         PromptIds::Raw(ids)
     } else {
-        PromptIds::Render { before }
+        PromptIds::Render { before: context }
     };
-    req.sampling.cap_max_tokens = true;
     let mut p = routes::prepare_with(&st, &req, ids).await?;
     p.card.id = card.id;
     run(st, p, t0, Shape::Generate).await
