@@ -27,6 +27,27 @@ def free_port():
         return s.getsockname()[1]
 
 
+def start(model, *args):
+    """A `ferrum serve` of its own for `model` with `args`, once healthy: (process, base URL,
+    the model's id)."""
+    port = free_port()
+    proc = subprocess.Popen([os.environ["FERRUM_BIN"], "serve", model, "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            r = httpx.get(base + "/health", timeout=2)
+            if r.status_code == 200:
+                return proc, base, r.json()["model"]
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("not healthy")
+
+
 class Server:
     def __init__(self, proc, base, model):
         self.proc, self.base, self.model = proc, base, model

@@ -11,8 +11,6 @@ import base64
 import json
 import os
 import struct
-import subprocess
-import time
 
 import anthropic
 import httpx
@@ -21,7 +19,8 @@ import ollama
 import openai
 import pytest
 
-from conftest import API_KEY, free_port
+import conftest
+from conftest import API_KEY
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 20},
@@ -219,21 +218,8 @@ def test_openai_embeddings_default_base64_floats_and_token_inputs(server):
 # --------------------------------------------------------------------------- model names
 
 def start(*args):
-    port = free_port()
-    proc = subprocess.Popen([os.environ["FERRUM_BIN"], "serve", os.environ["FERRUM_MODEL"],
-                             "--port", str(port), "--ctx", "512", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("no server")
+    proc, base, _ = conftest.start(os.environ["FERRUM_MODEL"], "--ctx", "512", *args)
+    return proc, base
 
 
 def stop(proc):

@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import socketserver
-import subprocess
 import tempfile
 import threading
 import time
@@ -17,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import API_KEY, CTX, free_port
+from conftest import API_KEY, CTX, start
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 TINY = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tiny", "llama")
@@ -59,25 +58,6 @@ def tiny_model_with(tmp, template):
     with open(os.path.join(folder, "chat_template.jinja"), "w") as f:
         f.write(template)
     return folder
-
-
-def start(model, *args):
-    port = free_port()
-    proc = subprocess.Popen([os.environ["FERRUM_BIN"], "serve", model, "--port", str(port), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            r = httpx.get(base + "/health", timeout=2)
-            if r.status_code == 200:
-                return proc, base, r.json()["model"]
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("not healthy")
 
 
 def rss_kb(pid):

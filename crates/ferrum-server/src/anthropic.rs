@@ -415,8 +415,16 @@ pub fn parse(
     count_only: bool,
     template: &str,
 ) -> Result<api::ChatRequest, ApiError> {
-    let obj = api::object(bytes, fields, false)?;
-    let chat = to_chat(&obj, count_only, template)?;
+    translate(&api::object(bytes, fields, false)?, count_only, template)
+}
+
+/// A checked body as the chat request.
+fn translate(
+    obj: &Map<String, Value>,
+    count_only: bool,
+    template: &str,
+) -> Result<api::ChatRequest, ApiError> {
+    let chat = to_chat(obj, count_only, template)?;
     api::parse(chat.to_string().as_bytes(), api::CHAT_FIELDS, true)
 }
 
@@ -475,9 +483,9 @@ async fn messages_inner(
 ) -> Result<Response, ApiError> {
     let t0 = Instant::now();
     let bytes = routes::body(b)?;
-    let req = parse(&bytes, FIELDS, false, template(&st))?;
-    let warm_only = serde_json::from_slice::<Value>(&bytes)
-        .is_ok_and(|v| v.get("max_tokens").and_then(Value::as_u64) == Some(0));
+    let obj = api::object(&bytes, FIELDS, false)?;
+    let req = translate(&obj, false, template(&st))?;
+    let warm_only = obj.get("max_tokens").and_then(Value::as_u64) == Some(0);
     let p = routes::prepare_chat(&st, &req).await?;
     st.check_load()?;
     let input_tokens = p.plan.base.prompt.len();

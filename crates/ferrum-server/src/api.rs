@@ -279,14 +279,7 @@ pub fn object(
     fields: &[&str],
     sampling: bool,
 ) -> Result<serde_json::Map<String, Value>, ApiError> {
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}"), None))?;
-    let Value::Object(mut obj) = v else {
-        return Err(ApiError::bad_request(
-            "the body must be a JSON object",
-            None,
-        ));
-    };
+    let mut obj = json_object(body)?;
     if sampling {
         strip_router_defaults(&mut obj)?;
     }
@@ -298,6 +291,36 @@ pub fn object(
         }
     }
     Ok(obj)
+}
+
+/// A body that must be a JSON object, its fields unchecked.
+pub fn json_object(body: &[u8]) -> Result<serde_json::Map<String, Value>, ApiError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}"), None))?;
+    match v {
+        Value::Object(obj) => Ok(obj),
+        _ => Err(ApiError::bad_request(
+            "the body must be a JSON object",
+            None,
+        )),
+    }
+}
+
+/// The first of `keys` set (not null) as a bool, else `default`; anything but a bool is
+/// refused, naming it.
+pub fn flag(
+    o: &serde_json::Map<String, Value>,
+    keys: &[&str],
+    default: bool,
+) -> Result<bool, ApiError> {
+    for k in keys {
+        match o.get(*k) {
+            None | Some(Value::Null) => {}
+            Some(Value::Bool(b)) => return Ok(*b),
+            Some(_) => return Err(ApiError::param(k, format!("{k} must be true or false"))),
+        }
+    }
+    Ok(default)
 }
 
 /// Why [`text_parts`] refused a content value.

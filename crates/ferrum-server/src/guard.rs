@@ -121,11 +121,7 @@ fn forbidden(message: String) -> ApiError {
 /// OpenAI's elsewhere (Anthropic's clients read the message from either).
 fn reject(path: &str, e: ApiError) -> Response {
     if path.starts_with("/api/") {
-        return (
-            e.status,
-            axum::Json(serde_json::json!({"error": e.message})),
-        )
-            .into_response();
+        return crate::ollama::shaped(e);
     }
     e.into_response()
 }

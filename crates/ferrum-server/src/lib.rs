@@ -160,15 +160,12 @@ pub fn serve<B: ferrum_backend::Backend + 'static>(
                 tracing::warn!("chat requests will be refused: {e}");
             }
         }
-        let mut names = vec![cfg.model_id.clone()];
-        for n in &cfg.model_aliases {
-            if !names.contains(n) {
-                names.push(n.clone());
-            }
-        }
         let state = Arc::new(routes::AppState {
             handle,
-            names: routes::ModelNames::new(names, cfg.any_model_name),
+            names: routes::ModelNames::new(
+                std::iter::once(cfg.model_id.clone()).chain(cfg.model_aliases.iter().cloned()),
+                cfg.any_model_name,
+            ),
             pull: cfg.pull.clone(),
             pulling: Default::default(),
             format,

@@ -81,11 +81,7 @@ const GENERATE_FIELDS: &[&str] = &[
 /// does: its clients (Open WebUI's proxy among them) pass on what they are given, and Ollama
 /// has never refused a field. What this server cannot do is refused by name where it is read.
 fn object(body: &[u8], known: &[&str]) -> Result<Map<String, Value>, ApiError> {
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| bad(format!("the body is not valid JSON: {e}")))?;
-    let Value::Object(mut o) = v else {
-        return Err(bad("the body must be a JSON object"));
-    };
+    let mut o = api::json_object(body)?;
     o.retain(|k, _| {
         let keep = known.contains(&k.as_str());
         if !keep {
@@ -100,6 +96,12 @@ fn object(body: &[u8], known: &[&str]) -> Result<Map<String, Value>, ApiError> {
 pub(crate) fn error_response(st: &AppState, e: ApiError) -> Response {
     st.metrics.request_failed();
     tracing::info!(status = e.status.as_u16(), "request refused: {}", e.message);
+    shaped(e)
+}
+
+/// `e` as Ollama's clients read it, `Retry-After` included (the browser guard's refusals
+/// under `/api/` too).
+pub(crate) fn shaped(e: ApiError) -> Response {
     let mut r = (e.status, Json(json!({"error": e.message}))).into_response();
     e.retry_header(&mut r);
     r
@@ -118,16 +120,20 @@ fn nanos(d: std::time::Duration) -> u64 {
     d.as_nanos().min(u64::MAX as u128) as u64
 }
 
+/// The model a request names: `model`, or `name` as older clients send it.
+fn model_name(body: &Map<String, Value>) -> Result<&str, ApiError> {
+    body.get("model")
+        .or_else(|| body.get("name"))
+        .and_then(Value::as_str)
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| bad("model is required"))
+}
+
 /// The served model for the name a request gives (`model`, or `name` as older clients
 /// send it), with that name as its id, and the name the rest of the pipeline knows it by.
 /// Ollama's names carry a tag; `NAME:latest` is `NAME`.
 fn served(st: &AppState, body: &Map<String, Value>) -> Result<(ModelCard, String), ApiError> {
-    let name = body
-        .get("model")
-        .or_else(|| body.get("name"))
-        .and_then(Value::as_str)
-        .filter(|n| !n.is_empty())
-        .ok_or_else(|| bad("model is required"))?;
+    let name = model_name(body)?;
     let other = match name.strip_suffix(":latest") {
         Some(bare) => bare.to_string(),
         None => format!("{name}:latest"),
@@ -288,12 +294,7 @@ fn common(
         &[("logprobs", "logprobs"), ("top_logprobs", "top_logprobs")],
     );
     // Ollama streams unless told not to.
-    let stream = match body.get("stream") {
-        None | Some(Value::Null) => true,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(ApiError::param("stream", "stream must be true or false")),
-    };
-    chat.insert("stream".into(), json!(stream));
+    chat.insert("stream".into(), json!(api::flag(body, &["stream"], true)?));
     chat.insert(
         "model".into(),
         body.get("model").cloned().unwrap_or(Value::Null),
@@ -516,11 +517,7 @@ fn generate_request(
              (send raw: true with a prompt already formatted)",
         ));
     }
-    let raw = match body.get("raw") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(ApiError::param("raw", "raw must be true or false")),
-    };
+    let raw = api::flag(body, &["raw"], false)?;
     let context: Vec<u32> = match body.get("context") {
         None | Some(Value::Null) => Vec::new(),
         Some(v) => serde_json::from_value(v.clone())
@@ -871,16 +868,7 @@ pub async fn embed(State(st): App, b: Result<Bytes, BytesRejection>) -> Response
                 ))
             }
         };
-        let truncate = match body.get("truncate") {
-            None | Some(Value::Null) => true,
-            Some(Value::Bool(b)) => *b,
-            Some(_) => {
-                return Err(ApiError::param(
-                    "truncate",
-                    "truncate must be true or false",
-                ))
-            }
-        };
+        let truncate = api::flag(&body, &["truncate"], true)?;
         // Checked before any work; 0 (or none) is the model's width.
         let width = card.embedding_width;
         let dims = match body.get("dimensions") {
@@ -1048,13 +1036,7 @@ pub async fn show(State(st): App, b: Result<Bytes, BytesRejection>) -> Response 
 pub async fn pull(State(st): App, b: Result<Bytes, BytesRejection>) -> Response {
     let r = async {
         let body = object(&routes::body(b)?, &["model", "name", "insecure", "stream"])?;
-        let name = body
-            .get("model")
-            .or_else(|| body.get("name"))
-            .and_then(Value::as_str)
-            .filter(|n| !n.is_empty())
-            .ok_or_else(|| bad("model is required"))?
-            .to_string();
+        let name = model_name(&body)?.to_string();
         let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(true);
         let (tx, mut rx) = mpsc::unbounded_channel::<Value>();
         let _ = tx.send(json!({"status": "pulling manifest"}));

@@ -127,10 +127,13 @@ fn to_chat(body: &Map<String, Value>, template: &str) -> Result<Value, ApiError>
              Completions has log-probabilities)",
         ));
     }
-    match body.get("top_logprobs") {
-        None | Some(Value::Null) => {}
-        Some(v) if v.as_u64() == Some(0) => {}
-        Some(v) if v.as_u64().is_some() => {
+    match body
+        .get("top_logprobs")
+        .filter(|v| !v.is_null())
+        .map(Value::as_u64)
+    {
+        None | Some(Some(0)) => {}
+        Some(Some(_)) => {
             return Err(bad(
                 "top_logprobs",
                 "log-probabilities are not supported in the Responses API here (Chat \

@@ -63,13 +63,20 @@ type App = State<Arc<AppState>>;
 /// clients that send their own model names, as Claude Code does).
 #[derive(Debug, Clone)]
 pub struct ModelNames {
-    pub names: Vec<String>,
-    pub any: bool,
+    names: Vec<String>,
+    any: bool,
 }
 
 impl ModelNames {
-    pub fn new(names: Vec<String>, any: bool) -> ModelNames {
-        ModelNames { names, any }
+    /// `names` in order, each once.
+    pub fn new(names: impl IntoIterator<Item = String>, any: bool) -> ModelNames {
+        let mut out: Vec<String> = Vec::new();
+        for n in names {
+            if !out.contains(&n) {
+                out.push(n);
+            }
+        }
+        ModelNames { names: out, any }
     }
 
     /// Whether a request naming `model` is for the served model.
@@ -562,11 +569,9 @@ pub(crate) async fn prepare_with(
         PromptIds::Render { mut before } => {
             let ids = chat_prompt_ids(st, req, tools.as_ref()).await?;
             // After an earlier exchange's ids the conversation goes on: one BOS, at the start.
-            let skip = usize::from(
-                !before.is_empty()
-                    && st.tokenizer.bos_id().is_some()
-                    && ids.first() == st.tokenizer.bos_id().as_ref(),
-            );
+            let bos = st.tokenizer.bos_id();
+            let skip =
+                usize::from(!before.is_empty() && bos.is_some() && ids.first() == bos.as_ref());
             before.extend_from_slice(&ids[skip..]);
             before
         }

@@ -12,24 +12,13 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use ferrum_tokenizer::SpecialTokens;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use crate::api;
 use crate::error::ApiError;
 use crate::routes::{self, AppState};
 
 type App = State<Arc<AppState>>;
-
-fn flag(o: &Map<String, Value>, keys: &[&str], default: bool) -> Result<bool, ApiError> {
-    for k in keys {
-        match o.get(*k) {
-            None | Some(Value::Null) => {}
-            Some(Value::Bool(b)) => return Ok(*b),
-            Some(_) => return Err(ApiError::param(k, format!("{k} must be true or false"))),
-        }
-    }
-    Ok(default)
-}
 
 const TOKENIZE_FIELDS: &[&str] = &[
     "model",
@@ -72,7 +61,7 @@ async fn tokenize_inner(
             api::parse(chat.to_string().as_bytes(), api::CHAT_FIELDS, true)?;
         let tools = req.tools()?;
         let tools = tools.as_ref().filter(|t| t.active());
-        let gen = flag(&o, &["add_generation_prompt"], true)?;
+        let gen = api::flag(&o, &["add_generation_prompt"], true)?;
         let (messages, kwargs) = req.template_inputs(&st.tokenizer, tools, st.content_special)?;
         routes::render_prompt(st, messages, kwargs, gen).await?
     } else {
@@ -85,8 +74,8 @@ async fn tokenize_inner(
                 ))
             }
         };
-        let add = flag(&o, &["add_special", "add_special_tokens"], true)?;
-        let special = if flag(&o, &["parse_special"], true)? {
+        let add = api::flag(&o, &["add_special", "add_special_tokens"], true)?;
+        let special = if api::flag(&o, &["parse_special"], true)? {
             SpecialTokens::Control
         } else {
             SpecialTokens::Text
@@ -102,7 +91,7 @@ async fn tokenize_inner(
         "count": ids.len(),
         "max_model_len": card.max_sequence,
     });
-    if flag(&o, &["with_pieces"], false)? {
+    if api::flag(&o, &["with_pieces"], false)? {
         let p = pieces(&ids);
         out["tokens"] = ids
             .iter()
@@ -112,7 +101,7 @@ async fn tokenize_inner(
     } else {
         out["tokens"] = json!(ids);
     }
-    if flag(&o, &["return_token_strs"], false)? {
+    if api::flag(&o, &["return_token_strs"], false)? {
         out["token_strs"] = json!(pieces(&ids));
     }
     Ok(Json(out).into_response())
