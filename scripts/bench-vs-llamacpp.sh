@@ -39,6 +39,11 @@
 #                                      or avx2).
 #   LLAMA_BENCH_ARGS="--repack 0"      extra llama-bench options (default: none, its defaults;
 #                                      not passed to llama-batched-bench)
+#   IK_LLAMA_BENCH=/path/llama-bench   ik_llama.cpp's llama-bench: a third engine in every round
+#                                      (not with --batched). No package registry ships
+#                                      ik_llama.cpp, so it is built from its repository's source
+#                                      by scripts/build-ik-llamacpp.sh SRC (GGML_NATIVE=ON).
+#   IK_ARGS="-rtr 1"                   its options (default: -rtr 1, its load-time repacking)
 #   MOE_DIR=$FERRUM_CACHE/synth-moe    where the synthetic MoE files live (made if missing)
 #   MOE_LAYERS=4                       layers of the synthetic MoE files
 #   OUT_DIR=target/bench-vs-llamacpp/DATE
@@ -247,6 +252,14 @@ run_llama() { # file round
     "${PIN[@]}" "$LLAMA_BENCH" -m "$1" -t "$THREADS" -p "$PP" -n "$TG" -r 1 -o json ${LLAMA_BENCH_ARGS:-} >"$out" \
         2>"$out.log" || die "llama-bench failed on $1, see $out.log"
 }
+run_ik() { # file round
+    local out
+    out="$OUT_DIR/$(basename "$1").ik.$2.json"
+    # shellcheck disable=SC2086 # a list of options
+    LD_LIBRARY_PATH="$(dirname "$IK_LLAMA_BENCH")" "${PIN[@]}" "$IK_LLAMA_BENCH" -m "$1" \
+        -t "$THREADS" -p "$PP" -n "$TG" -r 1 -o json ${IK_ARGS:--rtr 1} >"$out" 2>"$out.log" \
+        || die "ik_llama.cpp's llama-bench failed on $1, see $out.log"
+}
 run_ferrum() { # file round
     local out
     out="$OUT_DIR/$(basename "$1").ferrum.$2.json"
@@ -278,10 +291,25 @@ if [[ "$ISA" == native && -z "${LLAMA_BENCH_GIVEN:-}" && ${#FILES[@]} -gt 0 ]] &
     fi
 fi
 export ISA
+IK=0
+if [[ -n "${IK_LLAMA_BENCH:-}" ]] && ((BATCHED == 0)); then
+    [[ -x "$IK_LLAMA_BENCH" ]] || die "IK_LLAMA_BENCH=$IK_LLAMA_BENCH is not executable"
+    IK=1
+    IK_FLAGS="$(cat "$(dirname "$(dirname "$IK_LLAMA_BENCH")").flags" 2>/dev/null || echo "-DGGML_NATIVE=ON")"
+    export IK_FLAGS IK_ARGS="${IK_ARGS:--rtr 1}"
+fi
+export IK
 for f in "${FILES[@]}"; do
     for ((r = 1; r <= ROUNDS; r++)); do
         log "$(basename "$f"): round $r/$ROUNDS"
-        if ((r % 2)); then
+        # The engines take turns at going first (and, with three, second).
+        if ((IK)); then
+            case $((r % 3)) in
+                1) run_llama "$f" "$r"; run_ik "$f" "$r"; run_ferrum "$f" "$r" ;;
+                2) run_ik "$f" "$r"; run_ferrum "$f" "$r"; run_llama "$f" "$r" ;;
+                0) run_ferrum "$f" "$r"; run_llama "$f" "$r"; run_ik "$f" "$r" ;;
+            esac
+        elif ((r % 2)); then
             run_llama "$f" "$r"; run_ferrum "$f" "$r"
         else
             run_ferrum "$f" "$r"; run_llama "$f" "$r"
@@ -356,13 +384,27 @@ def fmt(x, spec=".2f"):
 def gb(n):
     return "n/a" if n is None else f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
 
+ik = os.environ.get("IK") == "1"
 speed, memory = [], []
-backend = llama_build = None
+backend = llama_build = ik_build = None
+
+def bench_rates(rows):
+    got = {}
+    for t in rows:
+        if t.get("n_prompt", 0) > 0 and t.get("n_gen", 0) == 0:
+            got["pp"] = t["avg_ts"]
+        elif t.get("n_gen", 0) > 0 and t.get("n_prompt", 0) == 0:
+            got["tg"] = t["avg_ts"]
+    return got
+
 for f in files:
     name = os.path.basename(f)
     llama = {"pp": [], "tg": []}
     ferrum = {"pp": [], "tg": []}
     ratios = {"pp": [], "tg": []}
+    ikr = {"pp": [], "tg": []}
+    ik_ratios = {"pp": [], "tg": []}
+    best_ratios = {"pp": [], "tg": []}
     rss, bw, wbpt, bound, wsbound = [], [], [], [], []
     fr = None
     for r in range(1, rounds + 1):
@@ -371,18 +413,24 @@ for f in files:
         backend = fr.get("backend", backend)
         for t in lj:
             llama_build = t.get("build_commit", llama_build)
-        got = {}
-        for t in lj:
-            if t.get("n_prompt", 0) > 0 and t.get("n_gen", 0) == 0:
-                got["pp"] = t["avg_ts"]
-            elif t.get("n_gen", 0) > 0 and t.get("n_prompt", 0) == 0:
-                got["tg"] = t["avg_ts"]
+        got = bench_rates(lj)
+        ig = {}
+        if ik:
+            ij = load(f"{out_dir}/{name}.ik.{r}.json")
+            for t in ij:
+                ik_build = t.get("build_commit", ik_build)
+            ig = bench_rates(ij)
         for k in ("pp", "tg"):
-            l, x = got.get(k), fr.get(f"{k}_tok_s")
+            l, x, i = got.get(k), fr.get(f"{k}_tok_s"), ig.get(k)
             llama[k].append(l)
             ferrum[k].append(x)
+            ikr[k].append(i)
             if l and x:
                 ratios[k].append(x / l)
+            if i and x:
+                ik_ratios[k].append(x / i)
+            if l and i and x:
+                best_ratios[k].append(x / max(l, i))
         rss.append(fr.get("peak_rss_bytes"))
         bw.append(fr.get("bandwidth_gb_s"))
         wbpt.append(fr.get("weight_bytes_per_token"))
@@ -395,7 +443,13 @@ for f in files:
         if int(n) == 0:
             continue
         lm, fm = med(llama[k]), med(ferrum[k])
-        speed.append(f"| {name} | {k}{n} | {fmt(lm)} | {fmt(fm)} | {fmt(med(ratios[k]), '.3f')} |")
+        row = f"| {name} | {k}{n} | {fmt(lm)} | "
+        if ik:
+            row += f"{fmt(med(ikr[k]))} | "
+        row += f"{fmt(fm)} | {fmt(med(ratios[k]), '.3f')} |"
+        if ik:
+            row += f" {fmt(med(ik_ratios[k]), '.3f')} | {fmt(med(best_ratios[k]), '.3f')} |"
+        speed.append(row)
     b = med(bound)
     pct = lambda x: None if (b is None or x is None) else 100 * x / b
     size = fr.get("file_bytes") if fr else None
@@ -417,12 +471,21 @@ extra = os.environ.get("LLAMA_BENCH_ARGS", "")
 print(f"- llama.cpp: llama-bench -t {threads} -p {pp} -n {tg} -r 1{' ' + extra if extra else ''} "
       f"(build {llama_build or '?'}, ISA {os.environ.get('ISA', 'native')}"
       f"{': ' + os.environ['LLAMACPP_FLAGS'] if os.environ.get('LLAMACPP_FLAGS') else ''})")
+if ik:
+    print(f"- ik_llama.cpp: llama-bench -t {threads} -p {pp} -n {tg} -r 1 "
+          f"{os.environ.get('IK_ARGS', '')} (build {ik_build or '?'}, "
+          f"{os.environ.get('IK_FLAGS', '')})")
 print(f"- ferrum: ferrum bench --pp {pp} --tg {tg} --reps 1, {backend or '?'} (git {rev})")
 print(f"- {rounds} alternating rounds per file; medians over rounds; the ratio is the median "
-      "of the per-round ratios (ferrum / llama.cpp, > 1 means ferrum is faster)")
+      "of the per-round ratios (ferrum / the other engine, > 1 means ferrum is faster)")
 print()
-print("| file | test | llama.cpp t/s | ferrum t/s | ferrum / llama.cpp |")
-print("|---|---|--:|--:|--:|")
+if ik:
+    print("| file | test | llama.cpp t/s | ik_llama.cpp t/s | ferrum t/s | ferrum / llama.cpp "
+          "| ferrum / ik_llama.cpp | ferrum / the better |")
+    print("|---|---|--:|--:|--:|--:|--:|--:|")
+else:
+    print("| file | test | llama.cpp t/s | ferrum t/s | ferrum / llama.cpp |")
+    print("|---|---|--:|--:|--:|")
 print("\n".join(speed))
 print()
 print("| file | size | ferrum peak RSS | RSS / size | weight bytes / token | measured GB/s "

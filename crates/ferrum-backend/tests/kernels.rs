@@ -3,7 +3,7 @@
 //! dequantised weights times the unquantised activations).
 
 use ferrum_backend::cpu::quant::q8::{quantize_q8, quantize_q8k, BlockQ8, BlockQ8K};
-use ferrum_backend::cpu::quant::{best_kernel, dequantize, scalar_kernel, Dot2x4, Kernel};
+use ferrum_backend::cpu::quant::{best_kernel, dequantize, iq_grid, scalar_kernel, Dot2x4, Kernel};
 use rand::{Rng, SeedableRng};
 
 mod common;
@@ -157,8 +157,25 @@ fn simd_equals_scalar_and_both_approximate_f32() {
 fn k_quant_four_token_kernels_give_each_token_the_one_token_bits() {
     use ferrum_core::DType;
     let mut rng = rand::rngs::StdRng::seed_from_u64(23);
-    for dt in [DType::Q2K, DType::Q3K, DType::Q4K, DType::Q5K, DType::Q6K] {
-        let exact = matches!(dt, DType::Q2K | DType::Q3K);
+    for dt in [
+        DType::Q2K,
+        DType::Q3K,
+        DType::Q4K,
+        DType::Q5K,
+        DType::Q6K,
+        DType::Iq4Xs,
+        DType::Iq2Xxs,
+        DType::Iq2Xs,
+        DType::Iq2S,
+        DType::Iq3Xxs,
+        DType::Iq3S,
+        DType::Iq1S,
+        DType::Iq1M,
+        DType::Tq1_0,
+        DType::Tq2_0,
+    ] {
+        // Kernels that keep exact integer sums and the scalar kernel's float steps.
+        let exact = !matches!(dt, DType::Q4K | DType::Q5K | DType::Q6K);
         let (
             Some(Kernel::Q8K { dot: s, .. }),
             Some(Kernel::Q8K {
@@ -183,8 +200,19 @@ fn k_quant_four_token_kernels_give_each_token_the_one_token_bits() {
                 .collect();
             let w = wa.bytes();
             let four = f4(w, [&acts[0], &acts[1], &acts[2], &acts[3]]);
+            // A codebook row decoded once (the prefill path) gives the row kernel's bits,
+            // in its SIMD kernel and its scalar twin.
+            let mut decoded = iq_grid::Decoded::default();
+            let codebook = iq_grid::decode_row(dt, w, &mut decoded);
+            assert_eq!(codebook, iq_grid::is_codebook(dt), "{dt}: decode_row");
             for (t, a) in acts.iter().enumerate() {
                 let got = f(w, a);
+                if codebook {
+                    let want = s(w, a).to_bits();
+                    let fast = iq_grid::dot_decoded(&decoded, a).to_bits();
+                    let twin = iq_grid::dot_decoded_scalar(&decoded, a).to_bits();
+                    assert_eq!((fast, twin), (want, want), "{dt} trial {trial} decoded");
+                }
                 if exact {
                     let want = s(w, a);
                     assert_eq!(
@@ -300,13 +328,14 @@ fn packed_kernels_equal_scalar_twin_and_file_layout_kernel() {
         DType::Q5_1,
         DType::Q8_0,
         DType::Mxfp4,
+        DType::Iq4Nl,
     ] {
         let Some(Kernel::Q8 { dot, .. }) = scalar_kernel(dt) else {
             panic!("{dt}: a Q8 kernel")
         };
         check_packed(dt, 256, dot, Packed::gemm_on, Packed::gemm_scalar);
     }
-    for dt in [DType::Q4K, DType::Q5K, DType::Q6K] {
+    for dt in [DType::Q4K, DType::Q5K, DType::Q6K, DType::Iq4Xs] {
         let Some(Kernel::Q8K { dot, .. }) = scalar_kernel(dt) else {
             panic!("{dt}: a Q8_K kernel")
         };
@@ -396,10 +425,23 @@ fn check_k_quant_pairs(name: &str, pair: PairKernel) {
     full.extend_from_slice(&[0xff; 12]);
     full.extend_from_slice(&[0xff; 128]);
     let full: Vec<u8> = (0..rows * k / 256).flat_map(|_| full.clone()).collect();
+    // IQ4_XS at the top of its range: every level −127 and every scale −32.
+    let mut iq4xs_full = Vec::with_capacity(136);
+    iq4xs_full.extend_from_slice(&half::f16::from_f32(0.01).to_bits().to_le_bytes());
+    iq4xs_full.extend_from_slice(&[0; 6]);
+    iq4xs_full.extend_from_slice(&[0; 128]);
+    let iq4xs_full: Vec<u8> = (0..rows * k / 256)
+        .flat_map(|_| iq4xs_full.clone())
+        .collect();
     let cases = [
         (DType::Q4K, random_blocks(&mut rng, DType::Q4K, rows * k)),
         (DType::Q4K, full),
         (DType::Q6K, random_blocks(&mut rng, DType::Q6K, rows * k)),
+        (
+            DType::Iq4Xs,
+            random_blocks(&mut rng, DType::Iq4Xs, rows * k),
+        ),
+        (DType::Iq4Xs, iq4xs_full),
     ];
     for (dt, bytes) in cases {
         let wa = Aligned::new(&bytes);

@@ -103,7 +103,8 @@ enum Cmd {
         /// The .gguf file to write.
         output: PathBuf,
         /// Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K_S/M/L, Q4_K_S,
-        /// Q5_K_S, F16, BF16 or F32.
+        /// Q5_K_S, IQ4_XS, IQ4_NL, MXFP4_MOE, F16, BF16 or F32 (the 1-3 bit i-quants are
+        /// read but not made: they need llama.cpp's importance matrix).
         #[arg(long = "type", default_value = "Q4_K_M")]
         ftype: String,
     },

@@ -22,13 +22,27 @@ pub enum DType {
     Q8K,
     /// OCP microscaling FP4 (gpt-oss's experts): 32 E2M1 values and one E8M0 exponent.
     Mxfp4,
+    /// The i-quants: 4-bit non-linear (32 values a block, one f16 scale; and 256 with 6-bit
+    /// sub-block scales), then the codebook formats whose groups of four or eight values are
+    /// indices into fixed grids (2, 3 and 1.5 bits a weight, and the ternary TQ formats).
+    Iq4Nl,
+    Iq4Xs,
+    Iq2Xxs,
+    Iq2Xs,
+    Iq2S,
+    Iq3Xxs,
+    Iq3S,
+    Iq1S,
+    Iq1M,
+    Tq1_0,
+    Tq2_0,
     /// Raw bytes (safetensors' U8: the `_blocks` and `_scales` of MXFP4 checkpoints), read
     /// only by the loader that knows their layout. GGML has no such type.
     U8,
 }
 
 impl DType {
-    /// Maps a GGML type id; `None` for ids this build does not know (IQ formats, etc.).
+    /// Maps a GGML type id; `None` for ids this build does not know.
     pub fn from_ggml_id(id: u32) -> Option<DType> {
         Some(match id {
             0 => DType::F32,
@@ -46,6 +60,17 @@ impl DType {
             14 => DType::Q6K,
             15 => DType::Q8K,
             30 => DType::BF16,
+            16 => DType::Iq2Xxs,
+            17 => DType::Iq2Xs,
+            18 => DType::Iq3Xxs,
+            19 => DType::Iq1S,
+            20 => DType::Iq4Nl,
+            21 => DType::Iq3S,
+            22 => DType::Iq2S,
+            23 => DType::Iq4Xs,
+            29 => DType::Iq1M,
+            34 => DType::Tq1_0,
+            35 => DType::Tq2_0,
             39 => DType::Mxfp4,
             _ => return None,
         })
@@ -70,6 +95,17 @@ impl DType {
             DType::Q8K => 15,
             DType::BF16 => 30,
             DType::Mxfp4 => 39,
+            DType::Iq2Xxs => 16,
+            DType::Iq2Xs => 17,
+            DType::Iq3Xxs => 18,
+            DType::Iq1S => 19,
+            DType::Iq4Nl => 20,
+            DType::Iq3S => 21,
+            DType::Iq2S => 22,
+            DType::Iq4Xs => 23,
+            DType::Iq1M => 29,
+            DType::Tq1_0 => 34,
+            DType::Tq2_0 => 35,
             DType::U8 => return None,
         })
     }
@@ -84,8 +120,24 @@ impl DType {
             | DType::Q5_1
             | DType::Q8_0
             | DType::Q8_1
-            | DType::Mxfp4 => 32,
-            DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K | DType::Q8K => 256,
+            | DType::Mxfp4
+            | DType::Iq4Nl => 32,
+            DType::Q2K
+            | DType::Q3K
+            | DType::Q4K
+            | DType::Q5K
+            | DType::Q6K
+            | DType::Q8K
+            | DType::Iq4Xs
+            | DType::Iq2Xxs
+            | DType::Iq2Xs
+            | DType::Iq2S
+            | DType::Iq3Xxs
+            | DType::Iq3S
+            | DType::Iq1S
+            | DType::Iq1M
+            | DType::Tq1_0
+            | DType::Tq2_0 => 256,
         }
     }
 
@@ -108,6 +160,17 @@ impl DType {
             DType::Q6K => 210,
             DType::Q8K => 292,
             DType::Mxfp4 => 17,
+            DType::Iq4Nl => 18,
+            DType::Iq4Xs => 136,
+            DType::Iq2Xxs => 66,
+            DType::Iq2Xs => 74,
+            DType::Iq2S => 82,
+            DType::Iq3Xxs => 98,
+            DType::Iq3S => 110,
+            DType::Iq1S => 50,
+            DType::Iq1M => 56,
+            DType::Tq1_0 => 54,
+            DType::Tq2_0 => 66,
         }
     }
 
@@ -142,6 +205,17 @@ impl DType {
             DType::Q6K => "Q6_K",
             DType::Q8K => "Q8_K",
             DType::Mxfp4 => "MXFP4",
+            DType::Iq4Nl => "IQ4_NL",
+            DType::Iq4Xs => "IQ4_XS",
+            DType::Iq2Xxs => "IQ2_XXS",
+            DType::Iq2Xs => "IQ2_XS",
+            DType::Iq2S => "IQ2_S",
+            DType::Iq3Xxs => "IQ3_XXS",
+            DType::Iq3S => "IQ3_S",
+            DType::Iq1S => "IQ1_S",
+            DType::Iq1M => "IQ1_M",
+            DType::Tq1_0 => "TQ1_0",
+            DType::Tq2_0 => "TQ2_0",
             DType::U8 => "U8",
         }
     }

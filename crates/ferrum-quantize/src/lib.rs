@@ -44,10 +44,14 @@ pub enum FileType {
     Q6K,
     /// gpt-oss's release format: expert stacks MXFP4, every other matrix Q8_0.
     Mxfp4Moe,
+    /// The non-linear 4-bit i-quants (attn_v and the first eighth of ffn_down Q5_K, as
+    /// llama-quantize without an importance matrix).
+    Iq4Nl,
+    Iq4Xs,
 }
 
 impl FileType {
-    pub const ALL: [FileType; 18] = [
+    pub const ALL: [FileType; 20] = [
         FileType::F32,
         FileType::F16,
         FileType::BF16,
@@ -66,6 +70,8 @@ impl FileType {
         FileType::Q5KM,
         FileType::Q6K,
         FileType::Mxfp4Moe,
+        FileType::Iq4Nl,
+        FileType::Iq4Xs,
     ];
 
     /// The name llama-quantize uses (`Q4_K_M`, ...).
@@ -89,6 +95,8 @@ impl FileType {
             FileType::Q5KM => "Q5_K_M",
             FileType::Q6K => "Q6_K",
             FileType::Mxfp4Moe => "MXFP4_MOE",
+            FileType::Iq4Nl => "IQ4_NL",
+            FileType::Iq4Xs => "IQ4_XS",
         }
     }
 
@@ -113,6 +121,8 @@ impl FileType {
             FileType::Q6K => 18,
             FileType::BF16 => 32,
             FileType::Mxfp4Moe => 38,
+            FileType::Iq4Nl => 25,
+            FileType::Iq4Xs => 30,
         }
     }
 
@@ -133,9 +143,17 @@ impl FileType {
             FileType::Q5KS | FileType::Q5KM => DType::Q5K,
             FileType::Q6K => DType::Q6K,
             FileType::Mxfp4Moe => DType::Mxfp4,
+            FileType::Iq4Nl => DType::Iq4Nl,
+            FileType::Iq4Xs => DType::Iq4Xs,
         }
     }
 }
+
+/// llama-quantize's low-bit i-quant and ternary recipes, which ferrum reads but does not make.
+const CODEBOOK_TYPES: [&str; 12] = [
+    "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M",
+    "TQ1_0", "TQ2_0",
+];
 
 impl fmt::Display for FileType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -148,6 +166,15 @@ impl FromStr for FileType {
 
     /// Accepts llama-quantize's names in any case (`Q4_K_M`, `q8_0`, `bf16`).
     fn from_str(s: &str) -> Result<FileType> {
+        let wanted = s.trim().to_ascii_uppercase();
+        if CODEBOOK_TYPES.contains(&wanted.as_str()) {
+            return Err(Error::Unsupported(format!(
+                "ferrum reads {wanted} files but does not make them: llama.cpp's codebook \
+                 searches for the 1-3 bit i-quants need an importance matrix \
+                 (`llama-imatrix`, then `llama-quantize --imatrix FILE`), which ferrum does \
+                 not implement. Make the file with llama-quantize, or choose IQ4_XS or IQ4_NL."
+            )));
+        }
         FileType::ALL
             .into_iter()
             .find(|t| t.name().eq_ignore_ascii_case(s.trim()))
@@ -194,6 +221,23 @@ pub fn quantize_row(dtype: DType, x: &[f32], out: &mut [u8]) -> Result<()> {
         DType::Q5K => q5_k::quantize(x, out),
         DType::Q6K => q6_k::quantize(x, out),
         DType::Mxfp4 => mxfp4::quantize(x, out),
+        DType::Iq4Nl => iq4::quantize_nl(x, out),
+        DType::Iq4Xs => iq4::quantize_xs(x, out),
+        DType::Iq2Xxs
+        | DType::Iq2Xs
+        | DType::Iq2S
+        | DType::Iq3Xxs
+        | DType::Iq3S
+        | DType::Iq1S
+        | DType::Iq1M
+        | DType::Tq1_0
+        | DType::Tq2_0 => {
+            return Err(Error::Unsupported(format!(
+                "quantising to {dtype} is not supported: the codebook formats need llama.cpp's \
+                 importance-matrix search (llama-quantize --imatrix); ferrum reads them, and \
+                 quantises to IQ4_XS and IQ4_NL"
+            )))
+        }
         DType::U8 => {
             return Err(Error::Unsupported(
                 "U8 holds raw bytes, not numbers to quantise".into(),
@@ -220,5 +264,8 @@ mod tests {
         }
         assert_eq!("q4_k_m".parse::<FileType>().unwrap(), FileType::Q4KM);
         assert!("Q4_K".parse::<FileType>().is_err());
+        assert_eq!("iq4_xs".parse::<FileType>().unwrap(), FileType::Iq4Xs);
+        let e = "IQ2_XXS".parse::<FileType>().unwrap_err().to_string();
+        assert!(e.contains("importance matrix"), "{e}");
     }
 }

@@ -112,6 +112,7 @@ pub fn fallback(dtype: DType, row_len: usize) -> DType {
         DType::Q4K => DType::Q5_0,
         DType::Q5K => DType::Q5_1,
         DType::Q6K => DType::Q8_0,
+        DType::Iq4Xs => DType::Iq4Nl,
         other => other,
     };
     if row_len.is_multiple_of(t.block_len()) {
@@ -186,6 +187,7 @@ pub fn plan(ftype: FileType, model: &ModelInfo, tensors: &[PlanInput]) -> Vec<Op
                         ty = DType::Q6K
                     }
                     F::Q4KS if i_attention_wv < 4 => ty = DType::Q5K,
+                    F::Iq4Nl | F::Iq4Xs if model.n_gqa >= 4 => ty = DType::Q5K,
                     _ => {}
                 }
                 i_attention_wv += 1;
@@ -219,6 +221,8 @@ pub fn plan(ftype: FileType, model: &ModelInfo, tensors: &[PlanInput]) -> Vec<Op
                     }
                     F::Q5KM if use_more_bits(i, n_layer) => ty = DType::Q6K,
                     F::Q4KS if !falcon && i < n_layer / 8 => ty = DType::Q5K,
+                    // Without an importance matrix (ferrum has none to give).
+                    F::Iq4Nl | F::Iq4Xs if i < n_layer / 8 => ty = DType::Q5K,
                     _ => {}
                 }
                 i_ffn_down += 1;

@@ -7,7 +7,7 @@ use ferrum_core::DType;
 use ferrum_quantize::quantize_row;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-const ALL: [DType; 14] = [
+const ALL: [DType; 16] = [
     DType::F32,
     DType::F16,
     DType::BF16,
@@ -22,6 +22,8 @@ const ALL: [DType; 14] = [
     DType::Q5K,
     DType::Q6K,
     DType::Mxfp4,
+    DType::Iq4Nl,
+    DType::Iq4Xs,
 ];
 
 fn dtype_by_name(name: &str) -> DType {
@@ -91,6 +93,39 @@ fn byte_identical_to_gguf_python_and_llama_cpp() {
     );
 }
 
+/// IQ4_NL and IQ4_XS byte for byte against llama.cpp's `quantize_iq4_nl` / `quantize_iq4_xs`
+/// without an importance matrix (what llama-quantize calls), on rows normal, heavy-tailed,
+/// uniform, tiny, constant, zero, spiky and half zero (`scripts/fixtures/make_iq_fixtures.py`
+/// on llama.cpp's compiled library).
+#[test]
+fn iq4_byte_identical_to_llama_cpp() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/iq4_vectors.json"
+    ))
+    .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for dtype in [DType::Iq4Nl, DType::Iq4Xs] {
+        let f = &v[dtype.name()];
+        let x: Vec<f32> = f["x_bits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| f32::from_bits(b.as_u64().unwrap() as u32))
+            .collect();
+        let row_len = f["n_per_row"].as_u64().unwrap() as usize;
+        let want = hex(f["bytes_hex"].as_str().unwrap());
+        let row_bytes = dtype.bytes_for(row_len).unwrap();
+        assert_eq!(want.len(), x.len() / row_len * row_bytes);
+        for (r, (xr, w)) in x.chunks(row_len).zip(want.chunks(row_bytes)).enumerate() {
+            let mut got = vec![0u8; row_bytes];
+            quantize_row(dtype, xr, &mut got).unwrap();
+            let at = got.iter().zip(w).position(|(a, b)| a != b);
+            assert!(at.is_none(), "{dtype}: row {r} differs at byte {at:?}");
+        }
+    }
+}
+
 /// llama.cpp's test data and metric: `0.1 + 2 cos(i + offset)`, `sqrt(Σ d²) / n`.
 fn llama_cpp_total_error(dtype: DType) -> f32 {
     let x: Vec<f32> = (0..32 * 128)
@@ -150,6 +185,7 @@ fn relative_error_on_random_and_normal_data() {
             DType::Q6K => 0.02,
             DType::Q5_0 | DType::Q5_1 | DType::Q5K => 0.045,
             DType::Q4_0 | DType::Q4_1 | DType::Q4K => 0.09,
+            DType::Iq4Nl | DType::Iq4Xs => 0.09,
             // Power-of-two scales and the E2M1 grid (steps up to 2 at the top of 6).
             DType::Mxfp4 => 0.15,
             DType::Q3K => 0.17,

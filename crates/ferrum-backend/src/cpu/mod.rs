@@ -1475,6 +1475,8 @@ impl Backend for CpuBackend {
 }
 
 thread_local! {
+    /// A codebook-format weight row decoded for a prefill (`quantized_rows`).
+    static DECODED: RefCell<quant::iq_grid::Decoded> = RefCell::new(Default::default());
     static ACT_Q8: RefCell<Vec<quant::q8::BlockQ8>> = const { RefCell::new(Vec::new()) };
     static ACT_Q8K: RefCell<Vec<quant::q8::BlockQ8K>> = const { RefCell::new(Vec::new()) };
 }
@@ -1521,8 +1523,8 @@ trait PackedRows: quant::amx::Act + quant::packed::PackedAct + Sized + 'static {
             return rows.start;
         }
         debug_assert!(rows.start.is_multiple_of(ROWS), "tasks start on a group");
-        let mut out = [[0f32; ROWS]; 4];
-        let mut out_b = [[0f32; ROWS]; 4];
+        let mut out = [[0f32; ROWS]; 8];
+        let mut out_b = [[0f32; ROWS]; 8];
         // Two groups per pass where a kernel does both: fewer instructions per weight byte,
         // which prefill and batched decode need (the arithmetic is their limit). The 512-bit
         // kernels pair for one token's decode too (from the last-level cache the 256-bit
@@ -1564,10 +1566,12 @@ trait PackedRows: quant::amx::Act + quant::packed::PackedAct + Sized + 'static {
         }
         while g < end / ROWS {
             let two = pairs && g + 1 < end / ROWS;
-            // Four tokens per pass: each weight block is unpacked once for all four.
-            for t in (0..n).step_by(4) {
-                let c = (n - t).min(4);
-                let acts: [&[Self]; 4] = std::array::from_fn(|i| act((t + i).min(n - 1)));
+            // Four tokens per pass (eight where a two-group kernel takes them): each weight
+            // block is unpacked once for all of them.
+            let step = p.tokens_per_pass(two);
+            for t in (0..n).step_by(step) {
+                let c = (n - t).min(step);
+                let acts: [&[Self]; 8] = std::array::from_fn(|i| act((t + i).min(n - 1)));
                 if two {
                     Self::gemm2(p, g, &acts[..c], &mut out[..c], &mut out_b[..c]);
                 } else {
@@ -1789,6 +1793,24 @@ fn quantized_rows<'a, B: PackedRows>(
             }
             first += 4;
         }
+    }
+    // A codebook format's prefill: each row decoded once for all the tokens (its decoding
+    // costs more than the products; the same bits as the row kernels).
+    if n >= 8 && quant::iq_grid::is_codebook(w.dtype) && B::as_q8k(act(0)).is_some() {
+        DECODED.with(|d| {
+            let mut d = d.borrow_mut();
+            let start = first;
+            for j in start..rows.end {
+                if !quant::iq_grid::decode_row(w.dtype, w.row_bytes_of(j), &mut d) {
+                    break;
+                }
+                for t in 0..n {
+                    let a = B::as_q8k(act(t)).unwrap_or(&[]);
+                    write(t, j, quant::iq_grid::dot_decoded(&d, a));
+                }
+                first = j + 1;
+            }
+        });
     }
     // Prefill: two weight rows × four tokens per pass where possible (each activation block
     // loaded once for both rows), then single rows. Every kernel shape gives a (row, token)

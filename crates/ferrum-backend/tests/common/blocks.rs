@@ -17,13 +17,36 @@ pub const FORMATS: &[DType] = &[
     DType::Q5K,
     DType::Q6K,
     DType::Mxfp4,
+    DType::Iq4Nl,
+    DType::Iq4Xs,
+    DType::Iq2Xxs,
+    DType::Iq2Xs,
+    DType::Iq2S,
+    DType::Iq3Xxs,
+    DType::Iq3S,
+    DType::Iq1S,
+    DType::Iq1M,
+    DType::Tq1_0,
+    DType::Tq2_0,
 ];
 
 /// Byte offsets of each format's f16 scale fields inside a block: random bits there could
 /// be NaN or infinity, so they get small finite scales instead.
 pub fn f16_fields(dt: DType) -> &'static [usize] {
     match dt {
-        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
+        DType::Q4_0
+        | DType::Q5_0
+        | DType::Q8_0
+        | DType::Iq4Nl
+        | DType::Iq4Xs
+        | DType::Iq2Xxs
+        | DType::Iq2Xs
+        | DType::Iq2S
+        | DType::Iq3Xxs
+        | DType::Iq3S
+        | DType::Iq1S => &[0],
+        DType::Tq1_0 => &[52],
+        DType::Tq2_0 => &[64],
         DType::Q4_1 | DType::Q5_1 | DType::Q4K | DType::Q5K => &[0, 2],
         DType::Q2K => &[80, 82],
         DType::Q3K => &[108],
@@ -40,6 +63,13 @@ pub fn random_blocks(rng: &mut impl Rng, dt: DType, n: usize) -> Vec<u8> {
         for &off in f16_fields(dt) {
             let s = half::f16::from_f32(rng.gen_range(0.001..0.05));
             blk[off..off + 2].copy_from_slice(&s.to_le_bytes());
+        }
+        if dt == DType::Iq1M {
+            // The f16 scale lies in the top nibbles of the four u16 scale words at byte 48.
+            let bits = half::f16::from_f32(rng.gen_range(0.001..0.05)).to_bits();
+            for k in 0..4 {
+                blk[49 + 2 * k] = (blk[49 + 2 * k] & 0x0f) | (((bits >> (4 * k)) & 0xf) << 4) as u8;
+            }
         }
         if dt == DType::Mxfp4 {
             // The E8M0 exponent: scales 2^-9 .. 2^-2 (weights up to about ±1.5).

@@ -4,6 +4,7 @@
 //! output can be read back by `ferrum_backend::cpu::quant`.
 
 pub mod float;
+pub mod iq4;
 pub mod k_search;
 pub mod mxfp4;
 pub mod q2_k;

@@ -1,5 +1,5 @@
 //! Eight weight rows interleaved, made once at load for the 32-value block formats (Q4_0,
-//! Q4_1, Q5_0, Q5_1, Q8_0, MXFP4) and for Q4_K, Q5_K and Q6_K.
+//! Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, IQ4_NL) and for Q4_K, Q5_K, Q6_K and IQ4_XS.
 //!
 //! In the file's layout one 256-bit register holds one block of one row, so every
 //! (row, token, block) needs its own convert-and-scale step (`cvtepi32_ps` + `fmadd`) on top of
@@ -29,6 +29,7 @@ use std::ops::Range;
 
 use half::f16;
 
+use super::iq4::{self, BlockIq4Nl, BlockIq4Xs};
 use super::k_quants::{scales_mins, BlockQ4K, BlockQ5K, BlockQ6K, QK_K};
 use super::q8::{BlockQ8, BlockQ8K};
 use super::{cast_blocks, mxfp4, q4_0, q4_1, q5_0, q5_1, q8_0};
@@ -173,6 +174,60 @@ pub struct Mxfp4x8 {
     pub qs: [u8; 128],
 }
 const _: () = assert!(std::mem::size_of::<Mxfp4x8>() == 8 * 17);
+
+/// IQ4_NL: Q4_0's layout (eight f16 scales, the nibbles interleaved), each nibble a code for
+/// one of [`iq4::VALUES`]. The kernels look the codes up as the level plus 128 (unsigned) and
+/// then run Q8_0's arithmetic on them.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Iq4Nlx8 {
+    pub d: [f16; ROWS],
+    pub qs: [u8; 128],
+}
+const _: () = assert!(std::mem::size_of::<Iq4Nlx8>() == 8 * 18);
+
+/// IQ4_XS, eight rows of one 256-value super-block: the f16 scales, the signed 6-bit
+/// sub-block scales unpacked to bytes (`sc[sub-block][row]`, `ls − 32`) and the nibbles, each
+/// 32-value sub-block's 16 bytes a row interleaved as IQ4_NL's (`qs[128ib + 32v + 4r + b]` is
+/// byte `16ib + 4v + b` of row `r`): 1.5% more bytes than the file.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Iq4Xsx8 {
+    pub d: [f16; ROWS],
+    pub sc: [[i8; ROWS]; 8],
+    pub qs: [u8; 1024],
+}
+const _: () = assert!(std::mem::size_of::<Iq4Xsx8>() == 8 * 136 + 16);
+
+impl Iq4Xsx8 {
+    /// Level of value `e` (0..256) of row `r`.
+    fn level(&self, r: usize, e: usize) -> i32 {
+        let (ib, l) = (e / 32, e % 32);
+        let byte = self.qs[128 * ib + at(r, l % 16)];
+        iq4::VALUES[(if l >= 16 { byte >> 4 } else { byte & 0x0f }) as usize] as i32
+    }
+}
+
+/// IQ4_NL's and IQ4_XS's levels plus 128, as unsigned bytes (what `vpdpbusd` and Q8_0's
+/// kernels take).
+#[cfg(target_arch = "x86_64")]
+const IQ4_PLUS_128: [u8; 16] = {
+    let mut t = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        t[i] = (iq4::VALUES[i] as i16 + 128) as u8;
+        i += 1;
+    }
+    t
+};
+
+fn pack_iq4xs(b: [&BlockIq4Xs; ROWS]) -> Iq4Xsx8 {
+    Iq4Xsx8 {
+        d: b.map(|x| x.d),
+        sc: std::array::from_fn(|ib| b.map(|x| x.scale(ib) as i8)),
+        qs: interleave(b.map(|x| &x.qs)),
+    }
+}
 
 impl Mxfp4x8 {
     /// Element `e`'s doubled E2M1 value in row `r`.
@@ -373,6 +428,16 @@ impl BlockX8 for Q4_0x8 {
     }
 }
 
+impl BlockX8 for Iq4Nlx8 {
+    const OFFSET: Offset = Offset::None;
+    fn d(&self) -> &[f16; ROWS] {
+        &self.d
+    }
+    fn quant(&self, r: usize, e: usize) -> i32 {
+        iq4::VALUES[nibble(&self.qs, r, e) as usize] as i32
+    }
+}
+
 impl BlockX8 for Q4_1x8 {
     const OFFSET: Offset = Offset::Min;
     fn d(&self) -> &[f16; ROWS] {
@@ -453,6 +518,13 @@ fn pack_q8_0(b: [&q8_0::BlockQ8_0; ROWS]) -> Q8_0x8 {
 
 fn pack_q4_0(b: [&q4_0::BlockQ4_0; ROWS]) -> Q4_0x8 {
     Q4_0x8 {
+        d: b.map(|x| x.d),
+        qs: interleave(b.map(|x| &x.qs)),
+    }
+}
+
+fn pack_iq4nl(b: [&BlockIq4Nl; ROWS]) -> Iq4Nlx8 {
+    Iq4Nlx8 {
         d: b.map(|x| x.d),
         qs: interleave(b.map(|x| &x.qs)),
     }
@@ -539,6 +611,10 @@ pub trait PackedAct: Sized {
     /// Whether `p`'s kernels take this format.
     fn takes(p: &Packed) -> bool;
 
+    /// These activations as Q8_K blocks, if they are (for the codebook formats' decoded-row
+    /// prefill, which takes only Q8_K).
+    fn as_q8k(a: &[Self]) -> Option<&[BlockQ8K]>;
+
     /// [`Packed::gemm`] or [`Packed::gemm_k`].
     fn gemm(p: &Packed, group: usize, acts: &[&[Self]], out: &mut [[f32; ROWS]]);
 
@@ -578,11 +654,14 @@ pub trait PackedAct: Sized {
 /// [`PackedAct`] for an activation format: its `Packed` methods, whether a layout takes it,
 /// and the one layout with an AVX2 pair kernel and that kernel.
 macro_rules! packed_act {
-    ($act:ty, $takes:expr, $gemm:ident, $gemm_on:ident, $pairs:ident, $gemm2:ident,
-     $paired:ident, $pair:ident) => {
+    ($act:ty, $takes:expr, $as_q8k:expr, $gemm:ident, $gemm_on:ident, $pairs:ident,
+     $gemm2:ident, $paired:ident, $pair:ident) => {
         impl PackedAct for $act {
             fn takes(p: &Packed) -> bool {
                 $takes(p)
+            }
+            fn as_q8k(a: &[Self]) -> Option<&[BlockQ8K]> {
+                $as_q8k(a)
             }
             fn gemm(p: &Packed, group: usize, acts: &[&[Self]], out: &mut [[f32; ROWS]]) {
                 p.$gemm(group, acts, out)
@@ -639,6 +718,7 @@ macro_rules! packed_act {
 packed_act!(
     BlockQ8,
     |p: &Packed| !p.is_k_quant(),
+    |_| None,
     gemm,
     gemm_on,
     pairs,
@@ -649,6 +729,7 @@ packed_act!(
 packed_act!(
     BlockQ8K,
     Packed::is_k_quant,
+    Some,
     gemm_k,
     gemm_k_on,
     pairs_k,
@@ -674,10 +755,12 @@ pub enum Packed {
     Q4_1(ArenaVec<Q4_1x8>, usize),
     Q5_0(ArenaVec<Q5_0x8>, usize),
     Q5_1(ArenaVec<Q5_1x8>, usize),
+    Iq4Nl(ArenaVec<Iq4Nlx8>, usize),
     Q4K(ArenaVec<Q4Kx8>, usize),
     Q5K(ArenaVec<Q5Kx8>, usize),
     Q6K(ArenaVec<Q6Kx8>, usize),
     Mxfp4(ArenaVec<Mxfp4x8>, usize),
+    Iq4Xs(ArenaVec<Iq4Xsx8>, usize),
 }
 
 /// Applies `$body` to the variant's block vector and blocks per row.
@@ -689,8 +772,13 @@ macro_rules! with_blocks {
             Packed::Q4_1($v, $per_row) => $body,
             Packed::Q5_0($v, $per_row) => $body,
             Packed::Q5_1($v, $per_row) => $body,
-            Packed::Q4K(..) | Packed::Q5K(..) | Packed::Q6K(..) | Packed::Mxfp4(..) => {
-                unreachable!("K-quants and MXFP4 have their own arms")
+            Packed::Iq4Nl($v, $per_row) => $body,
+            Packed::Q4K(..)
+            | Packed::Q5K(..)
+            | Packed::Q6K(..)
+            | Packed::Iq4Xs(..)
+            | Packed::Mxfp4(..) => {
+                unreachable!("K-quants, IQ4_XS and MXFP4 have their own arms")
             }
         }
     };
@@ -723,13 +811,14 @@ impl Packed {
                 )
             };
         }
-        if matches!(dtype, DType::Q4K | DType::Q5K | DType::Q6K) {
+        if matches!(dtype, DType::Q4K | DType::Q5K | DType::Q6K | DType::Iq4Xs) {
             if !cols.is_multiple_of(QK_K) {
                 return None;
             }
             return Some(match dtype {
                 DType::Q4K => packed!(Q4K, pack_q4k, cols / QK_K),
                 DType::Q5K => packed!(Q5K, pack_q5k, cols / QK_K),
+                DType::Iq4Xs => packed!(Iq4Xs, pack_iq4xs, cols / QK_K),
                 _ => packed!(Q6K, pack_q6k, cols / QK_K),
             });
         }
@@ -741,6 +830,7 @@ impl Packed {
             DType::Q5_0 => packed!(Q5_0, pack_q5_0, per_row),
             DType::Q5_1 => packed!(Q5_1, pack_q5_1, per_row),
             DType::Mxfp4 => packed!(Mxfp4, pack_mxfp4, per_row),
+            DType::Iq4Nl => packed!(Iq4Nl, pack_iq4nl, per_row),
             _ => return None,
         })
     }
@@ -752,6 +842,7 @@ impl Packed {
             Packed::Q5K(v, per_row) => v.len() / per_row * ROWS,
             Packed::Q6K(v, per_row) => v.len() / per_row * ROWS,
             Packed::Mxfp4(v, per_row) => v.len() / per_row * ROWS,
+            Packed::Iq4Xs(v, per_row) => v.len() / per_row * ROWS,
             p => with_blocks!(p, |v, per_row| v.len() / per_row * ROWS),
         }
     }
@@ -763,13 +854,17 @@ impl Packed {
             Packed::Q5K(v, _) => std::mem::size_of_val(&v[..]),
             Packed::Q6K(v, _) => std::mem::size_of_val(&v[..]),
             Packed::Mxfp4(v, _) => std::mem::size_of_val(&v[..]),
+            Packed::Iq4Xs(v, _) => std::mem::size_of_val(&v[..]),
             p => with_blocks!(p, |v, _per_row| std::mem::size_of_val(&v[..])),
         }
     }
 
     /// Whether the kernels take Q8_K activations ([`gemm_k`](Self::gemm_k)) rather than Q8.
     pub fn is_k_quant(&self) -> bool {
-        matches!(self, Packed::Q4K(..) | Packed::Q5K(..) | Packed::Q6K(..))
+        matches!(
+            self,
+            Packed::Q4K(..) | Packed::Q5K(..) | Packed::Q6K(..) | Packed::Iq4Xs(..)
+        )
     }
 
     /// Row `j` (below [`rows`](Self::rows)) as f32 into `out` (one row long): bit for bit
@@ -804,6 +899,19 @@ impl Packed {
                 let d = mxfp4::half_scale(b.e[r]);
                 for (e, y) in y.iter_mut().enumerate() {
                     *y = b.value(r, e) as f32 * d;
+                }
+            }
+            return;
+        }
+        if let Packed::Iq4Xs(v, per_row) = self {
+            let (g, r) = (j / ROWS, j % ROWS);
+            for (b, y) in v[g * per_row..(g + 1) * per_row]
+                .iter()
+                .zip(out.chunks_exact_mut(QK_K))
+            {
+                let d = b.d[r].to_f32();
+                for (e, y) in y.iter_mut().enumerate() {
+                    *y = d * b.sc[e / 32][r] as f32 * b.level(r, e) as f32;
                 }
             }
             return;
@@ -989,7 +1097,7 @@ impl Packed {
         out: &mut [[f32; ROWS]],
     ) {
         let per_row = match self {
-            Packed::Q4K(_, p) | Packed::Q5K(_, p) | Packed::Q6K(_, p) => *p,
+            Packed::Q4K(_, p) | Packed::Q5K(_, p) | Packed::Q6K(_, p) | Packed::Iq4Xs(_, p) => *p,
             _ => panic!("gemm_k on a 32-value layout"),
         };
         assert!(acts.iter().all(|a| a.len() >= per_row) && out.len() >= acts.len());
@@ -1002,6 +1110,13 @@ impl Packed {
                     (Isa::Avx2, Packed::Q4K(v, _)) => return avx2::gemm(&v[blocks], acts, out),
                     (Isa::Avx2, Packed::Q5K(v, _)) => return avx2::gemm(&v[blocks], acts, out),
                     (Isa::Avx2, Packed::Q6K(v, _)) => return avx2::gemm(&v[blocks], acts, out),
+                    (Isa::Avx2, Packed::Iq4Xs(v, _)) => return avx2::gemm(&v[blocks], acts, out),
+                    (Isa::AvxVnni, Packed::Iq4Xs(v, _)) => {
+                        return vnni::gemm(&v[blocks], acts, out)
+                    }
+                    (Isa::Avx512Vnni, Packed::Iq4Xs(v, _)) => {
+                        return vnni512::gemm(&v[blocks], acts, out)
+                    }
                     (Isa::AvxVnni, Packed::Q4K(v, _)) => return vnni::gemm(&v[blocks], acts, out),
                     (Isa::AvxVnni, Packed::Q5K(v, _)) => return vnni::gemm(&v[blocks], acts, out),
                     (Isa::AvxVnni, Packed::Q6K(v, _)) => return vnni::gemm(&v[blocks], acts, out),
@@ -1049,10 +1164,23 @@ impl Packed {
     /// Q4_K pair when a group's weights serve several four-token passes (`pairs_avx2`).
     pub fn pairs_k(&self, n: usize) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if matches!(self, Packed::Q4K(..) | Packed::Q6K(..)) && wide_k() {
+        if matches!(self, Packed::Q4K(..) | Packed::Q6K(..) | Packed::Iq4Xs(..)) && wide_k() {
             return true;
         }
         self.pairs_avx2::<BlockQ8K>(n)
+    }
+
+    /// Tokens a matmul hands to one [`gemm`](Self::gemm) / [`gemm2`](Self::gemm2) call
+    /// (`two`: a two-group call): eight for IQ4_XS's 512-bit two-group kernel, whose decoding
+    /// of the codes then serves eight tokens; four for everything else (the AVX2 pair kernels
+    /// take exactly four).
+    pub fn tokens_per_pass(&self, two: bool) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if two && matches!(self, Packed::Iq4Xs(..)) && wide_k() {
+            return 8;
+        }
+        let _ = two;
+        4
     }
 
     /// [`gemm2`](Self::gemm2) or [`gemm_k2`](Self::gemm_k2) on the AVX2 kernels: the Q8_0 or
@@ -1128,7 +1256,7 @@ impl Packed {
         out_b: &mut [[f32; ROWS]],
     ) {
         let p = match self {
-            Packed::Q4K(_, p) | Packed::Q6K(_, p) => *p,
+            Packed::Q4K(_, p) | Packed::Q6K(_, p) | Packed::Iq4Xs(_, p) => *p,
             _ => {
                 // Other layouts have no 512-bit kernel: the 256-bit one twice.
                 self.gemm_k(group, acts, out_a);
@@ -1153,6 +1281,7 @@ impl Packed {
                         wide::tile_q4k::<2>,
                         wide::tile_q4k::<3>,
                         wide::tile_q4k::<4>,
+                        None,
                     )
                 }
                 Packed::Q6K(v, _) => {
@@ -1167,6 +1296,22 @@ impl Packed {
                         wide::tile_q6k::<2>,
                         wide::tile_q6k::<3>,
                         wide::tile_q6k::<4>,
+                        None,
+                    )
+                }
+                Packed::Iq4Xs(v, _) => {
+                    let (a, b) = two(v, group, p);
+                    wide::gemm2(
+                        a,
+                        b,
+                        acts,
+                        out_a,
+                        out_b,
+                        wide::tile_iq4xs::<1>,
+                        wide::tile_iq4xs::<2>,
+                        wide::tile_iq4xs::<3>,
+                        wide::tile_iq4xs::<4>,
+                        Some(wide::tile_iq4xs::<8>),
                     )
                 }
                 _ => unreachable!("matched above"),
@@ -1180,6 +1325,7 @@ impl Packed {
             Packed::Q4K(v, p) => gemm_q4k_scalar(&v[group * p..(group + 1) * p], acts, out),
             Packed::Q5K(v, p) => gemm_q4k_scalar(&v[group * p..(group + 1) * p], acts, out),
             Packed::Q6K(v, p) => gemm_q6k_scalar(&v[group * p..(group + 1) * p], acts, out),
+            Packed::Iq4Xs(v, p) => gemm_iq4xs_scalar(&v[group * p..(group + 1) * p], acts, out),
             _ => panic!("gemm_k on a 32-value layout"),
         }
     }
@@ -1236,6 +1382,27 @@ fn gemm_q6k_scalar(w: &[Q6Kx8], acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
                     offs += b.sc[j][r] as i32 * q.bsums[j] as i32;
                 }
                 acc = ((dot - 32 * offs) as f32).mul_add(b.d[r].to_f32() * q.d, acc);
+            }
+            *or = acc;
+        }
+    }
+}
+
+/// Per (row, token) and super-block: the exact integer sum `Σ_ib sc_ib · Σ level·a`, then
+/// `acc += isum · (d · d_a)`, fused.
+fn gemm_iq4xs_scalar(w: &[Iq4Xsx8], acts: &[&[BlockQ8K]], out: &mut [[f32; ROWS]]) {
+    for (a, o) in acts.iter().zip(out.iter_mut()) {
+        for (r, or) in o.iter_mut().enumerate() {
+            let mut acc = 0f32;
+            for (b, q) in w.iter().zip(a.iter()) {
+                let mut isum = 0i32;
+                for ib in 0..8 {
+                    let s: i32 = (32 * ib..32 * ib + 32)
+                        .map(|e| b.level(r, e) * q.qs[e] as i32)
+                        .sum();
+                    isum += b.sc[ib][r] as i32 * s;
+                }
+                acc = (isum as f32).mul_add(b.d[r].to_f32() * q.d, acc);
             }
             *or = acc;
         }
@@ -1497,67 +1664,106 @@ macro_rules! packed_kernels {
             }
 
             impl Tile<BlockQ8> for Q8_0x8 {
-                /// AVX-VNNI: the stored bytes (w + 128) go straight into `vpdpbusd`, each token's
-                /// chain starting from −128 · Σ a. AVX2: `maddubs` takes |w| and moves w's sign
-                /// onto the activation; the pair sums can reach 2 · 128 · 127, so each product
-                /// vector is widened to i32 at once.
                 #[target_feature(enable = $feat)]
                 unsafe fn tile<const N: usize>(
                     w: &[Self],
                     a: [&[BlockQ8]; N],
                     out: &mut [[f32; ROWS]],
                 ) {
-                    let ones = _mm256_set1_epi16(1);
-                    let flip = _mm256_set1_epi8(-128);
-                    let mut acc = [_mm256_setzero_ps(); N];
-                    for (i, b) in w.iter().enumerate() {
-                        prefetch(b);
-                        let q = a.map(|r| r.get_unchecked(i));
-                        let mut isum = [_mm256_setzero_si256(); N];
-                        let mut isum2 = [[_mm256_setzero_si256(); N]; 2];
-                        if VNNI {
-                            for t in 0..N {
-                                isum2[0][t] = _mm256_set1_epi32(q[t].offset);
-                            }
-                        }
-                        // Four tokens without VNNI run this loop rolled (`black_box` hides the
-                        // trip count; it changes speed only, never the result): unrolled, LLVM
-                        // schedules the eight vectors' sign work for all four tokens at once and
-                        // spills half of it. On AMD Zen 3 the four-token pass ran 48 → 55 G
-                        // multiply-adds a second on one core rolled; fewer tokens run faster
-                        // unrolled.
-                        let vectors = if VNNI || N < 4 {
-                            8
+                    tile_bytes(w, a, out, |b: &Self, j| {
+                        _mm256_loadu_si256(b.qs.as_ptr().add(32 * j) as *const __m256i)
+                    })
+                }
+            }
+
+            impl Tile<BlockQ8> for Iq4Nlx8 {
+                /// Each code looked up (a byte shuffle) as its level plus 128: then Q8_0's
+                /// arithmetic, vector `j` being values `4j..4j+4` of each row.
+                #[target_feature(enable = $feat)]
+                unsafe fn tile<const N: usize>(
+                    w: &[Self],
+                    a: [&[BlockQ8]; N],
+                    out: &mut [[f32; ROWS]],
+                ) {
+                    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                        IQ4_PLUS_128.as_ptr() as *const __m128i
+                    ));
+                    let low = _mm256_set1_epi8(0x0f);
+                    tile_bytes(w, a, out, |b: &Self, j| {
+                        let raw =
+                            _mm256_loadu_si256(b.qs.as_ptr().add(32 * (j % 4)) as *const __m256i);
+                        let codes = if j < 4 {
+                            raw
                         } else {
-                            std::hint::black_box(8)
+                            _mm256_srli_epi16(raw, 4)
                         };
-                        for j in 0..vectors {
-                            let u = _mm256_loadu_si256(b.qs.as_ptr().add(32 * j) as *const __m256i);
-                            if VNNI {
-                                for t in 0..N {
-                                    // Two chains, so consecutive `vpdpbusd`s need not wait on
-                                    // each other.
-                                    isum2[j % 2][t] = dp(isum2[j % 2][t], u, word(&q[t].qs, 4 * j));
-                                }
-                                continue;
-                            }
-                            let x = _mm256_xor_si256(u, flip);
-                            let ax = _mm256_sign_epi8(x, x);
-                            for t in 0..N {
-                                let y = _mm256_sign_epi8(word(&q[t].qs, 4 * j), x);
-                                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, y), ones);
-                                isum[t] = _mm256_add_epi32(isum[t], p);
-                            }
-                        }
+                        _mm256_shuffle_epi8(table, _mm256_and_si256(codes, low))
+                    })
+                }
+            }
+
+            /// Eight rows of signed 8-bit weights stored plus 128 (`vector(b, j)` gives vector
+            /// `j`, values `4j..4j+4` of each row, as unsigned bytes). AVX-VNNI: the bytes
+            /// (w + 128) go straight into `vpdpbusd`, each token's chain starting from −128 · Σ a.
+            /// AVX2: `maddubs` takes |w| and moves w's sign onto the activation; the pair sums
+            /// can reach 2 · 128 · 127, so each product vector is widened to i32 at once.
+            #[target_feature(enable = $feat)]
+            unsafe fn tile_bytes<B: BlockX8, const N: usize>(
+                w: &[B],
+                a: [&[BlockQ8]; N],
+                out: &mut [[f32; ROWS]],
+                vector: impl Fn(&B, usize) -> __m256i,
+            ) {
+                let ones = _mm256_set1_epi16(1);
+                let flip = _mm256_set1_epi8(-128);
+                let mut acc = [_mm256_setzero_ps(); N];
+                for (i, b) in w.iter().enumerate() {
+                    prefetch(b);
+                    let q = a.map(|r| r.get_unchecked(i));
+                    let mut isum = [_mm256_setzero_si256(); N];
+                    let mut isum2 = [[_mm256_setzero_si256(); N]; 2];
+                    if VNNI {
                         for t in 0..N {
-                            if VNNI {
-                                isum[t] = _mm256_add_epi32(isum2[0][t], isum2[1][t]);
-                            }
-                            acc[t] = scale_block(acc[t], isum[t], b, q[t]);
+                            isum2[0][t] = _mm256_set1_epi32(q[t].offset);
                         }
                     }
-                    store(acc, out)
+                    // Four tokens without VNNI run this loop rolled (`black_box` hides the
+                    // trip count; it changes speed only, never the result): unrolled, LLVM
+                    // schedules the eight vectors' sign work for all four tokens at once and
+                    // spills half of it. On AMD Zen 3 the four-token pass ran 48 → 55 G
+                    // multiply-adds a second on one core rolled; fewer tokens run faster
+                    // unrolled.
+                    let vectors = if VNNI || N < 4 {
+                        8
+                    } else {
+                        std::hint::black_box(8)
+                    };
+                    for j in 0..vectors {
+                        let u = vector(b, j);
+                        if VNNI {
+                            for t in 0..N {
+                                // Two chains, so consecutive `vpdpbusd`s need not wait on
+                                // each other.
+                                isum2[j % 2][t] = dp(isum2[j % 2][t], u, word(&q[t].qs, 4 * j));
+                            }
+                            continue;
+                        }
+                        let x = _mm256_xor_si256(u, flip);
+                        let ax = _mm256_sign_epi8(x, x);
+                        for t in 0..N {
+                            let y = _mm256_sign_epi8(word(&q[t].qs, 4 * j), x);
+                            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, y), ones);
+                            isum[t] = _mm256_add_epi32(isum[t], p);
+                        }
+                    }
+                    for t in 0..N {
+                        if VNNI {
+                            isum[t] = _mm256_add_epi32(isum2[0][t], isum2[1][t]);
+                        }
+                        acc[t] = scale_block(acc[t], isum[t], b, q[t]);
+                    }
                 }
+                store(acc, out)
             }
 
             /// The 4- and 5-bit formats: unsigned quants go straight into `maddubs`. A pair sum is at
@@ -1638,6 +1844,104 @@ macro_rules! packed_kernels {
                     out: &mut [[f32; ROWS]],
                 ) {
                     tile_q4k(w, a, out)
+                }
+            }
+
+            impl Tile<BlockQ8K> for Iq4Xsx8 {
+                /// Per 32-value sub-block the exact i32 sum of level · activation: with VNNI,
+                /// `vpdpbusd` over the levels plus 128 times the sub-block's scale, and once a
+                /// super-block 128 · Σ scale · (the activation's 32-value sum) taken off; without, `maddubs` of |level| and the
+                /// activation given the level's sign (a pair sum is at most 2 · 127 · 127), then
+                /// `madd` with the scale in both halves of each lane. One float step a
+                /// super-block.
+                #[target_feature(enable = $feat)]
+                unsafe fn tile<const N: usize>(
+                    w: &[Self],
+                    a: [&[BlockQ8K]; N],
+                    out: &mut [[f32; ROWS]],
+                ) {
+                    let low = _mm256_set1_epi8(0x0f);
+                    let levels = if VNNI {
+                        IQ4_PLUS_128.as_ptr()
+                    } else {
+                        iq4::VALUES.as_ptr() as *const u8
+                    };
+                    let table =
+                        _mm256_broadcastsi128_si256(_mm_loadu_si128(levels as *const __m128i));
+                    let mut acc = [_mm256_setzero_ps(); N];
+                    for (i, b) in w.iter().enumerate() {
+                        let q = a.map(|r| r.get_unchecked(i));
+                        let mut isum = [_mm256_setzero_si256(); N];
+                        for ib in 0..8 {
+                            prefetch_part(b, ib, 8);
+                            let mut d = [_mm256_setzero_si256(); N];
+                            let sc16 = signed_pairs(&b.sc[ib], &b.sc[ib]);
+                            for v in 0..4 {
+                                let raw = _mm256_loadu_si256(
+                                    b.qs.as_ptr().add(128 * ib + 32 * v) as *const __m256i
+                                );
+                                let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, low));
+                                let hi = _mm256_shuffle_epi8(
+                                    table,
+                                    _mm256_and_si256(_mm256_srli_epi16(raw, 4), low),
+                                );
+                                let e = 32 * ib + 4 * v;
+                                for t in 0..N {
+                                    let (wl, wh) = (word(&q[t].qs, e), word(&q[t].qs, e + 16));
+                                    if VNNI {
+                                        d[t] = dp(dp(d[t], lo, wl), hi, wh);
+                                        continue;
+                                    }
+                                    let pl = _mm256_maddubs_epi16(
+                                        _mm256_sign_epi8(lo, lo),
+                                        _mm256_sign_epi8(wl, lo),
+                                    );
+                                    let ph = _mm256_maddubs_epi16(
+                                        _mm256_sign_epi8(hi, hi),
+                                        _mm256_sign_epi8(wh, hi),
+                                    );
+                                    let p = _mm256_add_epi32(
+                                        _mm256_madd_epi16(pl, sc16),
+                                        _mm256_madd_epi16(ph, sc16),
+                                    );
+                                    isum[t] = _mm256_add_epi32(isum[t], p);
+                                }
+                            }
+                            if VNNI {
+                                let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                    b.sc[ib].as_ptr() as *const __m128i
+                                ));
+                                for t in 0..N {
+                                    isum[t] =
+                                        _mm256_add_epi32(isum[t], _mm256_mullo_epi32(d[t], sc));
+                                }
+                            }
+                        }
+                        if VNNI {
+                            // The levels went in plus 128: less 128 · Σ_ib sc_ib · (the
+                            // activation's 32-value sum), two sub-blocks per `madd`.
+                            let sc: [__m256i; 4] = std::array::from_fn(|p| {
+                                signed_pairs(&b.sc[2 * p], &b.sc[2 * p + 1])
+                            });
+                            for t in 0..N {
+                                let mut off = _mm256_setzero_si256();
+                                for (p, sc) in sc.iter().enumerate() {
+                                    let y = _mm256_set1_epi32(q[t].sums32_pair(p));
+                                    off = _mm256_add_epi32(off, _mm256_madd_epi16(*sc, y));
+                                }
+                                isum[t] = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(off, 7));
+                            }
+                        }
+                        let dw = scales(&b.d);
+                        for t in 0..N {
+                            acc[t] = _mm256_fmadd_ps(
+                                _mm256_cvtepi32_ps(isum[t]),
+                                _mm256_mul_ps(dw, _mm256_set1_ps(q[t].d)),
+                                acc[t],
+                            );
+                        }
+                    }
+                    store(acc, out)
                 }
             }
 
@@ -2196,9 +2500,9 @@ mod wide {
         _mm512_cvtepu8_epi16(interleave_pairs(a, b, p))
     }
 
-    /// As [`pairs_u8`], for signed bytes (Q6_K's scales), sign-extended.
+    /// As [`pairs_u8`], for signed bytes (Q6_K's and IQ4_XS's scales), sign-extended.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn pairs_i8(a: &[[i8; ROWS]; 16], b: &[[i8; ROWS]; 16], p: usize) -> __m512i {
+    unsafe fn pairs_i8(a: &[[i8; ROWS]], b: &[[i8; ROWS]], p: usize) -> __m512i {
         _mm512_cvtepi8_epi16(interleave_pairs(a, b, p))
     }
 
@@ -2231,6 +2535,7 @@ mod wide {
         t2: Tile2<W, 2>,
         t3: Tile2<W, 3>,
         t4: Tile2<W, 4>,
+        t8: Option<Tile2<W, 8>>,
     ) {
         // The groups of a matrix lie one after the other: the next pair starts two groups on.
         let ahead = 2 * std::mem::size_of_val(a);
@@ -2239,6 +2544,11 @@ mod wide {
             let (oa, ob) = (&mut out_a[t..], &mut out_b[t..]);
             let x = &acts[t..];
             let pf = if t == 0 { ahead } else { 0 };
+            if let (Some(t8), Ok(x8)) = (t8, <[&[BlockQ8K]; 8]>::try_from(&x[..x.len().min(8)])) {
+                t8(a, b, x8, oa, ob, pf);
+                t += 8;
+                continue;
+            }
             match x.len() {
                 1 => t1(a, b, [x[0]], oa, ob, pf),
                 2 => t2(a, b, [x[0], x[1]], oa, ob, pf),
@@ -2391,6 +2701,87 @@ mod wide {
                 isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(dk[t], sc));
             }
         }
+    }
+
+    /// IQ4_XS: the 256-bit VNNI kernel's arithmetic per lane — each sub-block's `vpdpbusd`
+    /// sums over the levels plus 128 times its signed scale, then 128 · Σ scale · (the
+    /// activation's 32-value sum) taken off.
+    ///
+    /// # Safety
+    /// As [`gemm2`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn tile_iq4xs<const N: usize>(
+        wa: &[Iq4Xsx8],
+        wb: &[Iq4Xsx8],
+        q: [&[BlockQ8K]; N],
+        out_a: &mut [[f32; ROWS]],
+        out_b: &mut [[f32; ROWS]],
+        pf: usize,
+    ) {
+        let low = _mm512_set1_epi8(0x0f);
+        let table =
+            _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4_PLUS_128.as_ptr() as *const __m128i));
+        let mut acc = [_mm512_setzero_ps(); N];
+        for i in 0..wa.len() {
+            let (x, y) = (wa.get_unchecked(i), wb.get_unchecked(i));
+            let q = q.map(|r| r.get_unchecked(i));
+            let mut isum = [_mm512_setzero_si512(); N];
+            for ib in 0..8 {
+                if pf > 0 && ib % 2 == 0 {
+                    prefetch_part_at(x, ib / 2, 4, pf);
+                    prefetch_part_at(y, ib / 2, 4, pf);
+                }
+                let (px, py) = (x.qs.as_ptr().add(128 * ib), y.qs.as_ptr().add(128 * ib));
+                // Two chains a token (low and high nibbles) for up to four tokens, so that
+                // consecutive `vpdpbusd`s need not wait on each other; eight tokens are chains
+                // enough (and two each would not fit the registers).
+                const { assert!(N <= 8) };
+                let two = N <= 4;
+                let mut d = [[_mm512_setzero_si512(); N]; 2];
+                for v in 0..4 {
+                    let raw = join(
+                        _mm256_loadu_si256(px.add(32 * v) as *const __m256i),
+                        _mm256_loadu_si256(py.add(32 * v) as *const __m256i),
+                    );
+                    let lo = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, low));
+                    let hi = _mm512_shuffle_epi8(
+                        table,
+                        _mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
+                    );
+                    let e = 32 * ib + 4 * v;
+                    for t in 0..N {
+                        d[0][t] = _mm512_dpbusd_epi32(d[0][t], lo, word(&q[t].qs, e));
+                        let c = usize::from(two);
+                        d[c][t] = _mm512_dpbusd_epi32(d[c][t], hi, word(&q[t].qs, e + 16));
+                    }
+                }
+                let sc = signed2(&x.sc[ib], &y.sc[ib]);
+                for t in 0..N {
+                    let s = if two {
+                        _mm512_add_epi32(d[0][t], d[1][t])
+                    } else {
+                        d[0][t]
+                    };
+                    isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(s, sc));
+                }
+            }
+            let sc: [__m512i; 4] = std::array::from_fn(|p| pairs_i8(&x.sc, &y.sc, p));
+            let dw = halves(&x.d, &y.d);
+            for t in 0..N {
+                let mut off = _mm512_setzero_si512();
+                for (p, sc) in sc.iter().enumerate() {
+                    let s = _mm512_set1_epi32(q[t].sums32_pair(p));
+                    off = _mm512_add_epi32(off, _mm512_madd_epi16(*sc, s));
+                }
+                let isum = _mm512_sub_epi32(isum[t], _mm512_slli_epi32(off, 7));
+                acc[t] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(isum),
+                    _mm512_mul_ps(dw, _mm512_set1_ps(q[t].d)),
+                    acc[t],
+                );
+            }
+        }
+        store2(acc, out_a, out_b)
     }
 
     /// # Safety

@@ -1,0 +1,849 @@
+//! The codebook i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) and the
+//! ternary formats (TQ1_0, TQ2_0), all 256 values a super-block in GGML's layouts
+//! (`ggml-common.h`).
+//!
+//! A codebook format stores, per group of eight (or four) values, an index into a fixed grid
+//! of magnitudes ([`super::iq_grids`]), plus sign bits (seven stored, the eighth making the
+//! count of minus signs even: [`KSIGNS`]) and 4-bit (IQ1: 3-bit) sub-block scales. Every value
+//! is an integer times the super-block's f16 scale times a power of two, so a super-block's
+//! dot product with a Q8_K activation block is an exact integer sum times one float scale:
+//! each format says, for each 32-value group, its eight-byte words of magnitudes, the words
+//! of their signs (bytes 1 or −1, looked up per stored sign byte, as llama.cpp's
+//! `keven_signs_q2xs`) and the integer scales of its two 16-value halves
+//! ([`Codebook::group`]); one scalar kernel and one AVX2 kernel ([`vec_dot`],
+//! [`avx2::vec_dot`], and [`avx2::vec_dot_x4`], which decodes each group once for four
+//! tokens) serve all nine formats, bit-equal (all sum the same integers, then one multiply
+//! per super-block).
+//!
+//! The dequantisers follow llama.cpp's float steps one by one (`dequantize_row_*`), so they
+//! give its bits (`tests/dequant_reference.rs` holds them to llama.cpp's own library).
+
+use half::f16;
+
+use super::iq_grids::{IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID};
+use ferrum_core::DType;
+
+use super::k_quants::QK_K;
+use super::q8::BlockQ8K;
+
+/// Seven stored sign bits to eight: bit 7 set when the seven hold an odd number of ones.
+pub const KSIGNS: [u8; 128] = {
+    let mut t = [0u8; 128];
+    let mut i = 0;
+    while i < 128 {
+        t[i] = i as u8 | (((i as u8).count_ones() as u8 & 1) << 7);
+        i += 1;
+    }
+    t
+};
+
+/// Eight sign bits as eight bytes, 1 where the bit is clear and −1 (0xff) where it is set:
+/// what `sign` multiplies an activation by.
+pub const SIGN_BYTES: [u64; 256] = {
+    let mut t = [0u64; 256];
+    let mut i = 0;
+    while i < 256 {
+        let mut w = 0u64;
+        let mut j = 0;
+        while j < 8 {
+            let b: u64 = if (i >> j) & 1 != 0 { 0xff } else { 0x01 };
+            w |= b << (8 * j);
+            j += 1;
+        }
+        t[i] = w;
+        i += 1;
+    }
+    t
+};
+
+/// [`SIGN_BYTES`] of the eight signs seven stored bits stand for ([`KSIGNS`]).
+pub const KSIGN_BYTES: [u64; 128] = {
+    let mut t = [0u64; 128];
+    let mut i = 0;
+    while i < 128 {
+        t[i] = SIGN_BYTES[KSIGNS[i] as usize];
+        i += 1;
+    }
+    t
+};
+
+/// IQ1_S's and IQ1_M's offset, ±1/8 of a step, per group.
+const IQ1_DELTA: f32 = 0.125;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BlockIq2Xxs {
+    pub d: f16,
+    pub qs: [u16; QK_K / 8],
+}
+const _: () = assert!(std::mem::size_of::<BlockIq2Xxs>() == 66);
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BlockIq2Xs {
+    pub d: f16,
+    pub qs: [u16; QK_K / 8],
+    pub scales: [u8; QK_K / 32],
+}
+const _: () = assert!(std::mem::size_of::<BlockIq2Xs>() == 74);
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BlockIq2S {
+    pub d: f16,
+    /// Grid indices' low bytes (32), then the sign bytes (32).
+    pub qs: [u8; QK_K / 4],
+    pub qh: [u8; QK_K / 32],
+    pub scales: [u8; QK_K / 32],
+}
+const _: () = assert!(std::mem::size_of::<BlockIq2S>() == 82);
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BlockIq3Xxs {
+    pub d: f16,
+    /// Grid indices (64 bytes), then per 32 values a u32 of four seven-bit sign indices and
+    /// the 4-bit scale.
+    pub qs: [u8; 3 * QK_K / 8],
+}
+const _: () = assert!(std::mem::size_of::<BlockIq3Xxs>() == 98);
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BlockIq3S {
+    pub d: f16,
+    pub qs: [u8; QK_K / 4],
+    pub qh: [u8; QK_K / 32],
+    pub signs: [u8; QK_K / 8],
+    pub scales: [u8; QK_K / 64],
+}
+const _: () = assert!(std::mem::size_of::<BlockIq3S>() == 110);
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BlockIq1S {
+    pub d: f16,
+    pub qs: [u8; QK_K / 8],
+    /// Per 32 values: three high index bits per group, the 3-bit scale (bits 12..15) and the
+    /// offset's sign (bit 15).
+    pub qh: [u16; QK_K / 32],
+}
+const _: () = assert!(std::mem::size_of::<BlockIq1S>() == 50);
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BlockIq1M {
+    pub qs: [u8; QK_K / 8],
+    pub qh: [u8; QK_K / 16],
+    /// Four u16: 3-bit scales, and the super-block's f16 scale in their top nibbles.
+    pub scales: [u8; QK_K / 32],
+}
+const _: () = assert!(std::mem::size_of::<BlockIq1M>() == 56);
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BlockTq1_0 {
+    /// Five base-3 digits a byte (first 32 bytes: 160 values, next 16: 80 values).
+    pub qs: [u8; 48],
+    /// Four base-3 digits a byte: the last 16 values.
+    pub qh: [u8; 4],
+    pub d: f16,
+}
+const _: () = assert!(std::mem::size_of::<BlockTq1_0>() == 54);
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BlockTq2_0 {
+    pub qs: [u8; QK_K / 4],
+    pub d: f16,
+}
+const _: () = assert!(std::mem::size_of::<BlockTq2_0>() == 66);
+
+impl BlockIq1M {
+    fn sc(&self, i: usize) -> u16 {
+        u16::from_le_bytes([self.scales[2 * i], self.scales[2 * i + 1]])
+    }
+
+    /// The super-block scale, an f16 spread over the four words' top nibbles.
+    fn d(&self) -> f32 {
+        let bits = (self.sc(0) >> 12)
+            | ((self.sc(1) >> 8) & 0x00f0)
+            | ((self.sc(2) >> 4) & 0x0f00)
+            | (self.sc(3) & 0xf000);
+        f16::from_bits(bits).to_f32()
+    }
+}
+
+/// One 32-value group of a codebook super-block, as the integer kernels read it.
+pub struct Group {
+    /// The magnitudes of values `8k..8k+8` as the bytes of word `k` (at most 127).
+    pub words: [u64; 4],
+    /// Their signs, as the bytes of word `k`: 1, or 0xff for −1 ([`SIGN_BYTES`]).
+    pub signs: [u64; 4],
+    /// Integer scales of values 0..16 and 16..32.
+    pub scales: [i32; 2],
+}
+
+/// A super-block format whose values are `d · FACTOR · scale · v` for integers `v` (|v| ≤
+/// 127) and integer scales (|scale · Σ v·a| over a super-block within i32).
+pub trait Codebook: Copy {
+    /// The power of two the integer scales are off by (IQ2: 1/8, IQ3_XXS: 1/4).
+    const FACTOR: f32;
+    /// The super-block's f16 scale as f32.
+    fn d(&self) -> f32;
+    /// Group `ib` (0..8).
+    fn group(&self, ib: usize) -> Group;
+}
+
+impl Codebook for BlockIq2Xxs {
+    const FACTOR: f32 = 0.125;
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn group(&self, ib: usize) -> Group {
+        let q = &self.qs[4 * ib..4 * ib + 4];
+        let idx = (q[0] as u32 | (q[1] as u32) << 16).to_le_bytes();
+        let aux = q[2] as u32 | (q[3] as u32) << 16;
+        let s = 2 * (aux >> 28) as i32 + 1;
+        Group {
+            words: idx.map(|i| IQ2XXS_GRID[i as usize]),
+            signs: std::array::from_fn(|l| KSIGN_BYTES[((aux >> (7 * l)) & 127) as usize]),
+            scales: [s, s],
+        }
+    }
+}
+
+impl Codebook for BlockIq2Xs {
+    const FACTOR: f32 = 0.125;
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn group(&self, ib: usize) -> Group {
+        let q = &self.qs[4 * ib..4 * ib + 4];
+        let sc = self.scales[ib];
+        Group {
+            words: std::array::from_fn(|l| IQ2XS_GRID[(q[l] & 511) as usize]),
+            signs: std::array::from_fn(|l| KSIGN_BYTES[(q[l] >> 9) as usize]),
+            scales: [2 * (sc & 0x0f) as i32 + 1, 2 * (sc >> 4) as i32 + 1],
+        }
+    }
+}
+
+impl Codebook for BlockIq2S {
+    const FACTOR: f32 = 0.125;
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn group(&self, ib: usize) -> Group {
+        let qh = self.qh[ib] as usize;
+        let sc = self.scales[ib];
+        Group {
+            words: std::array::from_fn(|l| {
+                IQ2S_GRID[self.qs[4 * ib + l] as usize | ((qh << (8 - 2 * l)) & 0x300)]
+            }),
+            signs: std::array::from_fn(|l| SIGN_BYTES[self.qs[QK_K / 8 + 4 * ib + l] as usize]),
+            scales: [2 * (sc & 0x0f) as i32 + 1, 2 * (sc >> 4) as i32 + 1],
+        }
+    }
+}
+
+impl BlockIq3Xxs {
+    fn aux(&self, ib: usize) -> u32 {
+        let at = QK_K / 4 + 4 * ib;
+        u32::from_le_bytes([
+            self.qs[at],
+            self.qs[at + 1],
+            self.qs[at + 2],
+            self.qs[at + 3],
+        ])
+    }
+}
+
+impl Codebook for BlockIq3Xxs {
+    const FACTOR: f32 = 0.25;
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn group(&self, ib: usize) -> Group {
+        let q = &self.qs[8 * ib..8 * ib + 8];
+        let aux = self.aux(ib);
+        let s = 2 * (aux >> 28) as i32 + 1;
+        Group {
+            words: std::array::from_fn(|l| {
+                IQ3XXS_GRID[q[2 * l] as usize] as u64
+                    | (IQ3XXS_GRID[q[2 * l + 1] as usize] as u64) << 32
+            }),
+            signs: std::array::from_fn(|l| KSIGN_BYTES[((aux >> (7 * l)) & 127) as usize]),
+            scales: [s, s],
+        }
+    }
+}
+
+impl Codebook for BlockIq3S {
+    const FACTOR: f32 = 1.0;
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn group(&self, ib: usize) -> Group {
+        let q = &self.qs[8 * ib..8 * ib + 8];
+        let qh = self.qh[ib] as usize;
+        let s = 2 * ((self.scales[ib / 2] >> (4 * (ib % 2))) & 0x0f) as i32 + 1;
+        Group {
+            words: std::array::from_fn(|l| {
+                let i1 = q[2 * l] as usize | ((qh << (8 - 2 * l)) & 256);
+                let i2 = q[2 * l + 1] as usize | ((qh << (7 - 2 * l)) & 256);
+                IQ3S_GRID[i1] as u64 | (IQ3S_GRID[i2] as u64) << 32
+            }),
+            signs: std::array::from_fn(|l| SIGN_BYTES[self.signs[4 * ib + l] as usize]),
+            scales: [s, s],
+        }
+    }
+}
+
+/// Eight signed values (i8 bytes of a word) as a magnitude word and a sign word.
+#[inline]
+fn split_signed(v: u64) -> (u64, u64) {
+    let b = v.to_le_bytes().map(|x| x as i8);
+    (
+        u64::from_le_bytes(b.map(|x| x.unsigned_abs())),
+        u64::from_le_bytes(b.map(|x| if x < 0 { 0xff } else { 0x01 })),
+    )
+}
+
+/// Eight grid values (−1, 0, 1 as i8 bytes) times 8, plus `delta` (±1), as i8 bytes.
+#[inline]
+fn iq1_word(grid: u64, delta: i8) -> u64 {
+    u64::from_le_bytes(grid.to_le_bytes().map(|g| (8 * g as i8 + delta) as u8))
+}
+
+/// A group of four words of signed values.
+fn signed_group(values: [u64; 4], scales: [i32; 2]) -> Group {
+    let split = values.map(split_signed);
+    Group {
+        words: split.map(|(m, _)| m),
+        signs: split.map(|(_, s)| s),
+        scales,
+    }
+}
+
+impl Codebook for BlockIq1S {
+    /// Values are `8·g ± 1` eighths.
+    const FACTOR: f32 = 0.125;
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn group(&self, ib: usize) -> Group {
+        let qh = self.qh[ib];
+        let delta = if qh & 0x8000 != 0 { -1 } else { 1 };
+        let s = 2 * ((qh >> 12) & 7) as i32 + 1;
+        let words = std::array::from_fn(|l| {
+            let i = self.qs[4 * ib + l] as usize | (((qh >> (3 * l)) & 7) as usize) << 8;
+            iq1_word(IQ1S_GRID[i], delta)
+        });
+        signed_group(words, [s, s])
+    }
+}
+
+impl BlockIq1M {
+    /// Group `ib`'s four grid indices and offset signs.
+    fn indices(&self, ib: usize) -> ([usize; 4], [i8; 4]) {
+        let qs = &self.qs[4 * ib..4 * ib + 4];
+        let qh = &self.qh[2 * ib..2 * ib + 2];
+        let idx = [
+            qs[0] as usize | ((qh[0] as usize) << 8 & 0x700),
+            qs[1] as usize | ((qh[0] as usize) << 4 & 0x700),
+            qs[2] as usize | ((qh[1] as usize) << 8 & 0x700),
+            qs[3] as usize | ((qh[1] as usize) << 4 & 0x700),
+        ];
+        let delta = [qh[0] & 0x08, qh[0] & 0x80, qh[1] & 0x08, qh[1] & 0x80].map(|b| {
+            if b != 0 {
+                -1
+            } else {
+                1
+            }
+        });
+        (idx, delta)
+    }
+
+    /// Group `ib`'s two 3-bit scales.
+    fn scales3(&self, ib: usize) -> [u16; 2] {
+        let sc = self.sc(ib / 2);
+        let shift = 6 * (ib % 2);
+        [(sc >> shift) & 7, (sc >> (shift + 3)) & 7]
+    }
+}
+
+impl Codebook for BlockIq1M {
+    const FACTOR: f32 = 0.125;
+    fn d(&self) -> f32 {
+        BlockIq1M::d(self)
+    }
+    fn group(&self, ib: usize) -> Group {
+        let (idx, delta) = self.indices(ib);
+        let [s1, s2] = self.scales3(ib);
+        let words = std::array::from_fn(|l| iq1_word(IQ1S_GRID[idx[l]], delta[l]));
+        signed_group(words, [2 * s1 as i32 + 1, 2 * s2 as i32 + 1])
+    }
+}
+
+/// Base-3 digit `n` of a TQ1_0 byte, as GGML reads it: the byte times 3^n (mod 256), times 3,
+/// over 256.
+#[inline]
+fn trit(q: u8, n: usize) -> i8 {
+    const POW3: [u8; 6] = [1, 3, 9, 27, 81, 243];
+    let q = q.wrapping_mul(POW3[n]);
+    ((q as u16 * 3) >> 8) as i8
+}
+
+impl BlockTq1_0 {
+    /// Value `e` (0..256), −1, 0 or 1.
+    fn value(&self, e: usize) -> i8 {
+        let t = if e < 160 {
+            trit(self.qs[e % 32], e / 32)
+        } else if e < 240 {
+            trit(self.qs[32 + (e - 160) % 16], (e - 160) / 16)
+        } else {
+            trit(self.qh[(e - 240) % 4], (e - 240) / 4)
+        };
+        t - 1
+    }
+}
+
+impl BlockTq2_0 {
+    /// Value `e` (0..256), −1, 0, 1 or 2.
+    fn value(&self, e: usize) -> i8 {
+        let (j, l, m) = (e / 128, e % 128 / 32, e % 32);
+        ((self.qs[32 * j + m] >> (2 * l)) & 3) as i8 - 1
+    }
+}
+
+/// Values `32ib..32ib+32` as four words of signed bytes.
+fn words_of(value: impl Fn(usize) -> i8, ib: usize) -> [u64; 4] {
+    std::array::from_fn(|k| {
+        u64::from_le_bytes(std::array::from_fn(|j| value(32 * ib + 8 * k + j) as u8))
+    })
+}
+
+impl Codebook for BlockTq1_0 {
+    const FACTOR: f32 = 1.0;
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn group(&self, ib: usize) -> Group {
+        signed_group(words_of(|e| self.value(e), ib), [1, 1])
+    }
+}
+
+impl Codebook for BlockTq2_0 {
+    const FACTOR: f32 = 1.0;
+    fn d(&self) -> f32 {
+        self.d.to_f32()
+    }
+    fn group(&self, ib: usize) -> Group {
+        signed_group(words_of(|e| self.value(e), ib), [1, 1])
+    }
+}
+
+/// Value `j` of a group: its magnitude times its sign.
+#[inline]
+fn group_value(g: &Group, j: usize) -> i32 {
+    let m = (g.words[j / 8] >> (8 * (j % 8))) as u8 as i32;
+    let s = (g.signs[j / 8] >> (8 * (j % 8))) as u8 as i8 as i32;
+    m * s
+}
+
+/// `Σ w·a` over matching super-blocks: per super-block the exact integer sum
+/// `Σ_groups Σ_halves scale · Σ v·a`, then `isum · (d · FACTOR · d_a)`.
+pub fn vec_dot<B: Codebook>(w: &[B], a: &[BlockQ8K]) -> f32 {
+    let mut sum = 0f32;
+    for (b, q) in w.iter().zip(a) {
+        let mut isum = 0i32;
+        for ib in 0..QK_K / 32 {
+            let g = b.group(ib);
+            for (h, &s) in g.scales.iter().enumerate() {
+                let part: i32 = (16 * h..16 * h + 16)
+                    .map(|j| group_value(&g, j) * q.qs[32 * ib + j] as i32)
+                    .sum();
+                isum += s * part;
+            }
+        }
+        sum += isum as f32 * (b.d() * B::FACTOR * q.d);
+    }
+    sum
+}
+
+/// llama.cpp's float steps for the grids with sign bytes: `db · magnitude · ±1`, eight at a
+/// time, where `db` is the group's (or half's) scale.
+#[inline]
+fn signed_eight(y: &mut [f32], db: f32, grid: [u8; 8], signs: u8) {
+    for j in 0..8 {
+        let s = if signs >> j & 1 != 0 { -1.0 } else { 1.0 };
+        y[j] = db * grid[j] as f32 * s;
+    }
+}
+
+pub fn dequantize_iq2_xxs(blocks: &[BlockIq2Xxs], out: &mut [f32]) {
+    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
+        let d = b.d.to_f32();
+        for (ib, y) in y.chunks_exact_mut(32).enumerate() {
+            let q = &b.qs[4 * ib..4 * ib + 4];
+            let idx = (q[0] as u32 | (q[1] as u32) << 16).to_le_bytes();
+            let aux = q[2] as u32 | (q[3] as u32) << 16;
+            let db = d * (0.5 + (aux >> 28) as f32) * 0.25;
+            for (l, y) in y.chunks_exact_mut(8).enumerate() {
+                let grid = IQ2XXS_GRID[idx[l] as usize].to_le_bytes();
+                signed_eight(y, db, grid, KSIGNS[((aux >> (7 * l)) & 127) as usize]);
+            }
+        }
+    }
+}
+
+pub fn dequantize_iq2_xs(blocks: &[BlockIq2Xs], out: &mut [f32]) {
+    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
+        let d = b.d.to_f32();
+        for (ib, y) in y.chunks_exact_mut(32).enumerate() {
+            let sc = b.scales[ib];
+            let db = [
+                d * (0.5 + (sc & 0x0f) as f32) * 0.25,
+                d * (0.5 + (sc >> 4) as f32) * 0.25,
+            ];
+            for (l, y) in y.chunks_exact_mut(8).enumerate() {
+                let q = b.qs[4 * ib + l];
+                let grid = IQ2XS_GRID[(q & 511) as usize].to_le_bytes();
+                signed_eight(y, db[l / 2], grid, KSIGNS[(q >> 9) as usize]);
+            }
+        }
+    }
+}
+
+pub fn dequantize_iq2_s(blocks: &[BlockIq2S], out: &mut [f32]) {
+    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
+        let d = b.d.to_f32();
+        for (ib, y) in y.chunks_exact_mut(32).enumerate() {
+            let sc = b.scales[ib];
+            let db = [
+                d * (0.5 + (sc & 0x0f) as f32) * 0.25,
+                d * (0.5 + (sc >> 4) as f32) * 0.25,
+            ];
+            let qh = b.qh[ib] as usize;
+            for (l, y) in y.chunks_exact_mut(8).enumerate() {
+                let i = b.qs[4 * ib + l] as usize | ((qh << (8 - 2 * l)) & 0x300);
+                let grid = IQ2S_GRID[i].to_le_bytes();
+                signed_eight(y, db[l / 2], grid, b.qs[QK_K / 8 + 4 * ib + l]);
+            }
+        }
+    }
+}
+
+pub fn dequantize_iq3_xxs(blocks: &[BlockIq3Xxs], out: &mut [f32]) {
+    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
+        let d = b.d.to_f32();
+        for (ib, y) in y.chunks_exact_mut(32).enumerate() {
+            let aux = b.aux(ib);
+            let db = d * (0.5 + (aux >> 28) as f32) * 0.5;
+            let q = &b.qs[8 * ib..8 * ib + 8];
+            for (l, y) in y.chunks_exact_mut(8).enumerate() {
+                let g1 = IQ3XXS_GRID[q[2 * l] as usize].to_le_bytes();
+                let g2 = IQ3XXS_GRID[q[2 * l + 1] as usize].to_le_bytes();
+                let grid = [g1[0], g1[1], g1[2], g1[3], g2[0], g2[1], g2[2], g2[3]];
+                signed_eight(y, db, grid, KSIGNS[((aux >> (7 * l)) & 127) as usize]);
+            }
+        }
+    }
+}
+
+pub fn dequantize_iq3_s(blocks: &[BlockIq3S], out: &mut [f32]) {
+    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
+        let d = b.d.to_f32();
+        for (ib, y) in y.chunks_exact_mut(32).enumerate() {
+            let db = d * (1 + 2 * ((b.scales[ib / 2] >> (4 * (ib % 2))) & 0x0f) as i32) as f32;
+            let group = b.group(ib);
+            for (l, y) in y.chunks_exact_mut(8).enumerate() {
+                signed_eight(y, db, group.words[l].to_le_bytes(), b.signs[4 * ib + l]);
+            }
+        }
+    }
+}
+
+pub fn dequantize_iq1_s(blocks: &[BlockIq1S], out: &mut [f32]) {
+    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
+        let d = b.d.to_f32();
+        for (ib, y) in y.chunks_exact_mut(32).enumerate() {
+            let qh = b.qh[ib];
+            let dl = d * (2 * ((qh >> 12) & 7) + 1) as f32;
+            let delta = if qh & 0x8000 != 0 {
+                -IQ1_DELTA
+            } else {
+                IQ1_DELTA
+            };
+            for (l, y) in y.chunks_exact_mut(8).enumerate() {
+                let i = b.qs[4 * ib + l] as usize | (((qh >> (3 * l)) & 7) as usize) << 8;
+                for (y, g) in y.iter_mut().zip(IQ1S_GRID[i].to_le_bytes()) {
+                    *y = dl * (g as i8 as f32 + delta);
+                }
+            }
+        }
+    }
+}
+
+pub fn dequantize_iq1_m(blocks: &[BlockIq1M], out: &mut [f32]) {
+    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
+        let d = BlockIq1M::d(b);
+        for (ib, y) in y.chunks_exact_mut(32).enumerate() {
+            let (idx, delta) = b.indices(ib);
+            let dl = b.scales3(ib).map(|s| d * (2 * s + 1) as f32);
+            for (l, y) in y.chunks_exact_mut(8).enumerate() {
+                let delta = if delta[l] < 0 { -IQ1_DELTA } else { IQ1_DELTA };
+                for (y, g) in y.iter_mut().zip(IQ1S_GRID[idx[l]].to_le_bytes()) {
+                    *y = dl[l / 2] * (g as i8 as f32 + delta);
+                }
+            }
+        }
+    }
+}
+
+pub fn dequantize_tq1_0(blocks: &[BlockTq1_0], out: &mut [f32]) {
+    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
+        let d = b.d.to_f32();
+        for (e, y) in y.iter_mut().enumerate() {
+            *y = b.value(e) as f32 * d;
+        }
+    }
+}
+
+pub fn dequantize_tq2_0(blocks: &[BlockTq2_0], out: &mut [f32]) {
+    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
+        let d = b.d.to_f32();
+        for (e, y) in y.iter_mut().enumerate() {
+            *y = b.value(e) as f32 * d;
+        }
+    }
+}
+
+/// A weight row of a codebook format decoded once, for a prefill whose tokens all read it
+/// (llama.cpp's tiled kernels do the same): per value its magnitude and sign byte, per 16
+/// values the integer scale, per super-block `d · FACTOR`. [`dot_decoded`] against it gives
+/// [`vec_dot`]'s bits.
+#[derive(Default)]
+pub struct Decoded {
+    mags: Vec<u8>,
+    signs: Vec<u8>,
+    scales: Vec<i16>,
+    d: Vec<f32>,
+}
+
+impl Decoded {
+    fn fill<B: Codebook>(&mut self, w: &[B]) {
+        let n = w.len() * QK_K;
+        self.mags.resize(n, 0);
+        self.signs.resize(n, 0);
+        self.scales.resize(n / 16, 0);
+        self.d.clear();
+        for (i, b) in w.iter().enumerate() {
+            self.d.push(b.d() * B::FACTOR);
+            for ib in 0..QK_K / 32 {
+                let g = b.group(ib);
+                let at = i * QK_K + 32 * ib;
+                for k in 0..4 {
+                    let m = &mut self.mags[at + 8 * k..at + 8 * k + 8];
+                    m.copy_from_slice(&g.words[k].to_le_bytes());
+                    let s = &mut self.signs[at + 8 * k..at + 8 * k + 8];
+                    s.copy_from_slice(&g.signs[k].to_le_bytes());
+                }
+                self.scales[at / 16] = g.scales[0] as i16;
+                self.scales[at / 16 + 1] = g.scales[1] as i16;
+            }
+        }
+    }
+}
+
+/// Decodes `bytes`, whole super-blocks of `dtype`, into `out`; `false` for a format that is
+/// not a codebook format (or bytes that are not whole, aligned blocks).
+pub fn decode_row(dtype: DType, bytes: &[u8], out: &mut Decoded) -> bool {
+    fn go<B: Codebook>(bytes: &[u8], out: &mut Decoded) -> bool {
+        match super::cast_blocks::<B>(bytes) {
+            Some(w) => {
+                out.fill(w);
+                true
+            }
+            None => false,
+        }
+    }
+    match dtype {
+        DType::Iq2Xxs => go::<BlockIq2Xxs>(bytes, out),
+        DType::Iq2Xs => go::<BlockIq2Xs>(bytes, out),
+        DType::Iq2S => go::<BlockIq2S>(bytes, out),
+        DType::Iq3Xxs => go::<BlockIq3Xxs>(bytes, out),
+        DType::Iq3S => go::<BlockIq3S>(bytes, out),
+        DType::Iq1S => go::<BlockIq1S>(bytes, out),
+        DType::Iq1M => go::<BlockIq1M>(bytes, out),
+        DType::Tq1_0 => go::<BlockTq1_0>(bytes, out),
+        DType::Tq2_0 => go::<BlockTq2_0>(bytes, out),
+        _ => false,
+    }
+}
+
+/// Whether [`decode_row`] takes `dtype`.
+pub fn is_codebook(dtype: DType) -> bool {
+    matches!(
+        dtype,
+        DType::Iq2Xxs
+            | DType::Iq2Xs
+            | DType::Iq2S
+            | DType::Iq3Xxs
+            | DType::Iq3S
+            | DType::Iq1S
+            | DType::Iq1M
+            | DType::Tq1_0
+            | DType::Tq2_0
+    )
+}
+
+/// A decoded row against one token: the fastest kernel this CPU runs (all give [`vec_dot`]'s
+/// bits).
+pub fn dot_decoded(w: &Decoded, a: &[BlockQ8K]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2() {
+        // SAFETY: AVX2, FMA and F16C detected.
+        return unsafe { avx2::dot_decoded(w, a) };
+    }
+    dot_decoded_scalar(w, a)
+}
+
+/// The portable twin of [`dot_decoded`].
+pub fn dot_decoded_scalar(w: &Decoded, a: &[BlockQ8K]) -> f32 {
+    let mut sum = 0f32;
+    for (i, (q, &d)) in a.iter().zip(&w.d).enumerate() {
+        let mut isum = 0i32;
+        for h in 0..QK_K / 16 {
+            let at = i * QK_K + 16 * h;
+            let part: i32 = (0..16)
+                .map(|j| {
+                    let v = w.mags[at + j] as i32 * w.signs[at + j] as i8 as i32;
+                    v * q.qs[16 * h + j] as i32
+                })
+                .sum();
+            isum += w.scales[at / 16] as i32 * part;
+        }
+        sum += isum as f32 * (d * q.d);
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2 {
+    use super::*;
+    use crate::cpu::quant::q8::prefetch;
+    use std::arch::x86_64::*;
+
+    /// Group `ib` of `b` as vectors: the magnitudes (unsigned bytes), their signs (1 or −1
+    /// bytes) and the two halves' scales as i16 in each lane of their half.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load_group<B: Codebook>(b: &B, ib: usize) -> (__m256i, __m256i, __m256i) {
+        let g = b.group(ib);
+        let w =
+            |v: [u64; 4]| _mm256_setr_epi64x(v[0] as i64, v[1] as i64, v[2] as i64, v[3] as i64);
+        let sc = _mm256_set_m128i(
+            _mm_set1_epi16(g.scales[1] as i16),
+            _mm_set1_epi16(g.scales[0] as i16),
+        );
+        (w(g.words), w(g.signs), sc)
+    }
+
+    /// One group against one token's 32 activations: the signs moved onto the activations,
+    /// `maddubs` with the magnitudes (a pair sum is at most 2 · 127 · 127, inside i16), `madd`
+    /// with the halves' scales.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn group_dot(x: __m256i, sg: __m256i, sc: __m256i, a: *const i8) -> __m256i {
+        let y = _mm256_loadu_si256(a as *const __m256i);
+        _mm256_madd_epi16(_mm256_maddubs_epi16(x, _mm256_sign_epi8(y, sg)), sc)
+    }
+
+    /// [`vec_dot`](super::vec_dot) on AVX2: exact integer sums, so the scalar kernel's bits.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot<B: Codebook>(w: &[B], a: &[BlockQ8K]) -> f32 {
+        let mut sum = 0f32;
+        for (b, q) in w.iter().zip(a) {
+            prefetch(b);
+            let mut isum = _mm256_setzero_si256();
+            for ib in 0..QK_K / 32 {
+                let (x, sg, sc) = load_group(b, ib);
+                let p = group_dot(x, sg, sc, q.qs.as_ptr().add(32 * ib));
+                isum = _mm256_add_epi32(isum, p);
+            }
+            sum += hsum_i32(isum) as f32 * (b.d() * B::FACTOR * q.d);
+        }
+        sum
+    }
+
+    /// One weight row against four tokens, each group decoded once for all four: per token
+    /// the one-token kernel's integers and float steps, so its bits.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot_x4<B: Codebook>(w: &[B], a: [&[BlockQ8K]; 4]) -> [f32; 4] {
+        let mut sum = [0f32; 4];
+        for (i, b) in w.iter().enumerate() {
+            prefetch(b);
+            let q = a.map(|r| r.get_unchecked(i));
+            let mut isum = [_mm256_setzero_si256(); 4];
+            for ib in 0..QK_K / 32 {
+                let (x, sg, sc) = load_group(b, ib);
+                for t in 0..4 {
+                    let p = group_dot(x, sg, sc, q[t].qs.as_ptr().add(32 * ib));
+                    isum[t] = _mm256_add_epi32(isum[t], p);
+                }
+            }
+            let d = b.d() * B::FACTOR;
+            for t in 0..4 {
+                sum[t] += hsum_i32(isum[t]) as f32 * (d * q[t].d);
+            }
+        }
+        sum
+    }
+
+    /// [`dot_decoded`](super::dot_decoded) on AVX2: per 32 values one load each of
+    /// magnitudes, signs and activations, `sign`, `maddubs`, `madd` with the two halves'
+    /// scales; per super-block the scalar twin's float step.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_decoded(w: &Decoded, a: &[BlockQ8K]) -> f32 {
+        let mut sum = 0f32;
+        let n = a.len().min(w.d.len());
+        for i in 0..n {
+            let q = a.get_unchecked(i);
+            let mut isum = _mm256_setzero_si256();
+            for ib in 0..QK_K / 32 {
+                let at = i * QK_K + 32 * ib;
+                debug_assert!(at + 32 <= w.mags.len() && at + 32 <= w.signs.len());
+                let x = _mm256_loadu_si256(w.mags.as_ptr().add(at) as *const __m256i);
+                let sg = _mm256_loadu_si256(w.signs.as_ptr().add(at) as *const __m256i);
+                let sc = _mm256_set_m128i(
+                    _mm_set1_epi16(*w.scales.get_unchecked(at / 16 + 1)),
+                    _mm_set1_epi16(*w.scales.get_unchecked(at / 16)),
+                );
+                let p = group_dot(x, sg, sc, q.qs.as_ptr().add(32 * ib));
+                isum = _mm256_add_epi32(isum, p);
+            }
+            sum += hsum_i32(isum) as f32 * (w.d.get_unchecked(i) * q.d);
+        }
+        sum
+    }
+
+    /// The sum of the eight i32 lanes (exact, wrapping as i32 addition does).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn hsum_i32(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
+    }
+}
