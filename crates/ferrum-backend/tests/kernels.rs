@@ -200,19 +200,44 @@ fn k_quant_four_token_kernels_give_each_token_the_one_token_bits() {
                 .collect();
             let w = wa.bytes();
             let four = f4(w, [&acts[0], &acts[1], &acts[2], &acts[3]]);
-            // A codebook row decoded once (the prefill path) gives the row kernel's bits,
-            // in its SIMD kernel and its scalar twin.
+            // Codebook rows decoded once (the prefill path) give the row kernel's bits, in
+            // the SIMD kernel and its scalar twin: the row, a second row and two rows of zeros.
             let mut decoded = iq_grid::Decoded::default();
-            let codebook = iq_grid::decode_row(dt, w, &mut decoded);
-            assert_eq!(codebook, iq_grid::is_codebook(dt), "{dt}: decode_row");
+            let other = Aligned::new(&random_blocks(&mut rng, dt, n));
+            let codebook = iq_grid::decode_rows(dt, &[w, other.bytes()], &mut decoded);
+            assert_eq!(codebook, iq_grid::is_codebook(dt), "{dt}: decode_rows");
+            let mut twin = iq_grid::Decoded::default();
+            iq_grid::decode_rows_scalar(dt, &[w, other.bytes()], &mut twin);
+            assert!(
+                decoded == twin,
+                "{dt} trial {trial}: decoding differs from its twin"
+            );
+            if codebook {
+                let a = [&acts[0][..], &acts[1], &acts[2], &acts[3]];
+                // Every instance this CPU runs, whichever the process picked.
+                let mut runs = vec![("picked", iq_grid::dot_tile(&decoded, a))];
+                runs.push(("scalar", iq_grid::dot_tile_scalar(&decoded, a)));
+                #[cfg(target_arch = "x86_64")]
+                {
+                    use ferrum_backend::cpu::quant::packed::Isa;
+                    if Isa::Avx2.runs() {
+                        // SAFETY: AVX2, FMA and F16C run here.
+                        runs.push(("avx2", unsafe { iq_grid::avx2::dot_tile(&decoded, a) }));
+                    }
+                    if Isa::Avx512Vnni.runs() {
+                        // SAFETY: AVX512-F/BW/VNNI run here.
+                        runs.push(("avx512", unsafe { iq_grid::avx512::dot_tile(&decoded, a) }));
+                    }
+                }
+                for (t, a) in acts.iter().enumerate() {
+                    let want = [s(w, a), s(other.bytes(), a), 0.0, 0.0].map(f32::to_bits);
+                    for (name, got) in &runs {
+                        assert_eq!(got[t].map(f32::to_bits), want, "{dt} trial {trial} {name}");
+                    }
+                }
+            }
             for (t, a) in acts.iter().enumerate() {
                 let got = f(w, a);
-                if codebook {
-                    let want = s(w, a).to_bits();
-                    let fast = iq_grid::dot_decoded(&decoded, a).to_bits();
-                    let twin = iq_grid::dot_decoded_scalar(&decoded, a).to_bits();
-                    assert_eq!((fast, twin), (want, want), "{dt} trial {trial} decoded");
-                }
                 if exact {
                     let want = s(w, a);
                     assert_eq!(

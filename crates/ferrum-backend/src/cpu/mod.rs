@@ -1794,21 +1794,29 @@ fn quantized_rows<'a, B: PackedRows>(
             first += 4;
         }
     }
-    // A codebook format's prefill: each row decoded once for all the tokens (its decoding
-    // costs more than the products; the same bits as the row kernels).
+    // A codebook format's prefill: four rows decoded at a time for all the tokens (their
+    // decoding costs more than the products), four tokens a pass; the row kernels' bits.
     if n >= 8 && quant::iq_grid::is_codebook(w.dtype) && B::as_q8k(act(0)).is_some() {
+        use quant::iq_grid::TILE;
         DECODED.with(|d| {
             let mut d = d.borrow_mut();
-            let start = first;
-            for j in start..rows.end {
-                if !quant::iq_grid::decode_row(w.dtype, w.row_bytes_of(j), &mut d) {
+            while first < rows.end {
+                let r = (rows.end - first).min(TILE);
+                let wr: Vec<&[u8]> = (first..first + r).map(|j| w.row_bytes_of(j)).collect();
+                if !quant::iq_grid::decode_rows(w.dtype, &wr, &mut d) {
                     break;
                 }
-                for t in 0..n {
-                    let a = B::as_q8k(act(t)).unwrap_or(&[]);
-                    write(t, j, quant::iq_grid::dot_decoded(&d, a));
+                for t in (0..n).step_by(TILE) {
+                    let a =
+                        std::array::from_fn(|i| B::as_q8k(act((t + i).min(n - 1))).unwrap_or(&[]));
+                    let v = quant::iq_grid::dot_tile(&d, a);
+                    for (i, v) in v.iter().enumerate().take(n - t) {
+                        for (k, &x) in v.iter().enumerate().take(r) {
+                            write(t + i, first + k, x);
+                        }
+                    }
                 }
-                first = j + 1;
+                first += r;
             }
         });
     }

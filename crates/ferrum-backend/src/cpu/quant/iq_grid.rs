@@ -620,70 +620,116 @@ pub fn dequantize_tq2_0(blocks: &[BlockTq2_0], out: &mut [f32]) {
     }
 }
 
-/// A weight row of a codebook format decoded once, for a prefill whose tokens all read it
-/// (llama.cpp's tiled kernels do the same): per value its magnitude and sign byte, per 16
-/// values the integer scale, per super-block `d · FACTOR`. [`dot_decoded`] against it gives
-/// [`vec_dot`]'s bits.
+/// Rows of a decoded tile ([`Decoded`]), and tokens per kernel call.
+pub const TILE: usize = 4;
+
+/// Up to [`TILE`] weight rows of a codebook format decoded once, for a prefill whose tokens
+/// all read them (llama.cpp's tiled kernels do the same): per value its signed magnitude times
+/// its 16-value half's integer scale, as i16 (at most 62 · 31 in magnitude: exact), and per
+/// super-block `d · FACTOR`. Σ w·a over a super-block is then the row kernels' integer sum,
+/// so [`dot_tile`] gives [`vec_dot`]'s bits.
 #[derive(Default)]
 pub struct Decoded {
-    mags: Vec<u8>,
-    signs: Vec<u8>,
-    scales: Vec<i16>,
+    w: Vec<i16>,
     d: Vec<f32>,
+    /// Super-blocks a row.
+    blocks: usize,
 }
 
 impl Decoded {
-    fn fill<B: Codebook>(&mut self, w: &[B]) {
-        let n = w.len() * QK_K;
-        self.mags.resize(n, 0);
-        self.signs.resize(n, 0);
-        self.scales.resize(n / 16, 0);
-        self.d.clear();
+    fn fill<B: Codebook>(&mut self, r: usize, w: &[B], simd: bool) {
+        #[cfg(target_arch = "x86_64")]
+        if simd && super::has_avx2() {
+            // SAFETY: AVX2, FMA and F16C detected.
+            return unsafe { avx2::fill(self, r, w) };
+        }
+        self.fill_scalar(r, w)
+    }
+
+    /// The portable twin of the AVX2 fill.
+    fn fill_scalar<B: Codebook>(&mut self, r: usize, w: &[B]) {
+        let at = r * self.blocks;
         for (i, b) in w.iter().enumerate() {
-            self.d.push(b.d() * B::FACTOR);
+            self.d[at + i] = b.d() * B::FACTOR;
             for ib in 0..QK_K / 32 {
                 let g = b.group(ib);
-                let at = i * QK_K + 32 * ib;
-                for k in 0..4 {
-                    let m = &mut self.mags[at + 8 * k..at + 8 * k + 8];
-                    m.copy_from_slice(&g.words[k].to_le_bytes());
-                    let s = &mut self.signs[at + 8 * k..at + 8 * k + 8];
-                    s.copy_from_slice(&g.signs[k].to_le_bytes());
+                let base = (at + i) * QK_K + 32 * ib;
+                let out = &mut self.w[base..base + 32];
+                for (k, o) in out.chunks_exact_mut(8).enumerate() {
+                    let (m, sg) = (g.words[k].to_le_bytes(), g.signs[k].to_le_bytes());
+                    let sc = g.scales[k / 2] as i16;
+                    for ((o, &m), &sg) in o.iter_mut().zip(&m).zip(&sg) {
+                        *o = m as i16 * (sg as i8 as i16 * sc);
+                    }
                 }
-                self.scales[at / 16] = g.scales[0] as i16;
-                self.scales[at / 16 + 1] = g.scales[1] as i16;
             }
         }
     }
 }
 
-/// Decodes `bytes`, whole super-blocks of `dtype`, into `out`; `false` for a format that is
-/// not a codebook format (or bytes that are not whole, aligned blocks).
-pub fn decode_row(dtype: DType, bytes: &[u8], out: &mut Decoded) -> bool {
-    fn go<B: Codebook>(bytes: &[u8], out: &mut Decoded) -> bool {
-        match super::cast_blocks::<B>(bytes) {
-            Some(w) => {
-                out.fill(w);
-                true
-            }
-            None => false,
+/// Decodes up to [`TILE`] rows (each whole super-blocks of `dtype`, all the same length) into
+/// `out`, the rows past them zero; `false` for a format that is not a codebook format, or bytes
+/// that are not whole, aligned blocks.
+pub fn decode_rows(dtype: DType, rows: &[&[u8]], out: &mut Decoded) -> bool {
+    decode_rows_on(dtype, rows, out, true)
+}
+
+/// [`decode_rows`] on the portable twin of its SIMD decoding (for the tests: the same values).
+pub fn decode_rows_scalar(dtype: DType, rows: &[&[u8]], out: &mut Decoded) -> bool {
+    decode_rows_on(dtype, rows, out, false)
+}
+
+/// The decoded values and super-block scales, for the tests.
+impl PartialEq for Decoded {
+    fn eq(&self, o: &Self) -> bool {
+        self.blocks == o.blocks
+            && self.w == o.w
+            && self
+                .d
+                .iter()
+                .map(|x| x.to_bits())
+                .eq(o.d.iter().map(|x| x.to_bits()))
+    }
+}
+
+fn decode_rows_on(dtype: DType, rows: &[&[u8]], out: &mut Decoded, simd: bool) -> bool {
+    fn go<B: Codebook>(rows: &[&[u8]], out: &mut Decoded, simd: bool) -> bool {
+        let Some(first) = rows.first() else {
+            return false;
+        };
+        let blocks = first.len() / std::mem::size_of::<B>();
+        if rows.len() > TILE || rows.iter().any(|r| r.len() != first.len()) {
+            return false;
         }
+        out.blocks = blocks;
+        out.w.resize(TILE * blocks * QK_K, 0);
+        out.d.resize(TILE * blocks, 0.0);
+        // Rows past the given ones are zero (their results are not read, but stay finite).
+        out.w[rows.len() * blocks * QK_K..].fill(0);
+        out.d[rows.len() * blocks..].fill(0.0);
+        for (r, bytes) in rows.iter().enumerate() {
+            match super::cast_blocks::<B>(bytes) {
+                Some(w) if w.len() == blocks => out.fill(r, w, simd),
+                _ => return false,
+            }
+        }
+        true
     }
     match dtype {
-        DType::Iq2Xxs => go::<BlockIq2Xxs>(bytes, out),
-        DType::Iq2Xs => go::<BlockIq2Xs>(bytes, out),
-        DType::Iq2S => go::<BlockIq2S>(bytes, out),
-        DType::Iq3Xxs => go::<BlockIq3Xxs>(bytes, out),
-        DType::Iq3S => go::<BlockIq3S>(bytes, out),
-        DType::Iq1S => go::<BlockIq1S>(bytes, out),
-        DType::Iq1M => go::<BlockIq1M>(bytes, out),
-        DType::Tq1_0 => go::<BlockTq1_0>(bytes, out),
-        DType::Tq2_0 => go::<BlockTq2_0>(bytes, out),
+        DType::Iq2Xxs => go::<BlockIq2Xxs>(rows, out, simd),
+        DType::Iq2Xs => go::<BlockIq2Xs>(rows, out, simd),
+        DType::Iq2S => go::<BlockIq2S>(rows, out, simd),
+        DType::Iq3Xxs => go::<BlockIq3Xxs>(rows, out, simd),
+        DType::Iq3S => go::<BlockIq3S>(rows, out, simd),
+        DType::Iq1S => go::<BlockIq1S>(rows, out, simd),
+        DType::Iq1M => go::<BlockIq1M>(rows, out, simd),
+        DType::Tq1_0 => go::<BlockTq1_0>(rows, out, simd),
+        DType::Tq2_0 => go::<BlockTq2_0>(rows, out, simd),
         _ => false,
     }
 }
 
-/// Whether [`decode_row`] takes `dtype`.
+/// Whether [`decode_rows`] takes `dtype`.
 pub fn is_codebook(dtype: DType) -> bool {
     matches!(
         dtype,
@@ -699,35 +745,145 @@ pub fn is_codebook(dtype: DType) -> bool {
     )
 }
 
-/// A decoded row against one token: the fastest kernel this CPU runs (all give [`vec_dot`]'s
-/// bits).
-pub fn dot_decoded(w: &Decoded, a: &[BlockQ8K]) -> f32 {
+/// The decoded rows against [`TILE`] tokens (each at least as many super-blocks as the rows):
+/// `out[t][r]`, in the fastest kernel this CPU runs (all give [`vec_dot`]'s bits).
+/// `FERRUM_ISA` (`packed::Isa::best`) picks the instance as for the packed kernels.
+pub fn dot_tile(w: &Decoded, a: [&[BlockQ8K]; TILE]) -> [[f32; TILE]; TILE] {
+    assert!(
+        a.iter().all(|a| a.len() >= w.blocks),
+        "activation too short"
+    );
     #[cfg(target_arch = "x86_64")]
-    if super::has_avx2() {
-        // SAFETY: AVX2, FMA and F16C detected.
-        return unsafe { avx2::dot_decoded(w, a) };
+    {
+        use super::packed::Isa;
+        match Isa::best() {
+            // SAFETY: the instance runs here (`Isa::available`): AVX512-F/BW/VNNI.
+            Isa::Avx512Vnni | Isa::AvxVnni if Isa::Avx512Vnni.runs() => {
+                return unsafe { avx512::dot_tile(w, a) };
+            }
+            // SAFETY: the instance runs here: AVX2, FMA and F16C.
+            Isa::Avx2 | Isa::AvxVnni | Isa::Avx512Vnni => return unsafe { avx2::dot_tile(w, a) },
+            Isa::Scalar => {}
+        }
     }
-    dot_decoded_scalar(w, a)
+    dot_tile_scalar(w, a)
 }
 
-/// The portable twin of [`dot_decoded`].
-pub fn dot_decoded_scalar(w: &Decoded, a: &[BlockQ8K]) -> f32 {
-    let mut sum = 0f32;
-    for (i, (q, &d)) in a.iter().zip(&w.d).enumerate() {
-        let mut isum = 0i32;
-        for h in 0..QK_K / 16 {
-            let at = i * QK_K + 16 * h;
-            let part: i32 = (0..16)
-                .map(|j| {
-                    let v = w.mags[at + j] as i32 * w.signs[at + j] as i8 as i32;
-                    v * q.qs[16 * h + j] as i32
-                })
-                .sum();
-            isum += w.scales[at / 16] as i32 * part;
+/// The portable twin of [`dot_tile`].
+pub fn dot_tile_scalar(w: &Decoded, a: [&[BlockQ8K]; TILE]) -> [[f32; TILE]; TILE] {
+    let mut out = [[0f32; TILE]; TILE];
+    for (t, a) in a.iter().enumerate() {
+        for (r, out) in out[t].iter_mut().enumerate() {
+            for (i, q) in a.iter().take(w.blocks).enumerate() {
+                let at = (r * w.blocks + i) * QK_K;
+                let isum = w.w[at..at + QK_K]
+                    .iter()
+                    .zip(&q.qs)
+                    .fold(0i32, |s, (&x, &y)| s.wrapping_add(x as i32 * y as i32));
+                *out += isum as f32 * (w.d[r * w.blocks + i] * q.d);
+            }
         }
-        sum += isum as f32 * (d * q.d);
     }
-    sum
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx512 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// [`dot_tile`](super::dot_tile) on AVX-512: per 32 values each token's activations
+    /// widened to i16 once and each row's loaded once, 16 `vpdpwssd` (exact i32 sums of
+    /// i16 products); per super-block each (row, token)'s lanes summed and the scalar twin's
+    /// float step.
+    ///
+    /// # Safety
+    /// The CPU supports AVX512-F, AVX512-BW and AVX512-VNNI; every `a[t]` holds `w.blocks`
+    /// super-blocks.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn dot_tile(w: &Decoded, a: [&[BlockQ8K]; TILE]) -> [[f32; TILE]; TILE] {
+        let nb = w.blocks;
+        assert!(w.w.len() >= TILE * nb * QK_K && w.d.len() >= TILE * nb);
+        let mut total = _mm512_setzero_ps();
+        for i in 0..nb {
+            let q = a.map(|r| r.get_unchecked(i));
+            let mut acc = [[_mm512_setzero_si512(); TILE]; TILE];
+            for c in 0..QK_K / 32 {
+                let x = q.map(|q| {
+                    _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                        q.qs.as_ptr().add(32 * c) as *const __m256i
+                    ))
+                });
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let p = w.w.as_ptr().add((r * nb + i) * QK_K + 32 * c);
+                    let wv = _mm512_loadu_si512(p as *const __m512i);
+                    for t in 0..TILE {
+                        acc[t] = _mm512_dpwssd_epi32(acc[t], wv, x[t]);
+                    }
+                }
+            }
+            // The sixteen sums, lane 4t + r for (row r, token t); then per lane the scalar
+            // twin's float step: (its sum as f32) · (d_r · d_t), added to the running total.
+            let sums = reduce16(std::array::from_fn(|j| acc[j % TILE][j / TILE]));
+            let d = _mm512_setr_ps(
+                w.d[i],
+                w.d[nb + i],
+                w.d[2 * nb + i],
+                w.d[3 * nb + i],
+                w.d[i],
+                w.d[nb + i],
+                w.d[2 * nb + i],
+                w.d[3 * nb + i],
+                w.d[i],
+                w.d[nb + i],
+                w.d[2 * nb + i],
+                w.d[3 * nb + i],
+                w.d[i],
+                w.d[nb + i],
+                w.d[2 * nb + i],
+                w.d[3 * nb + i],
+            );
+            let qd = _mm512_setr_ps(
+                q[0].d, q[0].d, q[0].d, q[0].d, q[1].d, q[1].d, q[1].d, q[1].d, q[2].d, q[2].d,
+                q[2].d, q[2].d, q[3].d, q[3].d, q[3].d, q[3].d,
+            );
+            let step = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, qd));
+            total = _mm512_add_ps(total, step);
+        }
+        let mut lanes = [0f32; 16];
+        _mm512_storeu_ps(lanes.as_mut_ptr(), total);
+        let mut out = [[0f32; TILE]; TILE];
+        for (j, v) in lanes.iter().enumerate() {
+            out[j / TILE][j % TILE] = *v;
+        }
+        out
+    }
+
+    /// Sixteen vectors' lane sums as one vector (lane j: the sum of `v[j]`), in a tree of
+    /// unpacks and 128-bit shuffles; i32 addition wraps, so any order gives the same sums.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    #[inline]
+    unsafe fn reduce16(v: [__m512i; 16]) -> __m512i {
+        // Each 128-bit lane of a pair's sum: [a0+a2, b0+b2, a1+a3, b1+b3].
+        let p: [__m512i; 8] = std::array::from_fn(|k| {
+            let (a, b) = (v[2 * k], v[2 * k + 1]);
+            _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
+        });
+        // Each 128-bit lane: [a, b, c, d], that lane's part of four vectors' sums.
+        let q: [__m512i; 4] = std::array::from_fn(|k| {
+            let (a, b) = (p[2 * k], p[2 * k + 1]);
+            _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
+        });
+        // 128-bit lanes [x(L0+L1), x(L2+L3), y(L0+L1), y(L2+L3)].
+        let h = |x: __m512i, y: __m512i| {
+            _mm512_add_epi32(
+                _mm512_shuffle_i32x4::<0b10_00_10_00>(x, y),
+                _mm512_shuffle_i32x4::<0b11_01_11_01>(x, y),
+            )
+        };
+        let (w, x) = (h(q[0], q[1]), h(q[2], q[3]));
+        h(w, x)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -808,34 +964,77 @@ pub mod avx2 {
         sum
     }
 
-    /// [`dot_decoded`](super::dot_decoded) on AVX2: per 32 values one load each of
-    /// magnitudes, signs and activations, `sign`, `maddubs`, `madd` with the two halves'
-    /// scales; per super-block the scalar twin's float step.
+    /// [`Decoded`]'s fill on AVX2: per group the magnitudes widened to i16, the signs moved
+    /// onto them and each half multiplied by its scale (exact in i16, as the scalar twin).
     ///
     /// # Safety
     /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_decoded(w: &Decoded, a: &[BlockQ8K]) -> f32 {
-        let mut sum = 0f32;
-        let n = a.len().min(w.d.len());
-        for i in 0..n {
-            let q = a.get_unchecked(i);
-            let mut isum = _mm256_setzero_si256();
+    pub(super) unsafe fn fill<B: Codebook>(out: &mut Decoded, r: usize, w: &[B]) {
+        let at = r * out.blocks;
+        assert!(out.w.len() >= (at + w.len()) * QK_K && out.d.len() >= at + w.len());
+        for (i, b) in w.iter().enumerate() {
+            *out.d.get_unchecked_mut(at + i) = b.d() * B::FACTOR;
             for ib in 0..QK_K / 32 {
-                let at = i * QK_K + 32 * ib;
-                debug_assert!(at + 32 <= w.mags.len() && at + 32 <= w.signs.len());
-                let x = _mm256_loadu_si256(w.mags.as_ptr().add(at) as *const __m256i);
-                let sg = _mm256_loadu_si256(w.signs.as_ptr().add(at) as *const __m256i);
-                let sc = _mm256_set_m128i(
-                    _mm_set1_epi16(*w.scales.get_unchecked(at / 16 + 1)),
-                    _mm_set1_epi16(*w.scales.get_unchecked(at / 16)),
+                let (x, sg, sc) = load_group(b, ib);
+                let lo = _mm256_sign_epi16(
+                    _mm256_cvtepu8_epi16(_mm256_castsi256_si128(x)),
+                    _mm256_cvtepi8_epi16(_mm256_castsi256_si128(sg)),
                 );
-                let p = group_dot(x, sg, sc, q.qs.as_ptr().add(32 * ib));
-                isum = _mm256_add_epi32(isum, p);
+                let hi = _mm256_sign_epi16(
+                    _mm256_cvtepu8_epi16(_mm256_extracti128_si256(x, 1)),
+                    _mm256_cvtepi8_epi16(_mm256_extracti128_si256(sg, 1)),
+                );
+                // `sc` holds the first half's scale in its low 128 bits, the second's above.
+                let (s0, s1) = (
+                    _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sc)),
+                    _mm256_broadcastsi128_si256(_mm256_extracti128_si256(sc, 1)),
+                );
+                let p = out.w.as_mut_ptr().add((at + i) * QK_K + 32 * ib);
+                _mm256_storeu_si256(p as *mut __m256i, _mm256_mullo_epi16(lo, s0));
+                _mm256_storeu_si256(p.add(16) as *mut __m256i, _mm256_mullo_epi16(hi, s1));
             }
-            sum += hsum_i32(isum) as f32 * (w.d.get_unchecked(i) * q.d);
         }
-        sum
+    }
+
+    /// [`dot_tile`](super::dot_tile) on AVX2: per 16 values each token's activations widened
+    /// to i16 once, each row's loaded once, `madd` (exact i32 pair sums); per super-block
+    /// each (row, token)'s lanes summed and the scalar twin's float step.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C; every `a[t]` holds `w.blocks` super-blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_tile(w: &Decoded, a: [&[BlockQ8K]; TILE]) -> [[f32; TILE]; TILE] {
+        let mut out = [[0f32; TILE]; TILE];
+        let nb = w.blocks;
+        for i in 0..nb {
+            let q = a.map(|r| r.get_unchecked(i));
+            // Two rows at a time: eight accumulators, two rows and four tokens in registers.
+            for r0 in (0..TILE).step_by(2) {
+                let mut acc = [[_mm256_setzero_si256(); TILE]; 2];
+                for c in 0..QK_K / 16 {
+                    let x = q.map(|q| {
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128(
+                            q.qs.as_ptr().add(16 * c) as *const __m128i
+                        ))
+                    });
+                    for (k, acc) in acc.iter_mut().enumerate() {
+                        let p = w.w.as_ptr().add(((r0 + k) * nb + i) * QK_K + 16 * c);
+                        let wv = _mm256_loadu_si256(p as *const __m256i);
+                        for t in 0..TILE {
+                            acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(wv, x[t]));
+                        }
+                    }
+                }
+                for (k, acc) in acc.iter().enumerate() {
+                    let d = *w.d.get_unchecked((r0 + k) * nb + i);
+                    for t in 0..TILE {
+                        out[t][r0 + k] += hsum_i32(acc[t]) as f32 * (d * q[t].d);
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// The sum of the eight i32 lanes (exact, wrapping as i32 addition does).
