@@ -4,6 +4,9 @@
 use ferrum_backend::cpu::quant::dequantize;
 use ferrum_core::DType;
 
+#[allow(dead_code)] // the format lists only
+mod common;
+
 #[test]
 fn dequantize_matches_gguf_python_reference() {
     let path = concat!(
@@ -138,20 +141,8 @@ fn iquants_dequantize_bit_equal_to_llama_cpp() {
     );
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let types = [
-        DType::Iq4Nl,
-        DType::Iq4Xs,
-        DType::Iq2Xxs,
-        DType::Iq2Xs,
-        DType::Iq2S,
-        DType::Iq3Xxs,
-        DType::Iq3S,
-        DType::Iq1S,
-        DType::Iq1M,
-        DType::Tq1_0,
-        DType::Tq2_0,
-    ];
-    for dt in types {
+    assert_eq!(common::blocks::IQUANTS[0], DType::Iq4Nl);
+    for &dt in common::blocks::IQUANTS {
         let v = &json[dt.name()];
         let hex = v["bytes_hex"].as_str().unwrap();
         let bytes: Vec<u8> = (0..hex.len())

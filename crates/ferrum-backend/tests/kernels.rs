@@ -157,23 +157,11 @@ fn simd_equals_scalar_and_both_approximate_f32() {
 fn k_quant_four_token_kernels_give_each_token_the_one_token_bits() {
     use ferrum_core::DType;
     let mut rng = rand::rngs::StdRng::seed_from_u64(23);
-    for dt in [
-        DType::Q2K,
-        DType::Q3K,
-        DType::Q4K,
-        DType::Q5K,
-        DType::Q6K,
-        DType::Iq4Xs,
-        DType::Iq2Xxs,
-        DType::Iq2Xs,
-        DType::Iq2S,
-        DType::Iq3Xxs,
-        DType::Iq3S,
-        DType::Iq1S,
-        DType::Iq1M,
-        DType::Tq1_0,
-        DType::Tq2_0,
-    ] {
+    // Every format on 8-bit super-block activations (the K-quants, IQ4_XS, the codebooks).
+    let q8k = FORMATS
+        .iter()
+        .filter(|&&dt| matches!(scalar_kernel(dt), Some(Kernel::Q8K { .. })));
+    for &dt in q8k {
         // Kernels that keep exact integer sums and the scalar kernel's float steps.
         let exact = !matches!(dt, DType::Q4K | DType::Q5K | DType::Q6K);
         let (

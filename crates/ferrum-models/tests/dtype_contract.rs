@@ -31,63 +31,12 @@ use ferrum_backend::CpuBackend;
 use serde::Deserialize;
 
 mod common;
-use common::{argmax, logits_all};
+use common::{distance, logits_all, Distance};
 
 #[derive(Deserialize)]
 struct Reference {
     tokens: Vec<u32>,
     logits: Vec<Vec<f32>>,
-}
-
-/// Distance of one run from the exact logits.
-#[derive(Clone, Copy, Debug)]
-struct Distance {
-    max: f64,
-    p90: f64,
-    argmax: f64,
-}
-
-impl std::fmt::Display for Distance {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "max {:.2e} p90 {:.2e} argmax {:.3}",
-            self.max, self.p90, self.argmax
-        )
-    }
-}
-
-/// Per position `max|Δ| / max|want|`; the maximum, numpy's default (linear) 90th percentile, and
-/// the share of positions whose argmax is `want`'s.
-fn distance(got: &[Vec<f32>], want: &[Vec<f32>]) -> Distance {
-    assert_eq!(got.len(), want.len(), "positions");
-    let mut per: Vec<f64> = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| {
-            assert_eq!(g.len(), w.len(), "vocabulary size");
-            let scale = w.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
-            let diff = g
-                .iter()
-                .zip(w)
-                .fold(0f64, |m, (a, b)| m.max((*a as f64 - *b as f64).abs()));
-            diff / scale
-        })
-        .collect();
-    let agree = got
-        .iter()
-        .zip(want)
-        .filter(|(g, w)| argmax(g) == argmax(w))
-        .count();
-    per.sort_by(f64::total_cmp);
-    let rank = 0.9 * (per.len() - 1) as f64;
-    let (lo, frac) = (rank.floor() as usize, rank.fract());
-    let p90 = per[lo] + frac * (per[(lo + 1).min(per.len() - 1)] - per[lo]);
-    Distance {
-        max: per[per.len() - 1],
-        p90,
-        argmax: agree as f64 / got.len() as f64,
-    }
 }
 
 fn fixtures_root() -> PathBuf {

@@ -25,7 +25,7 @@ use ferrum_models::{LoadOptions, Logits, Model};
 use serde::Deserialize;
 
 mod common;
-use common::{argmax, logits_all};
+use common::{argmax, distance, logits_all};
 
 const TYPES: &[&str] = &[
     "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S",
@@ -59,43 +59,6 @@ fn logits_decoded(path: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
                 .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
         })
         .collect()
-}
-
-/// Per position `max|Δlogit| / max|logit|`: its worst and 90th percentile, and the share of
-/// positions whose argmax agrees.
-#[derive(Clone, Copy, Debug)]
-struct Distance {
-    max: f64,
-    p90: f64,
-    argmax: f64,
-}
-
-fn distance(got: &[Vec<f32>], want: &[Vec<f32>]) -> Distance {
-    assert_eq!(got.len(), want.len(), "positions");
-    let mut rel: Vec<f64> = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| {
-            assert_eq!(g.len(), w.len(), "vocabulary size");
-            let scale = w.iter().fold(0f64, |m, &x| m.max(x.abs() as f64));
-            let d = g
-                .iter()
-                .zip(w)
-                .fold(0f64, |m, (&a, &b)| m.max((a as f64 - b as f64).abs()));
-            d / scale.max(1e-6)
-        })
-        .collect();
-    let agree = got
-        .iter()
-        .zip(want)
-        .filter(|(g, w)| argmax(g) == argmax(w))
-        .count();
-    rel.sort_by(f64::total_cmp);
-    Distance {
-        max: rel.last().copied().unwrap_or(0.0),
-        p90: rel[(rel.len() * 9 / 10).min(rel.len().saturating_sub(1))],
-        argmax: agree as f64 / got.len().max(1) as f64,
-    }
 }
 
 fn reference(name: &str) -> Reference {

@@ -30,6 +30,10 @@ pub const FORMATS: &[DType] = &[
     DType::Tq2_0,
 ];
 
+/// The i-quants and TQ formats: the last eleven of [`FORMATS`].
+#[allow(dead_code)] // dequant_reference's
+pub const IQUANTS: &[DType] = FORMATS.split_at(FORMATS.len() - 11).1;
+
 /// Byte offsets of each format's f16 scale fields inside a block: random bits there could
 /// be NaN or infinity, so they get small finite scales instead.
 pub fn f16_fields(dt: DType) -> &'static [usize] {
