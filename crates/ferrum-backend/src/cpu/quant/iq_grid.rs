@@ -164,13 +164,12 @@ impl BlockIq1M {
         u16::from_le_bytes([self.scales[2 * i], self.scales[2 * i + 1]])
     }
 
-    /// The super-block scale, an f16 spread over the four words' top nibbles.
-    fn d(&self) -> f32 {
-        let bits = (self.sc(0) >> 12)
+    /// The super-block scale's f16 bits, spread over the four words' top nibbles.
+    fn d_bits(&self) -> u16 {
+        (self.sc(0) >> 12)
             | ((self.sc(1) >> 8) & 0x00f0)
             | ((self.sc(2) >> 4) & 0x0f00)
-            | (self.sc(3) & 0xf000);
-        f16::from_bits(bits).to_f32()
+            | (self.sc(3) & 0xf000)
     }
 }
 
@@ -189,16 +188,20 @@ pub struct Group {
 pub trait Codebook: Copy {
     /// The power of two the integer scales are off by (IQ2: 1/8, IQ3_XXS: 1/4).
     const FACTOR: f32;
+    /// The super-block's f16 scale, its bits.
+    fn d_bits(&self) -> u16;
     /// The super-block's f16 scale as f32.
-    fn d(&self) -> f32;
+    fn d(&self) -> f32 {
+        f16::from_bits(self.d_bits()).to_f32()
+    }
     /// Group `ib` (0..8).
     fn group(&self, ib: usize) -> Group;
 }
 
 impl Codebook for BlockIq2Xxs {
     const FACTOR: f32 = 0.125;
-    fn d(&self) -> f32 {
-        self.d.to_f32()
+    fn d_bits(&self) -> u16 {
+        self.d.to_bits()
     }
     fn group(&self, ib: usize) -> Group {
         let q = &self.qs[4 * ib..4 * ib + 4];
@@ -215,8 +218,8 @@ impl Codebook for BlockIq2Xxs {
 
 impl Codebook for BlockIq2Xs {
     const FACTOR: f32 = 0.125;
-    fn d(&self) -> f32 {
-        self.d.to_f32()
+    fn d_bits(&self) -> u16 {
+        self.d.to_bits()
     }
     fn group(&self, ib: usize) -> Group {
         let q = &self.qs[4 * ib..4 * ib + 4];
@@ -231,8 +234,8 @@ impl Codebook for BlockIq2Xs {
 
 impl Codebook for BlockIq2S {
     const FACTOR: f32 = 0.125;
-    fn d(&self) -> f32 {
-        self.d.to_f32()
+    fn d_bits(&self) -> u16 {
+        self.d.to_bits()
     }
     fn group(&self, ib: usize) -> Group {
         let qh = self.qh[ib] as usize;
@@ -261,8 +264,8 @@ impl BlockIq3Xxs {
 
 impl Codebook for BlockIq3Xxs {
     const FACTOR: f32 = 0.25;
-    fn d(&self) -> f32 {
-        self.d.to_f32()
+    fn d_bits(&self) -> u16 {
+        self.d.to_bits()
     }
     fn group(&self, ib: usize) -> Group {
         let q = &self.qs[8 * ib..8 * ib + 8];
@@ -281,8 +284,8 @@ impl Codebook for BlockIq3Xxs {
 
 impl Codebook for BlockIq3S {
     const FACTOR: f32 = 1.0;
-    fn d(&self) -> f32 {
-        self.d.to_f32()
+    fn d_bits(&self) -> u16 {
+        self.d.to_bits()
     }
     fn group(&self, ib: usize) -> Group {
         let q = &self.qs[8 * ib..8 * ib + 8];
@@ -329,8 +332,8 @@ fn signed_group(values: [u64; 4], scales: [i32; 2]) -> Group {
 impl Codebook for BlockIq1S {
     /// Values are `8·g ± 1` eighths.
     const FACTOR: f32 = 0.125;
-    fn d(&self) -> f32 {
-        self.d.to_f32()
+    fn d_bits(&self) -> u16 {
+        self.d.to_bits()
     }
     fn group(&self, ib: usize) -> Group {
         let qh = self.qh[ib];
@@ -375,8 +378,8 @@ impl BlockIq1M {
 
 impl Codebook for BlockIq1M {
     const FACTOR: f32 = 0.125;
-    fn d(&self) -> f32 {
-        BlockIq1M::d(self)
+    fn d_bits(&self) -> u16 {
+        BlockIq1M::d_bits(self)
     }
     fn group(&self, ib: usize) -> Group {
         let (idx, delta) = self.indices(ib);
@@ -426,8 +429,8 @@ fn words_of(value: impl Fn(usize) -> i8, ib: usize) -> [u64; 4] {
 
 impl Codebook for BlockTq1_0 {
     const FACTOR: f32 = 1.0;
-    fn d(&self) -> f32 {
-        self.d.to_f32()
+    fn d_bits(&self) -> u16 {
+        self.d.to_bits()
     }
     fn group(&self, ib: usize) -> Group {
         signed_group(words_of(|e| self.value(e), ib), [1, 1])
@@ -436,8 +439,8 @@ impl Codebook for BlockTq1_0 {
 
 impl Codebook for BlockTq2_0 {
     const FACTOR: f32 = 1.0;
-    fn d(&self) -> f32 {
-        self.d.to_f32()
+    fn d_bits(&self) -> u16 {
+        self.d.to_bits()
     }
     fn group(&self, ib: usize) -> Group {
         signed_group(words_of(|e| self.value(e), ib), [1, 1])
@@ -951,7 +954,7 @@ pub mod avx2 {
                 let p = group_dot(x, sg, sc, q.qs.as_ptr().add(32 * ib));
                 isum = _mm256_add_epi32(isum, p);
             }
-            sum += hsum_i32(isum) as f32 * (b.d() * B::FACTOR * q.d);
+            sum += hsum_i32(isum) as f32 * (half_to_f32(b.d_bits()) * B::FACTOR * q.d);
         }
         sum
     }
@@ -975,7 +978,7 @@ pub mod avx2 {
                     isum[t] = _mm256_add_epi32(isum[t], p);
                 }
             }
-            let d = b.d() * B::FACTOR;
+            let d = half_to_f32(b.d_bits()) * B::FACTOR;
             for t in 0..4 {
                 sum[t] += hsum_i32(isum[t]) as f32 * (d * q[t].d);
             }
@@ -993,7 +996,7 @@ pub mod avx2 {
         let at = r * out.blocks;
         assert!(out.w.len() >= (at + w.len()) * QK_K && out.d.len() >= at + w.len());
         for (i, b) in w.iter().enumerate() {
-            *out.d.get_unchecked_mut(at + i) = b.d() * B::FACTOR;
+            *out.d.get_unchecked_mut(at + i) = half_to_f32(b.d_bits()) * B::FACTOR;
             for ib in 0..QK_K / 32 {
                 let (x, sg, sc) = load_group(b, ib);
                 let lo = _mm256_sign_epi16(
@@ -1054,6 +1057,14 @@ pub mod avx2 {
             }
         }
         out
+    }
+
+    /// An f16's bits as f32 by F16C, in line (exact, as `half`'s conversion, which is a call
+    /// that detects the CPU each time).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn half_to_f32(bits: u16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
     /// The sum of the eight i32 lanes (exact, wrapping as i32 addition does).
