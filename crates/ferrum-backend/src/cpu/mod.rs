@@ -1802,8 +1802,9 @@ fn quantized_rows<'a, B: PackedRows>(
             let mut d = d.borrow_mut();
             while first < rows.end {
                 let r = (rows.end - first).min(TILE);
-                let wr: Vec<&[u8]> = (first..first + r).map(|j| w.row_bytes_of(j)).collect();
-                if !quant::iq_grid::decode_rows(w.dtype, &wr, &mut d) {
+                let wr: [&[u8]; TILE] =
+                    std::array::from_fn(|k| w.row_bytes_of(first + k.min(r - 1)));
+                if !quant::iq_grid::decode_rows(w.dtype, &wr[..r], &mut d) {
                     break;
                 }
                 for t in (0..n).step_by(TILE) {

@@ -670,6 +670,28 @@ impl Decoded {
     }
 }
 
+/// `$body` with `$B` the block type of `$dtype` where that is one of the nine codebook
+/// formats, else `$other`: the one place their `DType`s meet their block types (the kernel
+/// tables, [`decode_rows`] and [`is_codebook`] dispatch through it).
+macro_rules! with_codebook {
+    ($dtype:expr, $B:ident => $body:expr, _ => $other:expr) => {
+        $crate::cpu::quant::iq_grid::with_codebook!(@arms $dtype, $B, $body, $other;
+            Iq2Xxs BlockIq2Xxs, Iq2Xs BlockIq2Xs, Iq2S BlockIq2S, Iq3Xxs BlockIq3Xxs,
+            Iq3S BlockIq3S, Iq1S BlockIq1S, Iq1M BlockIq1M, Tq1_0 BlockTq1_0, Tq2_0 BlockTq2_0)
+    };
+    (@arms $dtype:expr, $B:ident, $body:expr, $other:expr; $($dt:ident $ty:ident),*) => {
+        match $dtype {
+            $(::ferrum_core::DType::$dt => {
+                #[allow(dead_code)] // `is_codebook` asks only which formats are codebooks
+                type $B = $crate::cpu::quant::iq_grid::$ty;
+                $body
+            })*
+            _ => $other,
+        }
+    };
+}
+pub(crate) use with_codebook;
+
 /// Decodes up to [`TILE`] rows (each whole super-blocks of `dtype`, all the same length) into
 /// `out`, the rows past them zero; `false` for a format that is not a codebook format, or bytes
 /// that are not whole, aligned blocks.
@@ -718,34 +740,12 @@ fn decode_rows_on(dtype: DType, rows: &[&[u8]], out: &mut Decoded, simd: bool) -
         }
         true
     }
-    match dtype {
-        DType::Iq2Xxs => go::<BlockIq2Xxs>(rows, out, simd),
-        DType::Iq2Xs => go::<BlockIq2Xs>(rows, out, simd),
-        DType::Iq2S => go::<BlockIq2S>(rows, out, simd),
-        DType::Iq3Xxs => go::<BlockIq3Xxs>(rows, out, simd),
-        DType::Iq3S => go::<BlockIq3S>(rows, out, simd),
-        DType::Iq1S => go::<BlockIq1S>(rows, out, simd),
-        DType::Iq1M => go::<BlockIq1M>(rows, out, simd),
-        DType::Tq1_0 => go::<BlockTq1_0>(rows, out, simd),
-        DType::Tq2_0 => go::<BlockTq2_0>(rows, out, simd),
-        _ => false,
-    }
+    with_codebook!(dtype, B => go::<B>(rows, out, simd), _ => false)
 }
 
 /// Whether [`decode_rows`] takes `dtype`.
 pub fn is_codebook(dtype: DType) -> bool {
-    matches!(
-        dtype,
-        DType::Iq2Xxs
-            | DType::Iq2Xs
-            | DType::Iq2S
-            | DType::Iq3Xxs
-            | DType::Iq3S
-            | DType::Iq1S
-            | DType::Iq1M
-            | DType::Tq1_0
-            | DType::Tq2_0
-    )
+    with_codebook!(dtype, B => true, _ => false)
 }
 
 /// The decoded rows against [`TILE`] tokens (each at least as many super-blocks as the rows):

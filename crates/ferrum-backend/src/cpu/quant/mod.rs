@@ -219,7 +219,6 @@ macro_rules! kernel {
 /// The portable integer kernel of a weight format (also the reference the SIMD kernels are
 /// tested against). `None` for float formats, which take the f32 path.
 pub fn scalar_kernel(dtype: DType) -> Option<Kernel> {
-    use iq_grid as G;
     Some(match dtype {
         DType::Q4_0 => kernel!(Q8, q4_0::BlockQ4_0, q4_0::vec_dot),
         DType::Q4_1 => kernel!(Q8, q4_1::BlockQ4_1, q4_1::vec_dot),
@@ -234,16 +233,13 @@ pub fn scalar_kernel(dtype: DType) -> Option<Kernel> {
         DType::Mxfp4 => kernel!(Q8, mxfp4::BlockMxfp4, mxfp4::vec_dot),
         DType::Iq4Nl => kernel!(Q8, iq4::BlockIq4Nl, iq4::vec_dot_nl),
         DType::Iq4Xs => kernel!(Q8K, iq4::BlockIq4Xs, iq4::vec_dot_xs),
-        DType::Iq2Xxs => kernel!(Q8K, G::BlockIq2Xxs, G::vec_dot::<G::BlockIq2Xxs>),
-        DType::Iq2Xs => kernel!(Q8K, G::BlockIq2Xs, G::vec_dot::<G::BlockIq2Xs>),
-        DType::Iq2S => kernel!(Q8K, G::BlockIq2S, G::vec_dot::<G::BlockIq2S>),
-        DType::Iq3Xxs => kernel!(Q8K, G::BlockIq3Xxs, G::vec_dot::<G::BlockIq3Xxs>),
-        DType::Iq3S => kernel!(Q8K, G::BlockIq3S, G::vec_dot::<G::BlockIq3S>),
-        DType::Iq1S => kernel!(Q8K, G::BlockIq1S, G::vec_dot::<G::BlockIq1S>),
-        DType::Iq1M => kernel!(Q8K, G::BlockIq1M, G::vec_dot::<G::BlockIq1M>),
-        DType::Tq1_0 => kernel!(Q8K, G::BlockTq1_0, G::vec_dot::<G::BlockTq1_0>),
-        DType::Tq2_0 => kernel!(Q8K, G::BlockTq2_0, G::vec_dot::<G::BlockTq2_0>),
-        _ => return None,
+        _ => {
+            return iq_grid::with_codebook!(
+                dtype,
+                B => Some(kernel!(Q8K, B, iq_grid::vec_dot::<B>)),
+                _ => None
+            )
+        }
     })
 }
 
@@ -251,7 +247,7 @@ pub fn scalar_kernel(dtype: DType) -> Option<Kernel> {
 pub fn best_kernel(dtype: DType) -> Option<Kernel> {
     #[cfg(target_arch = "x86_64")]
     {
-        use iq_grid::{self as G, avx2 as GA};
+        use iq_grid::avx2 as GA;
         if has_avx2() {
             let k = match dtype {
                 DType::Q4_0 => Some(kernel!(
@@ -322,34 +318,11 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
                 )),
                 DType::Iq4Nl => Some(kernel!(unsafe Q8, iq4::BlockIq4Nl, iq4::avx2::vec_dot_nl)),
                 DType::Iq4Xs => Some(kernel!(unsafe Q8K, iq4::BlockIq4Xs, iq4::avx2::vec_dot_xs)),
-                DType::Iq2Xxs => Some(
-                    kernel!(unsafe Q8K, G::BlockIq2Xxs, GA::vec_dot::<G::BlockIq2Xxs>, GA::vec_dot_x4::<G::BlockIq2Xxs>),
+                _ => iq_grid::with_codebook!(
+                    dtype,
+                    B => Some(kernel!(unsafe Q8K, B, GA::vec_dot::<B>, GA::vec_dot_x4::<B>)),
+                    _ => None
                 ),
-                DType::Iq2Xs => Some(
-                    kernel!(unsafe Q8K, G::BlockIq2Xs, GA::vec_dot::<G::BlockIq2Xs>, GA::vec_dot_x4::<G::BlockIq2Xs>),
-                ),
-                DType::Iq2S => Some(
-                    kernel!(unsafe Q8K, G::BlockIq2S, GA::vec_dot::<G::BlockIq2S>, GA::vec_dot_x4::<G::BlockIq2S>),
-                ),
-                DType::Iq3Xxs => Some(
-                    kernel!(unsafe Q8K, G::BlockIq3Xxs, GA::vec_dot::<G::BlockIq3Xxs>, GA::vec_dot_x4::<G::BlockIq3Xxs>),
-                ),
-                DType::Iq3S => Some(
-                    kernel!(unsafe Q8K, G::BlockIq3S, GA::vec_dot::<G::BlockIq3S>, GA::vec_dot_x4::<G::BlockIq3S>),
-                ),
-                DType::Iq1S => Some(
-                    kernel!(unsafe Q8K, G::BlockIq1S, GA::vec_dot::<G::BlockIq1S>, GA::vec_dot_x4::<G::BlockIq1S>),
-                ),
-                DType::Iq1M => Some(
-                    kernel!(unsafe Q8K, G::BlockIq1M, GA::vec_dot::<G::BlockIq1M>, GA::vec_dot_x4::<G::BlockIq1M>),
-                ),
-                DType::Tq1_0 => Some(
-                    kernel!(unsafe Q8K, G::BlockTq1_0, GA::vec_dot::<G::BlockTq1_0>, GA::vec_dot_x4::<G::BlockTq1_0>),
-                ),
-                DType::Tq2_0 => Some(
-                    kernel!(unsafe Q8K, G::BlockTq2_0, GA::vec_dot::<G::BlockTq2_0>, GA::vec_dot_x4::<G::BlockTq2_0>),
-                ),
-                _ => None,
             };
             if k.is_some() {
                 return k;
