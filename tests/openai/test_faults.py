@@ -9,6 +9,7 @@ import time
 
 import httpx
 
+from conftest import free_port
 from test_security import start
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -78,7 +79,7 @@ def test_a_failing_gpu_fails_its_requests_and_the_server_stays_up_unhealthy():
     if not vulkan_device():
         pytest.skip("no Vulkan device")
     model = os.environ["FERRUM_MODEL"]
-    port = str(int(time.time() * 1000) % 20000 + 30000)
+    port = str(free_port())
     # The device "is lost" at its 600th dispatch: after loading, inside the first request
     # (a SmolLM2 pass is ~400 dispatches).
     env = dict(os.environ, FERRUM_VULKAN_FAIL_AFTER="600")
