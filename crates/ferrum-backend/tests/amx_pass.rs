@@ -33,9 +33,9 @@ fn tile_pass_gives_each_token_its_bits_alone() {
         DType::Q4K,
         DType::Q5K,
         DType::Q6K,
-        // The 32-value formats keep the VNNI kernels (`amx::pays`): here they check that
-        // the gate leaves them their bits; their tile kernels are held to the twins in
-        // `kernels.rs`.
+        // The 32-value formats take the tiles only in passes of `amx::MIN_TOKENS_32` (an
+        // encoder's): below it the VNNI kernels, at 130 tokens the tiles, and either way
+        // each token's bits are its own pass's.
         DType::Q8_0,
         DType::Q4_0,
         DType::Q4_1,
@@ -54,7 +54,7 @@ fn tile_pass_gives_each_token_its_bits_alone() {
         let bias = be
             .load_weight(&RawTensor::from_bytes("b", DType::F32, vec![m], bias).expect("f32"))
             .expect("bias loads");
-        for n in [16, 37] {
+        for n in [16, 37, 130] {
             let x: Vec<f32> = (0..n * k).map(|_| rng.gen_range(-3.0..3.0)).collect();
             let mut out = vec![0f32; n * width];
             let ov = Rows::columns(n, width, at, m);

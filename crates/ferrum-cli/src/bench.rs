@@ -47,6 +47,11 @@ pub struct BenchArgs {
     /// A prompt for the speculative benchmark (repeatable).
     #[arg(long)]
     spec_prompt: Vec<String>,
+    /// Instead of pp/tg: an embedding model's throughput, in sentences per second, over the
+    /// texts of this file (one a line), all given at once as a server batches them; `-`
+    /// for 1,000 built-in sentences of 8-64 tokens.
+    #[arg(long)]
+    embed: Option<String>,
 }
 
 /// The middle of the finite values (the upper of the two middle ones for an even count); NaN
@@ -138,6 +143,9 @@ fn run_on<B: MakeBackend>(a: BenchArgs, be: crate::BackendOpts) -> Result<()> {
     }
     let ctx = a.pp.max(a.tg).max(1);
     let file = ferrum_loader::ModelFile::open(&a.model)?;
+    if let Some(texts) = &a.embed {
+        return embed_bench::<B>(&a, be, texts);
+    }
     if a.spec.enabled() {
         return crate::bench_spec::run::<B>(crate::bench_spec::SpecBench {
             model: &a.model,
@@ -314,6 +322,122 @@ fn run_on<B: MakeBackend>(a: BenchArgs, be: crate::BackendOpts) -> Result<()> {
                 max as f64 * c.len() as f64 / total as f64
             );
         }
+    }
+    Ok(())
+}
+
+/// Texts for `--embed -`: 1,000 sentences of 6 to 50 words from a fixed vocabulary (8 to 64
+/// tokens with BERT's WordPiece and its two special tokens), the same every run.
+fn builtin_sentences() -> Vec<String> {
+    const WORDS: &[&str] = &[
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "model",
+        "reads",
+        "text",
+        "and",
+        "writes",
+        "answers",
+        "for",
+        "people",
+        "who",
+        "ask",
+        "questions",
+        "about",
+        "science",
+        "history",
+        "music",
+        "art",
+        "cities",
+        "rivers",
+        "mountains",
+        "computers",
+        "networks",
+        "memory",
+        "speed",
+        "search",
+        "engine",
+        "finds",
+        "documents",
+        "quickly",
+    ];
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    (0..1000)
+        .map(|_| {
+            let n = 6 + (next() % 45) as usize;
+            let words: Vec<&str> = (0..n)
+                .map(|_| WORDS[(next() % WORDS.len() as u64) as usize])
+                .collect();
+            format!("{}.", words.join(" "))
+        })
+        .collect()
+}
+
+/// `--embed`: every text embedded in one call (as the server batches waiting requests),
+/// `--reps` times; the median rate.
+fn embed_bench<B: MakeBackend>(a: &BenchArgs, be: crate::BackendOpts, texts: &str) -> Result<()> {
+    let sentences = if texts == "-" {
+        builtin_sentences()
+    } else {
+        std::fs::read_to_string(texts)?
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(str::to_string)
+            .collect()
+    };
+    let (enc, tok) = crate::embed::open::<B>(&a.model, be)?;
+    let limit = enc.config.context();
+    let ids: Vec<Vec<u32>> = sentences
+        .iter()
+        .map(|t| {
+            let mut v = tok.encode(t, true)?;
+            v.truncate(limit);
+            Ok(v)
+        })
+        .collect::<Result<_>>()?;
+    let tokens: usize = ids.iter().map(Vec::len).sum();
+    let inputs: Vec<ferrum_models::encoder::Input> = ids
+        .iter()
+        .map(|v| ferrum_models::encoder::Input {
+            ids: v,
+            types: None,
+        })
+        .collect();
+    let mut rates = Vec::new();
+    for _ in 0..a.reps {
+        let t = Instant::now();
+        enc.embed(&inputs)?;
+        rates.push(sentences.len() as f64 / t.elapsed().as_secs_f64());
+    }
+    let rate = median(rates);
+    let name = enc.backend().name();
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"model": a.model, "backend": name, "sentences": sentences.len(),
+                "tokens": tokens, "sentences_per_s": rate, "tokens_per_s": rate * tokens as f64 / sentences.len() as f64})
+        );
+    } else {
+        println!(
+            "embed: {} sentences ({} tokens) on {name}: {rate:.1} sentences/s ({:.0} tokens/s), median of {}",
+            sentences.len(),
+            tokens,
+            rate * tokens as f64 / sentences.len() as f64,
+            a.reps
+        );
     }
     Ok(())
 }

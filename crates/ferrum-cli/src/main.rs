@@ -6,6 +6,7 @@ mod bench_engine;
 mod bench_spec;
 mod default_model;
 mod device;
+mod embed;
 mod models;
 mod plan;
 mod repl;
@@ -94,6 +95,9 @@ enum Cmd {
         #[arg(long, value_parser = parse_device, default_value = "auto")]
         device: Device,
     },
+    /// Embeddings of texts from an embedding model, or a reranker's scores of texts against
+    /// --query, as JSON lines.
+    Embed(embed::EmbedArgs),
     /// Prompt-processing and generation speed (llama-bench's pp and tg), with RSS.
     Bench(bench::BenchArgs),
     /// Quantise a GGUF file or a Hugging Face folder to GGUF (llama-quantize's recipes).
@@ -322,6 +326,11 @@ struct ServeArgs {
     /// on this ZMQ endpoint, e.g. tcp://*:5557.
     #[arg(long)]
     kv_events: Option<String>,
+    /// Answer embedding requests to a chat model with the mean of its hidden states (not a
+    /// trained embedding; without this they get a 400 saying so). Embedding models (BERT,
+    /// XLM-RoBERTa) need no flag.
+    #[arg(long)]
+    embeddings_from_chat_model: bool,
     /// Keep activations in f32 (the reference's math).
     #[arg(long)]
     exact: bool,
@@ -419,9 +428,12 @@ fn serve_on<B: MakeBackend>(a: ServeArgs, be: BackendOpts) -> Result<()> {
                 .to_string_lossy();
             name.strip_suffix(".gguf").unwrap_or(&name).to_string()
         });
+    if ferrum_models::encoder::is_encoder(&file) {
+        return serve_encoder::<B>(a, be, path, file, tok, id);
+    }
     let (ctx, kv_tokens, prefix) = (a.ctx, a.kv_tokens, !a.no_prefix_cache);
     let (spec_tokens, draft) = a.spec.resolve()?;
-    let load = move || -> ferrum_core::Result<ferrum_generate::Engine<B>> {
+    let load = move || -> ferrum_core::Result<ferrum_server::worker::Served<B>> {
         let model = load_model::<B>(&path, &file, ctx, be)
             .map_err(|e| ferrum_core::Error::Weights(format!("{e:#}")))?;
         let engine_tok =
@@ -450,9 +462,49 @@ fn serve_on<B: MakeBackend>(a: ServeArgs, be: BackendOpts) -> Result<()> {
             if prefix { "on" } else { "off" },
             spec_note(&engine)
         );
-        Ok(engine)
+        Ok(ferrum_server::worker::Served::Generate(Box::new(engine)))
     };
-    let cfg = ferrum_server::ServeConfig {
+    let cfg = server_config(a, id);
+    ferrum_server::serve(cfg, tok, load).map_err(|e| anyhow::anyhow!(e))
+}
+
+/// `serve` for an embedding model or a reranker: no KV pool or scheduler, the worker
+/// batches whole inputs.
+fn serve_encoder<B: MakeBackend>(
+    a: ServeArgs,
+    be: BackendOpts,
+    path: PathBuf,
+    file: ModelFile,
+    tok: Tokenizer,
+    id: String,
+) -> Result<()> {
+    let load = move || -> ferrum_core::Result<ferrum_server::worker::Served<B>> {
+        let enc = ferrum_models::encoder::Encoder::load(
+            &file,
+            B::make(&be).map_err(|e| ferrum_core::Error::Device(format!("{e:#}")))?,
+        )?;
+        eprintln!(
+            "ferrum: {}: {} encoder, {:.1}M params, {}, {} pooling{}, reads {} tokens; ready",
+            path.display(),
+            enc.config.family.name(),
+            enc.info.params as f64 / 1e6,
+            enc.info.main_dtype,
+            enc.pooling.mode.name(),
+            if enc.is_classifier() {
+                " (a reranker)"
+            } else {
+                ""
+            },
+            enc.config.context(),
+        );
+        Ok(ferrum_server::worker::Served::Encode(Box::new(enc)))
+    };
+    let cfg = server_config(a, id);
+    ferrum_server::serve(cfg, tok, load).map_err(|e| anyhow::anyhow!(e))
+}
+
+fn server_config(a: ServeArgs, id: String) -> ferrum_server::ServeConfig {
+    ferrum_server::ServeConfig {
         host: a.host,
         port: a.port,
         api_key: a.api_key.filter(|k| !k.is_empty()),
@@ -482,8 +534,8 @@ fn serve_on<B: MakeBackend>(a: ServeArgs, be: BackendOpts) -> Result<()> {
         max_request_tokens: a.max_request_tokens,
         shutdown_grace: std::time::Duration::from_secs(a.shutdown_grace),
         kv_events: a.kv_events,
-    };
-    ferrum_server::serve(cfg, tok, load).map_err(|e| anyhow::anyhow!(e))
+        embeddings_from_chat: a.embeddings_from_chat_model,
+    }
 }
 
 /// Logs go to stderr through `tracing`; `RUST_LOG` overrides the default level, which is
@@ -528,6 +580,7 @@ fn main() {
             })
         }),
         Cmd::Bench(a) => bench::run(a),
+        Cmd::Embed(a) => embed::run(a),
         Cmd::Quantize {
             input,
             output,

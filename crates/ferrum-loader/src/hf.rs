@@ -104,6 +104,10 @@ pub fn load_safetensors(path: &Path, store: &mut TensorStore, populate: bool) ->
             StDtype::BF16 => DType::BF16,
             // MXFP4 checkpoints' blocks and scales, which their loader decodes.
             StDtype::U8 => DType::U8,
+            // Integer buffers older transformers saved beside the weights (BERT's
+            // `embeddings.position_ids`, `token_type_ids`): the positions they hold are the
+            // ones every model computes.
+            _ if name.ends_with("position_ids") || name.ends_with("token_type_ids") => continue,
             other => {
                 return Err(Error::Unsupported(format!(
                     "{}: tensor {name:?} has dtype {other:?} (F32, F16, BF16 and U8 are supported)",

@@ -99,7 +99,7 @@ impl WeightSource<'_> {
         self.require_with(be, hf, layer, shape, |t| load_precise_float(be, t))
     }
 
-    fn require_with<B: Backend>(
+    pub fn require_with<B: Backend>(
         &self,
         be: &B,
         hf: &str,

@@ -8,6 +8,7 @@
 pub mod arch;
 pub mod config;
 pub mod decoder;
+pub mod encoder;
 pub mod layers;
 pub mod linear;
 pub mod moe;

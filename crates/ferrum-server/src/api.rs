@@ -172,6 +172,9 @@ pub struct EmbeddingRequest {
     pub encoding_format: Option<String>,
     pub dimensions: Option<i64>,
     pub user: Option<String>,
+    /// vLLM's: cut each input to this many tokens (-1: the model's limit) instead of
+    /// refusing one that is longer.
+    pub truncate_prompt_tokens: Option<i64>,
 }
 
 const SAMPLING_FIELDS: &[&str] = &[
@@ -239,7 +242,14 @@ pub const COMPLETION_FIELDS: &[&str] = &[
     "parse_special",
 ];
 
-pub const EMBEDDING_FIELDS: &[&str] = &["model", "input", "encoding_format", "dimensions", "user"];
+pub const EMBEDDING_FIELDS: &[&str] = &[
+    "model",
+    "input",
+    "encoding_format",
+    "dimensions",
+    "user",
+    "truncate_prompt_tokens",
+];
 
 /// Fields that routers (vllm-router, sglang-router) add to every request they forward, each
 /// with the value that asks for what this server does anyway. They are taken at that value

@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod ollama;
 pub mod openai;
 pub mod reasoning;
+pub mod rerank;
 pub mod responses;
 pub mod routes;
 pub mod tokenize;
@@ -29,7 +30,6 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
 use ferrum_core::Result;
-use ferrum_generate::Engine;
 use ferrum_tokenizer::{SpecialTokens, Tokenizer};
 
 pub struct ServeConfig {
@@ -62,6 +62,9 @@ pub struct ServeConfig {
     pub shutdown_grace: std::time::Duration,
     /// A ZMQ endpoint to publish the prefix cache's events on (`tcp://*:5557`).
     pub kv_events: Option<String>,
+    /// Whether a chat model answers embedding requests with the mean of its hidden states
+    /// (`--embeddings-from-chat-model`); otherwise they get a 400 saying why.
+    pub embeddings_from_chat: bool,
 }
 
 pub fn router(state: Arc<routes::AppState>, max_body: usize) -> Router {
@@ -69,6 +72,10 @@ pub fn router(state: Arc<routes::AppState>, max_body: usize) -> Router {
         .route("/v1/chat/completions", post(openai::chat))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/embeddings", post(openai::embeddings))
+        .route("/v1/rerank", post(rerank::rerank))
+        .route("/rerank", post(rerank::rerank))
+        .route("/v1/score", post(rerank::score))
+        .route("/score", post(rerank::score))
         .route("/v1/models", get(routes::models))
         .route("/v1/models/{*id}", get(routes::model))
         .route("/v1/responses", post(responses::create))
@@ -119,7 +126,7 @@ pub fn router(state: Arc<routes::AppState>, max_body: usize) -> Router {
 pub fn serve<B: ferrum_backend::Backend + 'static>(
     cfg: ServeConfig,
     tokenizer: Tokenizer,
-    load: impl FnOnce() -> Result<Engine<B>> + Send + 'static,
+    load: impl FnOnce() -> Result<worker::Served<B>> + Send + 'static,
 ) -> std::result::Result<(), String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -179,6 +186,7 @@ pub fn serve<B: ferrum_backend::Backend + 'static>(
             max_request_tokens: cfg.max_request_tokens,
             draining: AtomicBool::new(false),
             in_handlers: AtomicUsize::new(0),
+            embeddings_from_chat: cfg.embeddings_from_chat,
         });
         tracing::info!(
             "serving {:?} on http://{addr} (OpenAI API under /v1; /health, /metrics){}",
@@ -305,6 +313,8 @@ mod tests {
                 params: 1000,
                 file_bytes: 4000,
                 embedding_width: 8,
+                kind: worker::ModelKind::Generate,
+                normalized: true,
             });
             shared.ready.store(true, Ordering::SeqCst);
         }
@@ -325,6 +335,7 @@ mod tests {
             guard: guard::BrowserGuard::new("127.0.0.1", &[], &[]),
             content_special: SpecialTokens::Text,
             max_request_tokens: None,
+            embeddings_from_chat: false,
         });
         router(state, 1 << 16)
     }

@@ -885,6 +885,11 @@ pub async fn embed(State(st): App, b: Result<Bytes, BytesRejection>) -> Response
             },
         };
         let ids = routes::encode_texts(&st, &inputs)?;
+        let truncate = if truncate {
+            routes::Truncate::To(card.context)
+        } else {
+            routes::Truncate::No
+        };
         let (mut vectors, tokens) = routes::embed_ids(&st, &card, ids, truncate, "input").await?;
         vectors.iter_mut().for_each(|v| v.truncate(dims));
         vectors.iter_mut().for_each(|v| normalise(v));
@@ -918,7 +923,8 @@ pub async fn embeddings(State(st): App, b: Result<Bytes, BytesRejection>) -> Res
             return Ok(Json(json!({"embedding": []})).into_response());
         }
         let ids = routes::encode_texts(&st, &[prompt.to_string()])?;
-        let (v, _) = routes::embed_ids(&st, &card, ids, true, "prompt").await?;
+        let all = routes::Truncate::To(card.context);
+        let (v, _) = routes::embed_ids(&st, &card, ids, all, "prompt").await?;
         Ok::<_, ApiError>(Json(json!({"embedding": v.first()})).into_response())
     }
     .await;

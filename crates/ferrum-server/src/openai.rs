@@ -348,7 +348,7 @@ async fn completions_inner(
     let t0 = Instant::now();
     let bytes = body(b)?;
     let req: api::CompletionRequest = api::parse(&bytes, api::COMPLETION_FIELDS, true)?;
-    let card = st.check_model(&req.model)?;
+    let card = st.check_generating(&req.model)?;
     req.check_supported()?;
     let logprobs = req.logprobs()?;
     let prompts = req.prompts(&st.tokenizer)?;
@@ -506,17 +506,39 @@ async fn embeddings_inner(
         api::EmbeddingInput::Tokens(t) => vec![t],
         api::EmbeddingInput::ManyTokens(v) => v,
     };
-    let (vectors, tokens) = routes::embed_ids(&st, &card, inputs, false, "input").await?;
-    let mut data = Vec::new();
-    for (i, v) in vectors.into_iter().enumerate() {
-        if let Some(d) = req.dimensions {
-            if d != v.len() as i64 {
-                return Err(ApiError::param(
-                    "dimensions",
-                    format!("this model's embeddings have {} dimensions", v.len()),
-                ));
-            }
+    // Matryoshka: the first `dimensions` numbers, renormalised where the model's vectors
+    // are unit length (as sentence-transformers' `truncate_dim` and vLLM do).
+    let width = card.embedding_width;
+    let dims = match req.dimensions {
+        None => width,
+        Some(d) if d >= 1 && d as usize <= width => d as usize,
+        Some(d) => {
+            return Err(ApiError::param(
+                "dimensions",
+                format!(
+                    "dimensions {d}: this model's embeddings have {width} (ask for 1 to {width})"
+                ),
+            ))
         }
+    };
+    let truncate = match req.truncate_prompt_tokens {
+        None => routes::Truncate::No,
+        Some(-1) => routes::Truncate::To(card.context),
+        Some(n) if n >= 1 => routes::Truncate::To(n as usize),
+        Some(n) => {
+            return Err(ApiError::param(
+                "truncate_prompt_tokens",
+                format!(
+                    "truncate_prompt_tokens {n} (a positive count, or -1 for the model's limit)"
+                ),
+            ))
+        }
+    };
+    let (vectors, tokens) = routes::embed_ids(&st, &card, inputs, truncate, "input").await?;
+    let mut data = Vec::new();
+    for (i, mut v) in vectors.into_iter().enumerate() {
+        ferrum_models::encoder::truncate_dims(&mut v, dims, card.normalized)
+            .map_err(|m| ApiError::param("dimensions", m))?;
         let embedding = if base64 {
             json!(base64_f32(&v))
         } else {

@@ -25,7 +25,7 @@ use crate::api::{self, Plan};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::tools::Tools;
-use crate::worker::{Handle, ModelCard};
+use crate::worker::{EmbedInput, Handle, ModelCard, ModelKind};
 
 pub struct AppState {
     pub handle: Handle,
@@ -54,6 +54,8 @@ pub struct AppState {
     /// API handlers running now (a request being parsed, rendered or submitted, which the
     /// engine's counts do not see yet).
     pub in_handlers: AtomicUsize,
+    /// Whether a chat model answers embedding requests (with the mean of its hidden states).
+    pub embeddings_from_chat: bool,
 }
 
 type App = State<Arc<AppState>>;
@@ -126,6 +128,21 @@ impl AppState {
         let mut card = card.clone();
         card.id = model.to_string();
         Ok(card)
+    }
+
+    /// [`Self::check_model`] for the routes that generate text: an embedding model or a
+    /// reranker gets a 400 saying which routes it serves.
+    pub(crate) fn check_generating(&self, model: &str) -> Result<ModelCard, ApiError> {
+        let card = self.check_model(model)?;
+        let serves = match card.kind {
+            ModelKind::Generate => return Ok(card),
+            ModelKind::Embed => "an embedding model: it serves /v1/embeddings",
+            ModelKind::Rerank => "a reranker: it serves /v1/rerank and /v1/score",
+        };
+        Err(ApiError::bad_request(
+            format!("model {model:?} does not generate text; it is {serves}"),
+            Some("model"),
+        ))
     }
 
     pub(crate) fn check_load(&self) -> Result<(), ApiError> {
@@ -556,7 +573,7 @@ pub(crate) async fn prepare_with(
     req: &api::ChatRequest,
     ids: PromptIds,
 ) -> Result<Prepared, ApiError> {
-    let card = st.check_model(&req.model)?;
+    let card = st.check_generating(&req.model)?;
     req.check_supported()?;
     let tools = req.tools()?;
     let raw = matches!(ids, PromptIds::Raw(_));
@@ -611,19 +628,72 @@ pub(crate) fn encode_texts(st: &AppState, texts: &[String]) -> Result<Vec<Vec<u3
         .collect()
 }
 
+/// How a request may cut an over-long input: vLLM's `truncate_prompt_tokens` (a token
+/// count, or -1 for the model's limit), Ollama's `truncate` (the limit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Truncate {
+    /// An input over the limit is refused, naming both lengths.
+    No,
+    /// Cut to the first N tokens (at most the limit).
+    To(usize),
+}
+
+/// Cuts `ids` to `keep` tokens from the start; an encoder's closing special token (BERT's
+/// `[SEP]`, XLM-R's `</s>`) stays last, as sentence-transformers' and TEI's truncation leave
+/// it.
+fn cut(st: &AppState, card: &ModelCard, ids: &mut Vec<u32>, keep: usize) {
+    if ids.len() <= keep || keep == 0 {
+        return;
+    }
+    let last = ids[ids.len() - 1];
+    ids.truncate(keep);
+    if card.kind != ModelKind::Generate && st.tokenizer.is_special(last) {
+        ids[keep - 1] = last;
+    }
+}
+
+/// Refuses an embedding request to a model that does not embed: a chat model unless the
+/// server was started with `--embeddings-from-chat-model`, or a reranker.
+fn check_embeds(st: &AppState, card: &ModelCard) -> Result<(), ApiError> {
+    match card.kind {
+        ModelKind::Embed => Ok(()),
+        ModelKind::Generate if st.embeddings_from_chat => Ok(()),
+        ModelKind::Generate => Err(ApiError::bad_request(
+            format!(
+                "model {:?} generates text; it is not an embedding model, and the mean of its \
+                 hidden states is not a trained embedding. Serve an embedding model (BERT, \
+                 XLM-RoBERTa families), or start the server with --embeddings-from-chat-model \
+                 to get that mean anyway",
+                card.id
+            ),
+            Some("model"),
+        )),
+        ModelKind::Rerank => Err(ApiError::bad_request(
+            format!(
+                "model {:?} is a reranker (a cross-encoder): it scores query-document pairs at \
+                 /v1/rerank and /v1/score, and makes no embeddings",
+                card.id
+            ),
+            Some("model"),
+        )),
+    }
+}
+
 /// The model's embedding of each input (token ids), and the tokens read: an input longer
-/// than the context is cut to it when `truncate`, else refused (naming `param`).
+/// than the model reads is cut as `truncate` says, else refused (naming `param`). The inputs
+/// go to the worker as one command, which batches them with other requests'.
 pub(crate) async fn embed_ids(
     st: &AppState,
     card: &ModelCard,
     inputs: Vec<Vec<u32>>,
-    truncate: bool,
+    truncate: Truncate,
     param: &str,
 ) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
+    check_embeds(st, card)?;
     if inputs.is_empty() {
         return Err(ApiError::param(param, format!("{param} must not be empty")));
     }
-    let mut out = Vec::with_capacity(inputs.len());
+    let mut batch = Vec::with_capacity(inputs.len());
     let mut tokens = 0;
     for (i, mut ids) in inputs.into_iter().enumerate() {
         if ids.is_empty() {
@@ -635,21 +705,86 @@ pub(crate) async fn embed_ids(
                 format!("{param} {i}: token {bad} is outside the vocabulary"),
             ));
         }
-        if ids.len() > card.context {
-            if !truncate {
+        match truncate {
+            Truncate::To(n) => cut(st, card, &mut ids, n.min(card.context)),
+            Truncate::No if ids.len() > card.context => {
                 return Err(ApiError::param(
                     param,
                     format!(
-                        "{param} {i} is {} tokens; the context holds {}",
+                        "{param} {i} is {} tokens; the model reads at most {} (set \
+                         truncate_prompt_tokens to cut it)",
+                        ids.len(),
+                        card.context
+                    ),
+                ))
+            }
+            Truncate::No => {}
+        }
+        tokens += ids.len();
+        batch.push(EmbedInput { ids, types: None });
+    }
+    let out = st.handle.embed(batch, false).await?;
+    Ok((out, tokens))
+}
+
+/// A cross-encoder's relevance score of each document for `query` (the sigmoid of its
+/// logit, as sentence-transformers' `CrossEncoder` gives it) and the tokens read. A pair
+/// over the model's limit is refused naming both lengths, or with `truncate` has its
+/// document cut.
+pub(crate) async fn score_pairs(
+    st: &AppState,
+    card: &ModelCard,
+    pairs: &[(&str, &str)],
+    truncate: Truncate,
+) -> Result<(Vec<f32>, usize), ApiError> {
+    if card.kind != ModelKind::Rerank {
+        return Err(ApiError::bad_request(
+            format!(
+                "model {:?} is not a reranker: scoring needs a cross-encoder (a \
+                 *ForSequenceClassification model such as bge-reranker)",
+                card.id
+            ),
+            Some("model"),
+        ));
+    }
+    if pairs.is_empty() {
+        return Err(ApiError::param("documents", "documents must not be empty"));
+    }
+    let mut batch = Vec::with_capacity(pairs.len());
+    let mut tokens = 0;
+    for (i, (query, d)) in pairs.iter().enumerate() {
+        let (mut ids, mut types) = st.tokenizer.encode_pair(query, d)?;
+        let limit = match truncate {
+            Truncate::To(n) => n.min(card.context),
+            Truncate::No => card.context,
+        };
+        if ids.len() > limit {
+            if truncate == Truncate::No {
+                return Err(ApiError::param(
+                    "documents",
+                    format!(
+                        "the query with document {i} is {} tokens; the model reads at most {} \
+                         (set truncate_prompt_tokens to cut the document)",
                         ids.len(),
                         card.context
                     ),
                 ));
             }
-            ids.truncate(card.context);
+            let last = ids[ids.len() - 1];
+            ids.truncate(limit);
+            types.truncate(limit);
+            ids[limit - 1] = last;
         }
         tokens += ids.len();
-        out.push(st.handle.embed(ids).await?);
+        batch.push(EmbedInput {
+            ids,
+            types: Some(types),
+        });
     }
-    Ok((out, tokens))
+    let logits = st.handle.embed(batch, true).await?;
+    let scores = logits
+        .iter()
+        .map(|l| ferrum_models::encoder::relevance(l))
+        .collect();
+    Ok((scores, tokens))
 }

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use ferrum_backend::Backend;
 use ferrum_core::{Error, Result};
 use ferrum_generate::{Engine, EngineStats, Output, OutputKind, Request, RequestId};
+use ferrum_models::encoder::{Encoder, Input};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
 pub enum Command {
@@ -19,10 +20,40 @@ pub enum Command {
         events: tmpsc::UnboundedSender<Output>,
         reply: oneshot::Sender<Result<RequestId>>,
     },
+    /// Embeddings of the inputs (or, with `score`, a cross-encoder's logits of each pair),
+    /// in order. The worker runs every such command waiting at once as one batch.
     Embed {
-        tokens: Vec<u32>,
-        reply: oneshot::Sender<Result<Vec<f32>>>,
+        inputs: Vec<EmbedInput>,
+        score: bool,
+        reply: oneshot::Sender<Result<Vec<Vec<f32>>>>,
     },
+}
+
+/// One input of an embedding or scoring command: token ids, and for a pair each token's
+/// segment.
+#[derive(Debug, Clone)]
+pub struct EmbedInput {
+    pub ids: Vec<u32>,
+    pub types: Option<Vec<u32>>,
+}
+
+/// What the worker serves: a generating model's engine, or an encoder (embeddings and
+/// reranking), which needs no scheduler or KV pool: it runs whole inputs, batched.
+pub enum Served<B: Backend> {
+    Generate(Box<Engine<B>>),
+    Encode(Box<Encoder<B>>),
+}
+
+/// What a model does for clients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelKind {
+    /// Generates text (chat, completions); embeddings only with
+    /// `--embeddings-from-chat-model`.
+    Generate,
+    /// An embedding model.
+    Embed,
+    /// A cross-encoder: scores query–document pairs (`/v1/rerank`, `/v1/score`).
+    Rerank,
 }
 
 /// What the server knows about the loaded model.
@@ -44,8 +75,11 @@ pub struct ModelCard {
     pub params: usize,
     /// The weights file's (or folder's) size on disk.
     pub file_bytes: usize,
-    /// How many numbers an embedding has (the hidden size).
+    /// How many numbers an embedding has.
     pub embedding_width: usize,
+    pub kind: ModelKind,
+    /// Whether an embedding is unit length (its dimensions can then be cut and renormalised).
+    pub normalized: bool,
 }
 
 /// State the handlers read without asking the worker.
@@ -95,10 +129,15 @@ impl Handle {
         Ok((id, rx))
     }
 
-    pub async fn embed(&self, tokens: Vec<u32>) -> Result<Vec<f32>> {
+    /// The model's vectors for `inputs` (embeddings, or with `score` a classifier's logits).
+    pub async fn embed(&self, inputs: Vec<EmbedInput>, score: bool) -> Result<Vec<Vec<f32>>> {
         let (reply, answer) = oneshot::channel();
         self.tx
-            .send(Command::Embed { tokens, reply })
+            .send(Command::Embed {
+                inputs,
+                score,
+                reply,
+            })
             .map_err(|_| Error::InvalidRequest("the engine has stopped".into()))?;
         answer
             .await
@@ -110,7 +149,7 @@ impl Handle {
 /// /health with 503 meanwhile).
 pub fn spawn<B: Backend + 'static>(
     id: String,
-    load: impl FnOnce() -> Result<Engine<B>> + Send + 'static,
+    load: impl FnOnce() -> Result<Served<B>> + Send + 'static,
     kv_events: Option<crate::kv_events::Sender>,
 ) -> Handle {
     let (tx, rx) = mpsc::channel();
@@ -121,7 +160,7 @@ pub fn spawn<B: Backend + 'static>(
         .spawn(move || {
             // Before the backend's threads exist, so they inherit it.
             yield_to_http_threads();
-            let mut engine = match load() {
+            let served = match load() {
                 Ok(e) => e,
                 Err(e) => {
                     let _ = sh.load_error.set(e.to_string());
@@ -131,6 +170,37 @@ pub fn spawn<B: Backend + 'static>(
             let created = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs());
+            let mut engine = match served {
+                Served::Generate(e) => e,
+                Served::Encode(enc) => {
+                    let c = &enc.config;
+                    let _ = sh.card.set(ModelCard {
+                        id,
+                        created,
+                        context: c.context(),
+                        max_sequence: c.context(),
+                        kv_tokens: 0,
+                        kv_bytes: 0,
+                        vocab_size: c.vocab,
+                        arch: c.family.name().to_string(),
+                        dtype: enc.info.main_dtype.name().to_string(),
+                        prefix_caching: false,
+                        kv_dtype: enc.backend().kv_dtype().to_string(),
+                        params: enc.info.params,
+                        file_bytes: enc.info.file_bytes,
+                        embedding_width: enc.embedding_width(),
+                        kind: if enc.is_classifier() {
+                            ModelKind::Rerank
+                        } else {
+                            ModelKind::Embed
+                        },
+                        normalized: enc.pooling.normalize,
+                    });
+                    sh.ready.store(true, Ordering::SeqCst);
+                    run_encoder(&enc, &rx, &sh);
+                    return;
+                }
+            };
             let _ = sh.card.set(ModelCard {
                 id,
                 created,
@@ -146,6 +216,8 @@ pub fn spawn<B: Backend + 'static>(
                 params: engine.model.info.params,
                 file_bytes: engine.model.info.file_bytes,
                 embedding_width: engine.model.decoder.config.hidden_size,
+                kind: ModelKind::Generate,
+                normalized: true,
             });
             publish(&sh, &engine);
             if kv_events.is_some() {
@@ -268,8 +340,90 @@ fn handle<B: Backend>(
             }
             let _ = reply.send(r);
         }
-        Command::Embed { tokens, reply } => {
-            let _ = reply.send(engine.embed(&tokens));
+        Command::Embed {
+            inputs,
+            score,
+            reply,
+        } => {
+            let r = if score {
+                Err(Error::InvalidRequest(
+                    "this model generates text; it has no head that scores pairs".into(),
+                ))
+            } else {
+                inputs.iter().map(|x| engine.embed(&x.ids)).collect()
+            };
+            let _ = reply.send(r);
+        }
+    }
+}
+
+/// An embedding command's inputs and where its vectors go.
+type Waiting = (Vec<EmbedInput>, oneshot::Sender<Result<Vec<Vec<f32>>>>);
+
+/// The encoder's loop: every embedding (and every scoring) command waiting when the worker
+/// wakes runs as one batch (the encoder packs the inputs into passes), so many short
+/// requests share their matmuls.
+fn run_encoder<B: Backend>(enc: &Encoder<B>, rx: &mpsc::Receiver<Command>, sh: &Shared) {
+    while let Ok(first) = rx.recv() {
+        let mut cmds = vec![first];
+        while let Ok(c) = rx.try_recv() {
+            cmds.push(c);
+        }
+        let mut batches: [Vec<Waiting>; 2] = Default::default();
+        for c in cmds {
+            match c {
+                Command::Submit { reply, .. } => {
+                    let _ = reply.send(Err(Error::InvalidRequest(
+                        "this model embeds or scores texts; it does not generate them".into(),
+                    )));
+                }
+                Command::Embed {
+                    inputs,
+                    score,
+                    reply,
+                } => batches[score as usize].push((inputs, reply)),
+            }
+        }
+        for (score, batch) in batches.into_iter().enumerate() {
+            if !batch.is_empty() {
+                encode_batch(enc, batch, score == 1, sh);
+            }
+        }
+    }
+}
+
+fn encode_batch<B: Backend>(enc: &Encoder<B>, batch: Vec<Waiting>, score: bool, sh: &Shared) {
+    let run = |inputs: &[EmbedInput]| {
+        let xs: Vec<Input> = inputs
+            .iter()
+            .map(|x| Input {
+                ids: &x.ids,
+                types: x.types.as_deref(),
+            })
+            .collect();
+        if score {
+            enc.classify(&xs)
+        } else {
+            enc.embed(&xs)
+        }
+    };
+    let all: Vec<EmbedInput> = batch.iter().flat_map(|(i, _)| i.iter().cloned()).collect();
+    match run(&all) {
+        Ok(mut vectors) => {
+            for (inputs, reply) in batch.into_iter().rev() {
+                let mine = vectors.split_off(vectors.len() - inputs.len());
+                let _ = reply.send(Ok(mine));
+            }
+        }
+        Err(e) => {
+            if let Error::Device(_) = e {
+                let _ = sh.fault.set(e.to_string());
+            }
+            // One request's input failed the batch (the routes check inputs first, so this
+            // is rare): each request again on its own, so only that one gets the error.
+            for (inputs, reply) in batch {
+                let _ = reply.send(run(&inputs));
+            }
         }
     }
 }

@@ -162,14 +162,17 @@ pub(crate) fn load(g: &GgufFile) -> Result<Tokenizer> {
         ))
     })?;
     // Check the model name before reading the (possibly large) vocabulary.
-    if model != "gpt2" && model != "llama" {
+    if model != "gpt2" && model != "llama" && model != "bert" {
         return Err(Error::Tokenizer(format!(
             "{}: unsupported tokenizer.ggml.model = {model:?} (supported: \"gpt2\" byte-level \
-             BPE, \"llama\" SentencePiece)",
+             BPE, \"llama\" SentencePiece, \"bert\" WordPiece)",
             g.path.display()
         )));
     }
     let vocab = Vocab::read(g)?;
+    if model == "bert" {
+        return wordpiece(g, &vocab);
+    }
     let (mut inner, add_bos_default) = match model {
         "gpt2" => (byte_level_bpe(g, &vocab)?, None),
         _ => (sentencepiece_bpe(g, &vocab)?, Some(true)),
@@ -247,6 +250,92 @@ pub(crate) fn load(g: &GgufFile) -> Result<Tokenizer> {
         eos_ids,
         special,
         chat_template,
+    )
+}
+
+/// `tokenizer.ggml.model = "bert"`: BERT's WordPiece as llama.cpp's converter stores it —
+/// a word's first piece with a leading `▁`, a continuing piece bare (Hugging Face's `##`
+/// dropped), special tokens as they are. The pieces are turned back into Hugging Face's
+/// spelling and run by its WordPiece model behind BERT's normaliser (lower case, accents
+/// stripped, CJK characters split) and pre-tokeniser, with `[CLS] A [SEP]` (pairs:
+/// `[CLS] A [SEP] B [SEP]`, B's segment 1) around the input.
+fn wordpiece(g: &GgufFile, vocab: &Vocab) -> Result<Tokenizer> {
+    use tokenizers::models::wordpiece::WordPiece;
+    use tokenizers::normalizers::bert::BertNormalizer;
+    use tokenizers::pre_tokenizers::bert::BertPreTokenizer;
+    use tokenizers::processors::template::{SpecialToken, TemplateProcessing};
+
+    let mut pieces: HashMap<String, u32> = HashMap::new();
+    for (i, (t, &ty)) in vocab.tokens.iter().zip(&vocab.types).enumerate() {
+        let text = match ty {
+            token_type::CONTROL | token_type::UNKNOWN | token_type::USER_DEFINED => t.clone(),
+            _ => match t.strip_prefix('\u{2581}') {
+                Some(word) => word.to_string(),
+                None => format!("##{t}"),
+            },
+        };
+        pieces.insert(text, i as u32);
+    }
+    let text_of = |id: u32| vocab.tokens[id as usize].clone();
+    let unk = vocab
+        .special_id(g, "tokenizer.ggml.unknown_token_id")
+        .map(text_of)
+        .unwrap_or_else(|| "[UNK]".to_string());
+    let model = WordPiece::builder()
+        .vocab(
+            pieces
+                .into_iter()
+                .collect::<tokenizers::models::bpe::Vocab>(),
+        )
+        .unk_token(unk)
+        .continuing_subword_prefix("##".into())
+        .build()
+        .map_err(|e| Error::Tokenizer(format!("{}: WordPiece: {e}", g.path.display())))?;
+    let mut inner = tokenizers::Tokenizer::new(model);
+    inner.with_normalizer(Some(BertNormalizer::new(true, true, None, true)));
+    inner.with_pre_tokenizer(Some(BertPreTokenizer));
+    inner.with_decoder(Some(tokenizers::decoders::wordpiece::WordPiece::default()));
+    inner.add_special_tokens(&vocab.added_tokens());
+
+    let cls = vocab
+        .special_id(g, "tokenizer.ggml.cls_token_id")
+        .or_else(|| vocab.special_id(g, "tokenizer.ggml.bos_token_id"));
+    let sep = vocab
+        .special_id(g, "tokenizer.ggml.seperator_token_id")
+        .or_else(|| vocab.special_id(g, "tokenizer.ggml.eos_token_id"));
+    let (Some(cls), Some(sep)) = (cls, sep) else {
+        return Err(Error::Tokenizer(format!(
+            "{}: a WordPiece vocabulary without its [CLS] and [SEP] ids",
+            g.path.display()
+        )));
+    };
+    let err = |e: tokenizers::Error| Error::Tokenizer(format!("BERT template: {e}"));
+    let processor = TemplateProcessing::builder()
+        .try_single(vec!["CLS", "$A", "SEP"])
+        .map_err(|e| Error::Tokenizer(format!("BERT template: {e}")))?
+        .try_pair(vec!["CLS", "$A", "SEP", "$B:1", "SEP:1"])
+        .map_err(|e| Error::Tokenizer(format!("BERT template: {e}")))?
+        .special_tokens(vec![
+            SpecialToken::new("CLS".into(), vec![cls], vec![text_of(cls)]).map_err(err)?,
+            SpecialToken::new("SEP".into(), vec![sep], vec![text_of(sep)]).map_err(err)?,
+        ])
+        .build()
+        .map_err(|e| Error::Tokenizer(format!("BERT template: {e}")))?;
+    inner.with_post_processor(Some(processor));
+    let special: HashSet<u32> = vocab
+        .types
+        .iter()
+        .enumerate()
+        .filter(|(_, &t)| t == token_type::CONTROL || t == token_type::UNKNOWN)
+        .map(|(i, _)| i as u32)
+        .collect();
+    Tokenizer::assemble(
+        inner,
+        vocab.tokens.len(),
+        Some(cls),
+        vec![sep],
+        special,
+        None,
     )
 }
 

@@ -26,6 +26,13 @@ pub(crate) fn load(dir: &Path) -> Result<Tokenizer> {
     }
     let mut inner = tokenizers::Tokenizer::from_file(&tok_path)
         .map_err(|e| Error::format(&tok_path, format!("cannot load tokenizer: {e}")))?;
+    // Embedding models' files often ask for fixed padding and truncation (all-MiniLM's pads
+    // every input to 128 tokens): the engine sees every token, so lengths are its business
+    // (an input over the context is refused or cut where the request says so).
+    inner.with_padding(None);
+    inner
+        .with_truncation(None)
+        .map_err(|e| Error::format(&tok_path, format!("cannot load tokenizer: {e}")))?;
 
     let config = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Json::Null);
     let generation = read_json(&dir.join("generation_config.json"))?.unwrap_or(Json::Null);

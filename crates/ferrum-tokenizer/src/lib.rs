@@ -99,6 +99,16 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// A pair of texts as a cross-encoder reads them (the tokenizer's pair template, e.g.
+    /// BERT's `[CLS] a [SEP] b [SEP]`): the ids and each id's segment (token type).
+    pub fn encode_pair(&self, a: &str, b: &str) -> Result<(Vec<u32>, Vec<u32>)> {
+        let enc = self
+            .inner
+            .encode_fast((a, b), true)
+            .map_err(|e| Error::Tokenizer(format!("encode: {e}")))?;
+        Ok((enc.get_ids().to_vec(), enc.get_type_ids().to_vec()))
+    }
+
     /// Decodes `ids`; an id outside the vocabulary is an error rather than silently dropped.
     /// Decoding one token at a time can lose leading spaces (SentencePiece) or split UTF-8
     /// characters (byte-level BPE); stream through `inner().decode_stream(..)` instead.

@@ -433,6 +433,23 @@ impl CpuBackend {
         }
     }
 
+    /// Runs `f` on every row of `xv` (its full width), rows split among the threads.
+    fn rows_in_place(&self, x: &mut [f32], xv: Rows, f: &(dyn Fn(&mut [f32]) + Sync)) {
+        let (n, w) = (xv.count, xv.width());
+        if n == 0 {
+            return;
+        }
+        assert!(n <= 1 || xv.stride >= w, "rows overlap");
+        let per_task = n.div_ceil(self.threads * 4).max(1);
+        let dst = SharedMut(x.as_mut_ptr());
+        self.pool.run(n.div_ceil(per_task), &|task| {
+            for t in task * per_task..((task + 1) * per_task).min(n) {
+                // SAFETY: in bounds (check_view); rows do not overlap and each is one task's.
+                f(unsafe { dst.slice(xv.offset + t * xv.stride, w) });
+            }
+        });
+    }
+
     /// f32 activations everywhere: each quantised weight row is dequantised and multiplied in
     /// f32. Used to check the model against an exact reference.
     pub fn exact() -> Self {
@@ -796,6 +813,29 @@ impl Backend for CpuBackend {
             w.data = WeightData::Owned(self.copy_to_arena(t));
         }
         Ok(w)
+    }
+
+    /// Float matrices whose rows are whole Q8_0 blocks become Q8_0 (then packed) unless the
+    /// backend is exact: an encoder's batch runs on the VNNI integer kernels.
+    fn load_weight_compute(&self, t: &RawTensor) -> Result<CpuWeight> {
+        let float = matches!(t.dtype, DType::F32 | DType::F16 | DType::BF16);
+        let cols = t.row_len();
+        if self.exact || !float || t.shape.len() != 2 || !cols.is_multiple_of(quant::q8_0::QK) {
+            return self.load_weight(t);
+        }
+        let mut row = vec![0f32; cols];
+        let row_bytes = t.dtype.bytes_for(cols).unwrap_or(0);
+        let mut bytes = Vec::with_capacity(t.n_rows() * (cols / 32) * 34);
+        for r in t.bytes().chunks_exact(row_bytes) {
+            if !quant::dequantize(t.dtype, r, &mut row) {
+                return self.load_weight(t);
+            }
+            quant::q8_0::quantize_row(&row, &mut bytes);
+        }
+        let q = RawTensor::from_bytes(&t.name, DType::Q8_0, t.shape.clone(), bytes).ok_or_else(
+            || Error::Weights(format!("tensor {}: cannot make its Q8_0 copy", t.name)),
+        )?;
+        self.load_weight(&q)
     }
 
     fn load_weight(&self, t: &RawTensor) -> Result<CpuWeight> {
@@ -1462,6 +1502,26 @@ impl Backend for CpuBackend {
         );
     }
 
+    /// In place, rows shared among the threads (the default copies the buffer out and back
+    /// on one thread, which leaves the others waiting between an encoder's matmuls). The
+    /// same row function, so the same bits.
+    fn layer_norm(&self, x: &mut Vec<f32>, xv: Rows, weight: &[f32], bias: &[f32], eps: f32) {
+        check_view("layer_norm", xv, x.len());
+        let w = xv.width();
+        assert!(
+            weight.len() == w && bias.len() == w,
+            "layer_norm: parameter length"
+        );
+        self.rows_in_place(x, xv, &|row| {
+            crate::host_ops::layer_norm_row(row, weight, bias, eps)
+        });
+    }
+
+    fn gelu(&self, x: &mut Vec<f32>, xv: Rows) {
+        check_view("gelu", xv, x.len());
+        self.rows_in_place(x, xv, &crate::host_ops::gelu_erf);
+    }
+
     fn scale_inplace(&self, x: &mut Vec<f32>, xv: Rows, s: f32) {
         check_view("scale", xv, x.len());
         let w = xv.width();
@@ -1537,7 +1597,7 @@ trait PackedRows: quant::amx::Act + quant::packed::PackedAct + Sized + 'static {
         #[cfg(target_arch = "x86_64")]
         if n >= quant::amx::MIN_TOKENS
             && g + 1 < end / ROWS
-            && quant::amx::pays(p)
+            && quant::amx::pays(p, n)
             && quant::amx::mode() != quant::amx::Mode::Off
         {
             use quant::amx::{gemm_pair, Amx, Emulated, Mode};

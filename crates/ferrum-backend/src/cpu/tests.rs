@@ -723,3 +723,56 @@ fn precise_bf16_weight_takes_f32_activations() {
         .zip(&want)
         .all(|(a, b)| a.to_bits() == b.to_bits()));
 }
+
+/// The CPU's in-place, threaded LayerNorm and GELU give the trait's default bodies' bits (the
+/// same row functions over a host copy), on a strided view that leaves its neighbours alone.
+#[test]
+fn layer_norm_and_gelu_overrides_equal_the_host_defaults() {
+    let mut r = rng();
+    let be = CpuBackend::with_threads(2);
+    let (n, w, stride, at) = (37, 96, 130, 7);
+    let x = rand_vec(&mut r, n * stride + at);
+    let weight = rand_vec(&mut r, w);
+    let bias = rand_vec(&mut r, w);
+    let view = Rows::columns(n, stride, at, w);
+    let mut got = x.clone();
+    be.layer_norm(&mut got, view, &weight, &bias, 1e-12);
+    let mut gelu = x.clone();
+    be.gelu(&mut gelu, view);
+    let (mut want_ln, mut want_gelu) = (x.clone(), x.clone());
+    for t in 0..n {
+        let o = at + t * stride;
+        crate::host_ops::layer_norm_row(&mut want_ln[o..o + w], &weight, &bias, 1e-12);
+        crate::host_ops::gelu_erf(&mut want_gelu[o..o + w]);
+    }
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&got), bits(&want_ln));
+    assert_eq!(bits(&gelu), bits(&want_gelu));
+}
+
+/// An encoder's float matrix on the fast path becomes Q8_0 as llama.cpp quantises it (the
+/// same bytes as the test's reference quantiser), and an exact backend keeps it in f32.
+#[test]
+fn compute_weights_are_q8_0_on_the_fast_path_only() {
+    let mut r = rng();
+    let (m, k) = (16, 64);
+    let data = rand_vec(&mut r, m * k);
+    let t = f32_tensor("w", vec![m, k], &data);
+    let q = RawTensor::from_bytes("w", DType::Q8_0, vec![m, k], q8_0_bytes(&data)).unwrap();
+    let x = rand_vec(&mut r, 3 * k);
+    let run = |be: &CpuBackend, w: &CpuWeight| {
+        let mut out = vec![0f32; 3 * m];
+        be.matmul(&x, Rows::dense(3, k), w, None, &mut out, Rows::dense(3, m));
+        out
+    };
+    let fast = CpuBackend::with_threads(2);
+    assert_eq!(
+        run(&fast, &fast.load_weight_compute(&t).unwrap()),
+        run(&fast, &fast.load_weight(&q).unwrap())
+    );
+    let exact = CpuBackend::exact();
+    assert_eq!(
+        run(&exact, &exact.load_weight_compute(&t).unwrap()),
+        run(&exact, &exact.load_weight(&t).unwrap())
+    );
+}

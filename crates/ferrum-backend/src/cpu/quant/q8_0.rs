@@ -21,6 +21,22 @@ pub fn dequantize(blocks: &[BlockQ8_0], out: &mut [f32]) {
     }
 }
 
+/// A row of floats as Q8_0 blocks in the file's byte layout, as llama.cpp's
+/// `quantize_row_q8_0_ref` makes them (the scale `max |x| / 127`, each value rounded half
+/// away from zero): the weights an encoder's fast path multiplies in 8 bits.
+pub fn quantize_row(x: &[f32], out: &mut Vec<u8>) {
+    for block in x.chunks(QK) {
+        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+        for i in 0..QK {
+            let v = block.get(i).copied().unwrap_or(0.0) * id;
+            out.push(v.round() as i8 as u8);
+        }
+    }
+}
+
 use super::q8::BlockQ8;
 
 pub fn vec_dot(w: &[BlockQ8_0], a: &[BlockQ8]) -> f32 {

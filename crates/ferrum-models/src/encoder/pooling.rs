@@ -1,0 +1,313 @@
+//! How token states become one vector: read from the model's own files —
+//! sentence-transformers' `modules.json` (its `Pooling` module's config, `Dense` layers,
+//! `Normalize`) or a GGUF file's `{arch}.pooling_type` — and applied on the host (a few
+//! vectors a sequence against the encoder's matrices).
+
+use std::path::Path;
+
+use ferrum_core::{Error, Result};
+use ferrum_loader::{GgufFile, ModelFile};
+use serde_json::Value as Json;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The mean over the sequence's tokens (special tokens included, as sentence-transformers
+    /// and llama.cpp take it).
+    Mean,
+    /// The first token's state (`[CLS]`).
+    Cls,
+    /// The last token's state (decoder embedders: Qwen3-Embedding).
+    Last,
+    /// The element-wise maximum.
+    Max,
+    /// The sum over √n (sentence-transformers' `mean_sqrt_len_tokens`).
+    MeanSqrtLen,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Mean => "mean",
+            Mode::Cls => "cls",
+            Mode::Last => "last",
+            Mode::Max => "max",
+            Mode::MeanSqrtLen => "mean_sqrt_len",
+        }
+    }
+}
+
+/// A sentence-transformers `Dense` module: `act(W · x + b)`.
+#[derive(Debug, Clone)]
+pub struct Dense {
+    pub weight: Vec<f32>,
+    pub bias: Option<Vec<f32>>,
+    pub in_features: usize,
+    pub out_features: usize,
+    pub tanh: bool,
+}
+
+impl Dense {
+    fn apply(&self, x: &[f32]) -> Vec<f32> {
+        (0..self.out_features)
+            .map(|o| {
+                let row = &self.weight[o * self.in_features..(o + 1) * self.in_features];
+                let mut s: f32 = row.iter().zip(x).map(|(w, v)| w * v).sum();
+                if let Some(b) = &self.bias {
+                    s += b[o];
+                }
+                if self.tanh {
+                    s.tanh()
+                } else {
+                    s
+                }
+            })
+            .collect()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Pooling {
+    pub mode: Mode,
+    pub dense: Vec<Dense>,
+    /// Unit length at the end (a `Normalize` module; GGUF models, as llama.cpp's server does).
+    pub normalize: bool,
+}
+
+impl Pooling {
+    /// Length of the vectors this gives for `hidden`-wide states.
+    pub fn width(&self, hidden: usize) -> usize {
+        self.dense.last().map_or(hidden, |d| d.out_features)
+    }
+
+    /// One sequence's vector from its `n × hidden` states (row-major).
+    pub fn apply(&self, states: &[f32], hidden: usize) -> Vec<f32> {
+        let n = states.len() / hidden;
+        let rows = || states.chunks_exact(hidden);
+        let mut v = match self.mode {
+            Mode::Cls => states[..hidden].to_vec(),
+            Mode::Last => states[(n - 1) * hidden..].to_vec(),
+            Mode::Mean | Mode::MeanSqrtLen => {
+                let mut s = vec![0f32; hidden];
+                for r in rows() {
+                    s.iter_mut().zip(r).for_each(|(a, b)| *a += b);
+                }
+                let d = if self.mode == Mode::Mean {
+                    n as f32
+                } else {
+                    (n as f32).sqrt()
+                };
+                s.iter_mut().for_each(|a| *a /= d);
+                s
+            }
+            Mode::Max => {
+                let mut s = vec![f32::NEG_INFINITY; hidden];
+                for r in rows() {
+                    s.iter_mut().zip(r).for_each(|(a, &b)| *a = a.max(b));
+                }
+                s
+            }
+        };
+        for d in &self.dense {
+            v = d.apply(&v);
+        }
+        if self.normalize {
+            normalize(&mut v);
+        }
+        v
+    }
+
+    /// What the model's files say; `None` for a folder without sentence-transformers' files
+    /// (the caller picks the default).
+    pub fn read(file: &ModelFile, hidden: usize) -> Result<Option<Pooling>> {
+        match file {
+            ModelFile::Gguf(g) => Ok(from_gguf(g)),
+            ModelFile::Hf(h) => from_sentence_transformers(&h.dir, hidden),
+        }
+    }
+}
+
+/// Scales `v` to unit length (a zero vector stays zero); sentence-transformers' `Normalize`
+/// (`F.normalize`, which divides by max(‖v‖, 1e-12)).
+pub fn normalize(v: &mut [f32]) {
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
+    v.iter_mut().for_each(|x| *x /= norm);
+}
+
+/// llama.cpp's `pooling_type`: 0 none, 1 mean, 2 CLS, 3 last, 4 rank (a classifier head).
+fn from_gguf(g: &GgufFile) -> Option<Pooling> {
+    let arch = g.architecture().ok()?;
+    let mode = match g.get_u64(&format!("{arch}.pooling_type"))? {
+        1 => Mode::Mean,
+        2 | 4 => Mode::Cls,
+        3 => Mode::Last,
+        _ => return None,
+    };
+    Some(Pooling {
+        mode,
+        dense: Vec::new(),
+        normalize: true,
+    })
+}
+
+fn read_json(path: &Path) -> Result<Json> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::format(path, format!("invalid JSON: {e}")))
+}
+
+fn from_sentence_transformers(dir: &Path, hidden: usize) -> Result<Option<Pooling>> {
+    let modules_path = dir.join("modules.json");
+    if !modules_path.is_file() {
+        return Ok(None);
+    }
+    let modules = read_json(&modules_path)?;
+    let list = modules
+        .as_array()
+        .ok_or_else(|| Error::format(&modules_path, "not a list of modules"))?;
+    let mut pooling = Pooling {
+        mode: Mode::Mean,
+        dense: Vec::new(),
+        normalize: false,
+    };
+    let mut width = hidden;
+    for m in list {
+        let ty = m.get("type").and_then(Json::as_str).unwrap_or("");
+        let sub = dir.join(m.get("path").and_then(Json::as_str).unwrap_or(""));
+        let kind = ty.rsplit('.').next().unwrap_or(ty);
+        match kind {
+            "Transformer" => {}
+            "Pooling" => pooling.mode = pooling_mode(&read_json(&sub.join("config.json"))?, &sub)?,
+            "Dense" => {
+                let d = dense(&sub, width)?;
+                width = d.out_features;
+                pooling.dense.push(d);
+            }
+            "Normalize" => pooling.normalize = true,
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "{}: sentence-transformers module {other:?} (Transformer, Pooling, Dense and \
+                     Normalize are supported)",
+                    modules_path.display()
+                )))
+            }
+        }
+    }
+    Ok(Some(pooling))
+}
+
+fn pooling_mode(c: &Json, dir: &Path) -> Result<Mode> {
+    if c.get("include_prompt").and_then(Json::as_bool) == Some(false) {
+        return Err(Error::Unsupported(format!(
+            "{}: pooling that leaves the prompt's tokens out (include_prompt: false)",
+            dir.display()
+        )));
+    }
+    // sentence-transformers 5 and later: one `pooling_mode` string.
+    if let Some(m) = c.get("pooling_mode").and_then(Json::as_str) {
+        return match m {
+            "mean" => Ok(Mode::Mean),
+            "cls" => Ok(Mode::Cls),
+            "max" => Ok(Mode::Max),
+            "lasttoken" | "last" => Ok(Mode::Last),
+            "mean_sqrt_len_tokens" => Ok(Mode::MeanSqrtLen),
+            other => Err(Error::Unsupported(format!(
+                "{}: pooling mode {other:?} (mean, cls, max, lasttoken and \
+                 mean_sqrt_len_tokens are supported)",
+                dir.display()
+            ))),
+        };
+    }
+    // Earlier versions: one boolean a mode.
+    let on = |k: &str| c.get(k).and_then(Json::as_bool).unwrap_or(false);
+    let modes = [
+        ("pooling_mode_cls_token", Mode::Cls),
+        ("pooling_mode_mean_tokens", Mode::Mean),
+        ("pooling_mode_max_tokens", Mode::Max),
+        ("pooling_mode_mean_sqrt_len_tokens", Mode::MeanSqrtLen),
+        ("pooling_mode_lasttoken", Mode::Last),
+    ];
+    let picked: Vec<Mode> = modes.iter().filter(|(k, _)| on(k)).map(|m| m.1).collect();
+    if on("pooling_mode_weightedmean_tokens") {
+        return Err(Error::Unsupported(format!(
+            "{}: weighted-mean pooling",
+            dir.display()
+        )));
+    }
+    match picked.as_slice() {
+        [m] => Ok(*m),
+        [] => Err(Error::format(
+            dir.join("config.json"),
+            "no pooling mode is on",
+        )),
+        _ => Err(Error::Unsupported(format!(
+            "{}: several pooling modes at once (their concatenation)",
+            dir.display()
+        ))),
+    }
+}
+
+fn dense(dir: &Path, width: usize) -> Result<Dense> {
+    let cfg_path = dir.join("config.json");
+    let c = read_json(&cfg_path)?;
+    let get = |k: &str| {
+        c.get(k)
+            .and_then(Json::as_u64)
+            .map(|v| v as usize)
+            .ok_or_else(|| Error::format(&cfg_path, format!("missing {k}")))
+    };
+    let (in_features, out_features) = (get("in_features")?, get("out_features")?);
+    if in_features != width {
+        return Err(Error::format(
+            &cfg_path,
+            format!("in_features {in_features}, but the vectors before it have {width}"),
+        ));
+    }
+    let act = c
+        .get("activation_function")
+        .and_then(Json::as_str)
+        .unwrap_or("torch.nn.modules.activation.Tanh");
+    let tanh = match act.rsplit('.').next().unwrap_or(act) {
+        "Tanh" => true,
+        "Identity" => false,
+        other => {
+            return Err(Error::Unsupported(format!(
+                "{}: Dense activation {other:?} (Tanh and Identity are supported)",
+                cfg_path.display()
+            )))
+        }
+    };
+    let mut store = ferrum_loader::TensorStore::default();
+    let st = dir.join("model.safetensors");
+    if !st.is_file() {
+        return Err(Error::Unsupported(format!(
+            "{}: a Dense module without model.safetensors",
+            dir.display()
+        )));
+    }
+    ferrum_loader::hf::load_safetensors(&st, &mut store, true)?;
+    let vec_of = |name: &str, len: usize| -> Result<Option<Vec<f32>>> {
+        let Some(t) = store.get(name) else {
+            return Ok(None);
+        };
+        if t.numel() != len {
+            return Err(Error::format(&st, format!("{name}: shape {:?}", t.shape)));
+        }
+        let mut v = vec![0f32; len];
+        if !ferrum_backend::cpu::quant::dequantize(t.dtype, t.bytes(), &mut v) {
+            return Err(Error::format(
+                &st,
+                format!("{name}: cannot convert {}", t.dtype),
+            ));
+        }
+        Ok(Some(v))
+    };
+    let weight = vec_of("linear.weight", in_features * out_features)?
+        .ok_or_else(|| Error::format(&st, "no linear.weight"))?;
+    let bias = vec_of("linear.bias", out_features)?;
+    Ok(Dense {
+        weight,
+        bias,
+        in_features,
+        out_features,
+        tanh,
+    })
+}

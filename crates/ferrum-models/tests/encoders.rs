@@ -1,0 +1,322 @@
+//! Encoder models (BERT, XLM-RoBERTa) against transformers and sentence-transformers:
+//! tiny random-weight models (tests/fixtures/encoders, made by
+//! scripts/fixtures/make_encoder_models.py) whose states, embeddings and classifier logits
+//! must match within 1e-5 on the exact path; the same BERT converted to GGUF by llama.cpp's
+//! converter against llama.cpp's `llama-embedding` (scripts/fixtures/
+//! encoder_llamacpp_reference.sh); and the real all-MiniLM-L6-v2 against
+//! sentence-transformers on 64 sentences (scripts/fixtures/minilm_reference.py).
+
+use std::path::{Path, PathBuf};
+
+use ferrum_backend::CpuBackend;
+use ferrum_loader::ModelFile;
+use ferrum_models::encoder::{Encoder, Input};
+use ferrum_tokenizer::Tokenizer;
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn read_json(p: &Path) -> Value {
+    let text = std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+fn floats(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn texts(v: &Value) -> Vec<String> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_str().unwrap().to_string())
+        .collect()
+}
+
+fn open(path: &Path, be: CpuBackend) -> (Encoder<CpuBackend>, Tokenizer) {
+    let file = ModelFile::open(path).unwrap();
+    assert!(ferrum_models::encoder::is_encoder(&file));
+    let tok = match &file {
+        ModelFile::Gguf(g) => Tokenizer::from_gguf(g).unwrap(),
+        ModelFile::Hf(h) => Tokenizer::from_hf_dir(&h.dir).unwrap(),
+    };
+    (Encoder::load(&file, be).unwrap(), tok)
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    dot / (na * nb)
+}
+
+/// Token ids as the reference tokenised, states and embeddings within `tol` (exact path).
+fn check_embedder(name: &str) {
+    let dir = fixtures().join("encoders").join(name);
+    let r = read_json(&dir.join("reference.json"));
+    let (enc, tok) = open(&dir, CpuBackend::exact());
+    let inputs = texts(&r["inputs"]);
+    let mut all_ids = Vec::new();
+    for (i, (t, want)) in inputs.iter().zip(r["ids"].as_array().unwrap()).enumerate() {
+        let got = tok.encode(t, true).unwrap();
+        assert_eq!(got, ids(want), "{name}: ids of input {i} {t:?}");
+        all_ids.push(got);
+    }
+    let xs: Vec<Input> = all_ids
+        .iter()
+        .map(|v| Input {
+            ids: v,
+            types: None,
+        })
+        .collect();
+    let h = enc.config.hidden;
+    let states = enc.hidden_states(&xs).unwrap();
+    for (i, (s, want)) in states
+        .iter()
+        .zip(r["hidden"].as_array().unwrap())
+        .enumerate()
+    {
+        let want: Vec<f32> = want.as_array().unwrap().iter().flat_map(floats).collect();
+        let d = max_abs(s, &want);
+        assert!(d < 1e-5, "{name}: states of input {i} off by {d}");
+        assert_eq!(s.len(), all_ids[i].len() * h);
+    }
+    let emb = enc.embed(&xs).unwrap();
+    for (i, (e, want)) in emb
+        .iter()
+        .zip(r["embeddings"].as_array().unwrap())
+        .enumerate()
+    {
+        let d = max_abs(e, &floats(want));
+        assert!(d < 1e-5, "{name}: embedding of input {i} off by {d}");
+    }
+    // Each input alone gives the bits it gets in the batch.
+    for (i, x) in xs.iter().enumerate() {
+        let alone = enc.embed(std::slice::from_ref(x)).unwrap();
+        assert_eq!(
+            alone[0], emb[i],
+            "{name}: input {i} alone differs from the batch"
+        );
+    }
+    // The default (fast) path stays close.
+    let (fast, _) = open(&dir, CpuBackend::new());
+    for (i, (e, want)) in fast
+        .embed(&xs)
+        .unwrap()
+        .iter()
+        .zip(r["embeddings"].as_array().unwrap())
+        .enumerate()
+    {
+        let c = cosine(e, &floats(want));
+        assert!(c > 0.999, "{name}: default path, input {i}: cosine {c}");
+    }
+}
+
+#[test]
+fn bert_mean_pooling_matches_sentence_transformers() {
+    check_embedder("bert_mean");
+}
+
+#[test]
+fn bert_cls_and_dense_match_sentence_transformers() {
+    check_embedder("bert_cls_dense");
+}
+
+#[test]
+fn xlm_roberta_matches_sentence_transformers() {
+    check_embedder("xlmr_mean");
+}
+
+fn check_cross_encoder(name: &str) {
+    let dir = fixtures().join("encoders").join(name);
+    let r = read_json(&dir.join("reference.json"));
+    let (enc, tok) = open(&dir, CpuBackend::exact());
+    assert!(enc.is_classifier());
+    let mut encoded = Vec::new();
+    for (i, pair) in r["pairs"].as_array().unwrap().iter().enumerate() {
+        let p = texts(pair);
+        let (got, types) = tok.encode_pair(&p[0], &p[1]).unwrap();
+        assert_eq!(got, ids(&r["ids"][i]), "{name}: ids of pair {i}");
+        assert_eq!(
+            types,
+            ids(&r["type_ids"][i]),
+            "{name}: token types of pair {i}"
+        );
+        encoded.push((got, types));
+    }
+    let xs: Vec<Input> = encoded
+        .iter()
+        .map(|(v, t): &(Vec<u32>, Vec<u32>)| Input {
+            ids: v,
+            types: Some(t),
+        })
+        .collect();
+    let logits = enc.classify(&xs).unwrap();
+    for (i, (l, want)) in logits
+        .iter()
+        .zip(r["logits"].as_array().unwrap())
+        .enumerate()
+    {
+        let d = max_abs(l, &floats(want));
+        assert!(d < 1e-5, "{name}: logits of pair {i} off by {d}: {l:?}");
+    }
+    if logits[0].len() == 1 {
+        // sentence-transformers' CrossEncoder.predict: the sigmoid of the one logit.
+        for (i, (l, want)) in logits
+            .iter()
+            .zip(floats(&r["crossencoder_predict"]))
+            .enumerate()
+        {
+            let s = ferrum_models::encoder::relevance(l);
+            assert!(
+                (s - want).abs() < 1e-5,
+                "{name}: score of pair {i}: {s} vs {want}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bert_cross_encoder_matches_transformers() {
+    check_cross_encoder("bert_cross");
+}
+
+#[test]
+fn bert_two_label_classifier_matches_transformers() {
+    check_cross_encoder("bert_cls2");
+}
+
+/// llama.cpp's converter's GGUF of the tiny BERT, against `llama-embedding` on that file.
+#[test]
+fn bert_gguf_matches_llama_cpp() {
+    let path = fixtures().join("encoders/bert_mean.gguf");
+    let r = read_json(&fixtures().join("encoders/bert_mean.llamacpp.json"));
+    let (enc, tok) = open(&path, CpuBackend::exact());
+    let inputs = texts(&r["inputs"]);
+    let mut all = Vec::new();
+    for (i, t) in inputs.iter().enumerate() {
+        let got = tok.encode(t, true).unwrap();
+        assert_eq!(got, ids(&r["ids"][i]), "ids of input {i} {t:?}");
+        all.push(got);
+    }
+    let xs: Vec<Input> = all
+        .iter()
+        .map(|v| Input {
+            ids: v,
+            types: None,
+        })
+        .collect();
+    for (i, (e, want)) in enc
+        .embed(&xs)
+        .unwrap()
+        .iter()
+        .zip(r["embeddings"].as_array().unwrap())
+        .enumerate()
+    {
+        let c = cosine(e, &floats(want));
+        assert!(c > 0.9999, "input {i}: cosine {c} with llama.cpp");
+    }
+}
+
+fn minilm_dir() -> PathBuf {
+    let dir = std::env::var_os("FERRUM_MINILM_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("FERRUM_CACHE")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| {
+                    PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/ferrum")
+                });
+            home.join("all-minilm-l6-v2")
+        });
+    assert!(
+        dir.join("model.safetensors").is_file(),
+        "{} is missing: run scripts/fetch-test-assets.sh",
+        dir.display()
+    );
+    dir
+}
+
+/// The real all-MiniLM-L6-v2 on 64 sentences: cosine ≥ 0.9999 with sentence-transformers on
+/// the exact path, ≥ 0.999 on the default one.
+#[test]
+fn minilm_matches_sentence_transformers() {
+    let r = read_json(&fixtures().join("minilm/reference.json"));
+    let dir = minilm_dir();
+    let inputs = texts(&r["sentences"]);
+    for (label, be, floor) in [
+        ("exact", CpuBackend::exact(), 0.9999),
+        ("default", CpuBackend::new(), 0.999),
+    ] {
+        let (enc, tok) = open(&dir, be);
+        let all: Vec<Vec<u32>> = inputs
+            .iter()
+            .map(|t| tok.encode(t, true).unwrap())
+            .collect();
+        for (i, (got, want)) in all.iter().zip(r["ids"].as_array().unwrap()).enumerate() {
+            assert_eq!(got, &ids(want), "ids of sentence {i}");
+        }
+        let xs: Vec<Input> = all
+            .iter()
+            .map(|v| Input {
+                ids: v,
+                types: None,
+            })
+            .collect();
+        let emb = enc.embed(&xs).unwrap();
+        let worst = emb
+            .iter()
+            .zip(r["embeddings"].as_array().unwrap())
+            .map(|(e, w)| cosine(e, &floats(w)))
+            .fold(1.0, f64::min);
+        assert!(worst >= floor, "{label}: worst cosine {worst}");
+    }
+}
+
+/// The cross-encoder through llama.cpp's converter: llama.cpp scores it without BERT's pooler
+/// (the converter drops it) and with token type 0 throughout; on the same file the same.
+#[test]
+fn bert_cross_encoder_gguf_matches_llama_cpp() {
+    let path = fixtures().join("encoders/bert_cross.gguf");
+    let r = read_json(&fixtures().join("encoders/bert_cross.llamacpp.json"));
+    let (enc, tok) = open(&path, CpuBackend::exact());
+    for (i, pair) in r["pairs"].as_array().unwrap().iter().enumerate() {
+        let p = texts(pair);
+        let (got, types) = tok.encode_pair(&p[0], &p[1]).unwrap();
+        assert_eq!(got, ids(&r["ids"][i]), "ids of pair {i}");
+        let l = enc
+            .classify(&[Input {
+                ids: &got,
+                types: Some(&types),
+            }])
+            .unwrap();
+        let want = floats(&r["scores"][i]);
+        assert!(
+            (l[0][0] - want[0]).abs() < 2e-3,
+            "pair {i}: {:?} vs llama.cpp {want:?}",
+            l[0]
+        );
+    }
+}
