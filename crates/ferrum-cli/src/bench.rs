@@ -399,7 +399,7 @@ fn embed_bench<B: MakeBackend>(a: &BenchArgs, be: crate::BackendOpts, texts: &st
             .collect()
     };
     let (enc, tok) = crate::embed::open::<B>(&a.model, be)?;
-    let limit = enc.config.context();
+    let limit = enc.context();
     let ids: Vec<Vec<u32>> = sentences
         .iter()
         .map(|t| {
@@ -423,7 +423,7 @@ fn embed_bench<B: MakeBackend>(a: &BenchArgs, be: crate::BackendOpts, texts: &st
         rates.push(sentences.len() as f64 / t.elapsed().as_secs_f64());
     }
     let rate = median(rates);
-    let name = enc.backend().name();
+    let name = enc.backend_name();
     if a.json {
         println!(
             "{}",

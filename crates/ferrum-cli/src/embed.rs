@@ -1,13 +1,16 @@
 //! `ferrum embed`: embeddings (or, for a cross-encoder, relevance scores) of texts from the
 //! command line or a file, one JSON object a line.
 
+use std::cell::RefCell;
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use ferrum_backend::Backend;
 use ferrum_loader::ModelFile;
 use ferrum_models::encoder::{Encoder, Input};
+use ferrum_models::Model;
 use ferrum_tokenizer::Tokenizer;
 use serde_json::json;
 
@@ -47,26 +50,93 @@ pub(crate) fn run(a: EmbedArgs) -> Result<()> {
     crate::device::on_backend!(be, embed_on(&path, &a, be))
 }
 
-/// Opens an encoder and its tokenizer.
+/// What `embed` and `bench --embed` run: an encoder, or a decoder embedder (a decoder whose
+/// files give its pooling: Qwen3-Embedding).
+pub(crate) enum Embedder<B: Backend> {
+    Encoder(Box<Encoder<B>>),
+    Decoder(Box<RefCell<Model<B>>>),
+}
+
+impl<B: Backend> Embedder<B> {
+    /// Longest input.
+    pub fn context(&self) -> usize {
+        match self {
+            Embedder::Encoder(e) => e.config.context(),
+            Embedder::Decoder(m) => m.borrow().decoder.context,
+        }
+    }
+
+    pub fn normalized(&self) -> bool {
+        match self {
+            Embedder::Encoder(e) => e.pooling.normalize,
+            Embedder::Decoder(m) => m.borrow().pooling.as_ref().is_some_and(|p| p.normalize),
+        }
+    }
+
+    pub fn backend_name(&self) -> String {
+        match self {
+            Embedder::Encoder(e) => e.backend().name(),
+            Embedder::Decoder(m) => m.borrow().decoder.backend().name(),
+        }
+    }
+
+    pub fn embed(&self, inputs: &[Input]) -> ferrum_core::Result<Vec<Vec<f32>>> {
+        match self {
+            Embedder::Encoder(e) => e.embed(inputs),
+            Embedder::Decoder(m) => {
+                let mut m = m.borrow_mut();
+                let h = m.decoder.config.hidden_size;
+                let mut out = Vec::with_capacity(inputs.len());
+                for x in inputs {
+                    let mut kv = m.decoder.alloc_kv_tokens(x.ids.len());
+                    let rows = m.decoder.hidden_rows(&mut kv, x.ids)?;
+                    let p = m.pooling.as_ref().ok_or_else(|| {
+                        ferrum_core::Error::InvalidRequest("this model has no pooling".into())
+                    })?;
+                    out.push(p.apply(&rows, h));
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    pub fn classify(&self, inputs: &[Input]) -> ferrum_core::Result<Vec<Vec<f32>>> {
+        match self {
+            Embedder::Encoder(e) => e.classify(inputs),
+            Embedder::Decoder(_) => Err(ferrum_core::Error::InvalidRequest(
+                "this model embeds; it has no head that scores pairs".into(),
+            )),
+        }
+    }
+}
+
+/// Opens an embedding model (an encoder, or a decoder with its own pooling) and its
+/// tokenizer.
 pub(crate) fn open<B: MakeBackend>(
     path: &Path,
     be: BackendOpts,
-) -> Result<(Encoder<B>, Tokenizer)> {
+) -> Result<(Embedder<B>, Tokenizer)> {
     let file = ModelFile::open(path)?;
-    if !ferrum_models::encoder::is_encoder(&file) {
-        bail!(
-            "{} is not an embedding or reranking model (supported: {})",
-            path.display(),
-            ferrum_models::encoder::supported()
-        );
-    }
     let tokenizer = match &file {
         ModelFile::Gguf(g) => Tokenizer::from_gguf(g)?,
         ModelFile::Hf(h) => Tokenizer::from_hf_dir(&h.dir)?,
     };
-    let enc = Encoder::load(&file, B::make(&be)?)
-        .with_context(|| format!("loading {}", path.display()))?;
-    Ok((enc, tokenizer))
+    if ferrum_models::encoder::is_encoder(&file) {
+        let enc = Encoder::load(&file, B::make(&be)?)
+            .with_context(|| format!("loading {}", path.display()))?;
+        return Ok((Embedder::Encoder(Box::new(enc)), tokenizer));
+    }
+    let model = crate::load_model::<B>(path, &file, None, be)?;
+    if model.pooling.is_none() {
+        bail!(
+            "{} generates text; it is not an embedding model (its files give no pooling: \
+             sentence-transformers' modules.json or a GGUF pooling_type). Embedding models: {}, \
+             and decoder embedders such as Qwen3-Embedding",
+            path.display(),
+            ferrum_models::encoder::supported()
+        );
+    }
+    Ok((Embedder::Decoder(Box::new(RefCell::new(model))), tokenizer))
 }
 
 fn embed_on<B: MakeBackend>(path: &Path, a: &EmbedArgs, be: BackendOpts) -> Result<()> {
@@ -86,7 +156,7 @@ fn embed_on<B: MakeBackend>(path: &Path, a: &EmbedArgs, be: BackendOpts) -> Resu
     if texts.is_empty() {
         bail!("nothing to embed: give --text or --file");
     }
-    let limit = enc.config.context();
+    let limit = enc.context();
     let cut = |mut v: Vec<u32>, i: usize| -> Result<Vec<u32>> {
         if v.len() > limit {
             if !a.truncate {
@@ -144,7 +214,7 @@ fn embed_on<B: MakeBackend>(path: &Path, a: &EmbedArgs, be: BackendOpts) -> Resu
     let vectors = enc.embed(&inputs)?;
     for (i, (t, mut v)) in texts.iter().zip(vectors).enumerate() {
         if let Some(d) = a.dimensions {
-            ferrum_models::encoder::truncate_dims(&mut v, d, enc.pooling.normalize)
+            ferrum_models::encoder::truncate_dims(&mut v, d, enc.normalized())
                 .map_err(anyhow::Error::msg)?;
         }
         writeln!(out, "{}", json!({"index": i, "text": t, "embedding": v}))?;

@@ -571,8 +571,9 @@ impl<B: Backend> Engine<B> {
         Ok(id)
     }
 
-    /// A sentence embedding of `tokens`: the mean of the model's final-normalised hidden
-    /// states, scaled to unit length. Runs outside the batch, in a cache of its own.
+    /// A sentence embedding of `tokens`: a decoder embedder's pooling of the model's
+    /// final-normalised hidden states (`Model::pooling`), else their mean scaled to unit
+    /// length. Runs outside the batch, in a cache of its own.
     pub fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         if tokens.is_empty() {
             return Err(Error::InvalidRequest("the input is empty".into()));
@@ -585,6 +586,10 @@ impl<B: Backend> Engine<B> {
             )));
         }
         let mut kv = self.model.decoder.alloc_kv_tokens(tokens.len());
+        if let Some(p) = &self.model.pooling {
+            let rows = self.model.decoder.hidden_rows(&mut kv, tokens)?;
+            return Ok(p.apply(&rows, self.model.decoder.config.hidden_size));
+        }
         let mut v = self.model.decoder.pooled_hidden(&mut kv, tokens)?;
         let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
         if norm > 0.0 {

@@ -432,6 +432,24 @@ impl<B: Backend> Decoder<B> {
         result
     }
 
+    /// The final-normalised hidden states of `tokens` (row-major, one row a position), run
+    /// as one fresh sequence owning `kv`: what a decoder embedder (Qwen3-Embedding) pools.
+    pub fn hidden_rows(&mut self, kv: &mut KvCache<B>, tokens: &[u32]) -> Result<Vec<f32>> {
+        let h = self.config.hidden_size;
+        let mut all = Vec::with_capacity(tokens.len() * h);
+        let mut host = Vec::new();
+        self.run_alone(kv, tokens, 0, Logits::None, |d, chunk, _| {
+            let rows = Rows::dense(chunk.len(), h);
+            let s = &mut d.state;
+            let be = &d.backend;
+            be.rms_norm(&s.x, rows, &d.final_norm, d.config.rms_eps, &mut s.xn, rows);
+            host.resize(chunk.len() * h, 0.0);
+            be.read(&s.xn, 0, &mut host);
+            all.extend_from_slice(&host);
+        })?;
+        Ok(all)
+    }
+
     /// The mean over positions of the final-normalised hidden states of `tokens`, run as one
     /// fresh sequence owning `kv` (sentence embeddings).
     pub fn pooled_hidden(&mut self, kv: &mut KvCache<B>, tokens: &[u32]) -> Result<Vec<f32>> {

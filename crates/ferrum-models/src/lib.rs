@@ -95,6 +95,10 @@ pub struct ModelInfo {
 pub struct Model<B: Backend> {
     pub decoder: Decoder<B>,
     pub info: ModelInfo,
+    /// A decoder embedder's pooling (Qwen3-Embedding's last token), where the model's files
+    /// give one (sentence-transformers' `modules.json`, a GGUF `pooling_type`): the model is
+    /// then served as an embedding model.
+    pub pooling: Option<encoder::Pooling>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -142,8 +146,10 @@ impl<B: Backend> Model<B> {
             .into_iter()
             .max_by_key(|(_, b)| *b)
             .map_or(DType::F32, |(d, _)| d);
+        let pooling = encoder::Pooling::read(file, decoder.config.hidden_size)?;
         Ok(Model {
             decoder,
+            pooling,
             info: ModelInfo {
                 arch,
                 params: store.total_params(),

@@ -320,3 +320,29 @@ fn bert_cross_encoder_gguf_matches_llama_cpp() {
         );
     }
 }
+
+/// A decoder embedder (Qwen3-Embedding's recipe: the last token's final-normalised state, unit
+/// length, read from sentence-transformers' files) against sentence-transformers
+/// (scripts/fixtures/make_qwen3_embedding.py).
+#[test]
+fn qwen3_last_token_embedding_matches_sentence_transformers() {
+    let dir = fixtures().join("encoders/qwen3_last");
+    let r = read_json(&dir.join("reference.json"));
+    let file = ModelFile::open(&dir).unwrap();
+    assert!(!ferrum_models::encoder::is_encoder(&file));
+    let tok = Tokenizer::from_hf_dir(&dir).unwrap();
+    let mut model =
+        ferrum_models::Model::load(&file, CpuBackend::exact(), &Default::default()).unwrap();
+    let pooling = model.pooling.clone().expect("pooling from modules.json");
+    assert_eq!(pooling.mode, ferrum_models::encoder::PoolingMode::Last);
+    let h = model.decoder.config.hidden_size;
+    for (i, t) in texts(&r["inputs"]).iter().enumerate() {
+        let got = tok.encode(t, true).unwrap();
+        assert_eq!(got, ids(&r["ids"][i]), "ids of input {i} {t:?}");
+        let mut kv = model.decoder.alloc_kv_tokens(got.len());
+        let rows = model.decoder.hidden_rows(&mut kv, &got).unwrap();
+        let e = pooling.apply(&rows, h);
+        let d = max_abs(&e, &floats(&r["embeddings"][i]));
+        assert!(d < 1e-5, "embedding of input {i} off by {d}");
+    }
+}

@@ -1,6 +1,6 @@
 //! Reranking and scoring with a cross-encoder: `POST /v1/rerank` (and `/rerank`) in the
 //! Jina/Cohere shape that llama-server and vLLM accept, and vLLM's `POST /v1/score` (and
-//! `/score`). Both become query–document pairs for [`routes::score_pairs`]; a score is the
+//! `/score`). Both become query–document pairs for `routes::score_pairs`; a score is the
 //! model's relevance (the sigmoid of a one-label head's logit).
 
 use std::sync::Arc;

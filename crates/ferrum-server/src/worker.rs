@@ -215,9 +215,20 @@ pub fn spawn<B: Backend + 'static>(
                 kv_dtype: engine.model.decoder.backend().kv_dtype().to_string(),
                 params: engine.model.info.params,
                 file_bytes: engine.model.info.file_bytes,
-                embedding_width: engine.model.decoder.config.hidden_size,
-                kind: ModelKind::Generate,
-                normalized: true,
+                embedding_width: engine
+                    .model
+                    .pooling
+                    .as_ref()
+                    .map_or(engine.model.decoder.config.hidden_size, |p| {
+                        p.width(engine.model.decoder.config.hidden_size)
+                    }),
+                // A decoder with its own pooling (Qwen3-Embedding) is an embedding model.
+                kind: if engine.model.pooling.is_some() {
+                    ModelKind::Embed
+                } else {
+                    ModelKind::Generate
+                },
+                normalized: engine.model.pooling.as_ref().is_none_or(|p| p.normalize),
             });
             publish(&sh, &engine);
             if kv_events.is_some() {

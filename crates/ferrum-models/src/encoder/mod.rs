@@ -184,8 +184,19 @@ pub struct Encoder<B: Backend> {
 
 type W<B> = <B as Backend>::Weight;
 
+/// One call's working buffers, sized for its largest pass.
+struct Scratch<B: Backend> {
+    x: B::Buf,
+    tmp: B::Buf,
+    qkv: B::Buf,
+    attn: B::Buf,
+    ffn: B::Buf,
+    k: B::KvBuf,
+    v: B::KvBuf,
+}
+
 /// Most tokens one pass carries (whole sequences; one longer than this runs alone).
-pub const PASS_TOKENS: usize = 256;
+pub const PASS_TOKENS: usize = 512;
 const BLOCK: usize = 16;
 
 impl<B: Backend> Encoder<B> {
@@ -424,7 +435,8 @@ impl<B: Backend> Encoder<B> {
     /// The last layer's states of every input, each `len × hidden` row-major.
     pub fn hidden_states(&self, inputs: &[Input]) -> Result<Vec<Vec<f32>>> {
         self.check(inputs)?;
-        let mut out = Vec::with_capacity(inputs.len());
+        // The passes first, then buffers for the largest, allocated (and zeroed) once.
+        let mut passes = Vec::new();
         let mut start = 0;
         while start < inputs.len() {
             let mut end = start + 1;
@@ -433,8 +445,22 @@ impl<B: Backend> Encoder<B> {
                 tokens += inputs[end].ids.len();
                 end += 1;
             }
-            out.extend(self.pass(&inputs[start..end])?);
+            passes.push(start..end);
             start = end;
+        }
+        let size = |r: &std::ops::Range<usize>, f: &dyn Fn(usize) -> usize| -> usize {
+            inputs[r.clone()].iter().map(|x| f(x.ids.len())).sum()
+        };
+        let tokens = passes.iter().map(|r| size(r, &|n| n)).max().unwrap_or(0);
+        let blocks = passes
+            .iter()
+            .map(|r| size(r, &|n| n.div_ceil(BLOCK)))
+            .max()
+            .unwrap_or(0);
+        let mut scratch = self.scratch(tokens, blocks);
+        let mut out = Vec::with_capacity(inputs.len());
+        for r in passes {
+            out.extend(self.pass(&inputs[r], &mut scratch)?);
         }
         Ok(out)
     }
@@ -500,7 +526,36 @@ impl<B: Backend> Encoder<B> {
     }
 
     /// One pass over whole sequences.
-    fn pass(&self, inputs: &[Input]) -> Result<Vec<Vec<f32>>> {
+    fn scratch(&self, tokens: usize, blocks: usize) -> Scratch<B> {
+        let c = &self.config;
+        let be = &self.backend;
+        let shape = KvShape {
+            blocks,
+            block_size: BLOCK,
+            heads: c.heads,
+            head_dim: c.hidden / c.heads,
+        };
+        Scratch {
+            x: be.alloc(tokens * c.hidden),
+            tmp: be.alloc(tokens * c.hidden),
+            qkv: be.alloc(tokens * 3 * c.hidden),
+            attn: be.alloc(tokens * c.hidden),
+            ffn: be.alloc(tokens * c.intermediate),
+            k: be.alloc_kv(shape),
+            v: be.alloc_kv(shape),
+        }
+    }
+
+    fn pass(&self, inputs: &[Input], s: &mut Scratch<B>) -> Result<Vec<Vec<f32>>> {
+        let Scratch {
+            x,
+            tmp,
+            qkv,
+            attn,
+            ffn,
+            k: k_cache,
+            v: v_cache,
+        } = s;
         let c = &self.config;
         let be = &self.backend;
         let (h, f, hd) = (c.hidden, c.intermediate, c.hidden / c.heads);
@@ -511,11 +566,9 @@ impl<B: Backend> Encoder<B> {
             .flat_map(|x| (0..x.ids.len()).map(|p| (p + c.position_offset) as u32))
             .collect();
         let hidden = Rows::dense(n, h);
-        let mut x = be.alloc(n * h);
-        let mut tmp = be.alloc(n * h);
-        be.embed(&self.word, &ids, &mut x, hidden);
-        be.embed(&self.position, &positions, &mut tmp, hidden);
-        be.add_inplace(&mut x, hidden, &tmp, hidden);
+        be.embed(&self.word, &ids, x, hidden);
+        be.embed(&self.position, &positions, tmp, hidden);
+        be.add_inplace(x, hidden, tmp, hidden);
         if let Some(types) = &self.types {
             let t: Vec<u32> = inputs
                 .iter()
@@ -524,11 +577,11 @@ impl<B: Backend> Encoder<B> {
                     _ => vec![0; x.ids.len()],
                 })
                 .collect();
-            be.embed(types, &t, &mut tmp, hidden);
-            be.add_inplace(&mut x, hidden, &tmp, hidden);
+            be.embed(types, &t, tmp, hidden);
+            be.add_inplace(x, hidden, tmp, hidden);
         }
         be.layer_norm(
-            &mut x,
+            x,
             hidden,
             &self.embed_norm.weight,
             &self.embed_norm.bias,
@@ -544,14 +597,6 @@ impl<B: Backend> Encoder<B> {
             tables.push((next..next + blocks).collect());
             next += blocks;
         }
-        let shape = KvShape {
-            blocks: next as usize,
-            block_size: BLOCK,
-            heads: c.heads,
-            head_dim: hd,
-        };
-        let mut k_cache = be.alloc_kv(shape);
-        let mut v_cache = be.alloc_kv(shape);
         let write_seqs: Vec<AttnSeq> = inputs
             .iter()
             .zip(&tables)
@@ -583,9 +628,6 @@ impl<B: Backend> Encoder<B> {
         };
 
         let w3 = 3 * h;
-        let mut qkv = be.alloc(n * w3);
-        let mut attn = be.alloc(n * h);
-        let mut ffn = be.alloc(n * f);
         let q_cols = Rows::columns(n, w3, 0, h);
         let k_cols = Rows::columns(n, w3, h, h);
         let v_cols = Rows::columns(n, w3, 2 * h, h);
@@ -597,58 +639,45 @@ impl<B: Backend> Encoder<B> {
                 out,
             };
             be.matmul_many(
-                &x,
+                x,
                 hidden,
                 &[
                     part(&l.q, &l.qkv_bias[0], q_cols),
                     part(&l.k, &l.qkv_bias[1], k_cols),
                     part(&l.v, &l.qkv_bias[2], v_cols),
                 ],
-                &mut qkv,
+                qkv,
             );
             let mut row = 0;
             for s in &write_seqs {
-                be.write_kv(&qkv, k_view.slice(row, s.rows), &mut k_cache, s.table, 0);
-                be.write_kv(&qkv, v_cols.slice(row, s.rows), &mut v_cache, s.table, 0);
+                be.write_kv(qkv, k_view.slice(row, s.rows), k_cache, s.table, 0);
+                be.write_kv(qkv, v_cols.slice(row, s.rows), v_cache, s.table, 0);
                 row += s.rows;
             }
             let attn_view = Rows::dense(n, h).split_heads(hd);
             be.attention(
-                &qkv,
+                qkv,
                 q_view,
-                &k_cache,
-                &v_cache,
+                k_cache,
+                v_cache,
                 &query_seqs,
-                &mut attn,
+                attn,
                 attn_view,
                 params,
             );
-            be.matmul(&attn, hidden, &l.o, Some(&l.o_bias), &mut tmp, hidden);
-            be.add_inplace(&mut x, hidden, &tmp, hidden);
-            be.layer_norm(
-                &mut x,
-                hidden,
-                &l.attn_norm.weight,
-                &l.attn_norm.bias,
-                c.eps,
-            );
+            be.matmul(attn, hidden, &l.o, Some(&l.o_bias), tmp, hidden);
+            be.add_inplace(x, hidden, tmp, hidden);
+            be.layer_norm(x, hidden, &l.attn_norm.weight, &l.attn_norm.bias, c.eps);
             let ffn_view = Rows::dense(n, f);
-            be.matmul(&x, hidden, &l.up, Some(&l.up_bias), &mut ffn, ffn_view);
-            be.gelu(&mut ffn, ffn_view);
-            be.matmul(
-                &ffn,
-                ffn_view,
-                &l.down,
-                Some(&l.down_bias),
-                &mut tmp,
-                hidden,
-            );
-            be.add_inplace(&mut x, hidden, &tmp, hidden);
-            be.layer_norm(&mut x, hidden, &l.out_norm.weight, &l.out_norm.bias, c.eps);
+            be.matmul(x, hidden, &l.up, Some(&l.up_bias), ffn, ffn_view);
+            be.gelu(ffn, ffn_view);
+            be.matmul(ffn, ffn_view, &l.down, Some(&l.down_bias), tmp, hidden);
+            be.add_inplace(x, hidden, tmp, hidden);
+            be.layer_norm(x, hidden, &l.out_norm.weight, &l.out_norm.bias, c.eps);
         }
         be.sync()?;
         let mut all = vec![0f32; n * h];
-        be.read(&x, 0, &mut all);
+        be.read(x, 0, &mut all);
         let mut out = Vec::with_capacity(inputs.len());
         let mut row = 0;
         for s in inputs {
