@@ -27,14 +27,22 @@ pub use decoder::{Decoder, KvCache, KvGroups, Logits, SeqChunk, WeightSource, NO
 /// Which architecture a file holds: GGUF `general.architecture`, or a Hugging Face
 /// `architectures` class / `model_type`.
 pub fn detect_arch(file: &ModelFile) -> Result<Arch> {
+    if encoder::is_encoder(file) {
+        return Err(Error::Unsupported(
+            "this is an embedding or reranking model (a bidirectional encoder), which does not \
+             generate text: run it with `ferrum embed` or `ferrum serve`"
+                .into(),
+        ));
+    }
     match file {
         ModelFile::Gguf(g) => {
             let name = g.architecture()?;
             Arch::from_gguf_name(name).ok_or_else(|| {
                 Error::Unsupported(format!(
-                    "{}: architecture {name:?} (supported: {})",
+                    "{}: architecture {name:?} (supported: {}; embedding models: {})",
                     g.path.display(),
-                    Arch::supported_gguf()
+                    Arch::supported_gguf(),
+                    encoder::supported()
                 ))
             })
         }
@@ -47,11 +55,13 @@ pub fn detect_arch(file: &ModelFile) -> Result<Arch> {
             let model_type = h.config.get("model_type").and_then(|a| a.as_str());
             Arch::from_hf(class, model_type).ok_or_else(|| {
                 Error::Unsupported(format!(
-                    "{}: architecture {:?} / model_type {:?} (supported: {})",
+                    "{}: architecture {:?} / model_type {:?} (supported: {}; embedding models: \
+                     {})",
                     h.dir.display(),
                     class,
                     model_type,
-                    Arch::supported_hf()
+                    Arch::supported_hf(),
+                    encoder::supported()
                 ))
             })
         }
