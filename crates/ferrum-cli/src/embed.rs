@@ -165,10 +165,7 @@ fn embed_on<B: MakeBackend>(path: &Path, a: &EmbedArgs, be: BackendOpts) -> Resu
                     v.len()
                 );
             }
-            // Keep the closing special token a BERT-style template puts last.
-            let last = v[v.len() - 1];
-            v.truncate(limit);
-            v[limit - 1] = last;
+            ferrum_models::encoder::cut_keeping_last(&mut v, limit);
         }
         Ok(v)
     };
@@ -178,8 +175,9 @@ fn embed_on<B: MakeBackend>(path: &Path, a: &EmbedArgs, be: BackendOpts) -> Resu
         let mut ids = Vec::new();
         for (i, t) in texts.iter().enumerate() {
             let (v, ty) = tok.encode_pair(q, t)?;
-            let n = v.len().min(limit);
-            ids.push((cut(v, i)?, ty[..n].to_vec()));
+            let v = cut(v, i)?;
+            let n = v.len();
+            ids.push((v, ty[..n].to_vec()));
         }
         let inputs: Vec<Input> = ids
             .iter()

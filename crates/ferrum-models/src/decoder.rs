@@ -455,20 +455,11 @@ impl<B: Backend> Decoder<B> {
     pub fn pooled_hidden(&mut self, kv: &mut KvCache<B>, tokens: &[u32]) -> Result<Vec<f32>> {
         let h = self.config.hidden_size;
         let mut sum = vec![0f64; h];
-        let mut host = Vec::new();
-        self.run_alone(kv, tokens, 0, Logits::None, |d, chunk, _| {
-            let rows = Rows::dense(chunk.len(), h);
-            let s = &mut d.state;
-            let be = &d.backend;
-            be.rms_norm(&s.x, rows, &d.final_norm, d.config.rms_eps, &mut s.xn, rows);
-            host.resize(chunk.len() * h, 0.0);
-            be.read(&s.xn, 0, &mut host);
-            for row in host.chunks_exact(h) {
-                for (a, &b) in sum.iter_mut().zip(row) {
-                    *a += b as f64;
-                }
+        for row in self.hidden_rows(kv, tokens)?.chunks_exact(h) {
+            for (a, &b) in sum.iter_mut().zip(row) {
+                *a += b as f64;
             }
-        })?;
+        }
         let n = tokens.len().max(1) as f64;
         Ok(sum.iter().map(|&v| (v / n) as f32).collect())
     }

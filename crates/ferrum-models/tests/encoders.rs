@@ -12,39 +12,11 @@ use ferrum_backend::CpuBackend;
 use ferrum_loader::ModelFile;
 use ferrum_models::encoder::{Encoder, Input};
 use ferrum_tokenizer::Tokenizer;
-use serde_json::Value;
+mod common;
+use common::{floats, ids, read_json, texts};
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-fn read_json(p: &Path) -> Value {
-    let text = std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-    serde_json::from_str(&text).unwrap()
-}
-
-fn floats(v: &Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap() as f32)
-        .collect()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn texts(v: &Value) -> Vec<String> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_str().unwrap().to_string())
-        .collect()
 }
 
 fn open(path: &Path, be: CpuBackend) -> (Encoder<CpuBackend>, Tokenizer) {

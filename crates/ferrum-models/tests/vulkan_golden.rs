@@ -196,27 +196,14 @@ fn a_model_larger_than_the_device_is_refused_with_both_sizes() {
 /// reference, and a cross-encoder's logits within 1e-5 of transformers'.
 #[test]
 fn encoders_match_the_references_on_vulkan() {
+    use common::{floats, ids, read_json};
     use ferrum_models::encoder::{Encoder, Input};
     let Some(be) = device() else { return };
     let dir = fixtures().join("encoders/bert_mean");
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
-    let file = ferrum_loader::ModelFile::open(&dir).unwrap();
-    let enc = Encoder::load(&file, be).unwrap();
-    let ids: Vec<Vec<u32>> = r["ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| {
-            v.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap() as u32)
-                .collect()
-        })
-        .collect();
-    let xs: Vec<Input> = ids
+    let r = read_json(&dir.join("reference.json"));
+    let enc = Encoder::load(&ferrum_loader::ModelFile::open(&dir).unwrap(), be).unwrap();
+    let all: Vec<Vec<u32>> = r["ids"].as_array().unwrap().iter().map(ids).collect();
+    let xs: Vec<Input> = all
         .iter()
         .map(|v| Input {
             ids: v,
@@ -230,41 +217,26 @@ fn encoders_match_the_references_on_vulkan() {
         .zip(r["embeddings"].as_array().unwrap())
         .enumerate()
     {
-        let want: Vec<f32> = want
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap() as f32)
-            .collect();
         let d = e
             .iter()
-            .zip(&want)
+            .zip(&floats(want))
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
         assert!(d < 1e-5, "input {i}: embedding off by {d}");
     }
     let Some(be) = device() else { return };
     let dir = fixtures().join("encoders/bert_cross");
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
+    let r = read_json(&dir.join("reference.json"));
     let enc = Encoder::load(&ferrum_loader::ModelFile::open(&dir).unwrap(), be).unwrap();
-    let u32s = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
     for i in 0..r["ids"].as_array().unwrap().len() {
-        let (ids, types) = (u32s(&r["ids"][i]), u32s(&r["type_ids"][i]));
+        let (ids, types) = (ids(&r["ids"][i]), ids(&r["type_ids"][i]));
         let l = enc
             .classify(&[Input {
                 ids: &ids,
                 types: Some(&types),
             }])
             .unwrap();
-        let want = r["logits"][i][0].as_f64().unwrap() as f32;
+        let want = floats(&r["logits"][i])[0];
         assert!(
             (l[0][0] - want).abs() < 1e-5,
             "pair {i}: {} vs {want}",

@@ -638,17 +638,16 @@ pub(crate) enum Truncate {
     To(usize),
 }
 
-/// Cuts `ids` to `keep` tokens from the start; an encoder's closing special token (BERT's
-/// `[SEP]`, XLM-R's `</s>`) stays last, as sentence-transformers' and TEI's truncation leave
-/// it.
+/// Cuts `ids` to `keep` tokens from the start; an encoder's closing special token stays last
+/// ([`ferrum_models::encoder::cut_keeping_last`]), a chat model's input is cut plainly.
 fn cut(st: &AppState, card: &ModelCard, ids: &mut Vec<u32>, keep: usize) {
-    if ids.len() <= keep || keep == 0 {
+    if keep == 0 {
         return;
     }
-    let last = ids[ids.len() - 1];
-    ids.truncate(keep);
-    if card.kind != ModelKind::Generate && st.tokenizer.is_special(last) {
-        ids[keep - 1] = last;
+    if card.kind != ModelKind::Generate && ids.last().is_some_and(|&t| st.tokenizer.is_special(t)) {
+        ferrum_models::encoder::cut_keeping_last(ids, keep);
+    } else {
+        ids.truncate(keep);
     }
 }
 
@@ -770,10 +769,8 @@ pub(crate) async fn score_pairs(
                     ),
                 ));
             }
-            let last = ids[ids.len() - 1];
-            ids.truncate(limit);
-            types.truncate(limit);
-            ids[limit - 1] = last;
+            ferrum_models::encoder::cut_keeping_last(&mut ids, limit);
+            types.truncate(ids.len());
         }
         tokens += ids.len();
         batch.push(EmbedInput {

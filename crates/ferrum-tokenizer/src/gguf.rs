@@ -127,6 +127,16 @@ impl Vocab {
             .map(|id| id as u32)
     }
 
+    /// Ids of the control and unknown tokens (what decoding may skip).
+    fn special_ids(&self) -> HashSet<u32> {
+        self.types
+            .iter()
+            .enumerate()
+            .filter(|(_, &t)| t == token_type::CONTROL || t == token_type::UNKNOWN)
+            .map(|(i, _)| i as u32)
+            .collect()
+    }
+
     fn bpe_vocab(&self) -> tokenizers::models::bpe::Vocab {
         self.ids.iter().map(|(t, &id)| (t.clone(), id)).collect()
     }
@@ -226,13 +236,7 @@ pub(crate) fn load(g: &GgufFile) -> Result<Tokenizer> {
     }
     crate::add_end_of_turn_ids(&inner, &mut eos_ids);
 
-    let special: HashSet<u32> = vocab
-        .types
-        .iter()
-        .enumerate()
-        .filter(|(_, &t)| t == token_type::CONTROL || t == token_type::UNKNOWN)
-        .map(|(i, _)| i as u32)
-        .collect();
+    let special = vocab.special_ids();
 
     let chat_template = match g.get_str("tokenizer.chat_template") {
         Some(src) => Some(ChatTemplate::new(
@@ -322,13 +326,7 @@ fn wordpiece(g: &GgufFile, vocab: &Vocab) -> Result<Tokenizer> {
         .build()
         .map_err(|e| Error::Tokenizer(format!("BERT template: {e}")))?;
     inner.with_post_processor(Some(processor));
-    let special: HashSet<u32> = vocab
-        .types
-        .iter()
-        .enumerate()
-        .filter(|(_, &t)| t == token_type::CONTROL || t == token_type::UNKNOWN)
-        .map(|(i, _)| i as u32)
-        .collect();
+    let special = vocab.special_ids();
     Tokenizer::assemble(
         inner,
         vocab.tokens.len(),

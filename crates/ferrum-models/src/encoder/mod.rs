@@ -96,6 +96,19 @@ pub fn relevance(logits: &[f32]) -> f32 {
     }
 }
 
+/// Cuts `ids` to its first `keep` tokens with its last token put back in the last place: an
+/// encoder's closing special token (BERT's `[SEP]`, XLM-R's `</s>`) stays last, as
+/// sentence-transformers' and TEI's truncation leave it. Nothing when the ids fit or `keep` is
+/// 0 (the encoder then refuses the input, naming both lengths).
+pub fn cut_keeping_last(ids: &mut Vec<u32>, keep: usize) {
+    if keep == 0 || ids.len() <= keep {
+        return;
+    }
+    let last = ids[ids.len() - 1];
+    ids.truncate(keep);
+    ids[keep - 1] = last;
+}
+
 /// Keeps the first `dims` numbers of an embedding (a Matryoshka model's shorter vector) and
 /// scales them back to unit length when the model's vectors are unit length.
 pub fn truncate_dims(

@@ -828,24 +828,13 @@ pub mod avx512 {
             // The sixteen sums, lane 4t + r for (row r, token t); then per lane the scalar
             // twin's float step: (its sum as f32) · (d_r · d_t), added to the running total.
             let sums = reduce16(std::array::from_fn(|j| acc[j % TILE][j / TILE]));
-            let d = _mm512_setr_ps(
+            // Lane 4t + r takes row r's scale: the four rows' scales in every 128-bit lane.
+            let d = _mm512_broadcast_f32x4(_mm_setr_ps(
                 w.d[i],
                 w.d[nb + i],
                 w.d[2 * nb + i],
                 w.d[3 * nb + i],
-                w.d[i],
-                w.d[nb + i],
-                w.d[2 * nb + i],
-                w.d[3 * nb + i],
-                w.d[i],
-                w.d[nb + i],
-                w.d[2 * nb + i],
-                w.d[3 * nb + i],
-                w.d[i],
-                w.d[nb + i],
-                w.d[2 * nb + i],
-                w.d[3 * nb + i],
-            );
+            ));
             let qd = _mm512_setr_ps(
                 q[0].d, q[0].d, q[0].d, q[0].d, q[1].d, q[1].d, q[1].d, q[1].d, q[2].d, q[2].d,
                 q[2].d, q[2].d, q[3].d, q[3].d, q[3].d, q[3].d,
