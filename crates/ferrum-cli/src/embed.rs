@@ -85,17 +85,14 @@ impl<B: Backend> Embedder<B> {
             Embedder::Encoder(e) => e.embed(inputs),
             Embedder::Decoder(m) => {
                 let mut m = m.borrow_mut();
-                let h = m.decoder.config.hidden_size;
-                let mut out = Vec::with_capacity(inputs.len());
-                for x in inputs {
-                    let mut kv = m.decoder.alloc_kv_tokens(x.ids.len());
-                    let rows = m.decoder.hidden_rows(&mut kv, x.ids)?;
-                    let p = m.pooling.as_ref().ok_or_else(|| {
-                        ferrum_core::Error::InvalidRequest("this model has no pooling".into())
-                    })?;
-                    out.push(p.apply(&rows, h));
-                }
-                Ok(out)
+                inputs
+                    .iter()
+                    .map(|x| {
+                        m.pooled(x.ids)?.ok_or_else(|| {
+                            ferrum_core::Error::InvalidRequest("this model has no pooling".into())
+                        })
+                    })
+                    .collect()
             }
         }
     }

@@ -585,11 +585,10 @@ impl<B: Backend> Engine<B> {
                 self.model.decoder.context
             )));
         }
-        let mut kv = self.model.decoder.alloc_kv_tokens(tokens.len());
-        if let Some(p) = &self.model.pooling {
-            let rows = self.model.decoder.hidden_rows(&mut kv, tokens)?;
-            return Ok(p.apply(&rows, self.model.decoder.config.hidden_size));
+        if let Some(v) = self.model.pooled(tokens)? {
+            return Ok(v);
         }
+        let mut kv = self.model.decoder.alloc_kv_tokens(tokens.len());
         let mut v = self.model.decoder.pooled_hidden(&mut kv, tokens)?;
         let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
         if norm > 0.0 {

@@ -172,6 +172,18 @@ impl<B: Backend> Model<B> {
         })
     }
 
+    /// A decoder embedder's embedding of `tokens` ([`Model::pooling`] over
+    /// [`Decoder::hidden_rows`], run as one fresh sequence in a cache of its own); `None` for
+    /// a model whose files give no pooling.
+    pub fn pooled(&mut self, tokens: &[u32]) -> Result<Option<Vec<f32>>> {
+        let Some(p) = &self.pooling else {
+            return Ok(None);
+        };
+        let mut kv = self.decoder.alloc_kv_tokens(tokens.len());
+        let rows = self.decoder.hidden_rows(&mut kv, tokens)?;
+        Ok(Some(p.apply(&rows, self.decoder.config.hidden_size)))
+    }
+
     pub fn open(path: impl AsRef<Path>, backend: B, opts: &LoadOptions) -> Result<Model<B>> {
         Self::load(&ModelFile::open(path)?, backend, opts)
     }

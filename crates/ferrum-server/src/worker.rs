@@ -404,9 +404,8 @@ fn run_encoder<B: Backend>(enc: &Encoder<B>, rx: &mpsc::Receiver<Command>, sh: &
 }
 
 fn encode_batch<B: Backend>(enc: &Encoder<B>, batch: Vec<Waiting>, score: bool, sh: &Shared) {
-    let run = |inputs: &[EmbedInput]| {
+    let run = |inputs: &mut dyn Iterator<Item = &EmbedInput>| {
         let xs: Vec<Input> = inputs
-            .iter()
             .map(|x| Input {
                 ids: &x.ids,
                 types: x.types.as_deref(),
@@ -418,8 +417,7 @@ fn encode_batch<B: Backend>(enc: &Encoder<B>, batch: Vec<Waiting>, score: bool, 
             enc.embed(&xs)
         }
     };
-    let all: Vec<EmbedInput> = batch.iter().flat_map(|(i, _)| i.iter().cloned()).collect();
-    match run(&all) {
+    match run(&mut batch.iter().flat_map(|(i, _)| i.iter())) {
         Ok(mut vectors) => {
             for (inputs, reply) in batch.into_iter().rev() {
                 let mine = vectors.split_off(vectors.len() - inputs.len());
@@ -433,7 +431,7 @@ fn encode_batch<B: Backend>(enc: &Encoder<B>, batch: Vec<Waiting>, score: bool, 
             // One request's input failed the batch (the routes check inputs first, so this
             // is rare): each request again on its own, so only that one gets the error.
             for (inputs, reply) in batch {
-                let _ = reply.send(run(&inputs));
+                let _ = reply.send(run(&mut inputs.iter()));
             }
         }
     }
