@@ -574,6 +574,19 @@ pub trait Backend: Send + Sync {
     fn gelu(&self, x: &mut Self::Buf, xv: Rows) {
         on_host(self, x, xv, host_ops::gelu_erf);
     }
+
+    /// Row `t` of `xv` multiplied by `factors[t]`, in place: Llama 4's and Mistral's
+    /// position-dependent query temperature. Rare (past a model's original context only),
+    /// so the default body runs on the host.
+    fn scale_rows(&self, x: &mut Self::Buf, xv: Rows, factors: &[f32]) {
+        assert_eq!(factors.len(), xv.count, "scale_rows: one factor a row");
+        let mut t = 0;
+        on_host(self, x, xv, |row| {
+            let f = factors[t];
+            row.iter_mut().for_each(|v| *v *= f);
+            t += 1;
+        });
+    }
 }
 
 /// Runs `f` on every row of `xv` (its full width) over a host copy of the span the view

@@ -61,7 +61,12 @@ pub fn run(a: PlanArgs) -> Result<()> {
         .unwrap_or_else(|| c.max_position.min(ferrum_models::DEFAULT_MAX_CONTEXT));
     let kv_tokens = a.kv_tokens.unwrap_or(ctx * a.concurrency.max(1));
     let attn_layers = c.n_layers - c.linear_layers();
-    let kv_per_token = (2 * attn_layers * c.kv_dim()) as f64 * a.kv_bytes_per_value;
+    let kv_per_token = (c.kv_tensors() * attn_layers * c.kv_dim()) as f64 * a.kv_bytes_per_value;
+    // Latent attention caches one shared row a position; expanded, every head would keep a
+    // key and a value.
+    let expanded_per_token = c
+        .mla
+        .map(|m| (attn_layers * c.n_heads * (m.q_head() + m.v_dim)) as f64 * a.kv_bytes_per_value);
     // As the engine sizes its pool: blocks of one KV group's layers, windowed groups holding
     // only their window of each sequence (see `KvGroups`).
     let groups = ferrum_models::KvGroups::new(&c.layers);
@@ -69,7 +74,8 @@ pub fn run(a: PlanArgs) -> Result<()> {
         ferrum_models::decoder::BLOCK_SIZE,
         ferrum_models::decoder::CHUNK,
     );
-    let block_bytes = (2 * groups.slots * bs * c.kv_dim()) as f64 * a.kv_bytes_per_value;
+    let block_bytes =
+        (c.kv_tensors() * groups.slots * bs * c.kv_dim()) as f64 * a.kv_bytes_per_value;
     let kv_blocks = match a.kv_tokens {
         Some(t) => groups.blocks_for(t, bs, chunk_tokens),
         None => a.concurrency.max(1) * groups.blocks_for(ctx, bs, chunk_tokens),
@@ -103,6 +109,11 @@ pub fn run(a: PlanArgs) -> Result<()> {
     if let Some(m) = &c.moe {
         act += chunk * (2.0 * m.n_experts as f64 + 2.0 * h + 3.0 * m.expert_ffn as f64) * 4.0;
     }
+    if let Some(m) = &c.mla {
+        let heads = c.n_heads as f64;
+        let a_width = (m.q_rank.unwrap_or(0) + m.kv_rank + m.rope_dim) as f64;
+        act += chunk * (heads * (m.q_head() + m.v_dim) as f64 + a_width) * 4.0;
+    }
     // The server holds two tokenizers (its own for prompts, the engine's for text).
     let copies = if a.concurrency > 1 || a.kv_tokens.is_some() {
         2.0
@@ -133,6 +144,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
                 "concurrency": a.concurrency,
                 "kv_tokens": kv_tokens,
                 "kv_bytes_per_token": kv_per_token,
+                "kv_expanded_bytes_per_token": expanded_per_token,
                 "kv_blocks": kv_blocks,
                 "kv_block_bytes": block_bytes,
                 "windowed_layers": windowed.iter().map(|(n, _)| n).sum::<usize>(),
@@ -177,6 +189,15 @@ pub fn run(a: PlanArgs) -> Result<()> {
             windowed.iter().map(|(n, _)| n).sum::<usize>(),
             c.n_layers,
             kv_per_token / 1e3
+        );
+    }
+    if let (Some(m), Some(full)) = (&c.mla, expanded_per_token) {
+        println!(
+            "                                         (latent attention: {} values a position and layer, {:.1} KB a token, where expanded heads would take {:.1} KB: 1/{:.0})",
+            m.row(),
+            kv_per_token / 1e3,
+            full / 1e3,
+            full / kv_per_token.max(1.0)
         );
     }
     if state_slots > 0 {

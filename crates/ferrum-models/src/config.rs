@@ -85,9 +85,102 @@ pub struct MoeConfig {
     pub mlp_only_layers: Vec<usize>,
     /// Every `sparse_step`-th layer is sparse (`(i + 1) % sparse_step == 0`).
     pub sparse_step: usize,
-    /// A shared expert of this width beside the routed ones, its output scaled by
-    /// `sigmoid(gate · x)` (Qwen3.5-MoE, Qwen3-Next).
+    /// A shared expert of this width beside the routed ones: its output scaled by
+    /// `sigmoid(gate · x)` (Qwen3.5-MoE, Qwen3-Next) when [`MoeConfig::shared_gate`], added as
+    /// it is (GLM-4.5, DeepSeek-V3) otherwise.
     pub shared_ffn: Option<usize>,
+    pub shared_gate: bool,
+    pub routing: Routing,
+}
+
+/// What turns router logits into scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gating {
+    /// A softmax over every expert (Qwen3-MoE, gpt-oss).
+    Softmax,
+    /// Each expert's own sigmoid (GLM-4.5, DeepSeek-V3).
+    Sigmoid,
+}
+
+/// How a router chooses and weighs experts beyond the top-k of its scores: DeepSeek-V3's
+/// and GLM-4.5's sigmoid scores, a per-layer bias that steers the choice without entering
+/// the weights, choice limited to the best groups of experts, and a scale on the weights.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Routing {
+    pub gating: Gating,
+    /// The layer has a score-correction bias (`e_score_correction_bias`, GGUF
+    /// `exp_probs_b`), added to the scores that choose.
+    pub choice_bias: bool,
+    /// Experts form `groups` equal groups in index order; a token chooses only among the
+    /// `groups_used` groups whose two best (biased) scores sum highest. 1 and 1: no groups.
+    pub groups: usize,
+    pub groups_used: usize,
+    /// The chosen weights (after any renormalisation) are multiplied by this
+    /// (`routed_scaling_factor`).
+    pub scale: f32,
+}
+
+impl Routing {
+    /// Softmax scores, no bias, no groups, no scale.
+    pub const SOFTMAX: Routing = Routing {
+        gating: Gating::Softmax,
+        choice_bias: false,
+        groups: 1,
+        groups_used: 1,
+        scale: 1.0,
+    };
+
+    /// The routing keys llama.cpp writes under `{arch}.` (`expert_gating_func`: 1 softmax,
+    /// 2 sigmoid; `expert_weights_scale`; `expert_group_count` / `expert_group_used_count`),
+    /// `sigmoid` and `choice_bias` being the family's own defaults where a key is absent.
+    pub fn from_gguf(g: &GgufFile, arch: &str, sigmoid: bool, choice_bias: bool) -> Routing {
+        let key = |k: &str| format!("{arch}.{k}");
+        let gating = match g.get_u64(&key("expert_gating_func")) {
+            Some(1) => Gating::Softmax,
+            Some(2) => Gating::Sigmoid,
+            _ if sigmoid => Gating::Sigmoid,
+            _ => Gating::Softmax,
+        };
+        let groups = g
+            .get_u64(&key("expert_group_count"))
+            .map_or(1, |v| v.max(1) as usize);
+        Routing {
+            gating,
+            choice_bias,
+            groups,
+            groups_used: g
+                .get_u64(&key("expert_group_used_count"))
+                .map_or(groups, |v| v.max(1) as usize),
+            scale: g
+                .get_f64(&key("expert_weights_scale"))
+                .filter(|&s| s > 0.0)
+                .unwrap_or(1.0) as f32,
+        }
+    }
+
+    /// The keys DeepSeek-V3-style `config.json`s share (`n_group`, `topk_group`,
+    /// `routed_scaling_factor`, `scoring_func`), sigmoid scores with a correction bias unless
+    /// `scoring_func` says softmax.
+    pub fn from_hf(j: &Json) -> Result<Routing> {
+        let gating = match j.get("scoring_func").and_then(Json::as_str) {
+            None | Some("sigmoid") => Gating::Sigmoid,
+            Some("softmax") => Gating::Softmax,
+            Some(other) => {
+                return Err(Error::Unsupported(format!(
+                    "config.json: scoring_func {other:?}"
+                )))
+            }
+        };
+        let groups = hf_opt_usize(j, "n_group").unwrap_or(1).max(1);
+        Ok(Routing {
+            gating,
+            choice_bias: gating == Gating::Sigmoid
+                && j.get("topk_method").and_then(Json::as_str) != Some("greedy"),
+            groups,
+            groups_used: hf_opt_usize(j, "topk_group").unwrap_or(groups).max(1),
+            scale: hf_f64(j, "routed_scaling_factor").unwrap_or(1.0) as f32,
+        })
+    }
 }
 
 impl MoeConfig {
@@ -108,6 +201,8 @@ impl MoeConfig {
                 .get_u64(&key("expert_shared_feed_forward_length"))
                 .filter(|&v| v > 0)
                 .map(|v| v as usize),
+            shared_gate: true,
+            routing: Routing::SOFTMAX,
         })
     }
 
@@ -147,6 +242,13 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// The Gated DeltaNet layers' shape, where [`LayerSpec::linear`] marks some.
     pub linear: Option<LinearAttn>,
+    /// Multi-head latent attention (DeepSeek-V3, Mistral 4) in every attention layer. The
+    /// attention op then sees [`Mla::row`]-wide heads over one KV head (so `head_dim`,
+    /// `n_kv_heads` and `q_dim` are the absorbed ones), and the cache holds keys only.
+    pub mla: Option<Mla>,
+    /// Llama 4's and Mistral's query temperature: queries at position `p` are multiplied by
+    /// `1 + beta · ln(1 + floor(p / floor))` (`(beta, floor)`).
+    pub attn_temp: Option<(f32, usize)>,
     /// Gated attention (Qwen3.5): the query projection gives each head its queries and as
     /// many gate values, and the attention output is multiplied by their sigmoid.
     pub attn_gate: bool,
@@ -205,6 +307,35 @@ pub struct LayerSpec {
     /// A Gated DeltaNet (linear-attention) layer: a recurrent state per sequence instead of
     /// attention and KV (Qwen3.5's `linear_attention` layers); `window` and `rope` unused.
     pub linear: bool,
+}
+
+/// The shape of multi-head latent attention: each position caches one latent of
+/// `kv_rank` values (normalised) and one rotary key of `rope_dim`, shared by every head; a
+/// head's key is `[W_uk · latent, rotary key]` and its value `W_uv · latent`. Queries are
+/// `nope_dim + rope_dim` per head, from the hidden state directly or through a `q_rank`-wide
+/// bottleneck.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mla {
+    pub q_rank: Option<usize>,
+    pub kv_rank: usize,
+    pub nope_dim: usize,
+    pub rope_dim: usize,
+    pub v_dim: usize,
+}
+
+impl Mla {
+    /// One query head as the projection gives it (no-position part, then rotary part).
+    pub fn q_head(&self) -> usize {
+        self.nope_dim + self.rope_dim
+    }
+
+    /// One cache row: the rotary key, then the latent. A head's absorbed query is laid out
+    /// the same way (its rotary part, then `W_ukᵀ` times its no-position part), so the
+    /// attention op scores it against the row as it is, and the latent part of the row is
+    /// what the op averages as the value.
+    pub fn row(&self) -> usize {
+        self.rope_dim + self.kv_rank
+    }
 }
 
 /// The Gated DeltaNet layers' shape (Qwen3.5, Qwen3.5-MoE).
@@ -269,6 +400,16 @@ impl ModelConfig {
 
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+
+    /// Cache tensors per attention layer: keys and values, or keys alone under latent
+    /// attention (the values are the keys' latent part).
+    pub fn kv_tensors(&self) -> usize {
+        if self.mla.is_some() {
+            1
+        } else {
+            2
+        }
     }
 
     /// Layers that keep a recurrent state instead of KV (Gated DeltaNet).
@@ -356,6 +497,8 @@ impl ModelConfig {
             sliding_window,
             moe: None,
             linear: None,
+            mla: None,
+            attn_temp: None,
             attn_gate: false,
             layers: vec![
                 LayerSpec {
@@ -469,11 +612,23 @@ impl ModelConfig {
                 let f = |k: &str, d: f64| g.get_f64(&key(k)).unwrap_or(d) as f32;
                 let factor = f("rope.scaling.factor", 1.0);
                 // llama.cpp always rounds the ramp's ends outwards (`ggml_rope_yarn_corr_dims`),
-                // and scales cos/sin by 1 + 0.1 ln(factor) times `rope.scaling.attn_factor`.
-                let mscale = if factor > 1.0 {
-                    1.0 + 0.1 * factor.ln()
-                } else {
-                    1.0
+                // and scales cos/sin by YaRN's 0.1 · m · ln(factor) + 1 times
+                // `rope.scaling.attn_factor`: m = 1, divided by the same with
+                // m = `yarn_log_multiplier` where the file has one (transformers' `mscale` /
+                // `mscale_all_dim` with `mscale` 1: Ministral 3, DeepSeek-V3).
+                let mscale = |m: f32| {
+                    if factor > 1.0 {
+                        1.0 + 0.1 * m * factor.ln()
+                    } else {
+                        1.0
+                    }
+                };
+                let mscale = match g
+                    .get_f64(&key("rope.scaling.yarn_log_multiplier"))
+                    .filter(|&m| m != 0.0)
+                {
+                    Some(all) => mscale(1.0) / mscale(all as f32),
+                    None => mscale(1.0),
                 };
                 Some(RopeScaling::Yarn {
                     factor,
@@ -600,6 +755,25 @@ impl ModelConfig {
                     l.k_heads, l.k_dim, l.v_heads, l.v_dim, l.conv_kernel
                 ));
             }
+        }
+        if let Some(m) = &c.moe {
+            let r = m.routing;
+            if r.groups == 0
+                || !m.n_experts.is_multiple_of(r.groups)
+                || r.groups_used == 0
+                || r.groups_used > r.groups
+                || r.groups_used * (m.n_experts / r.groups) < m.n_active
+                || !r.scale.is_finite()
+            {
+                return bad(format!(
+                    "{} experts in {} groups, {} of them used, {} experts a token, scale {}: \
+                     not a valid routing",
+                    m.n_experts, r.groups, r.groups_used, m.n_active, r.scale
+                ));
+            }
+        }
+        if c.attn_temp.is_some_and(|(b, f)| f == 0 || !b.is_finite()) {
+            return bad("an attention temperature without its length".into());
         }
         if c.layers.iter().any(|l| l.window == Some(0)) {
             return bad("a sliding window of 0 positions".into());

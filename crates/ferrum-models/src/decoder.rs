@@ -19,6 +19,7 @@ use crate::config::{ModelConfig, Rope, RopeScaling};
 pub use crate::layers::WeightSource;
 use crate::layers::{dense_ffn, gated_ffn, qkv_width, AttnInputs, Ffn, Layer, Mixer};
 use crate::linear::DeltaBufs;
+use crate::mla::MlaBufs;
 use crate::moe::{MoeLayer, Router};
 
 /// How many tokens one pass through the layers carries; longer inputs go in chunks.
@@ -107,6 +108,7 @@ struct State<B: Backend> {
     logits: B::Buf,
     moe: Option<MoeState<B>>,
     linear: Option<DeltaBufs<B>>,
+    mla: Option<MlaBufs<B>>,
 }
 
 /// Buffers and host-side routing state of the MoE layers.
@@ -244,6 +246,7 @@ impl<B: Backend> Decoder<B> {
                 }),
             }),
             linear: c.linear.as_ref().map(|l| DeltaBufs::new(be, l, CHUNK)),
+            mla: c.mla.as_ref().map(|m| MlaBufs::new(be, c, m, CHUNK)),
         };
         Ok(Decoder {
             inv_freq: config.rope_inv_freq(),
@@ -310,7 +313,12 @@ impl<B: Backend> Decoder<B> {
         let per = n_blocks / groups;
         KvCache {
             k: (0..slots).map(|_| be.alloc_kv(shape)).collect(),
-            v: (0..slots).map(|_| be.alloc_kv(shape)).collect(),
+            // Latent attention reads its values out of the keys.
+            v: if self.config.mla.is_some() {
+                Vec::new()
+            } else {
+                (0..slots).map(|_| be.alloc_kv(shape)).collect()
+            },
             block_size,
             n_blocks,
             identity: (0..groups)
@@ -347,13 +355,15 @@ impl<B: Backend> Decoder<B> {
     /// Bytes of cache one position takes across all attention layers (keys and values),
     /// where every layer holds every position (linear-attention layers keep none).
     pub fn kv_bytes_per_token(&self) -> usize {
-        let layers = self.config.n_layers - self.config.linear_layers();
-        2 * layers * self.backend.kv_row_bytes(self.config.kv_dim())
+        let c = &self.config;
+        let layers = c.n_layers - c.linear_layers();
+        c.kv_tensors() * layers * self.backend.kv_row_bytes(c.kv_dim())
     }
 
     /// Bytes of one KV block (a group's layers, keys and values, `block_size` positions).
     pub fn kv_block_bytes(&self, block_size: usize) -> usize {
-        2 * self.kv_groups.slots * block_size * self.backend.kv_row_bytes(self.config.kv_dim())
+        let c = &self.config;
+        c.kv_tensors() * self.kv_groups.slots * block_size * self.backend.kv_row_bytes(c.kv_dim())
     }
 
     /// Runs one sequence that owns the whole of `kv` (scoring, benchmarks, tests): `tokens`
@@ -664,6 +674,7 @@ impl<B: Backend> Decoder<B> {
                             softcap: None,
                             sinks: attn.sinks.as_deref(),
                         },
+                        temp: c.attn_temp,
                     };
                     attn.forward(
                         be,
@@ -675,6 +686,38 @@ impl<B: Backend> Decoder<B> {
                         &mut s.tmp,
                         &mut kv.k[slot],
                         &mut kv.v[slot],
+                        &inputs,
+                    );
+                }
+                Mixer::Latent(mla) => {
+                    let (Some(m), Some(bufs)) = (c.mla.as_ref(), s.mla.as_mut()) else {
+                        return Err(Error::Weights("latent attention without its shape".into()));
+                    };
+                    let (group, slot) = self.kv_groups.slot_of[li];
+                    let inputs = AttnInputs {
+                        positions,
+                        seqs: &attn_seqs[group],
+                        rope,
+                        params: AttentionParams {
+                            n_kv_heads: 1,
+                            scale: c.attn_scale,
+                            window: layer.spec.window,
+                            softcap: None,
+                            sinks: None,
+                        },
+                        temp: c.attn_temp,
+                    };
+                    mla.forward(
+                        be,
+                        c,
+                        m,
+                        input,
+                        n,
+                        bufs,
+                        &mut s.qkv,
+                        &mut s.attn,
+                        &mut s.tmp,
+                        &mut kv.k[slot],
                         &inputs,
                     );
                 }
@@ -820,8 +863,12 @@ fn moe_block<B: Backend>(
         Rows::dense(n, ne),
     );
     be.read(&ms.router_logits, 0, &mut ms.host_logits[..n * ne]);
-    ms.router
-        .route(&ms.host_logits[..n * ne], n, &mut ms.counts[layer]);
+    ms.router.route(
+        &ms.host_logits[..n * ne],
+        moe.choice_bias.as_deref(),
+        n,
+        &mut ms.counts[layer],
+    );
     let t0 = std::time::Instant::now();
     if let (Some(sh), Some([gu, act, y, gate])) = (&moe.shared, ms.shared.as_mut()) {
         gated_ffn(
@@ -837,8 +884,10 @@ fn moe_block<B: Backend>(
             act,
             y,
         );
-        be.matmul(x, hidden, &sh.gate, None, gate, Rows::dense(n, 1));
-        be.sigmoid_mul(y, hidden, gate, Rows::dense(n, 1));
+        if let Some(g) = &sh.gate {
+            be.matmul(x, hidden, g, None, gate, Rows::dense(n, 1));
+            be.sigmoid_mul(y, hidden, gate, Rows::dense(n, 1));
+        }
     }
     let batches = ms.router.batches();
     be.moe_ffn(

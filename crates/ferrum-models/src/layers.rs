@@ -10,6 +10,7 @@ use ferrum_loader::{RawTensor, TensorStore};
 
 use crate::config::{LayerSpec, ModelConfig, QkNorm};
 use crate::linear::DeltaNet;
+use crate::mla::LatentAttention;
 use crate::moe::MoeLayer;
 use crate::names;
 
@@ -168,6 +169,26 @@ impl WeightSource<'_> {
     }
 }
 
+/// `count` weights of `rows` rows each, cut in order from the matrix `t` is seen as
+/// (`[count × rows, cols]`: a stack of experts, or a latent attention's per-head
+/// projections), each loaded on its own (views of the file's bytes, not copies).
+pub fn row_blocks<B: Backend>(
+    be: &B,
+    t: &RawTensor,
+    count: usize,
+    rows: usize,
+    skip: usize,
+) -> Result<Vec<B::Weight>> {
+    (0..count)
+        .map(|x| {
+            let v = t.rows(x * (rows + skip), rows).ok_or_else(|| {
+                Error::Weights(format!("{}: rows of block {x} out of range", t.name))
+            })?;
+            be.load_weight(&v)
+        })
+        .collect()
+}
+
 /// Q, K and V projections: three matrices, or one whose rows are Q's, then K's, then V's
 /// (Phi-3) — the layout of the decoder's QKV buffer, so one matmul fills it.
 pub enum Qkv<W> {
@@ -217,6 +238,8 @@ pub struct Norms<W> {
 pub enum Mixer<B: Backend> {
     Attention(Attention<B>),
     Linear(DeltaNet<B>),
+    /// Multi-head latent attention (DeepSeek-V3).
+    Latent(LatentAttention<B>),
 }
 
 /// [`Backend::load_weight_precise`] where `t` holds floats, [`Backend::load_weight`] where it
@@ -249,8 +272,11 @@ impl<B: Backend> Layer<B> {
             ffn_in: norm(c.norms.ffn_in)?,
             ffn_out: norm(c.norms.ffn_out)?,
         };
-        let mixer = match &c.linear {
-            Some(lin) if c.layers[i].linear => Mixer::Linear(DeltaNet::load(be, src, i, c, lin)?),
+        let mixer = match (&c.linear, &c.mla) {
+            (Some(lin), _) if c.layers[i].linear => {
+                Mixer::Linear(DeltaNet::load(be, src, i, c, lin)?)
+            }
+            (_, Some(m)) => Mixer::Latent(LatentAttention::load(be, src, i, c, m)?),
             _ => Mixer::Attention(Attention::load(be, src, i, c)?),
         };
         let ffn = Ffn::load(be, src, i, c)?;
@@ -428,6 +454,28 @@ pub struct AttnInputs<'a> {
     /// `None`: this layer does not rotate.
     pub rope: Option<RopeParams<'a>>,
     pub params: AttentionParams<'a>,
+    /// The query temperature's `(beta, floor)` (see [`ModelConfig::attn_temp`]).
+    pub temp: Option<(f32, usize)>,
+}
+
+impl AttnInputs<'_> {
+    /// The query temperature of each row, where the model has one and some row is past its
+    /// first `floor` positions (every factor is 1 before that).
+    pub fn temperature(&self) -> Option<Vec<f32>> {
+        let (beta, floor) = self.temp?;
+        if self.positions.iter().all(|&p| (p as usize) < floor) {
+            return None;
+        }
+        Some(
+            self.positions
+                .iter()
+                .map(|&p| {
+                    let k = (p as usize / floor) as f64;
+                    (1.0 + beta as f64 * (1.0 + k).ln()) as f32
+                })
+                .collect(),
+        )
+    }
 }
 
 impl<B: Backend> Attention<B> {
@@ -489,6 +537,9 @@ impl<B: Backend> Attention<B> {
             be.rope(qkv, q_view, a.positions, rope);
             be.rope(qkv, k_view, a.positions, rope);
         }
+        if let Some(f) = a.temperature() {
+            be.scale_rows(qkv, q_cols, &f);
+        }
         let mut row = 0;
         for s in a.seqs {
             let (ks, vs) = (k_view.slice(row, s.rows), v_view.slice(row, s.rows));
@@ -514,8 +565,12 @@ impl<B: Backend> Attention<B> {
     }
 }
 
-/// Columns of the attention's projection buffer: Q, K, V, and gated attention's gates.
+/// Columns of the attention's projection buffer: Q, K, V, and gated attention's gates (under
+/// latent attention: the absorbed queries and the new cache rows).
 pub fn qkv_width(c: &ModelConfig) -> usize {
+    if c.mla.is_some() {
+        return c.q_dim() + c.kv_dim();
+    }
     let gate = if c.attn_gate { c.q_dim() } else { 0 };
     c.q_dim() + 2 * c.kv_dim() + gate
 }

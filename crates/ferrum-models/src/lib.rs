@@ -11,6 +11,7 @@ pub mod decoder;
 pub mod encoder;
 pub mod layers;
 pub mod linear;
+pub mod mla;
 pub mod moe;
 pub mod names;
 
@@ -131,10 +132,12 @@ impl<B: Backend> Model<B> {
         let context = opts
             .context
             .unwrap_or_else(|| config.max_position.min(DEFAULT_MAX_CONTEXT));
+        // The configuration's family, which a checkpoint class shared by two families
+        // (Mistral 3's multimodal one) leaves to its text config.
         let src = WeightSource {
             store: &store,
             gguf,
-            names: arch.info().names,
+            names: config.arch.info().names,
         };
         if config.linear_layers() > 0 && !backend.recurrent_ops() {
             return Err(Error::Unsupported(format!(

@@ -8,24 +8,27 @@
 use ferrum_backend::{Activation, Backend, ExpertBatch, ExpertWeights};
 use ferrum_core::{Error, Result};
 
-use crate::config::{ModelConfig, MoeConfig, MoeStyle};
-use crate::layers::{GateUp, WeightSource};
+use crate::config::{Gating, ModelConfig, MoeConfig, MoeStyle, Routing};
+use crate::layers::{row_blocks, GateUp, WeightSource};
 use crate::names;
 use ferrum_core::DType;
 use ferrum_loader::RawTensor;
 
-/// A shared expert beside the routed ones (Qwen3.5-MoE): every token's output gets
-/// `sigmoid(gate · x) · down(silu(gate_proj(x)) · up(x))`.
+/// A shared expert beside the routed ones: every token's output gets
+/// `down(silu(gate_proj(x)) · up(x))`, scaled by `sigmoid(gate · x)` where there is a gate
+/// (Qwen3.5-MoE; GLM-4.5's and DeepSeek-V3's are added as they are).
 pub struct SharedExpert<B: Backend> {
     pub gate_up: GateUp<B::Weight>,
     pub down: B::Weight,
     /// `[1, hidden]`: the scalar gate's weights.
-    pub gate: B::Weight,
+    pub gate: Option<B::Weight>,
     pub ffn: usize,
 }
 
 pub struct MoeLayer<B: Backend> {
     pub router: B::Weight,
+    /// The score correction added to the scores that choose (DeepSeek-V3, GLM-4.5).
+    pub choice_bias: Option<Vec<f32>>,
     pub shared: Option<SharedExpert<B>>,
     /// gpt-oss's router has a bias.
     pub router_bias: Option<B::Weight>,
@@ -55,7 +58,27 @@ impl<B: Backend> MoeLayer<B> {
             );
         }
         let router = src.require_precise(be, "model.layers.{i}.mlp.gate.weight", i, (e, h))?;
-        let experts = if src.gguf {
+        let merged = format!("blk.{i}.ffn_gate_up_exps.weight");
+        let experts = if src.gguf && src.store.contains(&merged) {
+            // Mistral 4's converter keeps transformers' stack: each expert's gate rows, then
+            // its up rows.
+            let t = src.store.get(&merged).filter(|t| t.shape == [e, 2 * f, h]);
+            let t = t.ok_or_else(|| {
+                Error::Weights(format!("tensor {merged:?} is not [{e}, {}, {h}]", 2 * f))
+            })?;
+            let gu = be.load_weight(t)?;
+            let down = gguf_stack(be, src, i, names::GGUF_EXPERTS.2, [e, h, f])?;
+            (0..e)
+                .map(|x| {
+                    Ok(ExpertWeights {
+                        gate: be.weight_rows(&gu, 2 * x * f, f)?,
+                        up: be.weight_rows(&gu, (2 * x + 1) * f, f)?,
+                        down: be.weight_rows(&down, x * h, h)?,
+                        biases: None,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?
+        } else if src.gguf {
             let [gate, up, down] = gguf_stacks(be, src, i, e, f, h)?;
             (0..e)
                 .map(|x| {
@@ -67,6 +90,8 @@ impl<B: Backend> MoeLayer<B> {
                     })
                 })
                 .collect::<Result<Vec<_>>>()?
+        } else if let Some(stacked) = hf_stacks(be, src, i, e, f, h)? {
+            stacked
         } else {
             (0..e)
                 .map(|x| {
@@ -82,32 +107,46 @@ impl<B: Backend> MoeLayer<B> {
         };
         let shared = match m.shared_ffn {
             Some(sf) => {
-                let w = |p: &str, shape| src.require(be, p, i, shape);
+                // Qwen names its one expert in the singular, GLM and DeepSeek in the plural
+                // (their `n_shared_experts` fused into one of `sf` rows).
+                let p = if src
+                    .tensor("model.layers.{i}.mlp.shared_experts.up_proj.weight", i)
+                    .is_some()
+                {
+                    "model.layers.{i}.mlp.shared_experts"
+                } else {
+                    "model.layers.{i}.mlp.shared_expert"
+                };
+                let w = |name: &str, shape| src.require(be, &format!("{p}.{name}"), i, shape);
                 Some(SharedExpert {
                     gate_up: GateUp::Split {
-                        gate: w(
-                            "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
-                            (sf, h),
-                        )?,
-                        up: w("model.layers.{i}.mlp.shared_expert.up_proj.weight", (sf, h))?,
+                        gate: w("gate_proj.weight", (sf, h))?,
+                        up: w("up_proj.weight", (sf, h))?,
                     },
-                    down: w(
-                        "model.layers.{i}.mlp.shared_expert.down_proj.weight",
-                        (h, sf),
-                    )?,
-                    gate: src.require_precise(
-                        be,
-                        "model.layers.{i}.mlp.shared_expert_gate.weight",
-                        i,
-                        (1, h),
-                    )?,
+                    down: w("down_proj.weight", (h, sf))?,
+                    gate: if m.shared_gate {
+                        Some(src.require_precise(
+                            be,
+                            "model.layers.{i}.mlp.shared_expert_gate.weight",
+                            i,
+                            (1, h),
+                        )?)
+                    } else {
+                        None
+                    },
                     ffn: sf,
                 })
             }
             None => None,
         };
+        let choice_bias = if m.routing.choice_bias {
+            Some(src.vector("model.layers.{i}.mlp.gate.e_score_correction_bias", i, e)?)
+        } else {
+            None
+        };
         Ok(MoeLayer {
             router,
+            choice_bias,
             shared,
             router_bias: None,
             experts,
@@ -179,6 +218,7 @@ impl<B: Backend> MoeLayer<B> {
             if src.tensor(&format!("{p}gate_up_proj_blocks"), i).is_some() {
                 return Ok(MoeLayer {
                     router,
+                    choice_bias: None,
                     shared: None,
                     router_bias,
                     experts: hf_mxfp4_experts(be, src, i, e, f, h)?,
@@ -214,6 +254,7 @@ impl<B: Backend> MoeLayer<B> {
         };
         Ok(MoeLayer {
             router,
+            choice_bias: None,
             shared: None,
             router_bias,
             experts,
@@ -370,6 +411,52 @@ fn mxfp4_rows(
     out
 }
 
+/// Layer `i`'s experts where a Hugging Face file stacks them as transformers 5 holds them
+/// (Mistral 4): `mlp.experts.gate_up_proj` `[E, 2F, H]` (each expert's gate rows, then its
+/// up rows) and `mlp.experts.down_proj` `[E, H, F]`, each expert a view of the stack. `None`
+/// where the file keeps one tensor per expert.
+fn hf_stacks<B: Backend>(
+    be: &B,
+    src: &WeightSource,
+    i: usize,
+    e: usize,
+    f: usize,
+    h: usize,
+) -> Result<Option<Vec<ExpertWeights<B::Weight>>>> {
+    let p = "model.layers.{i}.mlp.experts.";
+    let (gu_name, down_name) = (format!("{p}gate_up_proj"), format!("{p}down_proj"));
+    let (Some(gu), Some(down)) = (src.tensor(&gu_name, i), src.tensor(&down_name, i)) else {
+        return Ok(None);
+    };
+    for (t, want) in [(gu, [e, 2 * f, h]), (down, [e, h, f])] {
+        if t.shape != want {
+            return Err(Error::Weights(format!(
+                "tensor {:?} has shape {:?}, expected {want:?}",
+                t.name, t.shape
+            )));
+        }
+    }
+    let gates = row_blocks(be, gu, e, f, f)?;
+    let ups = match gu.rows(f, 2 * e * f - f) {
+        Some(t) => row_blocks(be, &t, e, f, f)?,
+        None => return Err(Error::Weights(format!("{}: too few rows", gu.name))),
+    };
+    let downs = row_blocks(be, down, e, h, 0)?;
+    Ok(Some(
+        gates
+            .into_iter()
+            .zip(ups)
+            .zip(downs)
+            .map(|((gate, up), down)| ExpertWeights {
+                gate,
+                up,
+                down,
+                biases: None,
+            })
+            .collect(),
+    ))
+}
+
 /// Layer `i`'s stacked gate, up and down expert tensors of a GGUF file (`[E, F, H]`,
 /// `[E, F, H]`, `[E, H, F]`), shapes checked.
 fn gguf_stacks<B: Backend>(
@@ -380,22 +467,34 @@ fn gguf_stacks<B: Backend>(
     f: usize,
     h: usize,
 ) -> Result<[B::Weight; 3]> {
-    let stacked = |template: &str, rows: usize, cols: usize| -> Result<B::Weight> {
-        let name = template.replace("{i}", &i.to_string());
-        let t = src
-            .store
-            .get(&name)
-            .ok_or_else(|| Error::Weights(format!("missing tensor {name:?}")))?;
-        if t.shape != [e, rows, cols] {
-            return Err(Error::Weights(format!(
-                "tensor {name:?} has shape {:?}, expected [{e}, {rows}, {cols}]",
-                t.shape
-            )));
-        }
-        be.load_weight(t)
-    };
     let (g, u, d) = names::GGUF_EXPERTS;
-    Ok([stacked(g, f, h)?, stacked(u, f, h)?, stacked(d, h, f)?])
+    Ok([
+        gguf_stack(be, src, i, g, [e, f, h])?,
+        gguf_stack(be, src, i, u, [e, f, h])?,
+        gguf_stack(be, src, i, d, [e, h, f])?,
+    ])
+}
+
+/// Layer `i`'s stacked expert tensor named by `template`, its shape checked.
+fn gguf_stack<B: Backend>(
+    be: &B,
+    src: &WeightSource,
+    i: usize,
+    template: &str,
+    shape: [usize; 3],
+) -> Result<B::Weight> {
+    let name = template.replace("{i}", &i.to_string());
+    let t = src
+        .store
+        .get(&name)
+        .ok_or_else(|| Error::Weights(format!("missing tensor {name:?}")))?;
+    if t.shape != shape {
+        return Err(Error::Weights(format!(
+            "tensor {name:?} has shape {:?}, expected {shape:?}",
+            t.shape
+        )));
+    }
+    be.load_weight(t)
 }
 
 /// Per-token routing decisions and the per-expert token lists built from them. The vectors
@@ -404,7 +503,12 @@ pub struct Router {
     n_experts: usize,
     n_active: usize,
     norm_topk_prob: bool,
+    routing: Routing,
+    /// One token's scores (softmax or sigmoid), which weigh the chosen experts.
     probs: Vec<f32>,
+    /// The scores that choose: `probs` plus any correction bias, `-inf` outside the chosen
+    /// groups.
+    choice: Vec<f32>,
     /// `tokens[e]` / `weights[e]`: the tokens routed to expert `e`, in token order.
     tokens: Vec<Vec<u32>>,
     weights: Vec<Vec<f32>>,
@@ -416,46 +520,100 @@ impl Router {
             n_experts: m.n_experts,
             n_active: m.n_active,
             norm_topk_prob: m.norm_topk_prob,
+            routing: m.routing,
             probs: Vec::new(),
+            choice: Vec::new(),
             tokens: vec![Vec::new(); m.n_experts],
             weights: vec![Vec::new(); m.n_experts],
         }
     }
 
-    /// Top-k experts of one token's router logits, highest weight first, as
-    /// `(expert, weight)`. Softmax over all experts, then the k largest (a tie goes to the
-    /// lower expert index), renormalised to sum to one when `norm_topk_prob`.
-    pub fn route_token(&mut self, logits: &[f32]) -> Vec<(usize, f32)> {
-        let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    /// Top-k experts of one token's router logits, highest choice score first, as
+    /// `(expert, weight)`. Scores are a softmax over all experts or each one's sigmoid; the
+    /// choice adds `bias` (a layer's score correction) and, with groups, keeps only the
+    /// groups whose two best choice scores sum highest; the k largest are taken (a tie goes
+    /// to the lower index, for groups too); their unbiased scores are renormalised to sum to
+    /// one when `norm_topk_prob` (transformers' sigmoid routers add 1e-20 to the sum), then
+    /// multiplied by the routing scale.
+    pub fn route_token(&mut self, logits: &[f32], bias: Option<&[f32]>) -> Vec<(usize, f32)> {
+        let r = self.routing;
         self.probs.clear();
-        self.probs.extend(logits.iter().map(|&l| (l - max).exp()));
-        let z: f32 = self.probs.iter().sum();
-        for p in &mut self.probs {
-            *p /= z;
+        match r.gating {
+            Gating::Softmax => {
+                let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                self.probs.extend(logits.iter().map(|&l| (l - max).exp()));
+                let z: f32 = self.probs.iter().sum();
+                for p in &mut self.probs {
+                    *p /= z;
+                }
+            }
+            Gating::Sigmoid => self
+                .probs
+                .extend(logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp()))),
+        }
+        self.choice.clear();
+        match bias {
+            Some(b) => self
+                .choice
+                .extend(self.probs.iter().zip(b).map(|(p, b)| p + b)),
+            None => self.choice.extend_from_slice(&self.probs),
+        }
+        if r.groups > 1 && r.groups_used < r.groups {
+            let per = self.choice.len() / r.groups;
+            let best_two = |g: &[f32]| {
+                let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+                for &v in g {
+                    if v > a {
+                        (a, b) = (v, a);
+                    } else if v > b {
+                        b = v;
+                    }
+                }
+                if per < 2 {
+                    a
+                } else {
+                    a + b
+                }
+            };
+            let sums: Vec<f32> = self.choice.chunks(per).map(best_two).collect();
+            let mut order: Vec<usize> = (0..r.groups).collect();
+            order.sort_by(|&a, &b| sums[b].total_cmp(&sums[a]).then(a.cmp(&b)));
+            for &g in &order[r.groups_used..] {
+                self.choice[g * per..(g + 1) * per].fill(f32::NEG_INFINITY);
+            }
         }
         let mut order: Vec<usize> = (0..logits.len()).collect();
-        order.sort_by(|&a, &b| self.probs[b].total_cmp(&self.probs[a]).then(a.cmp(&b)));
+        order.sort_by(|&a, &b| self.choice[b].total_cmp(&self.choice[a]).then(a.cmp(&b)));
         order.truncate(self.n_active);
         let mut picked: Vec<(usize, f32)> = order.iter().map(|&e| (e, self.probs[e])).collect();
         if self.norm_topk_prob {
-            let s: f32 = picked.iter().map(|p| p.1).sum();
+            let mut s: f32 = picked.iter().map(|p| p.1).sum();
+            if r.gating == Gating::Sigmoid {
+                s += 1e-20;
+            }
             for p in &mut picked {
                 p.1 /= s;
+            }
+        }
+        if r.scale != 1.0 {
+            for p in &mut picked {
+                p.1 *= r.scale;
             }
         }
         picked
     }
 
-    /// Routes `n` tokens (row-major router logits) and groups them by expert. `counts[e]` is
-    /// increased by the number of tokens expert `e` received.
-    pub fn route(&mut self, logits: &[f32], n: usize, counts: &mut [u64]) {
+    /// Routes `n` tokens (row-major router logits; `bias` the layer's score correction) and
+    /// groups them by expert. `counts[e]` is increased by the number of tokens expert `e`
+    /// received.
+    pub fn route(&mut self, logits: &[f32], bias: Option<&[f32]>, n: usize, counts: &mut [u64]) {
         for e in 0..self.n_experts {
             self.tokens[e].clear();
             self.weights[e].clear();
         }
         for t in 0..n {
             let row = &logits[t * self.n_experts..(t + 1) * self.n_experts];
-            for (e, w) in self.route_token(row) {
+            for (e, w) in self.route_token(row, bias) {
                 self.tokens[e].push(t as u32);
                 self.weights[e].push(w);
                 counts[e] += 1;
@@ -479,7 +637,6 @@ impl Router {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::MoeStyle;
 
     fn cfg(k: usize, norm: bool) -> MoeConfig {
         MoeConfig {
@@ -491,18 +648,20 @@ mod tests {
             mlp_only_layers: vec![],
             sparse_step: 1,
             shared_ffn: None,
+            shared_gate: false,
+            routing: Routing::SOFTMAX,
         }
     }
 
     #[test]
     fn top_k_softmax_and_ties_to_the_lower_index() {
         let mut r = Router::new(&cfg(2, false));
-        let picked = r.route_token(&[1.0, 3.0, 3.0, 0.0]);
+        let picked = r.route_token(&[1.0, 3.0, 3.0, 0.0], None);
         assert_eq!(picked.iter().map(|p| p.0).collect::<Vec<_>>(), vec![1, 2]);
         let z = 1f32.exp() + 2.0 * 3f32.exp() + 1.0;
         assert!((picked[0].1 - 3f32.exp() / z).abs() < 1e-6);
         let mut r = Router::new(&cfg(2, true));
-        let picked = r.route_token(&[1.0, 3.0, 3.0, 0.0]);
+        let picked = r.route_token(&[1.0, 3.0, 3.0, 0.0], None);
         assert!((picked[0].1 - 0.5).abs() < 1e-6 && (picked[1].1 - 0.5).abs() < 1e-6);
     }
 
@@ -512,6 +671,7 @@ mod tests {
         let mut counts = vec![0; 4];
         r.route(
             &[0.0, 5.0, 0.0, 0.0, 9.0, 0.0, 0.0, 0.0, 0.0, 5.0, 0.0, 0.0],
+            None,
             3,
             &mut counts,
         );

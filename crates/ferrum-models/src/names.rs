@@ -70,6 +70,48 @@ pub const DECODER: &[(&str, &str)] = &[
         "model.layers.{i}.mlp.gate.weight",
         "blk.{i}.ffn_gate_inp.weight",
     ),
+    // Multi-head latent attention (DeepSeek-V3).
+    (
+        "model.layers.{i}.self_attn.q_a_proj.weight",
+        "blk.{i}.attn_q_a.weight",
+    ),
+    (
+        "model.layers.{i}.self_attn.q_a_layernorm.weight",
+        "blk.{i}.attn_q_a_norm.weight",
+    ),
+    (
+        "model.layers.{i}.self_attn.q_b_proj.weight",
+        "blk.{i}.attn_q_b.weight",
+    ),
+    (
+        "model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight",
+        "blk.{i}.attn_kv_a_mqa.weight",
+    ),
+    (
+        "model.layers.{i}.self_attn.kv_a_layernorm.weight",
+        "blk.{i}.attn_kv_a_norm.weight",
+    ),
+    (
+        "model.layers.{i}.self_attn.kv_b_proj.weight",
+        "blk.{i}.attn_kv_b.weight",
+    ),
+    // DeepSeek-V3 / GLM-4.5: the router's score correction and the shared experts.
+    (
+        "model.layers.{i}.mlp.gate.e_score_correction_bias",
+        "blk.{i}.exp_probs_b.bias",
+    ),
+    (
+        "model.layers.{i}.mlp.shared_experts.gate_proj.weight",
+        "blk.{i}.ffn_gate_shexp.weight",
+    ),
+    (
+        "model.layers.{i}.mlp.shared_experts.up_proj.weight",
+        "blk.{i}.ffn_up_shexp.weight",
+    ),
+    (
+        "model.layers.{i}.mlp.shared_experts.down_proj.weight",
+        "blk.{i}.ffn_down_shexp.weight",
+    ),
 ];
 
 /// GGUF names of the stacked expert tensors: `(gate, up, down)`.

@@ -40,6 +40,12 @@ const MODELS: &[&str] = &[
     "gpt-oss",
     "qwen35",
     "qwen35-moe",
+    "glm4moe",
+    "glm4moe-qknorm",
+    "deepseek3",
+    "deepseek3-qlora",
+    "ministral3",
+    "mistral4",
 ];
 
 /// The exact backend's tolerance. The hybrid Qwen3.5 models are ill-conditioned in f32:

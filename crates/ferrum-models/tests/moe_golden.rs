@@ -119,7 +119,7 @@ fn router_reproduces_transformers_routing() {
             };
             layers_seen += 1;
             for (t, (want, l)) in routes.iter().zip(logits).enumerate() {
-                let got = router.route_token(l);
+                let got = router.route_token(l, None);
                 assert_eq!(got.len(), want.len());
                 for ((ge, gw), (we, ww)) in got.iter().zip(want) {
                     assert_eq!(ge, we, "{name}: layer {layer} token {t}");

@@ -7,7 +7,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use ferrum_tokenizer::harmony;
 
-use crate::reasoning::ReasoningSplitter;
+use crate::reasoning::{self, ReasoningSplitter};
 use crate::routes::Choice;
 use crate::tools::{CallStreamer, ToolCall, ToolEvent, Tools};
 
@@ -22,6 +22,20 @@ pub enum AnswerFormat {
     /// gpt-oss's harmony channels (its vocabulary has the markers): analysis, final,
     /// commentary to a function.
     Harmony,
+    /// Mistral's control tokens (its vocabulary has `[TOOL_CALLS]`), kept in the text:
+    /// reasoning in a leading `[THINK]…[/THINK]`, calls after `[TOOL_CALLS]`.
+    Mistral,
+}
+
+impl AnswerFormat {
+    /// The tags of its reasoning block, if it has one.
+    fn reasoning(self) -> Option<reasoning::Tags> {
+        match self {
+            AnswerFormat::Think => Some(reasoning::THINK),
+            AnswerFormat::Mistral => Some(reasoning::MISTRAL),
+            _ => None,
+        }
+    }
 }
 
 /// A finished answer, split.
@@ -59,10 +73,9 @@ impl Answer {
             }
             return a;
         }
-        let (reasoning, text) = if format == AnswerFormat::Think {
-            ReasoningSplitter::split(text)
-        } else {
-            (None, text.to_string())
+        let (reasoning, text) = match format.reasoning() {
+            Some(tags) => ReasoningSplitter::split(text, tags),
+            None => (None, text.to_string()),
         };
         let (content, calls) = match tools {
             Some(t) => t.parse_output(&text),
@@ -126,7 +139,7 @@ impl AnswerStream {
             harmony: (format == AnswerFormat::Harmony).then(harmony::Parser::new),
             foreign_call: false,
             tools: tools.cloned(),
-            splitter: ReasoningSplitter::default(),
+            splitter: ReasoningSplitter::new(format.reasoning().unwrap_or(reasoning::THINK)),
             streamer: tools.map(CallStreamer::new),
             text: String::new(),
             streamed: Vec::new(),
@@ -213,7 +226,7 @@ impl AnswerStream {
             return out;
         }
         self.text.push_str(delta);
-        let thinking = self.format == AnswerFormat::Think;
+        let thinking = self.format.reasoning().is_some();
         let (mut r, mut c) = if thinking {
             self.splitter.push(delta)
         } else {

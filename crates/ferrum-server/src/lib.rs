@@ -150,8 +150,14 @@ pub fn serve<B: ferrum_backend::Backend + 'static>(
             None => None,
         };
         let handle = worker::spawn(cfg.model_id.clone(), load, kv_events);
+        let mistral = tokenizer
+            .inner()
+            .token_to_id("[TOOL_CALLS]")
+            .is_some_and(|id| tokenizer.is_special(id));
         let format = if ferrum_tokenizer::harmony::is_harmony(&tokenizer) {
             answer::AnswerFormat::Harmony
+        } else if mistral {
+            answer::AnswerFormat::Mistral
         } else if tokenizer
             .chat_template()
             .is_some_and(|t| t.source().contains("<think>"))

@@ -1,9 +1,11 @@
-//! `<think>…</think>` blocks of reasoning models (Qwen3, DeepSeek-R1 style): returned as
-//! `reasoning_content`, apart from the answer. Only used when the model's chat template
-//! mentions `<think>`.
+//! `<think>…</think>` blocks of reasoning models (Qwen3, DeepSeek-R1 style), or Mistral's
+//! `[THINK]…[/THINK]`: returned as `reasoning_content`, apart from the answer. Only used when
+//! the model's chat template mentions `<think>`, or its vocabulary has Mistral's markers.
 
-const OPEN: &str = "<think>";
-const CLOSE: &str = "</think>";
+/// The tags of a reasoning block: `(open, close)`.
+pub type Tags = (&'static str, &'static str);
+pub const THINK: Tags = ("<think>", "</think>");
+pub const MISTRAL: Tags = ("[THINK]", "[/THINK]");
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -18,14 +20,12 @@ enum State {
 pub struct ReasoningSplitter {
     state: State,
     held: String,
+    tags: Tags,
 }
 
 impl Default for ReasoningSplitter {
     fn default() -> Self {
-        ReasoningSplitter {
-            state: State::Start,
-            held: String::new(),
-        }
+        ReasoningSplitter::new(THINK)
     }
 }
 
@@ -40,34 +40,43 @@ fn partial_tag(s: &str, tag: &str) -> usize {
 }
 
 impl ReasoningSplitter {
+    pub fn new(tags: Tags) -> Self {
+        ReasoningSplitter {
+            state: State::Start,
+            held: String::new(),
+            tags,
+        }
+    }
+
     /// Feeds a delta; returns the reasoning and content text now safe to emit.
     pub fn push(&mut self, delta: &str) -> (String, String) {
+        let (open, close) = self.tags;
         self.held.push_str(delta);
         let (mut reasoning, mut content) = (String::new(), String::new());
         loop {
             match self.state {
                 State::Start => {
                     let trimmed = self.held.trim_start();
-                    if trimmed.starts_with(OPEN) {
-                        let at = self.held.len() - trimmed.len() + OPEN.len();
+                    if trimmed.starts_with(open) {
+                        let at = self.held.len() - trimmed.len() + open.len();
                         self.held.drain(..at);
                         self.state = State::Thinking;
-                    } else if OPEN.starts_with(trimmed) {
+                    } else if open.starts_with(trimmed) {
                         break; // maybe the tag, still arriving
                     } else {
                         self.state = State::Answer;
                     }
                 }
                 State::Thinking => {
-                    if let Some(end) = self.held.find(CLOSE) {
+                    if let Some(end) = self.held.find(close) {
                         reasoning.push_str(&self.held[..end]);
-                        self.held.drain(..end + CLOSE.len());
+                        self.held.drain(..end + close.len());
                         // The answer conventionally starts after blank lines.
                         let rest = self.held.trim_start().to_string();
                         self.held = rest;
                         self.state = State::Answer;
                     } else {
-                        let keep = partial_tag(&self.held, CLOSE);
+                        let keep = partial_tag(&self.held, close);
                         let cut = self.held.len() - keep;
                         reasoning.push_str(&self.held[..cut]);
                         self.held.drain(..cut);
@@ -94,8 +103,8 @@ impl ReasoningSplitter {
     }
 
     /// Splits a whole answer at once.
-    pub fn split(text: &str) -> (Option<String>, String) {
-        let mut s = ReasoningSplitter::default();
+    pub fn split(text: &str, tags: Tags) -> (Option<String>, String) {
+        let mut s = ReasoningSplitter::new(tags);
         let (mut r, mut c) = s.push(text);
         let (r2, c2) = s.finish();
         r.push_str(&r2);
@@ -112,11 +121,21 @@ mod tests {
     #[test]
     fn whole_answers_split_at_the_block() {
         assert_eq!(
-            ReasoningSplitter::split("<think>\nLet me see.\n</think>\n\nParis."),
+            ReasoningSplitter::split("<think>\nLet me see.\n</think>\n\nParis.", THINK),
             (Some("\nLet me see.\n".into()), "Paris.".into())
         );
-        assert_eq!(ReasoningSplitter::split("Paris."), (None, "Paris.".into()));
-        assert_eq!(ReasoningSplitter::split("<thin"), (None, "<thin".into()));
+        assert_eq!(
+            ReasoningSplitter::split("Paris.", THINK),
+            (None, "Paris.".into())
+        );
+        assert_eq!(
+            ReasoningSplitter::split("<thin", THINK),
+            (None, "<thin".into())
+        );
+        assert_eq!(
+            ReasoningSplitter::split("[THINK]Hm.[/THINK]Paris.", MISTRAL),
+            (Some("Hm.".into()), "Paris.".into())
+        );
     }
 
     #[test]

@@ -607,10 +607,11 @@ pub(crate) async fn prepare_with(
             let max = plan.base.max_tokens / 2;
             constraint.map(|c| c.after_harmony_analysis(max))
         }
-        AnswerFormat::Plain => constraint,
+        AnswerFormat::Plain | AnswerFormat::Mistral => constraint,
     };
-    // Harmony's channels are control tokens: the answer is parsed with their text kept.
-    plan.base.skip_special &= !harmony;
+    // Harmony's channels and Mistral's markers are control tokens: the answer is parsed
+    // with their text kept.
+    plan.base.skip_special &= !harmony && format != AnswerFormat::Mistral;
     Ok(Prepared {
         card,
         format,

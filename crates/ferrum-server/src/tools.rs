@@ -3,8 +3,12 @@
 //!
 //! The call format is Hermes/Qwen's — `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`
 //! — which Qwen2.5/Qwen3 templates produce themselves; a template that does not render
-//! tools gets the same instructions as a system message. Llama 3's bare JSON
-//! (`{"name": …, "parameters": {…}}`) is recognised in answers too.
+//! tools gets the same instructions as a system message. Answers are also read in the
+//! formats other families' templates teach: Llama 3's bare JSON (`{"name": …,
+//! "parameters": {…}}`), GLM-4.5's `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>
+//! …</tool_call>` (a value is JSON, or else a string), and Mistral's `[TOOL_CALLS]NAME[ARGS]{…}`
+//! (with `[CALL_ID]ID` before `[ARGS]` in Mistral Small 3.2, or the older
+//! `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`).
 
 use serde_json::{json, Value};
 
@@ -256,6 +260,12 @@ impl Tools {
                 }
                 _ => None,
             };
+            let parsed = parsed.or_else(|| {
+                glm_call(after).map(|(name, args, used)| {
+                    let v = json!({"name": name, "arguments": args});
+                    (call_of(&v), used)
+                })
+            });
             match parsed {
                 Some((Some(c), used)) => {
                     content.push_str(&rest[..start]);
@@ -271,6 +281,15 @@ impl Tools {
         }
         content.push_str(rest);
         if calls.is_empty() {
+            if let Some((before, found)) = mistral_calls(&content) {
+                let found: Vec<ToolCall> = found.iter().filter_map(call_of).collect();
+                if !found.is_empty() {
+                    let before = before.trim();
+                    return ((!before.is_empty()).then(|| before.to_string()), found);
+                }
+            }
+        }
+        if calls.is_empty() {
             // Llama 3 style: the whole answer is one JSON call.
             if let Some(c) = serde_json::from_str::<Value>(text.trim())
                 .ok()
@@ -283,6 +302,76 @@ impl Tools {
         let content = content.trim();
         ((!content.is_empty()).then(|| content.to_string()), calls)
     }
+}
+
+/// GLM-4.5's call after its `<tool_call>`: the name up to the first `<arg_key>` or line
+/// end, then key/value pairs (a value that reads as JSON is that JSON, else the text as a
+/// string), then `</tool_call>` (or the end of the answer). Returns the name, the arguments
+/// and the bytes used.
+fn glm_call(after: &str) -> Option<(String, Value, usize)> {
+    const KEY: &str = "<arg_key>";
+    const KEY_END: &str = "</arg_key>";
+    const VALUE: &str = "<arg_value>";
+    const VALUE_END: &str = "</arg_value>";
+    const CLOSE: &str = "</tool_call>";
+    let body_end = after.find(CLOSE);
+    let body = &after[..body_end.unwrap_or(after.len())];
+    let name_end = body.find(KEY).unwrap_or(body.len());
+    let name = body[..name_end].trim();
+    if name.is_empty() || !valid_name(name) {
+        return None;
+    }
+    let mut args = serde_json::Map::new();
+    let mut rest = &body[name_end..];
+    while let Some(k) = rest.trim_start().strip_prefix(KEY) {
+        let (key, after_key) = k.split_once(KEY_END)?;
+        let v = after_key.trim_start().strip_prefix(VALUE)?;
+        let (value, tail) = v.split_once(VALUE_END)?;
+        let parsed = serde_json::from_str::<Value>(value)
+            .unwrap_or_else(|_| Value::String(value.to_string()));
+        args.insert(key.trim().to_string(), parsed);
+        rest = tail;
+    }
+    if !rest.trim().is_empty() {
+        return None;
+    }
+    let used = body_end.map_or(after.len(), |e| e + CLOSE.len());
+    Some((name.to_string(), Value::Object(args), used))
+}
+
+/// Mistral's calls: the text before the first `[TOOL_CALLS]`, and each call as `{"name",
+/// "arguments"}` — `[TOOL_CALLS]NAME[ARGS]{…}` per call (`[CALL_ID]ID` may come before
+/// `[ARGS]`), or one `[TOOL_CALLS]` followed by a JSON list of calls. `None` when there is
+/// no marker or what follows it does not read as calls.
+fn mistral_calls(text: &str) -> Option<(&str, Vec<Value>)> {
+    const MARK: &str = "[TOOL_CALLS]";
+    const ARGS: &str = "[ARGS]";
+    const ID: &str = "[CALL_ID]";
+    let start = text.find(MARK)?;
+    let mut rest = &text[start..];
+    let mut calls = Vec::new();
+    while let Some(r) = rest.strip_prefix(MARK) {
+        let r = r.trim_start();
+        if r.starts_with('[') {
+            // The older layout: a JSON list of calls.
+            let mut de = serde_json::Deserializer::from_str(r).into_iter::<Value>();
+            let Some(Ok(Value::Array(list))) = de.next() else {
+                return None;
+            };
+            calls.extend(list);
+            rest = r[de.byte_offset()..].trim_start();
+            continue;
+        }
+        let (name, after) = r.split_once(ARGS)?;
+        let name = name.split(ID).next().unwrap_or(name).trim();
+        let mut de = serde_json::Deserializer::from_str(after).into_iter::<Value>();
+        let Some(Ok(args)) = de.next() else {
+            return None;
+        };
+        calls.push(json!({"name": name, "arguments": args}));
+        rest = after[de.byte_offset()..].trim_start();
+    }
+    rest.is_empty().then_some((&text[..start], calls))
 }
 
 /// What an answer streams as, once its tool calls are picked out as they are generated.
@@ -333,6 +422,8 @@ enum StreamState {
 
 const OPEN_TAG: &str = "<tool_call>";
 const CLOSE_TAG: &str = "</tool_call>";
+/// Mistral's call marker (a control token its answers keep, see `AnswerFormat::Mistral`).
+const MISTRAL_TAG: &str = "[TOOL_CALLS]";
 
 impl CallStreamer {
     pub fn new(tools: &Tools) -> CallStreamer {
@@ -398,22 +489,33 @@ impl CallStreamer {
         if !self.emitted && (head.is_empty() || head.starts_with('{')) {
             return false;
         }
-        if let Some(i) = self.buf.find(OPEN_TAG) {
+        let first = [OPEN_TAG, MISTRAL_TAG]
+            .iter()
+            .filter_map(|t| self.buf.find(t).map(|i| (i, *t)))
+            .min();
+        if let Some((i, tag)) = first {
             if i > 0 {
                 self.emitted = true;
                 out.push(ToolEvent::Text(self.buf[..i].to_string()));
             }
-            self.buf.drain(..i + OPEN_TAG.len());
-            self.raw = OPEN_TAG.to_string();
-            self.state = StreamState::Header;
+            self.buf.drain(..i + tag.len());
+            self.raw = tag.to_string();
+            // Mistral's calls are left whole to the final parse.
+            self.state = if tag == OPEN_TAG {
+                StreamState::Header
+            } else {
+                StreamState::Lost
+            };
             return true;
         }
-        // Hold back the longest tail that could begin the tag.
-        let keep = (1..OPEN_TAG.len().min(self.buf.len() + 1))
+        // Hold back the longest tail that could begin a tag.
+        let keep = (1..self.buf.len() + 1)
             .rev()
             .find(|&n| {
                 self.buf.is_char_boundary(self.buf.len() - n)
-                    && OPEN_TAG.starts_with(&self.buf[self.buf.len() - n..])
+                    && [OPEN_TAG, MISTRAL_TAG]
+                        .iter()
+                        .any(|t| n < t.len() && t.starts_with(&self.buf[self.buf.len() - n..]))
             })
             .unwrap_or(0);
         let cut = self.buf.len() - keep;
@@ -551,6 +653,57 @@ mod tests {
         let (c, calls) =
             t.parse_output("<tool_call>{\"name\": \"nope\", \"arguments\": {}}</tool_call>");
         assert!(calls.is_empty() && c.is_some());
+    }
+
+    /// GLM-4.5's and Mistral's layouts, as their chat templates render calls.
+    #[test]
+    fn glm_and_mistral_calls_are_parsed() {
+        let t = tools(json!("auto"));
+        let want = |city: &str| ToolCall {
+            name: "get_weather".into(),
+            arguments: json!({"city": city}).to_string(),
+        };
+        let (c, calls) = t.parse_output(
+            "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+        );
+        assert_eq!(
+            (c.as_deref(), calls),
+            (Some("Checking."), vec![want("Paris")])
+        );
+        // A value that reads as JSON is that JSON.
+        let (_, calls) = t.parse_output(
+            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>{\"a\": [1]}</arg_value></tool_call>",
+        );
+        assert_eq!(calls[0].arguments, "{\"city\":{\"a\":[1]}}");
+        let (c, calls) = t.parse_output(
+            "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Rome\"}[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Oslo\"}",
+        );
+        assert_eq!((c, calls), (None, vec![want("Rome"), want("Oslo")]));
+        let (c, calls) = t.parse_output(
+            "Let me see.[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{\"city\": \"Rome\"}",
+        );
+        assert_eq!(
+            (c.as_deref(), calls),
+            (Some("Let me see."), vec![want("Rome")])
+        );
+        let (_, calls) = t.parse_output(
+            "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Lima\"}}]",
+        );
+        assert_eq!(calls, vec![want("Lima")]);
+        // Unknown functions and broken layouts stay text.
+        for text in [
+            "[TOOL_CALLS]nope[ARGS]{}",
+            "[TOOL_CALLS]get_weather[ARGS]{\"city\"",
+            "<tool_call>get_weather<arg_key>city</arg_key>Paris</tool_call>",
+        ] {
+            let (c, calls) = t.parse_output(text);
+            assert!(calls.is_empty() && c.is_some(), "{text}");
+        }
+        // Streaming holds a Mistral call back for the final parse.
+        let mut s = CallStreamer::new(&t);
+        let mut ev = s.push("Sure. [TOOL");
+        ev.extend(s.push("_CALLS]get_weather[ARGS]{}"));
+        assert_eq!(ev, vec![ToolEvent::Text("Sure. ".into())]);
     }
 
     #[test]

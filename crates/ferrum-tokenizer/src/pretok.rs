@@ -68,6 +68,8 @@ pub(crate) fn spec_for(pre: Option<&str>) -> Result<PreTokenizerSpec> {
         }
         "qwen2" | "deepseek-r1-qwen" | "stablelm2" | "megrez" => PreTokenizerSpec::new(&[QWEN2]),
         "qwen35" => PreTokenizerSpec::new(&[QWEN35]),
+        // Llama 3's pattern, but merges are not skipped and no BOS is added.
+        "glm4" | "glm5" | "chatglm-bpe" => PreTokenizerSpec::new(&[LLAMA3]),
         "gpt-4o" | "minimax-m2" => PreTokenizerSpec::new(&[GPT4O]),
         "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" => PreTokenizerSpec {
             regexes: vec![LLAMA3],
@@ -88,7 +90,7 @@ pub(crate) fn spec_for(pre: Option<&str>) -> Result<PreTokenizerSpec> {
             return Err(Error::Tokenizer(format!(
                 "unsupported pre-tokenizer tokenizer.ggml.pre = {other:?} (supported: default, \
                  gpt-2, phi-2, mpt, olmo, starcoder, refact, command-r, smollm, codeshell, \
-                 qwen2, deepseek-r1-qwen, stablelm2, megrez, qwen35, gpt-4o, minimax-m2, \
+                 qwen2, deepseek-r1-qwen, stablelm2, megrez, qwen35, glm4, glm5, chatglm-bpe, gpt-4o, minimax-m2, \
                  llama3, llama-v3, llama-bpe, falcon3, pixtral, falcon, deepseek-coder)"
             )))
         }

@@ -15,6 +15,7 @@ use serde_json::Value as Json;
 use super::{Arch, ArchInfo};
 use crate::config::{
     hf_f64, hf_opt_usize, hf_usize, LayerSpec, ModelConfig, MoeConfig, MoeStyle, Rope, RopeScaling,
+    Routing,
 };
 
 pub const INFO: ArchInfo = ArchInfo {
@@ -116,6 +117,8 @@ fn from_hf(j: &Json) -> Result<ModelConfig> {
         mlp_only_layers: Vec::new(),
         sparse_step: 1,
         shared_ffn: None,
+        shared_gate: false,
+        routing: Routing::SOFTMAX,
     };
     let window = hf_opt_usize(j, "sliding_window").unwrap_or(128);
     let sliding: Vec<bool> = match j.get("layer_types").and_then(Json::as_array) {

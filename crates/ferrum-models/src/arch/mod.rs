@@ -3,10 +3,13 @@
 //! its layers differ from Llama's; the layers themselves are the shared ones of
 //! [`crate::layers`], run by [`crate::decoder`]. A new family is a new file and a row here.
 
+pub mod deepseek2;
 pub mod gemma3;
+pub mod glm4moe;
 pub mod gpt_oss;
 pub mod granite;
 pub mod llama;
+pub mod mistral3;
 pub mod olmo2;
 pub mod phi3;
 pub mod qwen;
@@ -36,6 +39,14 @@ pub enum Arch {
     Qwen35,
     /// Qwen3.5 with Qwen3-MoE experts and a gated shared expert.
     Qwen35Moe,
+    /// GLM-4.5 / 4.6: partial rotary, dense leading layers, DeepSeek-V3's router.
+    Glm4Moe,
+    /// DeepSeek-V3: multi-head latent attention, DeepSeek-V3's router.
+    Deepseek2,
+    /// Ministral 3 / Mistral Small 3.x: Llama with YaRN and a query temperature.
+    Mistral3,
+    /// Mistral 4: DeepSeek-V3's latent attention and experts, a softmax router.
+    Mistral4,
 }
 
 /// How one family is recognised and read.
@@ -70,6 +81,10 @@ pub const ARCHS: &[ArchInfo] = &[
     gpt_oss::INFO,
     qwen35::QWEN35,
     qwen35::QWEN35_MOE,
+    glm4moe::INFO,
+    deepseek2::INFO,
+    mistral3::INFO,
+    deepseek2::MISTRAL4,
 ];
 
 impl Arch {
@@ -131,6 +146,10 @@ mod tests {
             Arch::GptOss,
             Arch::Qwen35,
             Arch::Qwen35Moe,
+            Arch::Glm4Moe,
+            Arch::Deepseek2,
+            Arch::Mistral3,
+            Arch::Mistral4,
         ] {
             assert_eq!(ARCHS.iter().filter(|i| i.arch == a).count(), 1, "{a:?}");
             assert_eq!(a.info().arch, a);

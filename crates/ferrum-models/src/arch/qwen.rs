@@ -6,7 +6,7 @@ use ferrum_loader::GgufFile;
 use serde_json::Value as Json;
 
 use super::{Arch, ArchInfo};
-use crate::config::{hf_opt_usize, hf_usize, ModelConfig, MoeConfig, MoeStyle, QkNorm};
+use crate::config::{hf_opt_usize, hf_usize, ModelConfig, MoeConfig, MoeStyle, QkNorm, Routing};
 
 pub const QWEN2: ArchInfo = ArchInfo {
     arch: Arch::Qwen2,
@@ -85,6 +85,8 @@ fn moe_from_hf(j: &Json) -> Result<ModelConfig> {
             .unwrap_or_default(),
         sparse_step: hf_opt_usize(j, "decoder_sparse_step").unwrap_or(1),
         shared_ffn: None,
+        shared_gate: false,
+        routing: Routing::SOFTMAX,
     };
     if c.intermediate_size == 0 {
         c.intermediate_size = m.expert_ffn;

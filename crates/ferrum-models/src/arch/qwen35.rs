@@ -16,7 +16,9 @@ use ferrum_loader::GgufFile;
 use serde_json::Value as Json;
 
 use super::{Arch, ArchInfo};
-use crate::config::{hf_opt_usize, hf_usize, LinearAttn, ModelConfig, MoeConfig, MoeStyle, QkNorm};
+use crate::config::{
+    hf_opt_usize, hf_usize, LinearAttn, ModelConfig, MoeConfig, MoeStyle, QkNorm, Routing,
+};
 
 const NAMES: &[(&str, &str)] = &[
     (
@@ -180,6 +182,8 @@ fn from_hf(arch: Arch, j: &Json) -> Result<ModelConfig> {
             mlp_only_layers: Vec::new(),
             sparse_step: 1,
             shared_ffn: hf_opt_usize(j, "shared_expert_intermediate_size").filter(|&v| v > 0),
+            shared_gate: true,
+            routing: Routing::SOFTMAX,
         });
     }
     finish(c, linear, kinds, "config.json")
