@@ -31,6 +31,19 @@ const QWEN35: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M
 /// threes, punctuation runs taking trailing newlines and slashes.
 const GPT4O: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Mistral's tekken (Mistral Nemo, Small 3.x, Ministral 3, Mistral 4): GPT-4o's word
+/// classes without the contractions, every digit its own piece. tokenizer.json's pattern;
+/// llama.cpp spells the same classes out with look-aheads.
+const TEKKEN: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// DeepSeek-V3 (and R1, Kimi-free V3.x): digits in threes, runs of CJK ideographs and kana,
+/// then words, punctuation and spaces — applied in that order, as llama.cpp does.
+const DEEPSEEK3: [&str; 3] = [
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r##"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"##,
+];
+
 /// How a byte-level BPE vocabulary splits text before merging.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PreTokenizerSpec {
@@ -70,6 +83,8 @@ pub(crate) fn spec_for(pre: Option<&str>) -> Result<PreTokenizerSpec> {
         "qwen35" => PreTokenizerSpec::new(&[QWEN35]),
         // Llama 3's pattern, but merges are not skipped and no BOS is added.
         "glm4" | "glm5" | "chatglm-bpe" => PreTokenizerSpec::new(&[LLAMA3]),
+        "tekken" => PreTokenizerSpec::new(&[TEKKEN]),
+        "deepseek-v3" => PreTokenizerSpec::new(&DEEPSEEK3),
         "gpt-4o" | "minimax-m2" => PreTokenizerSpec::new(&[GPT4O]),
         "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" => PreTokenizerSpec {
             regexes: vec![LLAMA3],
@@ -90,7 +105,8 @@ pub(crate) fn spec_for(pre: Option<&str>) -> Result<PreTokenizerSpec> {
             return Err(Error::Tokenizer(format!(
                 "unsupported pre-tokenizer tokenizer.ggml.pre = {other:?} (supported: default, \
                  gpt-2, phi-2, mpt, olmo, starcoder, refact, command-r, smollm, codeshell, \
-                 qwen2, deepseek-r1-qwen, stablelm2, megrez, qwen35, glm4, glm5, chatglm-bpe, gpt-4o, minimax-m2, \
+                 qwen2, deepseek-r1-qwen, stablelm2, megrez, qwen35, glm4, glm5, chatglm-bpe, tekken, \
+                 deepseek-v3, gpt-4o, minimax-m2, \
                  llama3, llama-v3, llama-bpe, falcon3, pixtral, falcon, deepseek-coder)"
             )))
         }
@@ -149,6 +165,75 @@ mod tests {
         }
     }
 
+    /// What Python's `regex` module gives for these patterns (each regex splitting the
+    /// previous one's pieces, matches and gaps alike, as llama.cpp and tokenizers'
+    /// `Split::Isolated` do), computed with `regex.finditer` on the patterns above.
+    #[test]
+    fn tekken_and_deepseek_v3_split_as_python_regex_does() {
+        use tokenizers::{PreTokenizedString, PreTokenizer};
+        let split = |pre: &str, text: &str| -> Vec<String> {
+            let mut p = PreTokenizedString::from(text);
+            for re in spec_for(Some(pre)).unwrap().regexes {
+                tokenizers::pre_tokenizers::split::Split::new(
+                    tokenizers::pre_tokenizers::split::SplitPattern::Regex(re.into()),
+                    tokenizers::SplitDelimiterBehavior::Isolated,
+                    false,
+                )
+                .unwrap()
+                .pre_tokenize(&mut p)
+                .unwrap();
+            }
+            p.get_splits(
+                tokenizers::OffsetReferential::Original,
+                tokenizers::OffsetType::Byte,
+            )
+            .into_iter()
+            .map(|(s, _, _)| s.to_string())
+            .collect()
+        };
+        let cases: [(&str, &[&str], &[&str]); 3] = [
+            (
+                "Hello world's 12345 HTTPServer",
+                &[
+                    "Hello",
+                    " world",
+                    "'s",
+                    " ",
+                    "1",
+                    "2",
+                    "3",
+                    "4",
+                    "5",
+                    " HTTPServer",
+                ],
+                &["Hello", " world", "'s", " ", "123", "45", " HTTPServer"],
+            ),
+            (
+                "ÉCOLE naïve CAFÉs 日本語テキスト",
+                &["ÉCOLE", " naïve", " CAFÉs", " 日本語テキスト"],
+                &["ÉCOLE", " naïve", " CAFÉs", " ", "日本語テキスト"],
+            ),
+            (
+                "a.b_c;d (e) 1234567 ☃x",
+                &[
+                    "a", ".b", "_c", ";d", " (", "e", ")", " ", "1", "2", "3", "4", "5", "6", "7",
+                    " ☃", "x",
+                ],
+                &[
+                    "a", ".b", "_c", ";d", " (", "e", ")", " ", "123", "456", "7", " ☃", "x",
+                ],
+            ),
+        ];
+        for (text, tekken, deepseek) in cases {
+            assert_eq!(split("tekken", text), tekken, "tekken: {text:?}");
+            assert_eq!(
+                split("deepseek-v3", text),
+                deepseek,
+                "deepseek-v3: {text:?}"
+            );
+        }
+    }
+
     #[test]
     fn every_regex_compiles() {
         for pre in [
@@ -161,6 +246,9 @@ mod tests {
             "llama-bpe",
             "falcon",
             "deepseek-coder",
+            "glm4",
+            "tekken",
+            "deepseek-v3",
         ] {
             for re in spec_for(Some(pre)).unwrap().regexes {
                 tokenizers::pre_tokenizers::split::Split::new(
