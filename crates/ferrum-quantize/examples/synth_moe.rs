@@ -11,7 +11,11 @@
 //! wide, every 4th gated attention with 16/4 heads of 256, the others Gated DeltaNet with 16
 //! key and 32 value heads of 128, FFN 12288, the Qwen3.5 vocabulary, untied) and `--arch
 //! qwen35moe` Qwen3.5-35B-A3B's layers (40 layers 2048 wide, 16/2 heads of 256, 256 experts of
-//! 512, 8 active, a shared expert of 512).
+//! 512, 8 active, a shared expert of 512). `--arch deepseek2` is DeepSeek-V2-Lite's latent
+//! attention and experts (27 layers 2048 wide, 16 heads: queries of 128 + 64 rotary, a latent
+//! of 512, values of 128, no query bottleneck; the first layer a dense FFN of 10944, the others
+//! 64 experts of 1408, 6 active under a softmax router, two shared experts), in llama.cpp's
+//! split `attn_k_b`/`attn_v_b` form.
 //!
 //! ```text
 //! cargo run --release -p ferrum-quantize --example synth_moe -- OUT.gguf --type Q4_K_M \
@@ -57,6 +61,8 @@ enum Arch {
     Qwen35,
     /// Hybrid MoE: Qwen3.5-35B-A3B's shapes (256 experts of 512, 8 active, a shared expert).
     Qwen35Moe,
+    /// Latent attention and DeepSeek MoE: DeepSeek-V2-Lite's shapes.
+    Deepseek2,
 }
 
 impl Arch {
@@ -68,6 +74,7 @@ impl Arch {
             Arch::Qwen3 => "qwen3",
             Arch::Qwen35 => "qwen35",
             Arch::Qwen35Moe => "qwen35moe",
+            Arch::Deepseek2 => "deepseek2",
         }
     }
 
@@ -99,7 +106,7 @@ struct Opts {
 }
 
 const USAGE: &str =
-    "usage: synth_moe OUT.gguf --type Q8_0|Q4_K_M|MXFP4_MOE|... [--arch qwen3moe|gpt-oss|llama|qwen3|qwen35|qwen35moe] \
+    "usage: synth_moe OUT.gguf --type Q8_0|Q4_K_M|MXFP4_MOE|... [--arch qwen3moe|gpt-oss|llama|qwen3|qwen35|qwen35moe|deepseek2] \
 [--layers 4] [--hidden 2048] [--experts 128] [--active 8] [--expert-ffn 768] [--ffn N] [--heads 32] \
 [--kv-heads 4] [--head-dim 128] [--vocab-from PATH] [--seed 1]";
 
@@ -122,9 +129,10 @@ fn parse_args() -> AnyResult<Opts> {
         Some(Some(a)) if a == "qwen3" => Arch::Qwen3,
         Some(Some(a)) if a == "qwen35" => Arch::Qwen35,
         Some(Some(a)) if a == "qwen35moe" => Arch::Qwen35Moe,
+        Some(Some(a)) if a == "deepseek2" => Arch::Deepseek2,
         Some(other) => {
             return Err(format!(
-                "--arch {other:?}: qwen3moe, gpt-oss, llama, qwen3, qwen35 or qwen35moe"
+                "--arch {other:?}: qwen3moe, gpt-oss, llama, qwen3, qwen35, qwen35moe or deepseek2"
             )
             .into())
         }
@@ -159,6 +167,11 @@ fn parse_args() -> AnyResult<Opts> {
             (o.layers, o.hidden, o.heads, o.kv_heads, o.head_dim, o.ffn) =
                 (32, 4096, 16, 4, 256, 12288);
             o.vocab_from = cache.join("llama-vocab/ggml-vocab-qwen35.gguf");
+        }
+        Arch::Deepseek2 => {
+            // head_dim: the latent (512); the rest of the attention's shape is fixed below.
+            (o.layers, o.hidden, o.heads, o.kv_heads, o.head_dim) = (27, 2048, 16, 1, 512);
+            (o.experts, o.active, o.expert_ffn, o.ffn) = (64, 6, 1408, 10944);
         }
         Arch::Qwen35Moe => {
             (o.layers, o.hidden, o.heads, o.kv_heads, o.head_dim) = (40, 2048, 16, 2, 256);
@@ -327,6 +340,42 @@ fn specs(o: &Opts, vocab: usize) -> Vec<Spec> {
         }
         return v;
     }
+    if o.arch == Arch::Deepseek2 {
+        // Queries of 128 + 64 rotary, the latent `head_dim` (512), values of 128.
+        let (nope, rope, r, vd) = (128, 64, o.head_dim, 128);
+        for i in 0..o.layers {
+            let n = |s: &str| format!("blk.{i}.{s}.weight");
+            let (f, e) = (o.expert_ffn, o.experts);
+            v.extend([
+                t(n("attn_norm"), vec![h], Init::Norm),
+                t(n("attn_q"), vec![h, o.heads * (nope + rope)], Init::Weight),
+                t(n("attn_kv_a_mqa"), vec![h, r + rope], Init::Weight),
+                t(n("attn_kv_a_norm"), vec![r], Init::Norm),
+                t(n("attn_k_b"), vec![nope, r, o.heads], Init::Weight),
+                t(n("attn_v_b"), vec![r, vd, o.heads], Init::Weight),
+                t(n("attn_output"), vec![o.heads * vd, h], Init::Weight),
+                t(n("ffn_norm"), vec![h], Init::Norm),
+            ]);
+            if i == 0 {
+                v.extend([
+                    t(n("ffn_gate"), vec![h, o.ffn], Init::Weight),
+                    t(n("ffn_up"), vec![h, o.ffn], Init::Weight),
+                    t(n("ffn_down"), vec![o.ffn, h], Init::Weight),
+                ]);
+            } else {
+                v.extend([
+                    t(n("ffn_gate_inp"), vec![h, e], Init::Weight),
+                    t(n("ffn_gate_exps"), vec![h, f, e], Init::Weight),
+                    t(n("ffn_up_exps"), vec![h, f, e], Init::Weight),
+                    t(n("ffn_down_exps"), vec![f, h, e], Init::Weight),
+                    t(n("ffn_gate_shexp"), vec![h, 2 * f], Init::Weight),
+                    t(n("ffn_up_shexp"), vec![h, 2 * f], Init::Weight),
+                    t(n("ffn_down_shexp"), vec![2 * f, h], Init::Weight),
+                ]);
+            }
+        }
+        return v;
+    }
     if o.arch == Arch::GptOss {
         for i in 0..o.layers {
             let n = |s: &str| format!("blk.{i}.{s}");
@@ -401,6 +450,7 @@ fn metadata(o: &Opts, vocab_file: &GgufFile) -> AnyResult<(Vec<(String, Value)>,
         Arch::Qwen3 => (40960, o.ffn, 1e6, 1e-6),
         Arch::Qwen35 => (262144, o.ffn, 1e7, 1e-6),
         Arch::Qwen35Moe => (262144, o.expert_ffn, 1e7, 1e-6),
+        Arch::Deepseek2 => (163840, o.ffn, 10000.0, 1e-6),
     };
     let mut hp = vec![
         ("block_count", u(o.layers)),
@@ -414,7 +464,30 @@ fn metadata(o: &Opts, vocab_file: &GgufFile) -> AnyResult<(Vec<(String, Value)>,
         ("rope.freq_base", Value::F32(theta)),
         ("attention.layer_norm_rms_epsilon", Value::F32(eps)),
     ];
-    if o.arch.hybrid() {
+    if o.arch == Arch::Deepseek2 {
+        // llama.cpp's MLA form: the cache row (latent + rotary key) as the key length, the
+        // latent as the value length, the heads' own sizes as the `_mla` lengths.
+        hp.retain(|(k, _)| {
+            !k.starts_with("attention.key_length") && !k.starts_with("attention.value_length")
+        });
+        hp.extend([
+            ("attention.key_length", u(o.head_dim + 64)),
+            ("attention.value_length", u(o.head_dim)),
+            ("attention.key_length_mla", u(128 + 64)),
+            ("attention.value_length_mla", u(128)),
+            ("attention.kv_lora_rank", u(o.head_dim)),
+            ("attention.q_lora_rank", u(0)),
+            ("rope.dimension_count", u(64)),
+            ("expert_count", u(o.experts)),
+            ("expert_used_count", u(o.active)),
+            ("expert_feed_forward_length", u(o.expert_ffn)),
+            ("expert_shared_count", u(2)),
+            ("leading_dense_block_count", u(1)),
+            ("expert_weights_scale", Value::F32(1.0)),
+            ("expert_gating_func", u(1)),
+        ]);
+        hp.push(("expert_weights_norm", Value::Bool(false)));
+    } else if o.arch.hybrid() {
         hp.extend([
             ("rope.dimension_count", u(o.head_dim / 4)),
             (
