@@ -360,6 +360,44 @@ mod tests {
         }
     }
 
+    /// Mistral: `[THINK]` reasoning, then text, then `[TOOL_CALLS]` calls streamed as they
+    /// come, in any cut; the whole answer's parse agrees.
+    #[test]
+    fn mistral_reasoning_and_calls() {
+        let t = tools();
+        let text = "[THINK]Weather, so call it.[/THINK]Checking.[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Oslo\"}";
+        for step in [1, 4, 1000] {
+            let mut a = AnswerStream::new(AnswerFormat::Mistral, Some(&t));
+            let (mut reasoning, mut out, mut calls) = (String::new(), String::new(), Vec::new());
+            let mut rest = text;
+            while !rest.is_empty() {
+                let (piece, tail) = rest.split_at(step.min(rest.len()));
+                rest = tail;
+                for p in a.push(piece, rest.is_empty()) {
+                    match p {
+                        Piece::Reasoning(r) => reasoning.push_str(&r),
+                        Piece::Text(x) => out.push_str(&x),
+                        Piece::CallStart(n) => calls.push((n, String::new())),
+                        Piece::CallArgs(x) => calls.last_mut().unwrap().1.push_str(&x),
+                        Piece::Call(c) => calls.push((c.name, c.arguments)),
+                        Piece::CallEnd => {}
+                    }
+                }
+            }
+            assert_eq!(reasoning, "Weather, so call it.", "step {step}");
+            assert_eq!(out, "Checking.", "step {step}");
+            assert_eq!(
+                calls,
+                vec![("get_weather".into(), "{\"city\": \"Oslo\"}".into())],
+                "step {step}"
+            );
+            assert_eq!(a.calls(), 1);
+        }
+        let whole = Answer::of(AnswerFormat::Mistral, Some(&t), text);
+        assert_eq!(whole.reasoning.as_deref(), Some("Weather, so call it."));
+        assert_eq!((whole.text.as_str(), whole.calls.len()), ("Checking.", 1));
+    }
+
     /// Harmony: a call of a declared function is a call; a message to a tool the request did
     /// not declare (gpt-oss's built-in browser) is reasoning; the channels split at any cut.
     #[test]

@@ -416,6 +416,8 @@ enum StreamState {
     },
     /// After the arguments, until `</tool_call>`.
     Tail,
+    /// After Mistral's `[TOOL_CALLS]`, before `[ARGS]`: the name (and any `[CALL_ID]`).
+    MistralHeader,
     /// Not a call this streamer can follow: the rest waits for the final parse.
     Lost,
 }
@@ -443,6 +445,7 @@ impl CallStreamer {
             let progressed = match self.state {
                 StreamState::Text => self.text(&mut out),
                 StreamState::Header => self.header(&mut out),
+                StreamState::MistralHeader => self.mistral_header(&mut out),
                 StreamState::Args { .. } => self.args(&mut out),
                 StreamState::Tail => match self.buf.find(CLOSE_TAG) {
                     Some(i) => {
@@ -470,7 +473,7 @@ impl CallStreamer {
         let text = match self.state {
             StreamState::Text => std::mem::take(&mut self.buf),
             // A call never followed: its text as it came.
-            StreamState::Header | StreamState::Lost => {
+            StreamState::Header | StreamState::MistralHeader | StreamState::Lost => {
                 let mut t = std::mem::take(&mut self.raw);
                 t.push_str(&std::mem::take(&mut self.buf));
                 t
@@ -500,11 +503,10 @@ impl CallStreamer {
             }
             self.buf.drain(..i + tag.len());
             self.raw = tag.to_string();
-            // Mistral's calls are left whole to the final parse.
             self.state = if tag == OPEN_TAG {
                 StreamState::Header
             } else {
-                StreamState::Lost
+                StreamState::MistralHeader
             };
             return true;
         }
@@ -569,6 +571,40 @@ impl CallStreamer {
         }
     }
 
+    /// `NAME[ARGS]` (or `NAME[CALL_ID]ID[ARGS]`) after `[TOOL_CALLS]`: the call starts once
+    /// `[ARGS]` has come and the name is a known function. The older JSON-list layout, or an
+    /// unknown name, is left to the final parse.
+    fn mistral_header(&mut self, out: &mut Vec<ToolEvent>) -> bool {
+        const ARGS: &str = "[ARGS]";
+        if self.buf.trim_start().starts_with('[') && !self.buf.trim_start().starts_with(ARGS) {
+            self.state = StreamState::Lost;
+            return true;
+        }
+        let Some(at) = self.buf.find(ARGS) else {
+            if self.buf.len() > 256 {
+                self.state = StreamState::Lost;
+                return true;
+            }
+            return false;
+        };
+        let head = &self.buf[..at];
+        let name = head.split("[CALL_ID]").next().unwrap_or(head).trim();
+        if !self.known.iter().any(|k| k == name) {
+            self.state = StreamState::Lost;
+            return true;
+        }
+        out.push(ToolEvent::Start(name.to_string()));
+        self.buf.drain(..at + ARGS.len());
+        // `raw` keeps the marker only to say which layout the arguments end.
+        self.raw = MISTRAL_TAG.to_string();
+        self.state = StreamState::Args {
+            depth: 0,
+            in_str: false,
+            esc: false,
+        };
+        true
+    }
+
     fn args(&mut self, out: &mut Vec<ToolEvent>) -> bool {
         let StreamState::Args {
             mut depth,
@@ -609,7 +645,12 @@ impl CallStreamer {
         }
         if end.is_some() {
             out.push(ToolEvent::End);
-            self.state = StreamState::Tail;
+            // Hermes closes the call with a tag; Mistral's next call, or text, just follows.
+            self.state = if self.raw == MISTRAL_TAG {
+                StreamState::Text
+            } else {
+                StreamState::Tail
+            };
             return true;
         }
         self.state = StreamState::Args { depth, in_str, esc };
@@ -699,11 +740,44 @@ mod tests {
             let (c, calls) = t.parse_output(text);
             assert!(calls.is_empty() && c.is_some(), "{text}");
         }
-        // Streaming holds a Mistral call back for the final parse.
+        // Mistral's calls stream as they are generated, in any split.
+        let answer = "Sure. [TOOL_CALLS]get_weather[CALL_ID]x1[ARGS]{\"city\": \"Pa}ris\"}[TOOL_CALLS]get_weather[ARGS]{}";
+        for step in [1, 2, 5, answer.len()] {
+            let mut s = CallStreamer::new(&t);
+            let mut ev = Vec::new();
+            let mut rest = answer;
+            while !rest.is_empty() {
+                let cut = step.min(rest.len());
+                ev.extend(s.push(&rest[..cut]));
+                rest = &rest[cut..];
+            }
+            ev.extend(s.finish());
+            let (mut text, mut calls) = (String::new(), Vec::<(String, String)>::new());
+            for e in ev {
+                match e {
+                    ToolEvent::Text(x) => text.push_str(&x),
+                    ToolEvent::Start(n) => calls.push((n, String::new())),
+                    ToolEvent::Args(a) => calls.last_mut().unwrap().1.push_str(&a),
+                    ToolEvent::End => {}
+                }
+            }
+            assert_eq!(text, "Sure. ", "step {step}");
+            assert_eq!(
+                calls,
+                vec![
+                    (
+                        "get_weather".to_string(),
+                        "{\"city\": \"Pa}ris\"}".to_string()
+                    ),
+                    ("get_weather".to_string(), "{}".to_string())
+                ],
+                "step {step}"
+            );
+        }
+        // The older JSON list is left to the final parse.
         let mut s = CallStreamer::new(&t);
-        let mut ev = s.push("Sure. [TOOL");
-        ev.extend(s.push("_CALLS]get_weather[ARGS]{}"));
-        assert_eq!(ev, vec![ToolEvent::Text("Sure. ".into())]);
+        let ev = s.push("[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {}}]");
+        assert!(ev.is_empty(), "{ev:?}");
     }
 
     #[test]
