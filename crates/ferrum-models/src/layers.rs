@@ -179,12 +179,23 @@ pub fn row_blocks<B: Backend>(
     rows: usize,
     skip: usize,
 ) -> Result<Vec<B::Weight>> {
+    row_blocks_with(t, count, rows, skip, |v| be.load_weight(v))
+}
+
+/// [`row_blocks`] with the loader given (a precise one for a query's projections).
+pub fn row_blocks_with<W>(
+    t: &RawTensor,
+    count: usize,
+    rows: usize,
+    skip: usize,
+    load: impl Fn(&RawTensor) -> Result<W>,
+) -> Result<Vec<W>> {
     (0..count)
         .map(|x| {
             let v = t.rows(x * (rows + skip), rows).ok_or_else(|| {
                 Error::Weights(format!("{}: rows of block {x} out of range", t.name))
             })?;
-            be.load_weight(&v)
+            load(&v)
         })
         .collect()
 }
@@ -244,7 +255,7 @@ pub enum Mixer<B: Backend> {
 
 /// [`Backend::load_weight_precise`] where `t` holds floats, [`Backend::load_weight`] where it
 /// is quantised (see [`WeightSource::require_precise_float`]).
-fn load_precise_float<B: Backend>(be: &B, t: &RawTensor) -> Result<B::Weight> {
+pub(crate) fn load_precise_float<B: Backend>(be: &B, t: &RawTensor) -> Result<B::Weight> {
     if t.dtype.is_quantized() {
         be.load_weight(t)
     } else {

@@ -16,7 +16,7 @@ use ferrum_core::{DType, Error, Result};
 use ferrum_loader::RawTensor;
 
 use crate::config::{Mla, ModelConfig};
-use crate::layers::{row_blocks, AttnInputs, WeightSource};
+use crate::layers::{load_precise_float, row_blocks, row_blocks_with, AttnInputs, WeightSource};
 
 /// How the queries are projected.
 enum QueryProj<W> {
@@ -261,7 +261,11 @@ fn up_projections<B: Backend>(
             }
             Ok(t)
         };
-        let k = row_blocks(be, stacked(&k_b, [heads, r, nope])?, heads, r, 0)?;
+        // W_ukᵀ turns each head's query into its latent-space query, which the scores
+        // amplify: f32 activations where the file stores floats, as for any query projection.
+        let k = row_blocks_with(stacked(&k_b, [heads, r, nope])?, heads, r, 0, |v| {
+            load_precise_float(be, v)
+        })?;
         let vv = row_blocks(be, stacked(&v_b, [heads, v, r])?, heads, v, 0)?;
         return Ok((k, vv));
     }

@@ -1,11 +1,14 @@
-//! DeepSeek-V3 (`DeepseekV3ForCausalLM`: DeepSeek V3.x, Kimi K2; GGUF `deepseek2`).
+//! DeepSeek-V3 (`DeepseekV3ForCausalLM`: DeepSeek V3.x, Kimi K2) and V2 (`DeepseekV2ForCausalLM`:
+//! V2-Lite, Moonlight; GGUF `deepseek2` for both).
 //!
 //! Against Llama: multi-head latent attention ([`crate::mla`]) with RoPE on
 //! `qk_rope_head_dim` dimensions of each head, in GPT-J pairs (`rope_interleave`, what
 //! llama.cpp does for every `deepseek2` file); scores scaled by `qk_head_dim^-½` times the
 //! square of YaRN's `mscale_all_dim` factor; the first `first_k_dense_replace` layers dense,
 //! the others MoE with sigmoid scores, the correction bias, group-limited top-k,
-//! `routed_scaling_factor` and ungated shared experts (the router GLM-4.5 has too).
+//! `routed_scaling_factor` and ungated shared experts (the router GLM-4.5 has too). V2's
+//! router is a softmax whose top-k weights are never renormalised (`topk_method` greedy;
+//! its group-limited form, which ranks groups by their best expert, is refused).
 
 use ferrum_backend::RopeLayout;
 use ferrum_core::{Error, Result};
@@ -22,8 +25,8 @@ pub const INFO: ArchInfo = ArchInfo {
     arch: Arch::Deepseek2,
     name: "deepseek2",
     gguf_aliases: &[],
-    hf_classes: &["DeepseekV3ForCausalLM"],
-    model_types: &["deepseek_v3", "kimi_k2"],
+    hf_classes: &["DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"],
+    model_types: &["deepseek_v3", "kimi_k2", "deepseek_v2"],
     from_hf: |j| from_hf(Arch::Deepseek2, j),
     from_gguf: |g, vocab, tied| from_gguf(Arch::Deepseek2, g, vocab, tied),
     names: &[],
@@ -97,15 +100,29 @@ pub(crate) fn from_hf(arch: Arch, j: &Json) -> Result<ModelConfig> {
     }
     let expert_ffn = hf_usize(j, "moe_intermediate_size")?;
     let shared = hf_opt_usize(j, "n_shared_experts").unwrap_or(0);
+    let v2 = j.get("model_type").and_then(Json::as_str) == Some("deepseek_v2");
+    let groups = hf_opt_usize(j, "n_group").unwrap_or(1);
+    let groups_used = hf_opt_usize(j, "topk_group").unwrap_or(groups);
+    if v2
+        && j.get("topk_method").and_then(Json::as_str) == Some("group_limited_greedy")
+        && groups_used < groups
+    {
+        return Err(Error::Unsupported(
+            "config.json: DeepSeek-V2's group-limited greedy routing (groups ranked by their \
+             best expert)"
+                .into(),
+        ));
+    }
     c.moe = Some(MoeConfig {
         style: MoeStyle::Qwen,
         n_experts: hf_usize(j, "n_routed_experts")?,
         n_active: hf_usize(j, "num_experts_per_tok")?,
         expert_ffn,
-        norm_topk_prob: j
-            .get("norm_topk_prob")
-            .and_then(Json::as_bool)
-            .unwrap_or(true),
+        // transformers' V2 router never renormalises, whatever the key says.
+        norm_topk_prob: !v2
+            && j.get("norm_topk_prob")
+                .and_then(Json::as_bool)
+                .unwrap_or(true),
         mlp_only_layers: (0..dense.min(c.n_layers)).collect(),
         sparse_step: 1,
         shared_ffn: (shared > 0).then_some(shared * expert_ffn),
