@@ -1,5 +1,6 @@
 //! Golden logits for the architectures past Llama/Qwen: tiny random-weight Gemma 3, Phi-3,
-//! SmolLM3, Granite and OLMo 2 models built by `scripts/fixtures/make_arch_models.py` with
+//! SmolLM3, Granite and OLMo 2 models built by `scripts/fixtures/make_arch_models.py` (GLM-4.5,
+//! DeepSeek-V3 with latent attention, Ministral 3 and Mistral 4 by `make_2026_models.py`) with
 //! Hugging Face transformers (shapes chosen to catch mistakes: windows shorter than the text,
 //! a query scalar other than head_dim, partial rotary, several KV-head ratios), saved as
 //! safetensors and converted to GGUF by llama.cpp's `convert_hf_to_gguf.py`.
