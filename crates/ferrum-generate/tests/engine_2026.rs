@@ -14,6 +14,7 @@ const MODELS: &[&str] = &[
     "glm4moe-qknorm",
     "deepseek3",
     "deepseek3-qlora",
+    "deepseek2-lite",
     "ministral3",
     "mistral4",
 ];

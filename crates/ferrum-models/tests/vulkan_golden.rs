@@ -64,6 +64,7 @@ fn cases() -> Vec<(PathBuf, &'static str, &'static [&'static str])> {
                 "glm4moe-qknorm",
                 "deepseek3",
                 "deepseek3-qlora",
+                "deepseek2-lite",
                 "ministral3",
                 "mistral4",
             ],
