@@ -233,6 +233,9 @@ impl<B: Backend> LatentAttention<B> {
     }
 }
 
+/// Per head, `W_uk,hᵀ` and `W_uv,h`.
+type UpProjections<B> = (Vec<<B as Backend>::Weight>, Vec<<B as Backend>::Weight>);
+
 /// Per head, `W_uk,hᵀ` and `W_uv,h`: from llama.cpp's split `attn_k_b` (`[heads, kv_rank,
 /// nope]`, already transposed) and `attn_v_b` (`[heads, v_dim, kv_rank]`) where the file has
 /// them, else from `kv_b_proj` (`[heads × (nope + v_dim), kv_rank]`: each head's key rows,
@@ -243,7 +246,7 @@ fn up_projections<B: Backend>(
     i: usize,
     heads: usize,
     m: &Mla,
-) -> Result<(Vec<B::Weight>, Vec<B::Weight>)> {
+) -> Result<UpProjections<B>> {
     let (r, nope, v) = (m.kv_rank, m.nope_dim, m.v_dim);
     let k_b = format!("blk.{i}.attn_k_b.weight");
     let v_b = format!("blk.{i}.attn_v_b.weight");
