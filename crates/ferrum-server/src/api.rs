@@ -968,6 +968,19 @@ pub struct Traits {
     pub effort: bool,
 }
 
+/// Whether a template (its source without whitespace) needs tool-call arguments as an object
+/// rather than OpenAI's JSON string: it serialises them itself (`arguments | tojson`, gpt-oss,
+/// Llama 3.1) without a branch for strings, or walks their keys (GLM-4.5's `<arg_key>` pairs:
+/// `is mapping` tests, `.items()`), refusing a string.
+fn wants_object_arguments(bare: &str) -> bool {
+    let serialises = bare.contains("arguments|tojson") && !bare.contains("argumentsisstring");
+    let walks = bare.contains("arguments.items()")
+        || bare.contains("arguments|items")
+        || (bare.contains("arguments")
+            && (bare.contains("isnotmapping") || bare.contains("ismapping")));
+    serialises || walks
+}
+
 impl Traits {
     pub fn of(tok: &Tokenizer) -> Traits {
         let Some(t) = tok.chat_template() else {
@@ -983,7 +996,7 @@ impl Traits {
         let bare: String = src.chars().filter(|c| !c.is_whitespace()).collect();
         Traits {
             native: src.contains("tool_calls") || src.contains("tools"),
-            objects: bare.contains("arguments|tojson") && !bare.contains("argumentsisstring"),
+            objects: wants_object_arguments(&bare),
             reasoning_key: if src.contains("reasoning_content") {
                 "reasoning_content"
             } else {
@@ -1066,6 +1079,28 @@ impl CompletionRequest {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// GLM-4.5's template walks the arguments' keys and refuses a string; Llama 3.1's
+    /// serialises them; Kimi K2's and Ministral 3's take either; a template that writes them
+    /// as they come wants the string.
+    #[test]
+    fn object_arguments_where_the_template_needs_them() {
+        let bare = |s: &str| s.chars().filter(|c| !c.is_whitespace()).collect::<String>();
+        for (src, want) in [
+            (
+                "{% set _args = tc.arguments or {} %}{% if _args is not mapping %}{{ raise_exception('x') }}{% endif %}{% for k, v in _args.items() %}",
+                true,
+            ),
+            ("{{ tool_call.arguments | tojson }}", true),
+            (
+                "{% if tool_call['function']['arguments'] is string %}{{ tool_call['function']['arguments'] }}{% else %}{{ tool_call['function']['arguments'] | tojson }}{% endif %}",
+                false,
+            ),
+            ("{{ tool_call.function.arguments }}", false),
+        ] {
+            assert_eq!(wants_object_arguments(&bare(src)), want, "{src}");
+        }
+    }
 
     /// What vllm-router adds to a forwarded request is taken at its no-op values and dropped;
     /// another value is refused, naming the field; unknown fields stay refused.
