@@ -206,6 +206,30 @@ impl MoeConfig {
         })
     }
 
+    /// The DeepSeek-style experts llama.cpp writes under `{arch}.` (GLM-4.5, DeepSeek-V2/V3,
+    /// Mistral 4): the first `leading_dense_block_count` of `n_layers` dense, weights
+    /// renormalised only where `expert_weights_norm` says so, `expert_shared_count` ungated
+    /// shared experts of the routed width, and [`Routing::from_gguf`]'s routing with the
+    /// family's defaults.
+    pub fn deepseek_from_gguf(
+        g: &GgufFile,
+        arch: &str,
+        n_layers: usize,
+        sigmoid: bool,
+        choice_bias: bool,
+    ) -> Result<MoeConfig> {
+        let key = |k: &str| format!("{arch}.{k}");
+        let mut m = MoeConfig::from_gguf(g, arch, MoeStyle::Qwen)?;
+        let dense = g.get_u64(&key("leading_dense_block_count")).unwrap_or(0) as usize;
+        m.mlp_only_layers = (0..dense.min(n_layers)).collect();
+        m.norm_topk_prob = g.get_bool(&key("expert_weights_norm")).unwrap_or(false);
+        let shared = g.get_u64(&key("expert_shared_count")).unwrap_or(0) as usize;
+        m.shared_ffn = (shared > 0).then_some(shared * m.expert_ffn);
+        m.shared_gate = false;
+        m.routing = Routing::from_gguf(g, arch, sigmoid, choice_bias);
+        Ok(m)
+    }
+
     /// Whether layer `i` routes to experts (the rule of transformers' `Qwen3MoeDecoderLayer`).
     pub fn is_moe_layer(&self, i: usize) -> bool {
         !self.mlp_only_layers.contains(&i)
@@ -686,6 +710,25 @@ impl ModelConfig {
             ..ModelConfig::llama_layers(n_layers, head_dim, rotary_dim, sliding_window)
         }
         .validate(&g.path.display().to_string())
+    }
+
+    /// Drops the multi-token-prediction layers llama.cpp counts in `block_count` and names in
+    /// `{arch}.nextn_predict_layers` (GLM-4.5, DeepSeek-V3): they sit after the model's own
+    /// and are not run.
+    pub fn drop_gguf_nextn(&mut self, g: &GgufFile, arch: &str) -> Result<()> {
+        let nextn = g
+            .get_u64(&format!("{arch}.nextn_predict_layers"))
+            .unwrap_or(0) as usize;
+        if nextn >= self.n_layers {
+            return Err(Error::Weights(format!(
+                "{}: {nextn} prediction layers of {} blocks leave no model",
+                g.path.display(),
+                self.n_layers
+            )));
+        }
+        self.n_layers -= nextn;
+        self.layers.truncate(self.n_layers);
+        Ok(())
     }
 
     /// Sets the same window on every layer (Mistral, Qwen2 with `use_sliding_window`).

@@ -163,16 +163,7 @@ fn from_gguf(arch: Arch, g: &GgufFile, vocab: usize, tied: bool) -> Result<Model
     let mut c = ModelConfig::gguf_base(arch, g, vocab, tied)?;
     let name = arch.name();
     let key = |k: &str| format!("{name}.{k}");
-    let nextn = g.get_u64(&key("nextn_predict_layers")).unwrap_or(0) as usize;
-    if nextn >= c.n_layers {
-        return Err(Error::Weights(format!(
-            "{}: {nextn} prediction layers of {} blocks leave no model",
-            g.path.display(),
-            c.n_layers
-        )));
-    }
-    c.n_layers -= nextn;
-    c.layers.truncate(c.n_layers);
+    c.drop_gguf_nextn(g, name)?;
     let rope_dim = g.require_usize(&key("rope.dimension_count"))?;
     let k_len = g
         .get_u64(&key("attention.key_length_mla"))
@@ -205,19 +196,12 @@ fn from_gguf(arch: Arch, g: &GgufFile, vocab: usize, tied: bool) -> Result<Model
     }
     c.rope_factor = 1.0;
     c.attn_scale = ((m.q_head() as f64).powf(-0.5) * mscale * mscale) as f32;
-    let mut moe = MoeConfig::from_gguf(g, name, MoeStyle::Qwen)?;
-    let dense = g.get_u64(&key("leading_dense_block_count")).unwrap_or(0) as usize;
-    moe.mlp_only_layers = (0..dense.min(c.n_layers)).collect();
-    moe.norm_topk_prob = g.get_bool(&key("expert_weights_norm")).unwrap_or(false);
-    let shared = g.get_u64(&key("expert_shared_count")).unwrap_or(0) as usize;
-    moe.shared_ffn = (shared > 0).then_some(shared * moe.expert_ffn);
-    moe.shared_gate = false;
     let has_bias = g
         .tensor_infos
         .iter()
         .any(|t| t.name.ends_with(".exp_probs_b.bias"));
     // llama.cpp's default for files without the key is softmax.
-    moe.routing = Routing::from_gguf(g, name, false, has_bias);
+    let moe = MoeConfig::deepseek_from_gguf(g, name, c.n_layers, false, has_bias)?;
     c.moe = Some(moe);
     if arch == Arch::Mistral4 {
         c.attn_temp = super::mistral3::gguf_temperature(g, name, &c);

@@ -74,26 +74,8 @@ fn from_hf(j: &Json) -> Result<ModelConfig> {
 
 fn from_gguf(g: &GgufFile, vocab: usize, tied: bool) -> Result<ModelConfig> {
     let mut c = ModelConfig::gguf_base(Arch::Glm4Moe, g, vocab, tied)?;
-    let key = |k: &str| format!("glm4moe.{k}");
-    // The multi-token-prediction layers sit after the model's own.
-    let nextn = g.get_u64(&key("nextn_predict_layers")).unwrap_or(0) as usize;
-    if nextn >= c.n_layers {
-        return Err(Error::Weights(format!(
-            "{}: {nextn} prediction layers of {} blocks leave no model",
-            g.path.display(),
-            c.n_layers
-        )));
-    }
-    c.n_layers -= nextn;
-    c.layers.truncate(c.n_layers);
-    let mut m = MoeConfig::from_gguf(g, "glm4moe", MoeStyle::Qwen)?;
-    let dense = g.get_u64(&key("leading_dense_block_count")).unwrap_or(0) as usize;
-    m.mlp_only_layers = (0..dense.min(c.n_layers)).collect();
-    m.norm_topk_prob = g.get_bool(&key("expert_weights_norm")).unwrap_or(false);
-    let shared = g.get_u64(&key("expert_shared_count")).unwrap_or(0) as usize;
-    m.shared_ffn = (shared > 0).then_some(shared * m.expert_ffn);
-    m.shared_gate = false;
-    m.routing = Routing::from_gguf(g, "glm4moe", true, true);
+    c.drop_gguf_nextn(g, "glm4moe")?;
+    let m = MoeConfig::deepseek_from_gguf(g, "glm4moe", c.n_layers, true, true)?;
     c.moe = Some(m);
     // llama.cpp loads the QK-norms and the Q/K/V biases where the file has them (the
     // norms: GLM-4.5's 355B model).
