@@ -575,6 +575,14 @@ pub trait Backend: Send + Sync {
         on_host(self, x, xv, host_ops::gelu_erf);
     }
 
+    /// `cap · tanh(x / cap)` over the view, in place: Gemma's final logit soft-capping. Once
+    /// per generated token over the logits, so the default body runs on the host.
+    fn softcap(&self, x: &mut Self::Buf, xv: Rows, cap: f32) {
+        on_host(self, x, xv, |row| {
+            row.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+        });
+    }
+
     /// Row `t` of `xv` multiplied by `factors[t]`, in place: Llama 4's and Mistral's
     /// position-dependent query temperature. Rare (past a model's original context only),
     /// so the default body runs on the host.

@@ -650,11 +650,13 @@ pub(crate) fn load_model<B: MakeBackend>(
     }
     let model = model.with_context(|| format!("loading {}", path.display()))?;
     // Every caller (run, serve, bench) allocates a KV cache next; refuse here, not there.
-    if be.kv == Some(KvDtype::Q8_0) && !model.decoder.config.head_dim.is_multiple_of(32) {
-        bail!(
-            "--kv-dtype q8_0 needs a head size divisible by 32 (this model's is {})",
-            model.decoder.config.head_dim
-        );
+    let c = &model.decoder.config;
+    let odd_head = (0..c.n_layers)
+        .map(|i| c.layer_head_dim(i))
+        .chain([c.head_dim])
+        .find(|d| !d.is_multiple_of(32));
+    if let (Some(KvDtype::Q8_0), Some(d)) = (be.kv, odd_head) {
+        bail!("--kv-dtype q8_0 needs a head size divisible by 32 (this model has {d})");
     }
     let i = &model.info;
     eprintln!(

@@ -61,7 +61,10 @@ pub fn run(a: PlanArgs) -> Result<()> {
         .unwrap_or_else(|| c.max_position.min(ferrum_models::DEFAULT_MAX_CONTEXT));
     let kv_tokens = a.kv_tokens.unwrap_or(ctx * a.concurrency.max(1));
     let attn_layers = c.n_layers - c.linear_layers();
-    let kv_per_token = (c.kv_tensors() * attn_layers * c.kv_dim()) as f64 * a.kv_bytes_per_value;
+    // Only layers that keep their own cache count: Gemma 4's KV-shared layers read an
+    // earlier layer's.
+    let kv_per_token = c.kv_values_per_token() as f64 * a.kv_bytes_per_value;
+    let shared_kv_layers = c.layers.iter().filter(|l| l.kv_from.is_some()).count();
     // Latent attention caches one shared row a position; expanded, every head would keep a
     // key and a value.
     let expanded_per_token = c
@@ -74,8 +77,12 @@ pub fn run(a: PlanArgs) -> Result<()> {
         ferrum_models::decoder::BLOCK_SIZE,
         ferrum_models::decoder::CHUNK,
     );
-    let block_bytes =
-        (c.kv_tensors() * groups.slots * bs * c.kv_dim()) as f64 * a.kv_bytes_per_value;
+    let block_values: usize = groups
+        .buffer_shapes((c.n_kv_heads, c.head_dim))
+        .iter()
+        .map(|(heads, dim)| heads * dim)
+        .sum();
+    let block_bytes = (c.kv_tensors() * bs * block_values) as f64 * a.kv_bytes_per_value;
     let kv_blocks = match a.kv_tokens {
         Some(t) => groups.blocks_for(t, bs, chunk_tokens),
         None => a.concurrency.max(1) * groups.blocks_for(ctx, bs, chunk_tokens),
@@ -96,18 +103,25 @@ pub fn run(a: PlanArgs) -> Result<()> {
     // The decoder's buffers for one pass of CHUNK tokens, the logits of up to CHUNK rows
     // (and the engine's copy of them), the MoE scratch.
     let chunk = ferrum_models::decoder::CHUNK as f64;
+    let (qd, kvd, f) = c.max_layer_dims();
     let (h, qd, kvd, f, v) = (
         c.hidden_size as f64,
-        c.q_dim() as f64,
-        c.kv_dim() as f64,
-        c.intermediate_size as f64,
+        qd as f64,
+        kvd as f64,
+        f as f64,
         c.vocab_size as f64,
     );
     let mut act = chunk * (3.0 * h + qd + 2.0 * kvd + qd + 3.0 * f) * 4.0;
+    // Gemma 4's per-layer inputs: every layer's slice for the pass, twice, and one gate.
+    let lp = (c.per_layer_input * c.n_layers) as f64;
+    act += chunk * (2.0 * lp + 3.0 * c.per_layer_input as f64) * 4.0;
     let rows = chunk.min(a.concurrency.max(1) as f64).max(1.0);
     act += 2.0 * rows * v * 4.0;
     if let Some(m) = &c.moe {
         act += chunk * (2.0 * m.n_experts as f64 + 2.0 * h + 3.0 * m.expert_ffn as f64) * 4.0;
+        if m.style == ferrum_models::config::MoeStyle::Gemma4 {
+            act += chunk * 3.0 * h * 4.0;
+        }
     }
     if let Some(m) = &c.mla {
         let heads = c.n_heads as f64;
@@ -148,6 +162,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
                 "kv_blocks": kv_blocks,
                 "kv_block_bytes": block_bytes,
                 "windowed_layers": windowed.iter().map(|(n, _)| n).sum::<usize>(),
+                "kv_shared_layers": shared_kv_layers,
                 "weights_bytes": weights,
                 "kv_bytes": kv,
                 "state_slots": state_slots,
@@ -189,6 +204,12 @@ pub fn run(a: PlanArgs) -> Result<()> {
             windowed.iter().map(|(n, _)| n).sum::<usize>(),
             c.n_layers,
             kv_per_token / 1e3
+        );
+    }
+    if shared_kv_layers > 0 {
+        println!(
+            "                                         ({shared_kv_layers} of {} layers keep no cache: they read an earlier layer's)",
+            c.n_layers
         );
     }
     if let (Some(m), Some(full)) = (&c.mla, expanded_per_token) {

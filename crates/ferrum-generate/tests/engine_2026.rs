@@ -2,7 +2,9 @@
 //! `tests/fixtures/arch/`, made by scripts/fixtures/make_2026_models.py): a continuation
 //! whose prefix an earlier request left in the prefix cache gives the tokens a cold engine
 //! gives, and requests batched together give the tokens each gets alone. For the latent
-//! attention models (DeepSeek-V3, Mistral 4) that is the latent cache, shared blocks and all.
+//! attention models (DeepSeek-V3, Mistral 4) that is the latent cache, shared blocks and all;
+//! for Gemma 4, caches of two row shapes, windowed blocks given back, and layers that read
+//! another layer's cache.
 
 use ferrum_backend::CpuBackend;
 use ferrum_generate::{Engine, EngineConfig, OutputKind, Request};
@@ -17,6 +19,9 @@ const MODELS: &[&str] = &[
     "deepseek2-lite",
     "ministral3",
     "mistral4",
+    "gemma4",
+    "gemma4-e2b",
+    "gemma4-moe",
 ];
 
 fn engine(name: &str, prefix_caching: bool) -> Engine<CpuBackend> {

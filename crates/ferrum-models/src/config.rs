@@ -68,6 +68,9 @@ pub enum MoeStyle {
     /// gpt-oss: a router with a bias, experts with biases and the clamped SwiGLU; Hugging
     /// Face files stack every expert in one tensor per projection.
     GptOss { alpha: f32, limit: f32 },
+    /// Gemma 4: GeGLU experts beside the layer's dense MLP (each output normalised, then
+    /// summed), routed from the normalised residual stream, weights scaled per expert.
+    Gemma4,
 }
 
 /// The mixture-of-experts settings of a Qwen3-MoE-style model.
@@ -299,6 +302,19 @@ pub struct ModelConfig {
     pub residual_scale: f32,
     /// Logits are multiplied by this (Granite divides by `logits_scaling`).
     pub logit_scale: f32,
+    /// Logits pass through `cap · tanh(x / cap)` (Gemma 4's `final_logit_softcapping`).
+    pub final_softcap: Option<f32>,
+    /// Gemma 4's per-layer inputs: layer `l` also reads its `per_layer_input`-wide slice of
+    /// a second embedding table mixed with a projection of the first (0: none).
+    pub per_layer_input: usize,
+    /// Each layer's output is multiplied by a learned scalar (Gemma 4's `layer_scalar`).
+    pub layer_scalar: bool,
+    /// Values are RMS-normalised per head without a weight, and a layer without a value
+    /// projection uses its key projection's output as values (Gemma 4).
+    pub v_norm: bool,
+    /// How many dimensions the local layers rotate where it differs from `rotary_dim`
+    /// (Gemma 4: its local heads are smaller than the global ones).
+    pub local_rotary_dim: Option<usize>,
 }
 
 /// How the query and key projections are normalised before RoPE.
@@ -331,6 +347,27 @@ pub struct LayerSpec {
     /// A Gated DeltaNet (linear-attention) layer: a recurrent state per sequence instead of
     /// attention and KV (Qwen3.5's `linear_attention` layers); `window` and `rope` unused.
     pub linear: bool,
+    /// This layer's KV heads and head size where they differ from the model's
+    /// `n_kv_heads` × `head_dim` (Gemma 4's full-attention layers).
+    pub shape: Option<(usize, usize)>,
+    /// A layer that computes only queries and attends over layer `kv_from`'s cache, which
+    /// it keeps none of its own (Gemma 4's KV-shared layers).
+    pub kv_from: Option<usize>,
+    /// The dense FFN's width where it differs from `intermediate_size` (Gemma 4's
+    /// double-wide KV-shared layers).
+    pub ffn: Option<usize>,
+}
+
+impl LayerSpec {
+    /// Full attention with the model's RoPE and shapes.
+    pub const GLOBAL: LayerSpec = LayerSpec {
+        window: None,
+        rope: Rope::Global,
+        linear: false,
+        shape: None,
+        kv_from: None,
+        ffn: None,
+    };
 }
 
 /// The shape of multi-head latent attention: each position caches one latent of
@@ -426,6 +463,67 @@ impl ModelConfig {
         self.n_kv_heads * self.head_dim
     }
 
+    /// Layer `i`'s KV heads and head size.
+    pub fn layer_kv_shape(&self, i: usize) -> (usize, usize) {
+        self.layers
+            .get(i)
+            .and_then(|l| l.shape)
+            .unwrap_or((self.n_kv_heads, self.head_dim))
+    }
+
+    pub fn layer_head_dim(&self, i: usize) -> usize {
+        self.layer_kv_shape(i).1
+    }
+
+    pub fn layer_q_dim(&self, i: usize) -> usize {
+        self.n_heads * self.layer_head_dim(i)
+    }
+
+    pub fn layer_kv_dim(&self, i: usize) -> usize {
+        let (heads, dim) = self.layer_kv_shape(i);
+        heads * dim
+    }
+
+    /// Layer `i`'s dense FFN width.
+    pub fn layer_ffn(&self, i: usize) -> usize {
+        self.layers
+            .get(i)
+            .and_then(|l| l.ffn)
+            .unwrap_or(self.intermediate_size)
+    }
+
+    /// Whether layer `i` keeps keys and values of its own (not a linear-attention layer, nor
+    /// one reading another layer's cache).
+    pub fn owns_kv(&self, i: usize) -> bool {
+        self.layers
+            .get(i)
+            .is_some_and(|l| !l.linear && l.kv_from.is_none())
+    }
+
+    /// Cache values one position takes over every layer that keeps its own (keys and values).
+    pub fn kv_values_per_token(&self) -> usize {
+        let layers = 0..self.n_layers;
+        self.kv_tensors()
+            * layers
+                .filter(|&i| self.owns_kv(i))
+                .map(|i| self.layer_kv_dim(i))
+                .sum::<usize>()
+    }
+
+    /// The widest of any layer's queries, cached rows and dense FFN (for buffers).
+    pub fn max_layer_dims(&self) -> (usize, usize, usize) {
+        (0..self.n_layers).fold(
+            (self.q_dim(), self.kv_dim(), self.intermediate_size),
+            |(q, kv, f), i| {
+                (
+                    q.max(self.layer_q_dim(i)),
+                    kv.max(self.layer_kv_dim(i)),
+                    f.max(self.layer_ffn(i)),
+                )
+            },
+        )
+    }
+
     /// Cache tensors per attention layer: keys and values, or keys alone under latent
     /// attention (the values are the keys' latent part).
     pub fn kv_tensors(&self) -> usize {
@@ -458,8 +556,9 @@ impl ModelConfig {
 
     /// Gemma 3's local layers' frequencies (unscaled), if the model has such layers.
     pub fn local_inv_freq(&self) -> Option<Vec<f32>> {
+        let dims = self.local_rotary_dim.unwrap_or(self.rotary_dim);
         self.local_rope_theta
-            .map(|theta| inv_freq(theta, self.rotary_dim, None))
+            .map(|theta| inv_freq(theta, dims, None))
     }
 
     fn validate(self, source: &str) -> Result<Self> {
@@ -527,8 +626,7 @@ impl ModelConfig {
             layers: vec![
                 LayerSpec {
                     window: sliding_window,
-                    rope: Rope::Global,
-                    linear: false,
+                    ..LayerSpec::GLOBAL
                 };
                 n_layers
             ],
@@ -542,6 +640,11 @@ impl ModelConfig {
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
             residual_scale: 1.0,
             logit_scale: 1.0,
+            final_softcap: None,
+            per_layer_input: 0,
+            layer_scalar: false,
+            v_norm: false,
+            local_rotary_dim: None,
         }
     }
 
@@ -764,11 +867,32 @@ impl ModelConfig {
         if c.intermediate_size == 0 && c.moe.is_none() {
             return bad("no feed-forward width (intermediate_size / feed_forward_length)".into());
         }
-        if c.rotary_dim == 0 || c.rotary_dim > c.head_dim || !c.rotary_dim.is_multiple_of(2) {
+        let widest = (0..c.n_layers).map(|i| c.layer_head_dim(i)).max();
+        let head = widest.unwrap_or(0).max(c.head_dim);
+        if c.rotary_dim == 0 || c.rotary_dim > head || !c.rotary_dim.is_multiple_of(2) {
             return bad(format!(
-                "{} rotary dimensions do not fit a head of {}",
-                c.rotary_dim, c.head_dim
+                "{} rotary dimensions do not fit a head of {head}",
+                c.rotary_dim
             ));
+        }
+        for (i, l) in c.layers.iter().enumerate() {
+            if let Some(p) = l.kv_from {
+                let ok = p < i && c.owns_kv(p) && c.layers[p].window == l.window;
+                if !ok || c.layer_kv_shape(p) != c.layer_kv_shape(i) {
+                    return bad(format!(
+                        "layer {i} cannot read layer {p}'s cache (not an earlier layer of \
+                         its own kind that keeps one)"
+                    ));
+                }
+            }
+            if let Some((heads, dim)) = l.shape {
+                if heads == 0 || dim == 0 || !c.n_heads.is_multiple_of(heads) || dim % 2 != 0 {
+                    return bad(format!(
+                        "layer {i}: {} heads over {heads} KV heads of {dim}",
+                        c.n_heads
+                    ));
+                }
+            }
         }
         if c.layers.len() != c.n_layers {
             return bad(format!(
@@ -1021,10 +1145,16 @@ pub(crate) fn parse_hf_scaling(s: &Json) -> Result<Option<RopeScaling>> {
 pub struct KvGroups {
     /// Each group's layers, and their window.
     pub groups: Vec<(Vec<usize>, Option<usize>)>,
-    /// `(group, slot within the group)` of each layer.
+    /// `(group, slot within the group)` of each layer (a KV-shared layer: its source's).
     pub slot_of: Vec<(usize, usize)>,
     /// Layers per group: the KV storage holds this many layers' worth of every block.
     pub slots: usize,
+    /// Which row shape each group's layers have: an index into `shapes`.
+    pub class_of: Vec<usize>,
+    /// The distinct `LayerSpec::shape`s of the groups (`None`: the model's own). Each keeps
+    /// its own `slots` buffers, every block in each, so a model with two shapes (Gemma 4)
+    /// holds both widths for every block.
+    pub shapes: Vec<Option<(usize, usize)>>,
 }
 
 /// The table entry of a block a windowed group has given back (positions it no longer sees).
@@ -1032,12 +1162,18 @@ pub const NO_BLOCK: u32 = u32::MAX;
 
 impl KvGroups {
     pub fn new(layers: &[LayerSpec]) -> KvGroups {
-        let mut by_window: Vec<(Option<usize>, Vec<usize>)> = Vec::new();
-        // Linear-attention layers keep no KV: they are in no group.
-        for (i, l) in layers.iter().enumerate().filter(|(_, l)| !l.linear) {
-            match by_window.iter_mut().find(|(w, _)| *w == l.window) {
+        type Kind = (Option<usize>, Option<(usize, usize)>);
+        let mut by_kind: Vec<(Kind, Vec<usize>)> = Vec::new();
+        // Linear-attention layers keep no KV, nor do layers reading another's cache: they
+        // are in no group.
+        for (i, l) in layers.iter().enumerate() {
+            if l.linear || l.kv_from.is_some() {
+                continue;
+            }
+            let kind = (l.window, l.shape);
+            match by_kind.iter_mut().find(|(k, _)| *k == kind) {
                 Some((_, v)) => v.push(i),
-                None => by_window.push((l.window, vec![i])),
+                None => by_kind.push((kind, vec![i])),
             }
         }
         let gcd = |mut a: usize, mut b: usize| {
@@ -1046,22 +1182,56 @@ impl KvGroups {
             }
             a
         };
-        let slots = by_window.iter().fold(0, |g, (_, v)| gcd(g, v.len())).max(1);
+        let slots = by_kind.iter().fold(0, |g, (_, v)| gcd(g, v.len())).max(1);
         let mut groups = Vec::new();
+        let mut class_of = Vec::new();
+        let mut shapes: Vec<Option<(usize, usize)>> = Vec::new();
         let mut slot_of = vec![(0, 0); layers.len()];
-        for (w, v) in by_window {
+        for ((w, shape), v) in by_kind {
+            let class = match shapes.iter().position(|s| *s == shape) {
+                Some(c) => c,
+                None => {
+                    shapes.push(shape);
+                    shapes.len() - 1
+                }
+            };
             for chunk in v.chunks(slots) {
                 for (s, &li) in chunk.iter().enumerate() {
                     slot_of[li] = (groups.len(), s);
                 }
                 groups.push((chunk.to_vec(), w));
+                class_of.push(class);
             }
+        }
+        for (i, l) in layers.iter().enumerate() {
+            if let Some(p) = l.kv_from.filter(|&p| p < i) {
+                slot_of[i] = slot_of[p];
+            }
+        }
+        if shapes.is_empty() {
+            shapes.push(None);
         }
         KvGroups {
             groups,
             slot_of,
             slots,
+            class_of,
+            shapes,
         }
+    }
+
+    /// Which of the cache's buffers holds layer `li`'s rows.
+    pub fn buffer_of(&self, li: usize) -> usize {
+        let (group, slot) = self.slot_of[li];
+        self.class_of.get(group).copied().unwrap_or(0) * self.slots + slot
+    }
+
+    /// The buffers' `(heads, head_dim)`, one per buffer, given the model's own shape.
+    pub fn buffer_shapes(&self, model: (usize, usize)) -> Vec<(usize, usize)> {
+        self.shapes
+            .iter()
+            .flat_map(|s| std::iter::repeat_n(s.unwrap_or(model), self.slots))
+            .collect()
     }
 
     pub fn len(&self) -> usize {
@@ -1121,8 +1291,7 @@ mod tests {
     fn spec(window: Option<usize>) -> LayerSpec {
         LayerSpec {
             window,
-            rope: Rope::Global,
-            linear: false,
+            ..LayerSpec::GLOBAL
         }
     }
 

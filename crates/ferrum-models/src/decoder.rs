@@ -17,7 +17,9 @@ use ferrum_core::{Error, Result};
 pub use crate::config::{KvGroups, NO_BLOCK};
 use crate::config::{ModelConfig, Rope, RopeScaling};
 pub use crate::layers::WeightSource;
-use crate::layers::{dense_ffn, gated_ffn, qkv_width, AttnInputs, Ffn, Layer, Mixer};
+use crate::layers::{
+    dense_ffn, gated_ffn, qkv_width, AttnInputs, Ffn, Layer, Mixer, PerLayerInput,
+};
 use crate::linear::DeltaBufs;
 use crate::mla::MlaBufs;
 use crate::moe::{MoeLayer, Router};
@@ -109,6 +111,26 @@ struct State<B: Backend> {
     moe: Option<MoeState<B>>,
     linear: Option<DeltaBufs<B>>,
     mla: Option<MlaBufs<B>>,
+    per_layer: Option<PerLayerBufs<B>>,
+}
+
+/// Gemma 4's per-layer inputs of the pass (`[n, layers × width]`, layer `l` at columns
+/// `l · width..`), the per-layer embedding rows they are built from, and one layer's gate
+/// (its gate projection, then its input: the GLU's two halves) and product.
+struct PerLayerBufs<B: Backend> {
+    inputs: B::Buf,
+    tok: B::Buf,
+    gate: B::Buf,
+    act: B::Buf,
+}
+
+/// Gemma 4's per-layer input tables: a second embedding (`[vocab, layers × width]`), a
+/// projection of the scaled first embedding to the same width, and the norm of each layer's
+/// slice of that projection.
+struct PerLayerModel<W> {
+    embed: W,
+    proj: W,
+    norm: W,
 }
 
 /// Buffers and host-side routing state of the MoE layers.
@@ -123,6 +145,9 @@ struct MoeState<B: Backend> {
     expert_secs: f64,
     /// The shared expert's buffers: gate/up, activation, output, scalar gate.
     shared: Option<[B::Buf; 4]>,
+    /// Experts beside a dense FFN (Gemma 4): the router's input, the experts' input, their
+    /// output.
+    beside: Option<[B::Buf; 3]>,
 }
 
 pub struct Decoder<B: Backend> {
@@ -136,6 +161,7 @@ pub struct Decoder<B: Backend> {
     inv_freq: Vec<f32>,
     /// Gemma 3's local layers' RoPE frequencies.
     local_inv_freq: Option<Vec<f32>>,
+    per_layer: Option<PerLayerModel<B::Weight>>,
     /// How the layers share KV blocks.
     pub kv_groups: KvGroups,
     /// The longest sequence this decoder will run (positions), whatever the cache holds.
@@ -171,6 +197,23 @@ impl<B: Backend> Decoder<B> {
             }
         };
         let final_norm = src.norm(be, "model.norm.weight", 0, h, c.norm_offset)?;
+        let lp = c.per_layer_input * c.n_layers;
+        let per_layer = if lp > 0 {
+            let name = "model.embed_tokens_per_layer.weight";
+            Some(PerLayerModel {
+                embed: src.require(be, name, 0, (c.vocab_size, lp))?,
+                proj: src.require(be, "model.per_layer_model_projection.weight", 0, (lp, h))?,
+                norm: src.norm(
+                    be,
+                    "model.per_layer_projection_norm.weight",
+                    0,
+                    c.per_layer_input,
+                    c.norm_offset,
+                )?,
+            })
+        } else {
+            None
+        };
         let layers = (0..c.n_layers)
             .map(|i| Layer::load(be, src, i, c))
             .collect::<Result<Vec<_>>>()?;
@@ -213,7 +256,7 @@ impl<B: Backend> Decoder<B> {
         let context = context.max(1);
         config.resolve_context(context);
         let c = &config;
-        let (qd, f) = (c.q_dim(), c.intermediate_size);
+        let (qd, _, f) = c.max_layer_dims();
         let state = State {
             x: be.alloc(CHUNK * h),
             xn: be.alloc(CHUNK * h),
@@ -244,13 +287,27 @@ impl<B: Backend> Decoder<B> {
                         be.alloc(CHUNK),
                     ]
                 }),
+                beside: (m.style == crate::config::MoeStyle::Gemma4).then(|| {
+                    [
+                        be.alloc(CHUNK * h),
+                        be.alloc(CHUNK * h),
+                        be.alloc(CHUNK * h),
+                    ]
+                }),
             }),
             linear: c.linear.as_ref().map(|l| DeltaBufs::new(be, l, CHUNK)),
             mla: c.mla.as_ref().map(|m| MlaBufs::new(be, c, m, CHUNK)),
+            per_layer: (lp > 0).then(|| PerLayerBufs {
+                inputs: be.alloc(CHUNK * lp),
+                tok: be.alloc(CHUNK * lp),
+                gate: be.alloc(CHUNK * 2 * c.per_layer_input),
+                act: be.alloc(CHUNK * c.per_layer_input),
+            }),
         };
         Ok(Decoder {
             inv_freq: config.rope_inv_freq(),
             local_inv_freq: config.local_inv_freq(),
+            per_layer,
             kv_groups: KvGroups::new(&config.layers),
             config,
             backend,
@@ -301,23 +358,28 @@ impl<B: Backend> Decoder<B> {
         state_slots: usize,
     ) -> KvCache<B> {
         let block_size = block_size.max(1);
-        let shape = KvShape {
-            blocks: n_blocks,
-            block_size,
-            heads: self.config.n_kv_heads,
-            head_dim: self.config.head_dim,
-        };
+        let c = &self.config;
+        let shapes: Vec<KvShape> = self
+            .kv_groups
+            .buffer_shapes((c.n_kv_heads, c.head_dim))
+            .into_iter()
+            .map(|(heads, head_dim)| KvShape {
+                blocks: n_blocks,
+                block_size,
+                heads,
+                head_dim,
+            })
+            .collect();
         let be = &self.backend;
-        let slots = self.kv_groups.slots;
         let groups = self.kv_groups.len();
-        let per = n_blocks / groups;
+        let per = n_blocks / groups.max(1);
         KvCache {
-            k: (0..slots).map(|_| be.alloc_kv(shape)).collect(),
+            k: shapes.iter().map(|&s| be.alloc_kv(s)).collect(),
             // Latent attention reads its values out of the keys.
-            v: if self.config.mla.is_some() {
+            v: if c.mla.is_some() {
                 Vec::new()
             } else {
-                (0..slots).map(|_| be.alloc_kv(shape)).collect()
+                shapes.iter().map(|&s| be.alloc_kv(s)).collect()
             },
             block_size,
             n_blocks,
@@ -356,14 +418,21 @@ impl<B: Backend> Decoder<B> {
     /// where every layer holds every position (linear-attention layers keep none).
     pub fn kv_bytes_per_token(&self) -> usize {
         let c = &self.config;
-        let layers = c.n_layers - c.linear_layers();
-        c.kv_tensors() * layers * self.backend.kv_row_bytes(c.kv_dim())
+        let layers = (0..c.n_layers).filter(|&i| c.owns_kv(i));
+        c.kv_tensors()
+            * layers
+                .map(|i| self.backend.kv_row_bytes(c.layer_kv_dim(i)))
+                .sum::<usize>()
     }
 
     /// Bytes of one KV block (a group's layers, keys and values, `block_size` positions).
     pub fn kv_block_bytes(&self, block_size: usize) -> usize {
         let c = &self.config;
-        c.kv_tensors() * self.kv_groups.slots * block_size * self.backend.kv_row_bytes(c.kv_dim())
+        let shapes = self.kv_groups.buffer_shapes((c.n_kv_heads, c.head_dim));
+        let rows = shapes
+            .iter()
+            .map(|&(h, d)| self.backend.kv_row_bytes(h * d));
+        c.kv_tensors() * block_size * rows.sum::<usize>()
     }
 
     /// Runs one sequence that owns the whole of `kv` (scoring, benchmarks, tests): `tokens`
@@ -522,7 +591,7 @@ impl<B: Backend> Decoder<B> {
             )));
         }
         let groups = &self.kv_groups;
-        if kv.k.len() != groups.slots {
+        if kv.k.len() != groups.slots * groups.shapes.len() {
             return Err(Error::InvalidRequest("KV cache of another model".into()));
         }
         let mut tokens = Vec::with_capacity(n);
@@ -636,6 +705,9 @@ impl<B: Backend> Decoder<B> {
         if let Some(e) = c.embed_scale {
             be.scale_inplace(&mut s.x, hidden, e);
         }
+        if let (Some(pl), Some(b)) = (&self.per_layer, s.per_layer.as_mut()) {
+            per_layer_inputs(be, c, pl, b, tokens, &s.x);
+        }
         if let Some(w) = self.layers.first().and_then(|l| l.norms.attn_in.as_ref()) {
             be.rms_norm(&s.x, hidden, w, c.rms_eps, &mut s.xn, hidden);
         }
@@ -662,13 +734,14 @@ impl<B: Backend> Decoder<B> {
             };
             match &layer.mixer {
                 Mixer::Attention(attn) => {
-                    let (group, slot) = self.kv_groups.slot_of[li];
+                    let (group, _) = self.kv_groups.slot_of[li];
+                    let slot = self.kv_groups.buffer_of(li);
                     let inputs = AttnInputs {
                         positions,
                         seqs: &attn_seqs[group],
                         rope,
                         params: AttentionParams {
-                            n_kv_heads: c.n_kv_heads,
+                            n_kv_heads: attn.kv_heads,
                             scale: c.attn_scale,
                             window: layer.spec.window,
                             softcap: None,
@@ -693,7 +766,8 @@ impl<B: Backend> Decoder<B> {
                     let (Some(m), Some(bufs)) = (c.mla.as_ref(), s.mla.as_mut()) else {
                         return Err(Error::Weights("latent attention without its shape".into()));
                     };
-                    let (group, slot) = self.kv_groups.slot_of[li];
+                    let (group, _) = self.kv_groups.slot_of[li];
+                    let slot = self.kv_groups.buffer_of(li);
                     let inputs = AttnInputs {
                         positions,
                         seqs: &attn_seqs[group],
@@ -748,25 +822,70 @@ impl<B: Backend> Decoder<B> {
             let ffn_in = layer.norms.ffn_in.as_ref();
             residual(be, c, s, n, layer.norms.attn_out.as_ref(), ffn_in);
             let input = if ffn_in.is_some() { &s.xn } else { &s.x };
+            let no_moe = || Error::Weights("MoE layer without MoE state".into());
             match &layer.ffn {
-                Ffn::Dense { gate_up, down } => dense_ffn(
-                    be, c, gate_up, down, input, n, &mut s.gu, &mut s.act, &mut s.tmp,
+                Ffn::Dense {
+                    gate_up,
+                    down,
+                    width,
+                } => dense_ffn(
+                    be, c, *width, gate_up, down, input, n, &mut s.gu, &mut s.act, &mut s.tmp,
                 ),
                 Ffn::Moe(moe) => {
-                    let ms = s
-                        .moe
-                        .as_mut()
-                        .ok_or_else(|| Error::Weights("MoE layer without MoE state".into()))?;
-                    moe_block(be, moe, ms, li, input, n, hidden, &mut s.tmp);
+                    let ms = s.moe.as_mut().ok_or_else(no_moe)?;
+                    moe_block(be, moe, ms, li, input, input, n, hidden, &mut s.tmp);
+                }
+                Ffn::DenseAndExperts {
+                    gate_up,
+                    down,
+                    width,
+                    moe,
+                    post_dense,
+                    router_norm,
+                    pre_experts,
+                    post_experts,
+                } => {
+                    dense_ffn(
+                        be, c, *width, gate_up, down, input, n, &mut s.gu, &mut s.act, &mut s.tmp,
+                    );
+                    be.rms_norm_inplace(&mut s.tmp, hidden, post_dense, c.rms_eps);
+                    let ms = s.moe.as_mut().ok_or_else(no_moe)?;
+                    let [mut rx, mut ex, mut ey] = ms.beside.take().ok_or_else(no_moe)?;
+                    be.rms_norm(&s.x, hidden, router_norm, c.rms_eps, &mut rx, hidden);
+                    be.rms_norm(&s.x, hidden, pre_experts, c.rms_eps, &mut ex, hidden);
+                    moe_block(be, moe, ms, li, &rx, &ex, n, hidden, &mut ey);
+                    be.rms_norm_inplace(&mut ey, hidden, post_experts, c.rms_eps);
+                    be.add_inplace(&mut s.tmp, hidden, &ey, hidden);
+                    ms.beside = Some([rx, ex, ey]);
                 }
             }
             // The next layer's input norm rides on this residual add; after the last layer
-            // the residual stream is left unnormalised for the output head.
+            // the residual stream is left unnormalised for the output head. Gemma 4 adds
+            // its per-layer input and scales the stream first.
             let next_in = self
                 .layers
                 .get(li + 1)
                 .and_then(|l| l.norms.attn_in.as_ref());
-            residual(be, c, s, n, layer.norms.ffn_out.as_ref(), next_in);
+            let more = layer.per_layer_input.is_some() || layer.scalar.is_some();
+            residual(
+                be,
+                c,
+                s,
+                n,
+                layer.norms.ffn_out.as_ref(),
+                next_in.filter(|_| !more),
+            );
+            if more {
+                if let (Some(w), Some(b)) = (&layer.per_layer_input, s.per_layer.as_mut()) {
+                    per_layer_input(be, c, w, b, li, &mut s.x, &mut s.tmp, n);
+                }
+                if let Some(k) = layer.scalar {
+                    be.scale_inplace(&mut s.x, hidden, k);
+                }
+                if let Some(w) = next_in {
+                    be.rms_norm(&s.x, hidden, w, c.rms_eps, &mut s.xn, hidden);
+                }
+            }
         }
         Ok(())
     }
@@ -798,6 +917,9 @@ impl<B: Backend> Decoder<B> {
         );
         if c.logit_scale != 1.0 {
             be.scale_inplace(&mut s.logits, Rows::dense(count, vocab), c.logit_scale);
+        }
+        if let Some(cap) = c.final_softcap {
+            be.softcap(&mut s.logits, Rows::dense(count, vocab), cap);
         }
     }
 
@@ -840,14 +962,15 @@ fn residual<B: Backend>(
     }
 }
 
-/// Routes the `n` rows of `x` (router matmul, then top-k on the host) and runs the selected
-/// experts into `out`.
+/// Routes the `n` rows of `router_x` (router matmul, then top-k on the host) and runs the
+/// selected experts over the same rows of `x` into `out`.
 #[allow(clippy::too_many_arguments)]
 fn moe_block<B: Backend>(
     be: &B,
     moe: &MoeLayer<B>,
     ms: &mut MoeState<B>,
     layer: usize,
+    router_x: &B::Buf,
     x: &B::Buf,
     n: usize,
     hidden: Rows,
@@ -855,7 +978,7 @@ fn moe_block<B: Backend>(
 ) {
     let ne = moe.experts.len();
     be.matmul(
-        x,
+        router_x,
         hidden,
         &moe.router,
         moe.router_bias.as_ref(),
@@ -869,6 +992,9 @@ fn moe_block<B: Backend>(
         n,
         &mut ms.counts[layer],
     );
+    if let Some(scale) = &moe.expert_scale {
+        ms.router.scale_experts(scale);
+    }
     let t0 = std::time::Instant::now();
     if let (Some(sh), Some([gu, act, y, gate])) = (&moe.shared, ms.shared.as_mut()) {
         gated_ffn(
@@ -905,6 +1031,59 @@ fn moe_block<B: Backend>(
     }
     // Backends that run asynchronously will need a sync here to time this.
     ms.expert_secs += t0.elapsed().as_secs_f64();
+}
+
+/// Gemma 4's per-layer inputs of the pass's `tokens` into `b.inputs`:
+/// `(norm(proj(x) / √hidden) + embed(tokens) · √width) / √2`, per layer's slice.
+fn per_layer_inputs<B: Backend>(
+    be: &B,
+    c: &ModelConfig,
+    pl: &PerLayerModel<B::Weight>,
+    b: &mut PerLayerBufs<B>,
+    tokens: &[u32],
+    x: &B::Buf,
+) {
+    let (n, p) = (tokens.len(), c.per_layer_input);
+    let all = Rows::dense(n, p * c.n_layers);
+    be.embed(&pl.embed, tokens, &mut b.tok, all);
+    be.scale_inplace(&mut b.tok, all, (p as f32).sqrt());
+    let hidden = Rows::dense(n, c.hidden_size);
+    be.matmul(x, hidden, &pl.proj, None, &mut b.inputs, all);
+    be.scale_inplace(&mut b.inputs, all, (c.hidden_size as f32).powf(-0.5));
+    be.rms_norm_inplace(&mut b.inputs, all.split_heads(p), &pl.norm, c.rms_eps);
+    be.add_inplace(&mut b.inputs, all, &b.tok, all);
+    be.scale_inplace(&mut b.inputs, all, std::f32::consts::FRAC_1_SQRT_2);
+}
+
+/// Layer `layer`'s per-layer input into the residual stream `x`:
+/// `x += norm(proj(act(gate(x)) · inputs[layer]))`.
+#[allow(clippy::too_many_arguments)]
+fn per_layer_input<B: Backend>(
+    be: &B,
+    c: &ModelConfig,
+    w: &PerLayerInput<B::Weight>,
+    b: &mut PerLayerBufs<B>,
+    layer: usize,
+    x: &mut B::Buf,
+    tmp: &mut B::Buf,
+    n: usize,
+) {
+    let (p, hidden) = (c.per_layer_input, Rows::dense(n, c.hidden_size));
+    let gate = Rows::columns(n, 2 * p, 0, p);
+    be.matmul(x, hidden, &w.gate, None, &mut b.gate, gate);
+    let slice = Rows::columns(n, p * c.n_layers, layer * p, p);
+    be.copy_rows(&b.inputs, slice, &mut b.gate, Rows::columns(n, 2 * p, p, p));
+    let act = Rows::dense(n, p);
+    be.glu(
+        &b.gate,
+        Rows::dense(n, 2 * p),
+        &mut b.act,
+        act,
+        c.activation,
+    );
+    be.matmul(&b.act, act, &w.proj, None, tmp, hidden);
+    be.rms_norm_inplace(tmp, hidden, &w.norm, c.rms_eps);
+    be.add_inplace(x, hidden, tmp, hidden);
 }
 
 /// A 1-D f32 tensor of `len` values (RoPE frequency factors), if the file has it.

@@ -8,7 +8,7 @@ use ferrum_backend::{AttentionParams, AttnSeq, Backend, MatmulPart, RopeParams, 
 use ferrum_core::{DType, Error, Result};
 use ferrum_loader::{RawTensor, TensorStore};
 
-use crate::config::{LayerSpec, ModelConfig, QkNorm};
+use crate::config::{LayerSpec, ModelConfig, MoeStyle, QkNorm};
 use crate::linear::DeltaNet;
 use crate::mla::LatentAttention;
 use crate::moe::MoeLayer;
@@ -203,8 +203,21 @@ pub fn row_blocks_with<W>(
 /// Q, K and V projections: three matrices, or one whose rows are Q's, then K's, then V's
 /// (Phi-3) — the layout of the decoder's QKV buffer, so one matmul fills it.
 pub enum Qkv<W> {
-    Split { q: W, k: W, v: W },
+    Split {
+        q: W,
+        k: W,
+        v: W,
+    },
     Fused(W),
+    /// No value projection: the values are the key projection's output, normalised apart
+    /// (Gemma 4's `attention_k_eq_v` layers).
+    KeysAsValues {
+        q: W,
+        k: W,
+    },
+    /// Queries only: the layer attends over another layer's cache (Gemma 4's KV-shared
+    /// layers).
+    QueryOnly(W),
 }
 
 pub struct Attention<B: Backend> {
@@ -213,11 +226,17 @@ pub struct Attention<B: Backend> {
     /// each head, split off at load): the output is multiplied by its sigmoid.
     gate: Option<B::Weight>,
     bias: Option<[B::Weight; 3]>,
-    qk_norm: Option<[B::Weight; 2]>,
+    q_norm: Option<B::Weight>,
+    k_norm: Option<B::Weight>,
+    /// A weightless RMSNorm of each value head (Gemma 4), as a weight of ones.
+    v_norm: Option<B::Weight>,
     o: B::Weight,
     o_bias: Option<B::Weight>,
     /// One logit per query head that joins each softmax's denominator (gpt-oss).
     pub sinks: Option<Vec<f32>>,
+    /// This layer's KV heads and head size (see [`ModelConfig::layer_kv_shape`]).
+    pub kv_heads: usize,
+    pub head_dim: usize,
 }
 
 /// Gate and up projections, separate or as one matrix of gate rows then up rows (Phi-3).
@@ -231,9 +250,31 @@ pub enum Ffn<B: Backend> {
     Dense {
         gate_up: GateUp<B::Weight>,
         down: B::Weight,
+        width: usize,
     },
     /// Mixture of experts (Qwen3-MoE).
     Moe(MoeLayer<B>),
+    /// Gemma 4's MoE block: the dense FFN and the experts side by side, each output
+    /// normalised, then summed. The router reads the residual stream through its own
+    /// weightless norm (its scale folded into `router_norm`), the experts another norm of it.
+    DenseAndExperts {
+        gate_up: GateUp<B::Weight>,
+        down: B::Weight,
+        width: usize,
+        moe: MoeLayer<B>,
+        post_dense: B::Weight,
+        router_norm: B::Weight,
+        pre_experts: B::Weight,
+        post_experts: B::Weight,
+    },
+}
+
+/// Gemma 4's per-layer input of one layer: `x += norm(proj(gelu(gate(x)) · input))`, where
+/// `input` is the layer's slice of [`crate::decoder`]'s per-layer inputs.
+pub struct PerLayerInput<W> {
+    pub gate: W,
+    pub proj: W,
+    pub norm: W,
 }
 
 /// A layer's norms, where its family has them (see [`crate::config::NormPlan`]).
@@ -268,6 +309,9 @@ pub struct Layer<B: Backend> {
     pub mixer: Mixer<B>,
     pub ffn: Ffn<B>,
     pub spec: LayerSpec,
+    pub per_layer_input: Option<PerLayerInput<B::Weight>>,
+    /// The layer's output multiplier (Gemma 4's `layer_scalar`).
+    pub scalar: Option<f32>,
 }
 
 impl<B: Backend> Layer<B> {
@@ -291,23 +335,51 @@ impl<B: Backend> Layer<B> {
             _ => Mixer::Attention(Attention::load(be, src, i, c)?),
         };
         let ffn = Ffn::load(be, src, i, c)?;
+        let (p, l) = (c.per_layer_input, |n: &str, shape| {
+            src.require(be, n, i, shape)
+        });
+        let per_layer_input = if p > 0 {
+            Some(PerLayerInput {
+                gate: l("model.layers.{i}.per_layer_input_gate.weight", (p, h))?,
+                proj: l("model.layers.{i}.per_layer_projection.weight", (h, p))?,
+                norm: norm(Some("model.layers.{i}.post_per_layer_input_norm.weight"))?
+                    .ok_or_else(|| Error::Weights("per-layer input without its norm".into()))?,
+            })
+        } else {
+            None
+        };
+        // llama.cpp treats a missing `layer_output_scale` as 1.
+        let scalar_name = "model.layers.{i}.layer_scalar";
+        let scalar = if c.layer_scalar && src.tensor(scalar_name, i).is_some() {
+            Some(src.vector(scalar_name, i, 1)?[0])
+        } else {
+            None
+        };
         Ok(Layer {
             norms,
             mixer,
             ffn,
             spec: c.layers[i],
+            per_layer_input,
+            scalar,
         })
     }
 }
 
 impl<B: Backend> Attention<B> {
     fn load(be: &B, src: &WeightSource, i: usize, c: &ModelConfig) -> Result<Self> {
-        let (h, qd, kvd) = (c.hidden_size, c.q_dim(), c.kv_dim());
+        let (h, qd, kvd) = (c.hidden_size, c.layer_q_dim(i), c.layer_kv_dim(i));
+        let (kv_heads, head_dim) = c.layer_kv_shape(i);
+        let shared = c.layers[i].kv_from.is_some();
         let l = |name: &str, shape| src.require(be, name, i, shape);
         // Queries and keys meet in the attention scores, whose softmax amplifies their
         // rounding (docs/accuracy.md): f32 activations where the weights are floats.
         let qk = |name: &str, shape| src.require_precise_float(be, name, i, shape);
         let q_name = "model.layers.{i}.self_attn.q_proj.weight";
+        let (k_name, v_name) = (
+            "model.layers.{i}.self_attn.k_proj.weight",
+            "model.layers.{i}.self_attn.v_proj.weight",
+        );
         let (qkv_q, gate) = if c.attn_gate {
             let (q, g) = split_gate(src, q_name, i, c)?;
             (Some(load_precise_float(be, &q)?), Some(be.load_weight(&g)?))
@@ -315,25 +387,32 @@ impl<B: Backend> Attention<B> {
             (None, None)
         };
         let fused_qkv = "model.layers.{i}.self_attn.qkv_proj.weight";
-        let qkv = if src.tensor(q_name, i).is_none()
+        let qkv = if shared {
+            Qkv::QueryOnly(qk(q_name, (qd, h))?)
+        } else if src.tensor(q_name, i).is_none()
             && src.tensor(fused_qkv, i).is_some()
             && gate.is_none()
         {
             Qkv::Fused(qk(fused_qkv, (qd + 2 * kvd, h))?)
+        } else if c.v_norm && src.tensor(v_name, i).is_none() {
+            Qkv::KeysAsValues {
+                q: qk(q_name, (qd, h))?,
+                k: qk(k_name, (kvd, h))?,
+            }
         } else {
             Qkv::Split {
                 q: match qkv_q {
                     Some(q) => q,
                     None => qk(q_name, (qd, h))?,
                 },
-                k: qk("model.layers.{i}.self_attn.k_proj.weight", (kvd, h))?,
-                v: l("model.layers.{i}.self_attn.v_proj.weight", (kvd, h))?,
+                k: qk(k_name, (kvd, h))?,
+                v: l(v_name, (kvd, h))?,
             }
         };
         let bias = if c.qkv_bias {
-            if matches!(qkv, Qkv::Fused(_)) {
+            if !matches!(qkv, Qkv::Split { .. }) {
                 return Err(Error::Unsupported(
-                    "a fused QKV projection with biases".into(),
+                    "biases on a fused or partial QKV projection".into(),
                 ));
             }
             Some([
@@ -346,27 +425,32 @@ impl<B: Backend> Attention<B> {
         };
         let qk_len = match c.qk_norm {
             QkNorm::None => None,
-            QkNorm::PerHead => Some((c.head_dim, c.head_dim)),
+            QkNorm::PerHead => Some((head_dim, head_dim)),
             QkNorm::Whole => Some((qd, kvd)),
         };
-        let qk_norm = match qk_len {
-            None => None,
-            Some((lq, lk)) => Some([
-                src.norm(
-                    be,
-                    "model.layers.{i}.self_attn.q_norm.weight",
-                    i,
-                    lq,
-                    c.norm_offset,
-                )?,
-                src.norm(
-                    be,
-                    "model.layers.{i}.self_attn.k_norm.weight",
-                    i,
-                    lk,
-                    c.norm_offset,
-                )?,
-            ]),
+        let qk_norm = |name: &str, len| src.norm(be, name, i, len, c.norm_offset);
+        let (q_norm, k_norm) = match qk_len {
+            None => (None, None),
+            Some((lq, lk)) => (
+                Some(qk_norm("model.layers.{i}.self_attn.q_norm.weight", lq)?),
+                if shared {
+                    None
+                } else {
+                    Some(qk_norm("model.layers.{i}.self_attn.k_norm.weight", lk)?)
+                },
+            ),
+        };
+        let v_norm = if c.v_norm && !shared {
+            let ones = RawTensor::from_bytes(
+                "v_norm",
+                DType::F32,
+                vec![head_dim],
+                1f32.to_le_bytes().repeat(head_dim),
+            )
+            .ok_or_else(|| Error::Weights("v_norm: bad size".into()))?;
+            Some(be.load_weight(&ones)?)
+        } else {
+            None
         };
         let sinks = if c.attn_sinks {
             Some(src.vector("model.layers.{i}.self_attn.sinks", i, c.n_heads)?)
@@ -377,7 +461,9 @@ impl<B: Backend> Attention<B> {
             qkv,
             gate,
             bias,
-            qk_norm,
+            q_norm,
+            k_norm,
+            v_norm,
             o: l("model.layers.{i}.self_attn.o_proj.weight", (h, qd))?,
             o_bias: if c.o_bias {
                 Some(l("model.layers.{i}.self_attn.o_proj.bias", (1, h))?)
@@ -385,33 +471,61 @@ impl<B: Backend> Attention<B> {
                 None
             },
             sinks,
+            kv_heads,
+            head_dim,
         })
     }
 }
 
 impl<B: Backend> Ffn<B> {
     fn load(be: &B, src: &WeightSource, i: usize, c: &ModelConfig) -> Result<Self> {
-        let (h, f) = (c.hidden_size, c.intermediate_size);
+        let (h, f) = (c.hidden_size, c.layer_ffn(i));
         let l = |name: &str, shape| src.require(be, name, i, shape);
+        let dense = || -> Result<(GateUp<B::Weight>, B::Weight)> {
+            let fused = "model.layers.{i}.mlp.gate_up_proj.weight";
+            let gate_up = if src
+                .tensor("model.layers.{i}.mlp.gate_proj.weight", i)
+                .is_none()
+                && src.tensor(fused, i).is_some()
+            {
+                GateUp::Fused(l(fused, (2 * f, h))?)
+            } else {
+                GateUp::Split {
+                    gate: l("model.layers.{i}.mlp.gate_proj.weight", (f, h))?,
+                    up: l("model.layers.{i}.mlp.up_proj.weight", (f, h))?,
+                }
+            };
+            Ok((gate_up, l("model.layers.{i}.mlp.down_proj.weight", (h, f))?))
+        };
         Ok(match &c.moe {
+            Some(m) if m.style == MoeStyle::Gemma4 => {
+                let (gate_up, down) = dense()?;
+                let norm = |name: &str| src.norm(be, name, i, h, c.norm_offset);
+                // The router's weightless norm, its per-channel scale and 1/√hidden as one
+                // weight.
+                let scale = src.vector("model.layers.{i}.router.scale", i, h)?;
+                let k = (h as f32).powf(-0.5);
+                let bytes = scale.iter().flat_map(|v| (v * k).to_le_bytes()).collect();
+                let router_norm = RawTensor::from_bytes("router_norm", DType::F32, vec![h], bytes)
+                    .ok_or_else(|| Error::Weights("router scale: bad size".into()))?;
+                Ffn::DenseAndExperts {
+                    gate_up,
+                    down,
+                    width: f,
+                    moe: MoeLayer::load(be, src, i, c, m)?,
+                    post_dense: norm("model.layers.{i}.post_feedforward_layernorm_1.weight")?,
+                    router_norm: be.load_weight(&router_norm)?,
+                    pre_experts: norm("model.layers.{i}.pre_feedforward_layernorm_2.weight")?,
+                    post_experts: norm("model.layers.{i}.post_feedforward_layernorm_2.weight")?,
+                }
+            }
             Some(m) if m.is_moe_layer(i) => Ffn::Moe(MoeLayer::load(be, src, i, c, m)?),
             _ => {
-                let fused = "model.layers.{i}.mlp.gate_up_proj.weight";
-                let gate_up = if src
-                    .tensor("model.layers.{i}.mlp.gate_proj.weight", i)
-                    .is_none()
-                    && src.tensor(fused, i).is_some()
-                {
-                    GateUp::Fused(l(fused, (2 * f, h))?)
-                } else {
-                    GateUp::Split {
-                        gate: l("model.layers.{i}.mlp.gate_proj.weight", (f, h))?,
-                        up: l("model.layers.{i}.mlp.up_proj.weight", (f, h))?,
-                    }
-                };
+                let (gate_up, down) = dense()?;
                 Ffn::Dense {
                     gate_up,
-                    down: l("model.layers.{i}.mlp.down_proj.weight", (h, f))?,
+                    down,
+                    width: f,
                 }
             }
         })
@@ -491,7 +605,8 @@ impl AttnInputs<'_> {
 
 impl<B: Backend> Attention<B> {
     /// `out = o(attention(rope(norm(qkv(x)))))` for the `n` rows of `x`, writing each
-    /// sequence's keys and values into the caches on the way.
+    /// sequence's keys and values into the caches on the way (a layer reading another's
+    /// cache writes none).
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -506,21 +621,21 @@ impl<B: Backend> Attention<B> {
         v_cache: &mut B::KvBuf,
         a: &AttnInputs,
     ) {
-        let (h, qd, kvd, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim);
+        let hd = self.head_dim;
+        let (h, qd, kvd) = (c.hidden_size, c.n_heads * hd, self.kv_heads * hd);
         let w = qkv_width(c);
         let hidden = Rows::dense(n, h);
         let (q_cols, k_cols) = (Rows::columns(n, w, 0, qd), Rows::columns(n, w, qd, kvd));
         let v_view = Rows::columns(n, w, qd + kvd, kvd);
         let gate_cols = Rows::columns(n, w, qd + 2 * kvd, qd);
         let (q_view, k_view) = (q_cols.split_heads(hd), k_cols.split_heads(hd));
+        let part = |weight, i: usize, out| MatmulPart {
+            weight,
+            bias: self.bias.as_ref().map(|b| &b[i]),
+            out,
+        };
         match &self.qkv {
             Qkv::Split { q, k, v } => {
-                let bias = self.bias.as_ref();
-                let part = |weight, i: usize, out| MatmulPart {
-                    weight,
-                    bias: bias.map(|b| &b[i]),
-                    out,
-                };
                 let (q, k, v) = (part(q, 0, q_cols), part(k, 1, k_cols), part(v, 2, v_view));
                 match &self.gate {
                     Some(g) => {
@@ -535,28 +650,40 @@ impl<B: Backend> Attention<B> {
                 }
             }
             Qkv::Fused(wqkv) => be.matmul(x, hidden, wqkv, None, qkv, Rows::dense(n, w)),
+            Qkv::KeysAsValues { q, k } => {
+                be.matmul_many(x, hidden, &[part(q, 0, q_cols), part(k, 1, k_cols)], qkv);
+                be.copy_within(qkv, k_cols, v_view);
+            }
+            Qkv::QueryOnly(q) => be.matmul(x, hidden, q, None, qkv, q_cols),
         }
-        if let Some([qn, kn]) = &self.qk_norm {
-            let (qv, kv) = match c.qk_norm {
-                QkNorm::Whole => (q_cols, k_cols),
-                _ => (q_view, k_view),
-            };
-            be.rms_norm_inplace(qkv, qv, qn, c.rms_eps);
-            be.rms_norm_inplace(qkv, kv, kn, c.rms_eps);
+        let writes_kv = !matches!(self.qkv, Qkv::QueryOnly(_));
+        let whole = c.qk_norm == QkNorm::Whole;
+        if let Some(qn) = &self.q_norm {
+            be.rms_norm_inplace(qkv, if whole { q_cols } else { q_view }, qn, c.rms_eps);
+        }
+        if let Some(kn) = self.k_norm.as_ref().filter(|_| writes_kv) {
+            be.rms_norm_inplace(qkv, if whole { k_cols } else { k_view }, kn, c.rms_eps);
+        }
+        if let Some(vn) = self.v_norm.as_ref().filter(|_| writes_kv) {
+            be.rms_norm_inplace(qkv, v_view.split_heads(hd), vn, c.rms_eps);
         }
         if let Some(rope) = a.rope {
             be.rope(qkv, q_view, a.positions, rope);
-            be.rope(qkv, k_view, a.positions, rope);
+            if writes_kv {
+                be.rope(qkv, k_view, a.positions, rope);
+            }
         }
         if let Some(f) = a.temperature() {
             be.scale_rows(qkv, q_cols, &f);
         }
-        let mut row = 0;
-        for s in a.seqs {
-            let (ks, vs) = (k_view.slice(row, s.rows), v_view.slice(row, s.rows));
-            be.write_kv(qkv, ks, k_cache, s.table, s.first_pos);
-            be.write_kv(qkv, vs, v_cache, s.table, s.first_pos);
-            row += s.rows;
+        if writes_kv {
+            let mut row = 0;
+            for s in a.seqs {
+                let (ks, vs) = (k_view.slice(row, s.rows), v_view.slice(row, s.rows));
+                be.write_kv(qkv, ks, k_cache, s.table, s.first_pos);
+                be.write_kv(qkv, vs, v_cache, s.table, s.first_pos);
+                row += s.rows;
+            }
         }
         let attn_view = Rows::dense(n, qd).split_heads(hd);
         be.attention(
@@ -583,7 +710,10 @@ pub fn qkv_width(c: &ModelConfig) -> usize {
         return c.q_dim() + c.kv_dim();
     }
     let gate = if c.attn_gate { c.q_dim() } else { 0 };
-    c.q_dim() + 2 * c.kv_dim() + gate
+    let widest = (0..c.n_layers)
+        .map(|i| c.layer_q_dim(i) + 2 * c.layer_kv_dim(i))
+        .max();
+    widest.unwrap_or(0).max(c.q_dim() + 2 * c.kv_dim()) + gate
 }
 
 /// The dense FFN: `out = down(act(gate(x)) · up(x))` over `n` rows.
@@ -591,6 +721,7 @@ pub fn qkv_width(c: &ModelConfig) -> usize {
 pub fn dense_ffn<B: Backend>(
     be: &B,
     c: &ModelConfig,
+    width: usize,
     gate_up: &GateUp<B::Weight>,
     down: &B::Weight,
     x: &B::Buf,
@@ -602,7 +733,7 @@ pub fn dense_ffn<B: Backend>(
     gated_ffn(
         be,
         c.hidden_size,
-        c.intermediate_size,
+        width,
         c.activation,
         gate_up,
         down,

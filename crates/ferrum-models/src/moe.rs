@@ -34,6 +34,9 @@ pub struct MoeLayer<B: Backend> {
     pub router_bias: Option<B::Weight>,
     pub experts: Vec<ExpertWeights<B::Weight>>,
     pub activation: Activation,
+    /// Each expert's routing weight is multiplied by its entry (Gemma 4's
+    /// `per_expert_scale`).
+    pub expert_scale: Option<Vec<f32>>,
 }
 
 impl<B: Backend> MoeLayer<B> {
@@ -57,7 +60,18 @@ impl<B: Backend> MoeLayer<B> {
                 Activation::ClampedSwiglu { alpha, limit },
             );
         }
-        let router = src.require_precise(be, "model.layers.{i}.mlp.gate.weight", i, (e, h))?;
+        let gemma = m.style == MoeStyle::Gemma4;
+        let router_name = if gemma {
+            "model.layers.{i}.router.proj.weight"
+        } else {
+            "model.layers.{i}.mlp.gate.weight"
+        };
+        let router = src.require_precise(be, router_name, i, (e, h))?;
+        let stacks = if gemma {
+            "model.layers.{i}.experts."
+        } else {
+            "model.layers.{i}.mlp.experts."
+        };
         let merged = format!("blk.{i}.ffn_gate_up_exps.weight");
         let experts = if src.gguf && src.store.contains(&merged) {
             // Mistral 4's converter keeps transformers' stack: each expert's gate rows, then
@@ -90,7 +104,7 @@ impl<B: Backend> MoeLayer<B> {
                     })
                 })
                 .collect::<Result<Vec<_>>>()?
-        } else if let Some(stacked) = hf_stacks(be, src, i, e, f, h)? {
+        } else if let Some(stacked) = hf_stacks(be, src, stacks, i, e, f, h)? {
             stacked
         } else {
             (0..e)
@@ -144,13 +158,20 @@ impl<B: Backend> MoeLayer<B> {
         } else {
             None
         };
+        let (activation, expert_scale) = if gemma {
+            let scale = src.vector("model.layers.{i}.router.per_expert_scale", i, e)?;
+            (Activation::GeluTanh, Some(scale))
+        } else {
+            (Activation::Silu, None)
+        };
         Ok(MoeLayer {
             router,
             choice_bias,
             shared,
             router_bias: None,
             experts,
-            activation: Activation::Silu,
+            activation,
+            expert_scale,
         })
     }
 }
@@ -223,6 +244,7 @@ impl<B: Backend> MoeLayer<B> {
                     router_bias,
                     experts: hf_mxfp4_experts(be, src, i, e, f, h)?,
                     activation,
+                    expert_scale: None,
                 });
             }
             let gate_up = src.vector(&format!("{p}gate_up_proj"), i, e * h * 2 * f)?;
@@ -259,6 +281,7 @@ impl<B: Backend> MoeLayer<B> {
             router_bias,
             experts,
             activation,
+            expert_scale: None,
         })
     }
 }
@@ -412,18 +435,18 @@ fn mxfp4_rows(
 }
 
 /// Layer `i`'s experts where a Hugging Face file stacks them as transformers 5 holds them
-/// (Mistral 4): `mlp.experts.gate_up_proj` `[E, 2F, H]` (each expert's gate rows, then its
+/// (Mistral 4; Gemma 4 without the `mlp.`), under the prefix `p`: `gate_up_proj` `[E, 2F, H]` (each expert's gate rows, then its
 /// up rows) and `mlp.experts.down_proj` `[E, H, F]`, each expert a view of the stack. `None`
 /// where the file keeps one tensor per expert.
 fn hf_stacks<B: Backend>(
     be: &B,
     src: &WeightSource,
+    p: &str,
     i: usize,
     e: usize,
     f: usize,
     h: usize,
 ) -> Result<Option<Vec<ExpertWeights<B::Weight>>>> {
-    let p = "model.layers.{i}.mlp.experts.";
     let (gu_name, down_name) = (format!("{p}gate_up_proj"), format!("{p}down_proj"));
     let (Some(gu), Some(down)) = (src.tensor(&gu_name, i), src.tensor(&down_name, i)) else {
         return Ok(None);
@@ -618,6 +641,13 @@ impl Router {
                 self.weights[e].push(w);
                 counts[e] += 1;
             }
+        }
+    }
+
+    /// Multiplies every routing weight by its expert's `scale` (Gemma 4).
+    pub fn scale_experts(&mut self, scale: &[f32]) {
+        for (w, s) in self.weights.iter_mut().zip(scale) {
+            w.iter_mut().for_each(|w| *w *= s);
         }
     }
 

@@ -48,6 +48,9 @@ const MODELS: &[&str] = &[
     "deepseek2-lite",
     "ministral3",
     "mistral4",
+    "gemma4",
+    "gemma4-e2b",
+    "gemma4-moe",
 ];
 
 /// The exact backend's tolerance. The hybrid Qwen3.5 models are ill-conditioned in f32:
@@ -248,23 +251,24 @@ fn prefill_equals_token_by_token_decode() {
 fn unknown_architecture_lists_every_supported_one() {
     use ferrum_loader::gguf::{writer::write, Value};
     let bytes = write(
-        &[("general.architecture", Value::String("gemma4".into()))],
+        &[("general.architecture", Value::String("rwkv7".into()))],
         &[],
     );
     let path =
         std::env::temp_dir().join(format!("ferrum-unknown-arch-{}.gguf", std::process::id()));
     std::fs::write(&path, bytes).unwrap();
     let err = match Model::open(&path, CpuBackend::new(), &LoadOptions::default()) {
-        Ok(_) => panic!("a gemma4 file loaded"),
+        Ok(_) => panic!("an rwkv7 file loaded"),
         Err(e) => e.to_string(),
     };
     std::fs::remove_file(&path).ok();
     for name in [
         "llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "smollm3", "granite", "olmo2",
+        "gemma4",
     ] {
         assert!(err.contains(name), "{err}");
     }
-    assert!(err.contains("\"gemma4\""), "{err}");
+    assert!(err.contains("\"rwkv7\""), "{err}");
 }
 
 /// The hybrid models on the default backend: the prompt in one pass, in chunks of 5, and token

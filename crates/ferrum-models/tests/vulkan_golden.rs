@@ -67,6 +67,9 @@ fn cases() -> Vec<(PathBuf, &'static str, &'static [&'static str])> {
                 "deepseek2-lite",
                 "ministral3",
                 "mistral4",
+                "gemma4",
+                "gemma4-e2b",
+                "gemma4-moe",
             ],
         ),
         (

@@ -15,7 +15,13 @@
 //! attention and experts (27 layers 2048 wide, 16 heads: queries of 128 + 64 rotary, a latent
 //! of 512, values of 128, no query bottleneck; the first layer a dense FFN of 10944, the others
 //! 64 experts of 1408, 6 active under a softmax router, two shared experts), in llama.cpp's
-//! split `attn_k_b`/`attn_v_b` form.
+//! split `attn_k_b`/`attn_v_b` form. `--arch gemma4` is Gemma 4 26B-A4B's layers (30 layers
+//! 2816 wide, 16 query heads; five local layers of 8 KV heads of 256 with a 1024 window, then
+//! a global one of 2 KV heads of 512 without a value projection; a dense GeGLU of 2112 beside
+//! 128 experts of 704, 8 active; tied embeddings, the Gemma 4 vocabulary), and `--arch glm4moe`
+//! GLM-4.5-Air's (46 layers 4096 wide, 96/8 heads of 128 with Q/K/V biases and half-rotary,
+//! the first layer a dense FFN of 10944, then 128 experts of 1408, 8 active under a sigmoid
+//! router with a correction bias, one shared expert).
 //!
 //! ```text
 //! cargo run --release -p ferrum-quantize --example synth_moe -- OUT.gguf --type Q4_K_M \
@@ -63,6 +69,10 @@ enum Arch {
     Qwen35Moe,
     /// Latent attention and DeepSeek MoE: DeepSeek-V2-Lite's shapes.
     Deepseek2,
+    /// Gemma 4 26B-A4B: two head shapes, experts beside a dense GeGLU.
+    Gemma4,
+    /// GLM-4.5-Air: biased attention, a dense first layer, sigmoid-routed experts.
+    Glm4Moe,
 }
 
 impl Arch {
@@ -75,6 +85,8 @@ impl Arch {
             Arch::Qwen35 => "qwen35",
             Arch::Qwen35Moe => "qwen35moe",
             Arch::Deepseek2 => "deepseek2",
+            Arch::Gemma4 => "gemma4",
+            Arch::Glm4Moe => "glm4moe",
         }
     }
 
@@ -106,7 +118,7 @@ struct Opts {
 }
 
 const USAGE: &str =
-    "usage: synth_moe OUT.gguf --type Q8_0|Q4_K_M|MXFP4_MOE|... [--arch qwen3moe|gpt-oss|llama|qwen3|qwen35|qwen35moe|deepseek2] \
+    "usage: synth_moe OUT.gguf --type Q8_0|Q4_K_M|MXFP4_MOE|... [--arch qwen3moe|gpt-oss|llama|qwen3|qwen35|qwen35moe|deepseek2|gemma4|glm4moe] \
 [--layers 4] [--hidden 2048] [--experts 128] [--active 8] [--expert-ffn 768] [--ffn N] [--heads 32] \
 [--kv-heads 4] [--head-dim 128] [--vocab-from PATH] [--seed 1]";
 
@@ -130,9 +142,12 @@ fn parse_args() -> AnyResult<Opts> {
         Some(Some(a)) if a == "qwen35" => Arch::Qwen35,
         Some(Some(a)) if a == "qwen35moe" => Arch::Qwen35Moe,
         Some(Some(a)) if a == "deepseek2" => Arch::Deepseek2,
+        Some(Some(a)) if a == "gemma4" => Arch::Gemma4,
+        Some(Some(a)) if a == "glm4moe" => Arch::Glm4Moe,
         Some(other) => {
             return Err(format!(
-                "--arch {other:?}: qwen3moe, gpt-oss, llama, qwen3, qwen35, qwen35moe or deepseek2"
+                "--arch {other:?}: qwen3moe, gpt-oss, llama, qwen3, qwen35, qwen35moe, deepseek2, \
+                 gemma4 or glm4moe"
             )
             .into())
         }
@@ -172,6 +187,16 @@ fn parse_args() -> AnyResult<Opts> {
             // head_dim: the latent (512); the rest of the attention's shape is fixed below.
             (o.layers, o.hidden, o.heads, o.kv_heads, o.head_dim) = (27, 2048, 16, 1, 512);
             (o.experts, o.active, o.expert_ffn, o.ffn) = (64, 6, 1408, 10944);
+        }
+        Arch::Gemma4 => {
+            // head_dim and kv_heads: the local layers'; the global ones' are fixed below.
+            (o.layers, o.hidden, o.heads, o.kv_heads, o.head_dim) = (30, 2816, 16, 8, 256);
+            (o.experts, o.active, o.expert_ffn, o.ffn) = (128, 8, 704, 2112);
+            o.vocab_from = cache.join("llama-vocab/ggml-vocab-gemma-4.gguf");
+        }
+        Arch::Glm4Moe => {
+            (o.layers, o.hidden, o.heads, o.kv_heads, o.head_dim) = (46, 4096, 96, 8, 128);
+            (o.experts, o.active, o.expert_ffn, o.ffn) = (128, 8, 1408, 10944);
         }
         Arch::Qwen35Moe => {
             (o.layers, o.hidden, o.heads, o.kv_heads, o.head_dim) = (40, 2048, 16, 2, 256);
@@ -376,6 +401,87 @@ fn specs(o: &Opts, vocab: usize) -> Vec<Spec> {
         }
         return v;
     }
+    if o.arch == Arch::Gemma4 {
+        // Tied embeddings; every sixth layer global.
+        v.retain(|s| s.name != "output.weight");
+        v.push(t(
+            "rope_freqs.weight".into(),
+            vec![GEMMA4_GLOBAL_DIM / 2],
+            Init::Norm,
+        ));
+        for i in 0..o.layers {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            let (d, kvh) = gemma4_shape(o, i);
+            let (f, e, ef) = (o.ffn, o.experts, o.expert_ffn);
+            v.extend([
+                t(n("attn_norm.weight"), vec![h], Init::Norm),
+                t(n("attn_q.weight"), vec![h, o.heads * d], Init::Weight),
+                t(n("attn_k.weight"), vec![h, kvh * d], Init::Weight),
+                t(n("attn_output.weight"), vec![o.heads * d, h], Init::Weight),
+                t(n("attn_q_norm.weight"), vec![d], Init::Norm),
+                t(n("attn_k_norm.weight"), vec![d], Init::Norm),
+                t(n("post_attention_norm.weight"), vec![h], Init::Norm),
+                t(n("layer_output_scale.weight"), vec![1], Init::Norm),
+                t(n("ffn_norm.weight"), vec![h], Init::Norm),
+                t(n("ffn_gate.weight"), vec![h, f], Init::Weight),
+                t(n("ffn_up.weight"), vec![h, f], Init::Weight),
+                t(n("ffn_down.weight"), vec![f, h], Init::Weight),
+                t(n("post_ffw_norm.weight"), vec![h], Init::Norm),
+                t(n("ffn_gate_inp.weight"), vec![h, e], Init::Weight),
+                t(n("ffn_gate_inp.scale"), vec![h], Init::Norm),
+                t(n("pre_ffw_norm_2.weight"), vec![h], Init::Norm),
+                t(n("post_ffw_norm_1.weight"), vec![h], Init::Norm),
+                t(n("post_ffw_norm_2.weight"), vec![h], Init::Norm),
+                t(
+                    n("ffn_gate_up_exps.weight"),
+                    vec![h, 2 * ef, e],
+                    Init::Weight,
+                ),
+                t(n("ffn_down_exps.weight"), vec![ef, h, e], Init::Weight),
+                t(n("ffn_down_exps.scale"), vec![e], Init::Norm),
+            ]);
+            if gemma4_local(i) {
+                v.push(t(n("attn_v.weight"), vec![h, kvh * d], Init::Weight));
+            }
+        }
+        return v;
+    }
+    if o.arch == Arch::Glm4Moe {
+        for i in 0..o.layers {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            let (f, e) = (o.expert_ffn, o.experts);
+            v.extend([
+                t(n("attn_norm.weight"), vec![h], Init::Norm),
+                t(n("attn_q.weight"), vec![h, q], Init::Weight),
+                t(n("attn_q.bias"), vec![q], Init::Weight),
+                t(n("attn_k.weight"), vec![h, kv], Init::Weight),
+                t(n("attn_k.bias"), vec![kv], Init::Weight),
+                t(n("attn_v.weight"), vec![h, kv], Init::Weight),
+                t(n("attn_v.bias"), vec![kv], Init::Weight),
+                t(n("attn_output.weight"), vec![q, h], Init::Weight),
+                t(n("post_attention_norm.weight"), vec![h], Init::Norm),
+            ]);
+            if i == 0 {
+                v.extend([
+                    t(n("ffn_gate.weight"), vec![h, o.ffn], Init::Weight),
+                    t(n("ffn_up.weight"), vec![h, o.ffn], Init::Weight),
+                    t(n("ffn_down.weight"), vec![o.ffn, h], Init::Weight),
+                ]);
+            } else {
+                v.extend([
+                    t(n("ffn_gate_inp.weight"), vec![h, e], Init::Weight),
+                    t(n("exp_probs_b.bias"), vec![e], Init::Weight),
+                    t(n("ffn_gate_exps.weight"), vec![h, f, e], Init::Weight),
+                    t(n("ffn_up_exps.weight"), vec![h, f, e], Init::Weight),
+                    t(n("ffn_down_exps.weight"), vec![f, h, e], Init::Weight),
+                    t(n("ffn_gate_shexp.weight"), vec![h, f], Init::Weight),
+                    t(n("ffn_up_shexp.weight"), vec![h, f], Init::Weight),
+                    t(n("ffn_down_shexp.weight"), vec![f, h], Init::Weight),
+                ]);
+            }
+        }
+        return v;
+    }
     if o.arch == Arch::GptOss {
         for i in 0..o.layers {
             let n = |s: &str| format!("blk.{i}.{s}");
@@ -425,6 +531,24 @@ fn specs(o: &Opts, vocab: usize) -> Vec<Spec> {
     v
 }
 
+/// Gemma 4 26B-A4B's global layers: 2 KV heads of 512.
+const GEMMA4_GLOBAL_DIM: usize = 512;
+const GEMMA4_GLOBAL_KV: usize = 2;
+
+/// Gemma 4's pattern: five local layers, then a global one.
+fn gemma4_local(i: usize) -> bool {
+    !(i + 1).is_multiple_of(6)
+}
+
+/// `(head size, KV heads)` of Gemma 4 layer `i`.
+fn gemma4_shape(o: &Opts, i: usize) -> (usize, usize) {
+    if gemma4_local(i) {
+        (o.head_dim, o.kv_heads)
+    } else {
+        (GEMMA4_GLOBAL_DIM, GEMMA4_GLOBAL_KV)
+    }
+}
+
 fn metadata(o: &Opts, vocab_file: &GgufFile) -> AnyResult<(Vec<(String, Value)>, usize)> {
     let arch = o.arch.name();
     let u = |n: usize| Value::U32(n as u32);
@@ -451,6 +575,8 @@ fn metadata(o: &Opts, vocab_file: &GgufFile) -> AnyResult<(Vec<(String, Value)>,
         Arch::Qwen35 => (262144, o.ffn, 1e7, 1e-6),
         Arch::Qwen35Moe => (262144, o.expert_ffn, 1e7, 1e-6),
         Arch::Deepseek2 => (163840, o.ffn, 10000.0, 1e-6),
+        Arch::Gemma4 => (262144, o.ffn, 1e6, 1e-6),
+        Arch::Glm4Moe => (131072, o.ffn, 1e6, 1e-5),
     };
     let mut hp = vec![
         ("block_count", u(o.layers)),
@@ -464,7 +590,52 @@ fn metadata(o: &Opts, vocab_file: &GgufFile) -> AnyResult<(Vec<(String, Value)>,
         ("rope.freq_base", Value::F32(theta)),
         ("attention.layer_norm_rms_epsilon", Value::F32(eps)),
     ];
-    if o.arch == Arch::Deepseek2 {
+    if o.arch == Arch::Gemma4 {
+        hp.retain(|(k, _)| {
+            !k.starts_with("attention.key_length")
+                && !k.starts_with("attention.value_length")
+                && *k != "attention.head_count_kv"
+        });
+        let g = GEMMA4_GLOBAL_DIM;
+        let per_layer = |f: &dyn Fn(usize) -> Value| Value::Array((0..o.layers).map(f).collect());
+        hp.extend([
+            (
+                "attention.head_count_kv",
+                per_layer(&|i| Value::I32(gemma4_shape(o, i).1 as i32)),
+            ),
+            (
+                "attention.sliding_window_pattern",
+                per_layer(&|i| Value::Bool(gemma4_local(i))),
+            ),
+            ("attention.key_length", u(g)),
+            ("attention.value_length", u(g)),
+            ("attention.key_length_swa", u(o.head_dim)),
+            ("attention.value_length_swa", u(o.head_dim)),
+            ("attention.sliding_window", u(1024)),
+            ("attention.shared_kv_layers", u(0)),
+            ("embedding_length_per_layer_input", u(0)),
+            ("rope.dimension_count", u(g)),
+            ("rope.dimension_count_swa", u(o.head_dim)),
+            ("rope.freq_base_swa", Value::F32(10000.0)),
+            ("final_logit_softcapping", Value::F32(30.0)),
+            ("expert_count", u(o.experts)),
+            ("expert_used_count", u(o.active)),
+            ("expert_feed_forward_length", u(o.expert_ffn)),
+        ]);
+    } else if o.arch == Arch::Glm4Moe {
+        hp.extend([
+            ("rope.dimension_count", u(o.head_dim / 2)),
+            ("expert_count", u(o.experts)),
+            ("expert_used_count", u(o.active)),
+            ("expert_feed_forward_length", u(o.expert_ffn)),
+            ("expert_shared_count", u(1)),
+            ("leading_dense_block_count", u(1)),
+            ("expert_weights_scale", Value::F32(1.0)),
+            ("expert_gating_func", u(2)),
+            ("nextn_predict_layers", u(0)),
+        ]);
+        hp.push(("expert_weights_norm", Value::Bool(true)));
+    } else if o.arch == Arch::Deepseek2 {
         // llama.cpp's MLA form: the cache row (latent + rotary key) as the key length, the
         // latent as the value length, the heads' own sizes as the `_mla` lengths.
         hp.retain(|(k, _)| {

@@ -11,6 +11,9 @@
 //!   are every (left, right) split of each vocabulary entry, ranked by the entry's score;
 //!   text is normalised to SentencePiece form ("▁" for spaces, one "▁" prepended when
 //!   `add_space_prefix`), and characters without a token fall back to `<0xXX>` byte tokens.
+//! - `gemma4`: BPE from `tokenizer.ggml.merges` over raw UTF-8 in SentencePiece form (spaces
+//!   become "▁", no prefix space), split only between newline runs and the rest, with
+//!   `<0xXX>` byte fallback. BOS is added whatever `add_bos_token` says, as llama.cpp does.
 //!
 //! Control, unknown and user-defined tokens become added tokens, so their text is matched
 //! as one token wherever it appears.
@@ -172,10 +175,11 @@ pub(crate) fn load(g: &GgufFile) -> Result<Tokenizer> {
         ))
     })?;
     // Check the model name before reading the (possibly large) vocabulary.
-    if model != "gpt2" && model != "llama" && model != "bert" {
+    if !matches!(model, "gpt2" | "llama" | "bert" | "gemma4") {
         return Err(Error::Tokenizer(format!(
             "{}: unsupported tokenizer.ggml.model = {model:?} (supported: \"gpt2\" byte-level \
-             BPE, \"llama\" SentencePiece, \"bert\" WordPiece)",
+             BPE, \"llama\" SentencePiece, \"bert\" WordPiece, \"gemma4\" SentencePiece-style \
+             BPE)",
             g.path.display()
         )));
     }
@@ -185,6 +189,7 @@ pub(crate) fn load(g: &GgufFile) -> Result<Tokenizer> {
     }
     let (mut inner, add_bos_default) = match model {
         "gpt2" => (byte_level_bpe(g, &vocab)?, None),
+        "gemma4" => (gemma4_bpe(g, &vocab)?, Some(true)),
         _ => (sentencepiece_bpe(g, &vocab)?, Some(true)),
     };
 
@@ -196,9 +201,12 @@ pub(crate) fn load(g: &GgufFile) -> Result<Tokenizer> {
         Some(v) => v,
         None => pretok::spec_for(g.get_str("tokenizer.ggml.pre"))?.add_bos_default,
     };
+    // Early converted Gemma 4 files say add_bos_token = false, yet without BOS the model's
+    // output degrades badly (llama.cpp PR 21500), so llama.cpp adds it regardless; so do we.
     let add_bos = g
         .get_bool("tokenizer.ggml.add_bos_token")
-        .unwrap_or(add_bos_default);
+        .unwrap_or(add_bos_default)
+        || model == "gemma4";
     let add_eos = g.get_bool("tokenizer.ggml.add_eos_token").unwrap_or(false);
     let text_of = |id: u32| vocab.tokens[id as usize].clone();
     let bos = match (add_bos, bos_id) {
@@ -337,22 +345,28 @@ fn wordpiece(g: &GgufFile, vocab: &Vocab) -> Result<Tokenizer> {
     )
 }
 
-/// `tokenizer.ggml.model = "gpt2"`.
-fn byte_level_bpe(g: &GgufFile, vocab: &Vocab) -> Result<tokenizers::Tokenizer> {
-    let spec = pretok::spec_for(g.get_str("tokenizer.ggml.pre"))?;
+/// `tokenizer.ggml.merges` as (left, right) pairs, highest priority first. The separator is
+/// the first space after the first character, so a left piece that is itself a space (a
+/// vocabulary without byte-level encoding may have one) still parses.
+fn read_merges(g: &GgufFile, model: &str) -> Result<Vec<(String, String)>> {
     let raw_merges = g.get_str_array("tokenizer.ggml.merges").ok_or_else(|| {
         Error::Tokenizer(format!(
-            "{}: tokenizer.ggml.merges is missing or not a string array (needed by a gpt2 \
+            "{}: tokenizer.ggml.merges is missing or not a string array (needed by a {model} \
              tokenizer)",
             g.path.display()
         ))
     })?;
-    let merges = raw_merges
+    raw_merges
         .iter()
         .enumerate()
         .map(|(i, m)| {
-            m.split_once(' ')
-                .map(|(a, b)| (a.to_string(), b.to_string()))
+            let first = m.chars().next().map_or(0, char::len_utf8);
+            m[first..]
+                .find(' ')
+                .map(|at| {
+                    let (a, b) = m.split_at(first + at);
+                    (a.to_string(), b[1..].to_string())
+                })
                 .ok_or_else(|| {
                     Error::Tokenizer(format!(
                         "{}: tokenizer.ggml.merges[{i}] = {m:?} is not two tokens separated by \
@@ -361,7 +375,13 @@ fn byte_level_bpe(g: &GgufFile, vocab: &Vocab) -> Result<tokenizers::Tokenizer> 
                     ))
                 })
         })
-        .collect::<Result<Vec<_>>>()?;
+        .collect()
+}
+
+/// `tokenizer.ggml.model = "gpt2"`.
+fn byte_level_bpe(g: &GgufFile, vocab: &Vocab) -> Result<tokenizers::Tokenizer> {
+    let spec = pretok::spec_for(g.get_str("tokenizer.ggml.pre"))?;
+    let merges = read_merges(g, "gpt2")?;
 
     let model = BPE::builder()
         .vocab_and_merges(vocab.bpe_vocab(), merges)
@@ -388,6 +408,41 @@ fn byte_level_bpe(g: &GgufFile, vocab: &Vocab) -> Result<tokenizers::Tokenizer> 
     let mut tk = tokenizers::Tokenizer::new(model);
     tk.with_pre_tokenizer(Some(PreTokenizerSequence::new(steps)));
     tk.with_decoder(Some(ByteLevel::default()));
+    Ok(tk)
+}
+
+/// `tokenizer.ggml.model = "gemma4"`: ranked merges like `gpt2`, but over the text's own
+/// UTF-8 in SentencePiece form rather than GPT-2's byte alphabet.
+fn gemma4_bpe(g: &GgufFile, vocab: &Vocab) -> Result<tokenizers::Tokenizer> {
+    let merges = read_merges(g, "gemma4")?;
+    // No unknown token: a character without a token and without its byte tokens is dropped,
+    // as llama.cpp drops it (Gemma 4's vocabulary has all 256 byte tokens).
+    let model = BPE::builder()
+        .vocab_and_merges(vocab.bpe_vocab(), merges)
+        .byte_fallback(true)
+        .build()
+        .map_err(|e| Error::Tokenizer(format!("{}: BPE vocabulary: {e}", g.path.display())))?;
+
+    let replace_err = |e| Error::Tokenizer(format!("gemma4 normalizer: {e}"));
+    // Transformers' tokenizer.json for Gemma 4 merges over the whole text; no merge and no
+    // token mixes a newline with anything else, so cutting at newline runs (as llama.cpp
+    // does) changes no ids and keeps each BPE word, and its cache entry, to one line.
+    let lines = Split::new(
+        SplitPattern::Regex("[^\n]+|\n+".into()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(|e| Error::Tokenizer(format!("gemma4 pre-tokenizer: {e}")))?;
+    let decoders: Vec<DecoderWrapper> = vec![
+        Replace::new(SPM_SPACE, " ").map_err(replace_err)?.into(),
+        ByteFallback::new().into(),
+        Fuse::new().into(),
+    ];
+
+    let mut tk = tokenizers::Tokenizer::new(model);
+    tk.with_normalizer(Some(Replace::new(" ", SPM_SPACE).map_err(replace_err)?));
+    tk.with_pre_tokenizer(Some(lines));
+    tk.with_decoder(Some(DecoderSequence::new(decoders)));
     Ok(tk)
 }
 
@@ -669,5 +724,80 @@ mod tests {
         // 'z' is not in the vocabulary: byte fallback <0x7A>.
         assert_eq!(tk.encode("z", false).unwrap(), vec![3, 9 + 0x7A]);
         assert_eq!(tk.decode(&[1, 8, 3, 9 + 0x7A], true).unwrap(), "ab z");
+    }
+
+    /// A Gemma 4 style vocabulary: ids 0-2 control, then normal pieces, then the 256 bytes.
+    /// Token 9 is a bare space, which only a merge line starting with a space can name.
+    fn tiny_gemma4(add_bos: Option<bool>) -> Vec<(&'static str, Value)> {
+        let mut tokens: Vec<String> = ["<pad>", "<eos>", "<bos>", "▁", "a", "b", "ab", "▁ab"]
+            .into_iter()
+            .chain(["<|turn>", " ", " a"])
+            .map(String::from)
+            .collect();
+        let mut types = vec![3, 3, 3, 1, 1, 1, 1, 1, 3, 1, 1];
+        tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
+        types.extend([6; 256]);
+        let tokens: Vec<&str> = tokens.iter().map(String::as_str).collect();
+        let mut meta = vec![
+            ("tokenizer.ggml.model", Value::String("gemma4".into())),
+            ("tokenizer.ggml.tokens", strs(&tokens)),
+            (
+                "tokenizer.ggml.token_type",
+                Value::Array(types.into_iter().map(Value::I32).collect()),
+            ),
+            ("tokenizer.ggml.merges", strs(&["a b", "▁ ab", "  a"])),
+            ("tokenizer.ggml.bos_token_id", Value::U32(2)),
+            ("tokenizer.ggml.eos_token_id", Value::U32(1)),
+            ("tokenizer.ggml.add_space_prefix", Value::Bool(false)),
+        ];
+        if let Some(b) = add_bos {
+            meta.push(("tokenizer.ggml.add_bos_token", Value::Bool(b)));
+        }
+        meta
+    }
+
+    const BYTE0: u32 = 11;
+
+    #[test]
+    fn tiny_gemma4_merges_in_spm_form_and_falls_back_to_bytes() {
+        let tk = load(&gguf("gemma4", &tiny_gemma4(Some(true)))).unwrap();
+        // No prefix space; the space before the second "ab" is "▁", which merges with it.
+        assert_eq!(tk.encode("ab ab", false).unwrap(), vec![6, 7]);
+        // 'z' and the newline have no token: their bytes; control tokens match in the text.
+        assert_eq!(
+            tk.encode("z<|turn>\nab", false).unwrap(),
+            vec![BYTE0 + 0x7A, 8, BYTE0 + 0x0A, 6]
+        );
+        assert_eq!(
+            tk.decode(&[2, 6, 7, BYTE0 + 0x0A, BYTE0 + 0xC3, BYTE0 + 0xA9], true)
+                .unwrap(),
+            "ab ab\né"
+        );
+        assert_eq!(tk.eos_ids(), &[1]);
+    }
+
+    #[test]
+    fn gemma4_always_adds_bos() {
+        for add_bos in [Some(false), Some(true), None] {
+            let tk = load(&gguf("gemma4-bos", &tiny_gemma4(add_bos))).unwrap();
+            assert_eq!(tk.bos_id(), Some(2));
+            assert_eq!(tk.encode("ab", true).unwrap(), vec![2, 6], "{add_bos:?}");
+        }
+    }
+
+    #[test]
+    fn gemma4_without_merges_is_an_error() {
+        let mut meta = tiny_gemma4(None);
+        meta.retain(|(k, _)| *k != "tokenizer.ggml.merges");
+        let err = load_err("gemma4-no-merges", &meta);
+        assert!(err.contains("merges") && err.contains("gemma4"), "{err}");
+    }
+
+    #[test]
+    fn merge_whose_left_piece_is_a_space_parses() {
+        // "  a" is " " + "a"; the vocabulary has " a", so a bad split would fail to build.
+        let g = gguf("merge-space", &tiny_gemma4(None));
+        let merges = read_merges(&g, "gemma4").unwrap();
+        assert_eq!(merges[2], (" ".to_string(), "a".to_string()));
     }
 }

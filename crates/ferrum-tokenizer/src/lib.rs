@@ -40,6 +40,9 @@ const END_OF_TURN_TEXTS: &[&str] = &[
     "<end_of_utterance>",
     "<|return|>",
     "<|call|>",
+    // Gemma 4: the end of a turn, and a tool call's end, where the caller's result follows.
+    "<turn|>",
+    "<|tool_response>",
 ];
 
 /// A tokenizer plus what the generation loop needs to know about its special tokens.

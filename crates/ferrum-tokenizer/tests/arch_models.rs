@@ -1,9 +1,9 @@
 //! The tokenizers and chat templates of the architecture fixtures (`tests/fixtures/arch`:
-//! Gemma 3, Phi-3, SmolLM3, Granite, OLMo 2, each in its family's shape): `tokenizer.json`
-//! (through `from_hf_dir`) and the llama.cpp-converted GGUF's vocabulary (through
-//! `from_gguf`) must give transformers' token ids for the reference text, and the chat
-//! template transformers' `apply_chat_template` render (recorded by
-//! `scripts/fixtures/make_arch_models.py`).
+//! Gemma 3, Gemma 4, Phi-3, SmolLM3, Granite, OLMo 2, each in its family's shape):
+//! `tokenizer.json` (through `from_hf_dir`) and the llama.cpp-converted GGUF's vocabulary
+//! (through `from_gguf`) must give transformers' token ids for the reference text, and the
+//! chat template transformers' `apply_chat_template` render (recorded by
+//! `scripts/fixtures/make_arch_models.py`; Gemma 4's by `make_gemma4_models.py`).
 
 mod common;
 
@@ -28,6 +28,7 @@ struct Chat {
 
 const MODELS: &[&str] = &[
     "gemma3",
+    "gemma4",
     "phi3",
     "phi3-plain",
     "smollm3",

@@ -13,58 +13,13 @@ mod common;
 use ferrum_loader::GgufFile;
 use ferrum_tokenizer::Tokenizer;
 
-const SEPARATOR: &str = "\n__ggml_vocab_test__\n";
-
-struct Case {
-    index: usize,
-    text: String,
-    ids: Vec<u32>,
-}
+use common::Case;
 
 fn read_cases(name: &str) -> (Tokenizer, Vec<Case>) {
     let gguf = common::llama_vocab(name);
     let inp_path = common::require(gguf.with_extension("gguf.inp"));
     let out_path = common::require(gguf.with_extension("gguf.out"));
-    let inp = std::fs::read_to_string(&inp_path).unwrap();
-    let out = std::fs::read_to_string(&out_path).unwrap();
-
-    let mut inputs = Vec::new();
-    let mut rest = inp.as_str();
-    while !rest.is_empty() {
-        match rest.find(SEPARATOR) {
-            Some(at) => {
-                inputs.push(rest[..at].to_string());
-                rest = &rest[at + SEPARATOR.len()..];
-            }
-            None => {
-                inputs.push(rest.to_string());
-                break;
-            }
-        }
-    }
-    let outputs: Vec<Vec<u32>> = out
-        .lines()
-        .map(|line| {
-            line.split_whitespace()
-                .map(|t| {
-                    t.parse()
-                        .unwrap_or_else(|e| panic!("{name}: bad id {t:?}: {e}"))
-                })
-                .collect()
-        })
-        .collect();
-    assert_eq!(
-        inputs.len(),
-        outputs.len(),
-        "{name}: .inp and .out have different numbers of cases"
-    );
-    let cases = inputs
-        .into_iter()
-        .zip(outputs)
-        .enumerate()
-        .map(|(index, (text, ids))| Case { index, text, ids })
-        .collect();
-
+    let cases = common::read_cases(&inp_path, &out_path);
     let g = GgufFile::open(&gguf).unwrap();
     let tk = Tokenizer::from_gguf(&g).unwrap_or_else(|e| panic!("{name}: {e}"));
     (tk, cases)
@@ -147,6 +102,7 @@ vocab_tests! {
     falcon_matches_llama_cpp, falcon_round_trips: "falcon", &[];
     deepseek_coder_matches_llama_cpp, deepseek_coder_round_trips: "deepseek-coder", &[];
     qwen35_matches_llama_cpp, qwen35_round_trips: "qwen35", &[];
+    gemma4_matches_llama_cpp, gemma4_round_trips: "gemma-4", &[];
 }
 
 /// BERT's WordPiece (bge-small's vocabulary): lower-cased and accent-stripped, so no round

@@ -157,14 +157,10 @@ fn layer(local: bool, window: usize) -> LayerSpec {
         LayerSpec {
             window: Some(window),
             rope: Rope::Local,
-            linear: false,
+            ..LayerSpec::GLOBAL
         }
     } else {
-        LayerSpec {
-            window: None,
-            rope: Rope::Global,
-            linear: false,
-        }
+        LayerSpec::GLOBAL
     }
 }
 

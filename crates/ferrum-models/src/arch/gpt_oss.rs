@@ -14,7 +14,7 @@ use serde_json::Value as Json;
 
 use super::{Arch, ArchInfo};
 use crate::config::{
-    hf_f64, hf_opt_usize, hf_usize, LayerSpec, ModelConfig, MoeConfig, MoeStyle, Rope, RopeScaling,
+    hf_f64, hf_opt_usize, hf_usize, LayerSpec, ModelConfig, MoeConfig, MoeStyle, RopeScaling,
     Routing,
 };
 
@@ -63,8 +63,7 @@ fn finish(mut c: ModelConfig, moe: MoeConfig, window: usize, sliding: &[bool]) -
         .iter()
         .map(|&s| LayerSpec {
             window: s.then_some(window),
-            rope: Rope::Global,
-            linear: false,
+            ..LayerSpec::GLOBAL
         })
         .collect();
     c.sliding_window = Some(window);

@@ -5,6 +5,7 @@
 
 pub mod deepseek2;
 pub mod gemma3;
+pub mod gemma4;
 pub mod glm4moe;
 pub mod gpt_oss;
 pub mod granite;
@@ -47,6 +48,8 @@ pub enum Arch {
     Mistral3,
     /// Mistral 4: DeepSeek-V3's latent attention and experts, a softmax router.
     Mistral4,
+    /// Gemma 4: per-layer inputs, KV-shared layers, two head sizes, experts beside the MLP.
+    Gemma4,
 }
 
 /// How one family is recognised and read.
@@ -85,6 +88,7 @@ pub const ARCHS: &[ArchInfo] = &[
     deepseek2::INFO,
     mistral3::INFO,
     deepseek2::MISTRAL4,
+    gemma4::INFO,
 ];
 
 impl Arch {
@@ -150,6 +154,7 @@ mod tests {
             Arch::Deepseek2,
             Arch::Mistral3,
             Arch::Mistral4,
+            Arch::Gemma4,
         ] {
             assert_eq!(ARCHS.iter().filter(|i| i.arch == a).count(), 1, "{a:?}");
             assert_eq!(a.info().arch, a);

@@ -61,3 +61,61 @@ pub fn fixture(rel: &str) -> PathBuf {
         .join("../../tests/fixtures")
         .join(rel)
 }
+
+/// One case of a llama.cpp `test-tokenizer-0` style pair of files.
+pub struct Case {
+    pub index: usize,
+    pub text: String,
+    pub ids: Vec<u32>,
+}
+
+/// The cases of `inp` (inputs separated by "\n__ggml_vocab_test__\n") with the ids on the
+/// matching line of `out` (space-separated), as llama.cpp's `tests/test-tokenizer-0.cpp`
+/// reads them.
+pub fn read_cases(inp: &std::path::Path, out: &std::path::Path) -> Vec<Case> {
+    const SEPARATOR: &str = "\n__ggml_vocab_test__\n";
+    let read = |p: &std::path::Path| {
+        std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+    };
+    let inp_text = read(inp);
+    let out_text = read(out);
+
+    let mut inputs = Vec::new();
+    let mut rest = inp_text.as_str();
+    while !rest.is_empty() {
+        match rest.find(SEPARATOR) {
+            Some(at) => {
+                inputs.push(rest[..at].to_string());
+                rest = &rest[at + SEPARATOR.len()..];
+            }
+            None => {
+                inputs.push(rest.to_string());
+                break;
+            }
+        }
+    }
+    let outputs: Vec<Vec<u32>> = out_text
+        .lines()
+        .map(|line| {
+            line.split_whitespace()
+                .map(|t| {
+                    t.parse()
+                        .unwrap_or_else(|e| panic!("{}: bad id {t:?}: {e}", out.display()))
+                })
+                .collect()
+        })
+        .collect();
+    assert_eq!(
+        inputs.len(),
+        outputs.len(),
+        "{} and {} have different numbers of cases",
+        inp.display(),
+        out.display()
+    );
+    inputs
+        .into_iter()
+        .zip(outputs)
+        .enumerate()
+        .map(|(index, (text, ids))| Case { index, text, ids })
+        .collect()
+}
