@@ -5,7 +5,7 @@
 use ferrum_generate::{Output, OutputKind};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use ferrum_tokenizer::harmony;
+use ferrum_tokenizer::{harmony, Tokenizer};
 
 use crate::reasoning::{self, ReasoningSplitter};
 use crate::routes::Choice;
@@ -25,16 +25,61 @@ pub enum AnswerFormat {
     /// Mistral's control tokens (its vocabulary has `[TOOL_CALLS]`), kept in the text:
     /// reasoning in a leading `[THINK]…[/THINK]`, calls after `[TOOL_CALLS]`.
     Mistral,
+    /// Gemma 4's markers (its vocabulary has `<|channel>`/`<channel|>` or `<|tool_call>`, or
+    /// its template writes them), kept in the text: reasoning in the thought channel
+    /// `<|channel>thought\n…<channel|>`, calls as `<|tool_call>call:NAME{…}<tool_call|>` in
+    /// Gemma's own argument notation ([`crate::gemma`]). A call's turn ends at
+    /// `<|tool_response>`, one of the tokenizer's end-of-turn tokens.
+    Gemma4,
 }
 
 impl AnswerFormat {
+    /// How the model behind `tok` writes its answers: harmony and Mistral's and Gemma 4's
+    /// markers by their tokens (a template may not mention them), `<think>` by the template.
+    pub fn detect(tok: &Tokenizer) -> AnswerFormat {
+        let has = |t: &str| tok.inner().token_to_id(t).is_some();
+        let template = tok.chat_template().map(|t| t.source()).unwrap_or("");
+        let mistral = tok
+            .inner()
+            .token_to_id("[TOOL_CALLS]")
+            .is_some_and(|id| tok.is_special(id));
+        // Not whether they are control tokens: Gemma 4's GGUF vocabularies make them
+        // user-defined ones. Their texts are Gemma 4's own.
+        let gemma4 = (has(reasoning::GEMMA4.open) && has(reasoning::GEMMA4.close))
+            || has(crate::gemma::CALL_OPEN)
+            || template.contains(reasoning::GEMMA4.open)
+            || template.contains(crate::gemma::CALL_OPEN);
+        if harmony::is_harmony(tok) {
+            AnswerFormat::Harmony
+        } else if mistral {
+            AnswerFormat::Mistral
+        } else if gemma4 {
+            AnswerFormat::Gemma4
+        } else if template.contains("<think>") {
+            AnswerFormat::Think
+        } else {
+            AnswerFormat::Plain
+        }
+    }
+
     /// The tags of its reasoning block, if it has one.
     fn reasoning(self) -> Option<reasoning::Tags> {
         match self {
             AnswerFormat::Think => Some(reasoning::THINK),
             AnswerFormat::Mistral => Some(reasoning::MISTRAL),
-            _ => None,
+            AnswerFormat::Gemma4 => Some(reasoning::GEMMA4),
+            AnswerFormat::Plain | AnswerFormat::Harmony => None,
         }
+    }
+
+    /// Whether the answer is read with its control tokens' text kept (`Request::skip_special`
+    /// off): the markers it is split by are control tokens (harmony's, Mistral's; Gemma 4's
+    /// in a Hugging Face tokenizer).
+    pub fn keeps_control_text(self) -> bool {
+        matches!(
+            self,
+            AnswerFormat::Harmony | AnswerFormat::Mistral | AnswerFormat::Gemma4
+        )
     }
 }
 
@@ -396,6 +441,86 @@ mod tests {
         let whole = Answer::of(AnswerFormat::Mistral, Some(&t), text);
         assert_eq!(whole.reasoning.as_deref(), Some("Weather, so call it."));
         assert_eq!((whole.text.as_str(), whole.calls.len()), ("Checking.", 1));
+    }
+
+    /// Gemma 4: the thought channel is reasoning, then text, then calls in Gemma's notation
+    /// streamed as JSON as they come, in any cut; the whole answer's parse agrees. The empty
+    /// thought channel Gemma 4 may end an answer with is no content.
+    #[test]
+    fn gemma4_reasoning_and_calls() {
+        let t = tools();
+        let text = "<|channel>thought\nWeather, so call it.<channel|>Checking.\
+            <|tool_call>call:get_weather{city:<|\"|>Oslo<|\"|>}<tool_call|>";
+        for step in [1, 3, 7, 1000] {
+            let mut a = AnswerStream::new(AnswerFormat::Gemma4, Some(&t));
+            let (mut reasoning, mut out, mut calls) = (String::new(), String::new(), Vec::new());
+            let mut rest = text;
+            while !rest.is_empty() {
+                let (piece, tail) = rest.split_at(step.min(rest.len()));
+                rest = tail;
+                for p in a.push(piece, rest.is_empty()) {
+                    match p {
+                        Piece::Reasoning(r) => reasoning.push_str(&r),
+                        Piece::Text(x) => out.push_str(&x),
+                        Piece::CallStart(n) => calls.push((n, String::new())),
+                        Piece::CallArgs(x) => calls.last_mut().unwrap().1.push_str(&x),
+                        Piece::Call(c) => calls.push((c.name, c.arguments)),
+                        Piece::CallEnd => {}
+                    }
+                }
+            }
+            assert_eq!(reasoning, "Weather, so call it.", "step {step}");
+            assert_eq!(out, "Checking.", "step {step}");
+            assert_eq!(
+                calls,
+                vec![("get_weather".into(), "{\"city\":\"Oslo\"}".into())],
+                "step {step}"
+            );
+            assert_eq!(a.calls(), 1);
+        }
+        let whole = Answer::of(AnswerFormat::Gemma4, Some(&t), text);
+        assert_eq!(whole.reasoning.as_deref(), Some("Weather, so call it."));
+        assert_eq!(whole.text, "Checking.");
+        assert_eq!(
+            whole.calls,
+            vec![ToolCall {
+                name: "get_weather".into(),
+                arguments: "{\"city\":\"Oslo\"}".into()
+            }]
+        );
+        let plain = Answer::of(
+            AnswerFormat::Gemma4,
+            None,
+            "Paris.<|channel>thought\n<channel|>",
+        );
+        assert_eq!((plain.reasoning, plain.text.as_str()), (None, "Paris."));
+    }
+
+    /// The answer format follows the vocabulary (Gemma 4's tiny fixture, from its Hugging
+    /// Face files and its GGUF) or the template.
+    #[test]
+    fn formats_are_detected() {
+        let fixture = |rel: &str| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../tests/fixtures")
+                .join(rel)
+        };
+        let hf = Tokenizer::from_hf_dir(&fixture("arch/gemma4")).unwrap();
+        assert_eq!(AnswerFormat::detect(&hf), AnswerFormat::Gemma4);
+        let g = ferrum_loader::GgufFile::inspect(fixture("arch/gemma4/model-f32.gguf")).unwrap();
+        let gguf = Tokenizer::from_gguf(&g).unwrap();
+        assert_eq!(AnswerFormat::detect(&gguf), AnswerFormat::Gemma4);
+        let mut llama = Tokenizer::from_hf_dir(&fixture("tiny/llama")).unwrap();
+        for (template, want) in [
+            ("{{ '<|tool_call>call:' }}", AnswerFormat::Gemma4),
+            ("{{ '<|channel>thought' }}", AnswerFormat::Gemma4),
+            ("{{ '<think>' }}", AnswerFormat::Think),
+            ("{{ messages }}", AnswerFormat::Plain),
+        ] {
+            let t = ferrum_tokenizer::ChatTemplate::new(template, "", "").unwrap();
+            llama.set_chat_template(Some(t));
+            assert_eq!(AnswerFormat::detect(&llama), want, "{template}");
+        }
     }
 
     /// Harmony: a call of a declared function is a call; a message to a tool the request did

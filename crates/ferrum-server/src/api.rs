@@ -971,7 +971,8 @@ pub struct Traits {
 /// Whether a template (its source without whitespace) needs tool-call arguments as an object
 /// rather than OpenAI's JSON string: it serialises them itself (`arguments | tojson`, gpt-oss,
 /// Llama 3.1) without a branch for strings, or walks their keys (GLM-4.5's `<arg_key>` pairs:
-/// `is mapping` tests, `.items()`), refusing a string.
+/// `is mapping` tests, `.items()`), refusing a string or, as Gemma 4's does, writing it inside
+/// its own braces (`call:NAME{{"city": …}}`, which is no call in its notation).
 fn wants_object_arguments(bare: &str) -> bool {
     let serialises = bare.contains("arguments|tojson") && !bare.contains("argumentsisstring");
     let walks = bare.contains("arguments.items()")
@@ -1080,15 +1081,20 @@ impl CompletionRequest {
 mod tests {
     use super::*;
 
-    /// GLM-4.5's template walks the arguments' keys and refuses a string; Llama 3.1's
-    /// serialises them; Kimi K2's and Ministral 3's take either; a template that writes them
-    /// as they come wants the string.
+    /// GLM-4.5's template walks the arguments' keys and refuses a string; Gemma 4's walks
+    /// them and writes a string inside its own braces; Llama 3.1's serialises them; Kimi K2's
+    /// and Ministral 3's take either; a template that writes them as they come wants the
+    /// string.
     #[test]
     fn object_arguments_where_the_template_needs_them() {
         let bare = |s: &str| s.chars().filter(|c| !c.is_whitespace()).collect::<String>();
         for (src, want) in [
             (
                 "{% set _args = tc.arguments or {} %}{% if _args is not mapping %}{{ raise_exception('x') }}{% endif %}{% for k, v in _args.items() %}",
+                true,
+            ),
+            (
+                "{%- if function['arguments'] is mapping -%}{%- for key, value in function['arguments'] | dictsort -%}{{- key -}}:{{- format_argument(value, escape_keys=False) -}}{%- endfor -%}{%- elif function['arguments'] is string -%}{{- function['arguments'] -}}{%- endif -%}",
                 true,
             ),
             ("{{ tool_call.arguments | tojson }}", true),

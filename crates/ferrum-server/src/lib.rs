@@ -9,6 +9,7 @@ pub mod answer;
 pub mod anthropic;
 pub mod api;
 pub mod error;
+pub mod gemma;
 pub mod guard;
 pub mod kv_events;
 pub mod metrics;
@@ -150,22 +151,7 @@ pub fn serve<B: ferrum_backend::Backend + 'static>(
             None => None,
         };
         let handle = worker::spawn(cfg.model_id.clone(), load, kv_events);
-        let mistral = tokenizer
-            .inner()
-            .token_to_id("[TOOL_CALLS]")
-            .is_some_and(|id| tokenizer.is_special(id));
-        let format = if ferrum_tokenizer::harmony::is_harmony(&tokenizer) {
-            answer::AnswerFormat::Harmony
-        } else if mistral {
-            answer::AnswerFormat::Mistral
-        } else if tokenizer
-            .chat_template()
-            .is_some_and(|t| t.source().contains("<think>"))
-        {
-            answer::AnswerFormat::Think
-        } else {
-            answer::AnswerFormat::Plain
-        };
+        let format = answer::AnswerFormat::detect(&tokenizer);
         if let Some(t) = tokenizer.chat_template() {
             // A template that cannot render a four-turn chat within its limits is hostile or
             // broken: chat requests get that error at once instead of running it again.

@@ -607,11 +607,13 @@ pub(crate) async fn prepare_with(
             let max = plan.base.max_tokens / 2;
             constraint.map(|c| c.after_harmony_analysis(max))
         }
-        AnswerFormat::Plain | AnswerFormat::Mistral => constraint,
+        // From the first token, with no reasoning before it; for Mistral and Gemma 4 a
+        // forced call is written in the Hermes layout, which their answers' parse reads too.
+        AnswerFormat::Plain | AnswerFormat::Mistral | AnswerFormat::Gemma4 => constraint,
     };
-    // Harmony's channels and Mistral's markers are control tokens: the answer is parsed
-    // with their text kept.
-    plan.base.skip_special &= !harmony && format != AnswerFormat::Mistral;
+    // The markers the answer is split by are control tokens: it is parsed with their text
+    // kept.
+    plan.base.skip_special &= !format.keeps_control_text();
     Ok(Prepared {
         card,
         format,

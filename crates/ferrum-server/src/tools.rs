@@ -8,11 +8,14 @@
 //! "parameters": {…}}`), GLM-4.5's `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>
 //! …</tool_call>` (a value is JSON, or else a string), and Mistral's `[TOOL_CALLS]NAME[ARGS]{…}`
 //! (with `[CALL_ID]ID` before `[ARGS]` in Mistral Small 3.2, or the older
-//! `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`).
+//! `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`), and Gemma 4's
+//! `<|tool_call>call:NAME{key:<|"|>text<|"|>,…}<tool_call|>` (its notation read into JSON by
+//! [`crate::gemma`]).
 
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
+use crate::gemma;
 
 #[derive(Debug, Clone)]
 pub struct ToolSpec {
@@ -281,6 +284,13 @@ impl Tools {
         }
         content.push_str(rest);
         if calls.is_empty() {
+            let (rest, found) = gemma_calls(&content, call_of);
+            if !found.is_empty() {
+                let rest = rest.trim();
+                return ((!rest.is_empty()).then(|| rest.to_string()), found);
+            }
+        }
+        if calls.is_empty() {
             if let Some((before, found)) = mistral_calls(&content) {
                 let found: Vec<ToolCall> = found.iter().filter_map(call_of).collect();
                 if !found.is_empty() {
@@ -337,6 +347,48 @@ fn glm_call(after: &str) -> Option<(String, Value, usize)> {
     }
     let used = body_end.map_or(after.len(), |e| e + CLOSE.len());
     Some((name.to_string(), Value::Object(args), used))
+}
+
+/// Gemma 4's calls in `text`, each `<|tool_call>call:NAME{…}<tool_call|>` (or ending the
+/// text where the closing marker is missing) that `call_of` takes, and the text around them.
+/// A marker whose call does not read stays in the text.
+fn gemma_calls(
+    text: &str,
+    call_of: impl Fn(&Value) -> Option<ToolCall>,
+) -> (String, Vec<ToolCall>) {
+    let mut calls = Vec::new();
+    let mut content = String::new();
+    let mut rest = text;
+    while let Some(start) = rest.find(gemma::CALL_OPEN) {
+        let after = &rest[start + gemma::CALL_OPEN.len()..];
+        let parsed = gemma::call_header(after).and_then(|(name, at)| {
+            let (args, used) = gemma::arguments(&after[at..])?;
+            let args = serde_json::from_str::<Value>(&args).ok()?;
+            let tail = &after[at + used..];
+            let ws = tail.len() - tail.trim_start().len();
+            let used = if tail.trim_start().starts_with(gemma::CALL_CLOSE) {
+                at + used + ws + gemma::CALL_CLOSE.len()
+            } else if tail.trim().is_empty() {
+                after.len()
+            } else {
+                return None;
+            };
+            call_of(&json!({"name": name, "arguments": args})).map(|c| (c, used))
+        });
+        match parsed {
+            Some((c, used)) => {
+                content.push_str(&rest[..start]);
+                calls.push(c);
+                rest = &after[used..];
+            }
+            None => {
+                content.push_str(&rest[..start + gemma::CALL_OPEN.len()]);
+                rest = after;
+            }
+        }
+    }
+    content.push_str(rest);
+    (content, calls)
 }
 
 /// Mistral's calls: the text before the first `[TOOL_CALLS]`, and each call as `{"name",
@@ -396,6 +448,8 @@ pub struct CallStreamer {
     known: Vec<String>,
     buf: String,
     state: StreamState,
+    /// The arguments of the Gemma 4 call being read (`StreamState::GemmaArgs`).
+    gemma: gemma::Args,
     /// The text of a call not (yet) followed, from its `<tool_call>`: text again if it turns
     /// out to be no call.
     raw: String,
@@ -414,10 +468,14 @@ enum StreamState {
         in_str: bool,
         esc: bool,
     },
-    /// After the arguments, until `</tool_call>`.
-    Tail,
+    /// After the arguments, until the call's closing tag.
+    Tail(&'static str),
     /// After Mistral's `[TOOL_CALLS]`, before `[ARGS]`: the name (and any `[CALL_ID]`).
     MistralHeader,
+    /// After Gemma 4's `<|tool_call>`, before the arguments: `call:NAME`.
+    GemmaHeader,
+    /// Inside a Gemma 4 call's arguments, read into JSON as they come.
+    GemmaArgs,
     /// Not a call this streamer can follow: the rest waits for the final parse.
     Lost,
 }
@@ -426,6 +484,8 @@ const OPEN_TAG: &str = "<tool_call>";
 const CLOSE_TAG: &str = "</tool_call>";
 /// Mistral's call marker (a control token its answers keep, see `AnswerFormat::Mistral`).
 const MISTRAL_TAG: &str = "[TOOL_CALLS]";
+/// Where a call may begin, in each layout the stream follows.
+const CALL_TAGS: [&str; 3] = [OPEN_TAG, MISTRAL_TAG, gemma::CALL_OPEN];
 
 impl CallStreamer {
     pub fn new(tools: &Tools) -> CallStreamer {
@@ -433,6 +493,7 @@ impl CallStreamer {
             known: tools.specs.iter().map(|s| s.name.clone()).collect(),
             buf: String::new(),
             state: StreamState::Text,
+            gemma: gemma::Args::new(),
             raw: String::new(),
             emitted: false,
         }
@@ -446,10 +507,12 @@ impl CallStreamer {
                 StreamState::Text => self.text(&mut out),
                 StreamState::Header => self.header(&mut out),
                 StreamState::MistralHeader => self.mistral_header(&mut out),
+                StreamState::GemmaHeader => self.gemma_header(&mut out),
                 StreamState::Args { .. } => self.args(&mut out),
-                StreamState::Tail => match self.buf.find(CLOSE_TAG) {
+                StreamState::GemmaArgs => self.gemma_args(&mut out),
+                StreamState::Tail(close) => match self.buf.find(close) {
                     Some(i) => {
-                        self.buf.drain(..i + CLOSE_TAG.len());
+                        self.buf.drain(..i + close.len());
                         self.state = StreamState::Text;
                         true
                     }
@@ -473,12 +536,17 @@ impl CallStreamer {
         let text = match self.state {
             StreamState::Text => std::mem::take(&mut self.buf),
             // A call never followed: its text as it came.
-            StreamState::Header | StreamState::MistralHeader | StreamState::Lost => {
+            StreamState::Header
+            | StreamState::MistralHeader
+            | StreamState::GemmaHeader
+            | StreamState::Lost => {
                 let mut t = std::mem::take(&mut self.raw);
                 t.push_str(&std::mem::take(&mut self.buf));
                 t
             }
-            StreamState::Args { .. } | StreamState::Tail => String::new(),
+            StreamState::Args { .. } | StreamState::GemmaArgs | StreamState::Tail(_) => {
+                String::new()
+            }
         };
         if text.is_empty() {
             Vec::new()
@@ -492,7 +560,7 @@ impl CallStreamer {
         if !self.emitted && (head.is_empty() || head.starts_with('{')) {
             return false;
         }
-        let first = [OPEN_TAG, MISTRAL_TAG]
+        let first = CALL_TAGS
             .iter()
             .filter_map(|t| self.buf.find(t).map(|i| (i, *t)))
             .min();
@@ -503,10 +571,10 @@ impl CallStreamer {
             }
             self.buf.drain(..i + tag.len());
             self.raw = tag.to_string();
-            self.state = if tag == OPEN_TAG {
-                StreamState::Header
-            } else {
-                StreamState::MistralHeader
+            self.state = match tag {
+                OPEN_TAG => StreamState::Header,
+                MISTRAL_TAG => StreamState::MistralHeader,
+                _ => StreamState::GemmaHeader,
             };
             return true;
         }
@@ -515,7 +583,7 @@ impl CallStreamer {
             .rev()
             .find(|&n| {
                 self.buf.is_char_boundary(self.buf.len() - n)
-                    && [OPEN_TAG, MISTRAL_TAG]
+                    && CALL_TAGS
                         .iter()
                         .any(|t| n < t.len() && t.starts_with(&self.buf[self.buf.len() - n..]))
             })
@@ -605,6 +673,63 @@ impl CallStreamer {
         true
     }
 
+    /// `call:NAME{` after Gemma 4's `<|tool_call>`: the call starts at the arguments' brace
+    /// when the name is a known function; otherwise the call is left to the final parse.
+    fn gemma_header(&mut self, out: &mut Vec<ToolEvent>) -> bool {
+        let Some((name, at)) = gemma::call_header(&self.buf) else {
+            let head = self.buf.trim_start();
+            let prefix = gemma::CALL_PREFIX;
+            let may_come = if head.len() < prefix.len() {
+                prefix.starts_with(head)
+            } else {
+                head.starts_with(prefix)
+            };
+            if !may_come || self.buf.len() > 256 {
+                self.state = StreamState::Lost;
+                return true;
+            }
+            return false;
+        };
+        if !self.known.iter().any(|k| k == name) {
+            self.state = StreamState::Lost;
+            return true;
+        }
+        out.push(ToolEvent::Start(name.to_string()));
+        self.buf.drain(..at);
+        self.raw.clear();
+        self.gemma = gemma::Args::new();
+        self.state = StreamState::GemmaArgs;
+        true
+    }
+
+    /// A Gemma 4 call's arguments, as JSON as far as they have come. Arguments that stop
+    /// reading as Gemma's notation end the call there (the final parse does not take it) and
+    /// the rest of them, up to the call's closing tag, is dropped.
+    fn gemma_args(&mut self, out: &mut Vec<ToolEvent>) -> bool {
+        let mut json = String::new();
+        let read = self.gemma.push(&self.buf, &mut json);
+        if !json.is_empty() {
+            out.push(ToolEvent::Args(json));
+        }
+        match read {
+            Ok(None) => {
+                self.buf.clear();
+                false
+            }
+            Ok(Some(used)) => {
+                self.buf.drain(..used);
+                out.push(ToolEvent::End);
+                self.state = StreamState::Tail(gemma::CALL_CLOSE);
+                true
+            }
+            Err(gemma::Malformed) => {
+                out.push(ToolEvent::End);
+                self.state = StreamState::Tail(gemma::CALL_CLOSE);
+                true
+            }
+        }
+    }
+
     fn args(&mut self, out: &mut Vec<ToolEvent>) -> bool {
         let StreamState::Args {
             mut depth,
@@ -649,7 +774,7 @@ impl CallStreamer {
             self.state = if self.raw == MISTRAL_TAG {
                 StreamState::Text
             } else {
-                StreamState::Tail
+                StreamState::Tail(CLOSE_TAG)
             };
             return true;
         }
@@ -778,6 +903,101 @@ mod tests {
         let mut s = CallStreamer::new(&t);
         let ev = s.push("[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {}}]");
         assert!(ev.is_empty(), "{ev:?}");
+    }
+
+    /// The answer streamed `step` bytes at a time through a [`CallStreamer`]: its text, and
+    /// its calls as (name, arguments text).
+    fn streamed(t: &Tools, answer: &str, step: usize) -> (String, Vec<(String, String)>) {
+        let mut s = CallStreamer::new(t);
+        let mut ev = Vec::new();
+        let mut rest = answer;
+        while !rest.is_empty() {
+            let mut cut = step.min(rest.len());
+            while !rest.is_char_boundary(cut) {
+                cut += 1;
+            }
+            ev.extend(s.push(&rest[..cut]));
+            rest = &rest[cut..];
+        }
+        ev.extend(s.finish());
+        let (mut text, mut calls) = (String::new(), Vec::<(String, String)>::new());
+        for e in ev {
+            match e {
+                ToolEvent::Text(x) => text.push_str(&x),
+                ToolEvent::Start(n) => calls.push((n, String::new())),
+                ToolEvent::Args(a) => calls.last_mut().unwrap().1.push_str(&a),
+                ToolEvent::End => {}
+            }
+        }
+        (text, calls)
+    }
+
+    /// Gemma 4's calls as its chat template writes them: the arguments' notation read into
+    /// JSON (a string holding braces, quotes and commas; nesting; a list with null), the text
+    /// before them kept, a call cut off after its arguments still a call; unknown functions
+    /// and broken notation stay text; streamed in any split, the same calls.
+    #[test]
+    fn gemma4_calls_are_parsed_and_streamed() {
+        let t = tools(json!("auto"));
+        let want = |args: Value| ToolCall {
+            name: "get_weather".into(),
+            arguments: args.to_string(),
+        };
+        let first = json!({"city": "Pa}ris, \"FR\" 🦀", "days": 3,
+            "opts": {"max": -1.5, "metric": true, "tags": ["a", null]}});
+        let answer =
+            "Let me check. <|tool_call>call:get_weather{city:<|\"|>Pa}ris, \"FR\" 🦀<|\"|>,\
+            days:3,opts:{max:-1.5,metric:true,tags:[<|\"|>a<|\"|>,null]}}<tool_call|>\
+            <|tool_call>call:get_weather{}<tool_call|>";
+        let (c, calls) = t.parse_output(answer);
+        assert_eq!(c.as_deref(), Some("Let me check."));
+        assert_eq!(calls, vec![want(first.clone()), want(json!({}))]);
+        let (c, calls) = t.parse_output("<|tool_call>call:get_weather{city:<|\"|>Oslo<|\"|>}");
+        assert_eq!((c, calls), (None, vec![want(json!({"city": "Oslo"}))]));
+        for text in [
+            "<|tool_call>call:nope{}<tool_call|>",
+            "<|tool_call>call:get_weather{city:Oslo}<tool_call|>",
+            "<|tool_call>call:get_weather{city:None}<tool_call|>",
+            "<|tool_call>call:get_weather{city:<|\"|>Os",
+            "<|tool_call>get_weather{}<tool_call|>",
+            "<|tool_call>call:get_weather{} and more<tool_call|>",
+        ] {
+            let (c, calls) = t.parse_output(text);
+            assert!(calls.is_empty() && c.is_some(), "{text}");
+        }
+        for step in [1, 2, 3, 5, 8, answer.len()] {
+            let (text, calls) = streamed(&t, answer, step);
+            assert_eq!(text, "Let me check. ", "step {step}");
+            let got: Vec<(String, Value)> = calls
+                .into_iter()
+                .map(|(n, a)| (n, serde_json::from_str(&a).unwrap()))
+                .collect();
+            assert_eq!(
+                got,
+                vec![
+                    ("get_weather".to_string(), first.clone()),
+                    ("get_weather".to_string(), json!({}))
+                ],
+                "step {step}"
+            );
+        }
+        // Arguments that stop reading end the call where they stop; the text after the
+        // call goes on. An unknown function is left to the final parse, as text.
+        for step in [1, 4, 100] {
+            let (text, calls) = streamed(
+                &t,
+                "A<|tool_call>call:get_weather{city:Oslo}<tool_call|>B",
+                step,
+            );
+            assert_eq!(text, "AB", "step {step}");
+            assert_eq!(
+                calls,
+                vec![("get_weather".into(), "{\"city\":".into())],
+                "step {step}"
+            );
+            let unknown = "<|tool_call>call:nope{}<tool_call|>";
+            assert_eq!(streamed(&t, unknown, step), (unknown.to_string(), vec![]));
+        }
     }
 
     #[test]
