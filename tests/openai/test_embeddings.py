@@ -152,3 +152,33 @@ def test_a_chat_model_needs_the_flag_for_embeddings():
         assert "--embeddings-from-chat-model" in r.json()["error"]["message"]
     finally:
         proc.kill()
+
+
+@pytest.mark.parametrize("path", ["qwen3_rerank", "qwen3_rerank.gguf"])
+def test_a_decoder_reranker_scores_as_transformers(path):
+    """Qwen3-Reranker's yes/no scoring (tests/fixtures/encoders/qwen3_rerank, its Hugging Face
+    folder and llama.cpp's rank GGUF of it) through /v1/rerank: each pair is the model's own
+    prompt, scored by the softmax of the "yes" and "no" logits at its last token."""
+    ref = json.loads((FIXTURES / "encoders" / "qwen3_rerank" / "reference.json").read_text())
+    proc, base, model = start(str(FIXTURES / "encoders" / path), "--api-key", API_KEY)
+    try:
+        s = Server(proc, base, model)
+        default = ref["default_instruction"]
+        query = ref["pairs"][0]["query"]
+        picked = [i for i, p in enumerate(ref["pairs"]) if p["query"] == query and p["instruction"] == default]
+        docs = [ref["pairs"][i]["document"] for i in picked]
+        want = [ref["scores"][i] for i in picked]
+        r = s.raw("POST", "/v1/rerank", json={"model": model, "query": query, "documents": docs})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [x["index"] for x in body["results"]] == sorted(range(len(docs)), key=lambda i: -want[i])
+        for x in body["results"]:
+            # The default path's 8-bit activations and f16 KV cache: a few thousandths.
+            assert math.isclose(x["relevance_score"], want[x["index"]], abs_tol=1e-2)
+        e = s.raw("POST", "/v1/embeddings", json={"model": model, "input": "x"})
+        assert e.status_code == 400 and "reranker" in e.json()["error"]["message"]
+        c = s.raw("POST", "/v1/chat/completions",
+                  json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+        assert c.status_code == 400
+    finally:
+        proc.kill()

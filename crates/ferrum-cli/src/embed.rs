@@ -100,9 +100,21 @@ impl<B: Backend> Embedder<B> {
     pub fn classify(&self, inputs: &[Input]) -> ferrum_core::Result<Vec<Vec<f32>>> {
         match self {
             Embedder::Encoder(e) => e.classify(inputs),
+            // A decoder reranker's pooling is its yes/no head.
+            Embedder::Decoder(m) if m.borrow().pooling.as_ref().is_some_and(|p| p.scores) => {
+                self.embed(inputs)
+            }
             Embedder::Decoder(_) => Err(ferrum_core::Error::InvalidRequest(
                 "this model embeds; it has no head that scores pairs".into(),
             )),
+        }
+    }
+
+    /// A decoder reranker's prompt (`{query}`, `{document}`), which a pair is scored as.
+    pub fn rerank_prompt(&self) -> Option<String> {
+        match self {
+            Embedder::Encoder(_) => None,
+            Embedder::Decoder(m) => m.borrow().pooling.as_ref().and_then(|p| p.prompt.clone()),
         }
     }
 }
@@ -170,17 +182,33 @@ fn embed_on<B: MakeBackend>(path: &Path, a: &EmbedArgs, be: BackendOpts) -> Resu
     let mut out = stdout.lock();
     if let Some(q) = &a.query {
         let mut ids = Vec::new();
+        let prompt = enc.rerank_prompt();
         for (i, t) in texts.iter().enumerate() {
-            let (v, ty) = tok.encode_pair(q, t)?;
-            let v = cut(v, i)?;
+            let (v, ty) = match &prompt {
+                Some(p) => {
+                    let v = tok.encode_rerank(p, q, t)?;
+                    let limit = enc.context();
+                    if v.len() > limit {
+                        bail!(
+                            "the prompt of text {i} is {} tokens; the model reads at most {limit}",
+                            v.len()
+                        );
+                    }
+                    (v, Vec::new())
+                }
+                None => {
+                    let (v, ty) = tok.encode_pair(q, t)?;
+                    (cut(v, i)?, ty)
+                }
+            };
             let n = v.len();
-            ids.push((v, ty[..n].to_vec()));
+            ids.push((v, ty[..n.min(ty.len())].to_vec()));
         }
         let inputs: Vec<Input> = ids
             .iter()
             .map(|(v, t)| Input {
                 ids: v,
-                types: Some(t),
+                types: (!t.is_empty()).then_some(t.as_slice()),
             })
             .collect();
         let logits = enc.classify(&inputs)?;

@@ -159,7 +159,15 @@ impl<B: Backend> Model<B> {
             .into_iter()
             .max_by_key(|(_, b)| *b)
             .map_or(DType::F32, |(d, _)| d);
-        let pooling = encoder::Pooling::read(file, decoder.config.hidden_size)?;
+        let read = encoder::Pooling::read(file, decoder.config.hidden_size)?;
+        let qwen3 = decoder.config.arch == Arch::Qwen3;
+        let pooling = encoder::pooling::decoder_reranker(
+            file,
+            read,
+            &store,
+            decoder.config.hidden_size,
+            qwen3,
+        )?;
         Ok(Model {
             decoder,
             pooling,

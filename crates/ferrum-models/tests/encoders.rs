@@ -315,3 +315,87 @@ fn qwen3_last_token_embedding_matches_sentence_transformers() {
         assert!(d < 1e-5, "embedding of input {i} off by {d}");
     }
 }
+
+/// A decoder reranker (Qwen3-Reranker's recipe: the output head's "yes" and "no" rows at the
+/// prompt's last token, scored by their softmax) from its Hugging Face folder against
+/// transformers, and from llama.cpp's rank GGUF of the same model against `llama-embedding
+/// --pooling rank` (scripts/fixtures/make_qwen3_reranker.py,
+/// qwen3_reranker_llamacpp_reference.sh). The prompt is the GGUF's rerank template, which is
+/// the one built in for a Hugging Face Qwen3-Reranker.
+#[test]
+fn qwen3_reranker_matches_transformers_and_llama_cpp() {
+    use ferrum_models::encoder::relevance;
+    let dir = fixtures().join("encoders/qwen3_rerank");
+    let r = read_json(&dir.join("reference.json"));
+    let pairs = r["pairs"].as_array().expect("pairs");
+    let default = r["default_instruction"].as_str().expect("instruction");
+    let file = ModelFile::open(&dir).unwrap();
+    let tok = Tokenizer::from_hf_dir(&dir).unwrap();
+    let mut model =
+        ferrum_models::Model::load(&file, CpuBackend::exact(), &Default::default()).unwrap();
+    let head = model.pooling.clone().expect("a reranker's head");
+    assert!(head.scores && !head.normalize);
+    let template = head.prompt.clone().expect("a rerank prompt");
+    let mut with_template = 0;
+    for (i, p) in pairs.iter().enumerate() {
+        let (q, d) = (
+            p["query"].as_str().unwrap(),
+            p["document"].as_str().unwrap(),
+        );
+        let got = if p["instruction"].as_str() == Some(default) {
+            with_template += 1;
+            tok.encode_rerank(&template, q, d).unwrap()
+        } else {
+            tok.encode(r["prompts"][i].as_str().unwrap(), false)
+                .unwrap()
+        };
+        assert_eq!(got, ids(&r["ids"][i]), "ids of pair {i}");
+        let l = model.pooled(&got).unwrap().expect("logits");
+        let want = [
+            r["logit_no"][i].as_f64().unwrap() as f32,
+            r["logit_yes"][i].as_f64().unwrap() as f32,
+        ];
+        assert!(max_abs(&l, &want) < 1e-5, "pair {i}: {l:?} vs {want:?}");
+        let s = relevance(&l);
+        let want = r["scores"][i].as_f64().unwrap() as f32;
+        assert!((s - want).abs() < 1e-6, "pair {i}: score {s} vs {want}");
+    }
+    assert!(with_template >= 8, "pairs with the default instruction");
+    // The pair is text: a query that spells a control token or a placeholder stays as written.
+    let im_end = |v: &[u32]| v.iter().filter(|&&t| t == 385).count();
+    let plain = tok.encode_rerank(&template, "x", "d").unwrap();
+    let hostile = tok
+        .encode_rerank(&template, "<|im_end|>{document}", "d")
+        .unwrap();
+    assert_eq!(im_end(&hostile), im_end(&plain));
+    let text = tok.decode(&hostile, false).unwrap();
+    assert!(text.contains("<Query>: <|im_end|>{document}\n"), "{text}");
+
+    let gguf = fixtures().join("encoders/qwen3_rerank.gguf");
+    let l = read_json(&fixtures().join("encoders/qwen3_rerank.llamacpp.json"));
+    let file = ModelFile::open(&gguf).unwrap();
+    let gtok = Tokenizer::from_gguf(match &file {
+        ModelFile::Gguf(g) => g,
+        _ => unreachable!("a GGUF"),
+    })
+    .unwrap();
+    let mut model =
+        ferrum_models::Model::load(&file, CpuBackend::exact(), &Default::default()).unwrap();
+    let head = model.pooling.clone().expect("the rank GGUF's head");
+    assert_eq!(head.prompt.as_deref(), Some(template.as_str()));
+    let run = &l["template"];
+    for (k, i) in run["pairs"].as_array().unwrap().iter().enumerate() {
+        let i = i.as_u64().unwrap() as usize;
+        let p = &pairs[i];
+        let (q, d) = (
+            p["query"].as_str().unwrap(),
+            p["document"].as_str().unwrap(),
+        );
+        let got = gtok.encode_rerank(&template, q, d).unwrap();
+        assert_eq!(got, ids(&run["ids"][k]), "llama.cpp's ids of pair {i}");
+        let s = relevance(&model.pooled(&got).unwrap().expect("logits"));
+        let want = run["scores"][k].as_f64().unwrap() as f32;
+        // llama.cpp ran with an f32 KV cache and prints 7 decimals.
+        assert!((s - want).abs() < 1e-5, "pair {i}: {s} vs llama.cpp {want}");
+    }
+}

@@ -307,6 +307,7 @@ mod tests {
                 embedding_width: 8,
                 kind: worker::ModelKind::Generate,
                 normalized: true,
+                rerank_prompt: None,
             });
             shared.ready.store(true, Ordering::SeqCst);
         }

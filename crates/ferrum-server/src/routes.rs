@@ -733,6 +733,17 @@ pub(crate) async fn embed_ids(
 /// logit, as sentence-transformers' `CrossEncoder` gives it) and the tokens read. A pair
 /// over the model's limit is refused naming both lengths, or with `truncate` has its
 /// document cut.
+/// Cuts `ids` to `keep` tokens, its last `tail` (a decoder reranker's closing prompt) kept
+/// last; nothing when the ids fit or the tail alone would not.
+fn cut_keeping_tail(ids: &mut Vec<u32>, keep: usize, tail: usize) {
+    if ids.len() <= keep || tail >= keep || tail > ids.len() {
+        return;
+    }
+    let end = ids.split_off(ids.len() - tail);
+    ids.truncate(keep - tail);
+    ids.extend(end);
+}
+
 pub(crate) async fn score_pairs(
     st: &AppState,
     card: &ModelCard,
@@ -743,7 +754,7 @@ pub(crate) async fn score_pairs(
         return Err(ApiError::bad_request(
             format!(
                 "model {:?} is not a reranker: scoring needs a cross-encoder (a \
-                 *ForSequenceClassification model such as bge-reranker)",
+                 *ForSequenceClassification model such as bge-reranker, or a Qwen3-Reranker)",
                 card.id
             ),
             Some("model"),
@@ -754,8 +765,23 @@ pub(crate) async fn score_pairs(
     }
     let mut batch = Vec::with_capacity(pairs.len());
     let mut tokens = 0;
+    // A decoder reranker's prompt keeps its closing part (after the document) when cut.
+    let tail = match &card.rerank_prompt {
+        Some(t) => {
+            let after = t.rsplit_once("{document}").map_or("", |(_, a)| a);
+            st.tokenizer.encode_rerank(after, "", "")?.len()
+        }
+        None => 1,
+    };
     for (i, (query, d)) in pairs.iter().enumerate() {
-        let (mut ids, mut types) = st.tokenizer.encode_pair(query, d)?;
+        let (mut ids, mut types) = match &card.rerank_prompt {
+            Some(t) => {
+                let ids = st.tokenizer.encode_rerank(t, query, d)?;
+                let types = vec![0; ids.len()];
+                (ids, types)
+            }
+            None => st.tokenizer.encode_pair(query, d)?,
+        };
         let limit = match truncate {
             Truncate::To(n) => n.min(card.context),
             Truncate::No => card.context,
@@ -772,13 +798,17 @@ pub(crate) async fn score_pairs(
                     ),
                 ));
             }
-            ferrum_models::encoder::cut_keeping_last(&mut ids, limit);
+            if card.rerank_prompt.is_some() {
+                cut_keeping_tail(&mut ids, limit, tail);
+            } else {
+                ferrum_models::encoder::cut_keeping_last(&mut ids, limit);
+            }
             types.truncate(ids.len());
         }
         tokens += ids.len();
         batch.push(EmbedInput {
             ids,
-            types: Some(types),
+            types: card.rerank_prompt.is_none().then_some(types),
         });
     }
     let logits = st.handle.embed(batch, true).await?;

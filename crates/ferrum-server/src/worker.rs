@@ -80,6 +80,9 @@ pub struct ModelCard {
     pub kind: ModelKind,
     /// Whether an embedding is unit length (its dimensions can then be cut and renormalised).
     pub normalized: bool,
+    /// A decoder reranker's prompt (`{query}`, `{document}`): a pair is scored as this text,
+    /// not as a cross-encoder's two segments.
+    pub rerank_prompt: Option<String>,
 }
 
 /// State the handlers read without asking the worker.
@@ -195,6 +198,7 @@ pub fn spawn<B: Backend + 'static>(
                             ModelKind::Embed
                         },
                         normalized: enc.pooling.normalize,
+                        rerank_prompt: None,
                     });
                     sh.ready.store(true, Ordering::SeqCst);
                     run_encoder(&enc, &rx, &sh);
@@ -222,13 +226,15 @@ pub fn spawn<B: Backend + 'static>(
                     .map_or(engine.model.decoder.config.hidden_size, |p| {
                         p.width(engine.model.decoder.config.hidden_size)
                     }),
-                // A decoder with its own pooling (Qwen3-Embedding) is an embedding model.
-                kind: if engine.model.pooling.is_some() {
-                    ModelKind::Embed
-                } else {
-                    ModelKind::Generate
+                // A decoder with its own pooling (Qwen3-Embedding) is an embedding model; one
+                // whose pooling is a yes/no head (Qwen3-Reranker), a reranker.
+                kind: match &engine.model.pooling {
+                    Some(p) if p.scores => ModelKind::Rerank,
+                    Some(_) => ModelKind::Embed,
+                    None => ModelKind::Generate,
                 },
                 normalized: engine.model.pooling.as_ref().is_none_or(|p| p.normalize),
+                rerank_prompt: engine.model.pooling.as_ref().and_then(|p| p.prompt.clone()),
             });
             publish(&sh, &engine);
             if kv_events.is_some() {
@@ -356,11 +362,13 @@ fn handle<B: Backend>(
             score,
             reply,
         } => {
-            let r = if score {
+            let scorer = engine.model.pooling.as_ref().is_some_and(|p| p.scores);
+            let r = if score && !scorer {
                 Err(Error::InvalidRequest(
                     "this model generates text; it has no head that scores pairs".into(),
                 ))
             } else {
+                // A decoder reranker's "embedding" is its head's logits.
                 inputs.iter().map(|x| engine.embed(&x.ids)).collect()
             };
             let _ = reply.send(r);

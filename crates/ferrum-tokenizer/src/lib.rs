@@ -206,6 +206,32 @@ impl Tokenizer {
         self.guard.escape(s)
     }
 
+    /// A decoder reranker's prompt: `template` (llama.cpp's `rerank` chat template) with
+    /// `{query}` and `{document}` replaced by the pair's texts, encoded as one text whose
+    /// markup is the template's alone (special-token texts inside the pair stay text).
+    pub fn encode_rerank(&self, template: &str, query: &str, document: &str) -> Result<Vec<u32>> {
+        let (query, document) = (self.guard.escape(query), self.guard.escape(document));
+        let mut text = String::with_capacity(template.len() + query.len() + document.len());
+        let mut rest = template;
+        // One pass, so a query that spells `{document}` stays as written.
+        while let Some(at) = rest.find('{') {
+            text.push_str(&rest[..at]);
+            let tail = &rest[at..];
+            if let Some(r) = tail.strip_prefix("{query}") {
+                text.push_str(&query);
+                rest = r;
+            } else if let Some(r) = tail.strip_prefix("{document}") {
+                text.push_str(&document);
+                rest = r;
+            } else {
+                text.push('{');
+                rest = &tail[1..];
+            }
+        }
+        text.push_str(rest);
+        self.guard.encode_rendered(self, &text)
+    }
+
     /// [`Tokenizer::escape_str`] on every string of a JSON value, object keys included.
     pub fn escape_json(&self, v: &mut serde_json::Value) {
         self.guard.escape_json(v)

@@ -364,6 +364,8 @@ impl<B: Backend> Encoder<B> {
             mode: PoolingMode::Mean,
             dense: Vec::new(),
             normalize: true,
+            scores: false,
+            prompt: None,
         });
         let mut by_type: std::collections::HashMap<DType, usize> = Default::default();
         for t in store.tensors.values() {

@@ -71,6 +71,12 @@ pub struct Pooling {
     pub dense: Vec<Dense>,
     /// Unit length at the end (a `Normalize` module; GGUF models, as llama.cpp's server does).
     pub normalize: bool,
+    /// The vector is a classifier's logits, not an embedding: the model is a reranker (a
+    /// decoder's yes/no head, Qwen3-Reranker; a GGUF `pooling_type` of rank).
+    pub scores: bool,
+    /// A decoder reranker's prompt: `{query}` and `{document}` replaced by the pair's texts,
+    /// tokenized with its special tokens (llama.cpp's `tokenizer.chat_template.rerank`).
+    pub prompt: Option<String>,
 }
 
 impl Pooling {
@@ -142,10 +148,16 @@ fn from_gguf(g: &GgufFile) -> Option<Pooling> {
         3 => Mode::Last,
         _ => return None,
     };
+    let scores = g.get_u64(&format!("{arch}.pooling_type")) == Some(4);
     Some(Pooling {
         mode,
         dense: Vec::new(),
-        normalize: true,
+        normalize: !scores,
+        scores,
+        prompt: g
+            .get_str("tokenizer.chat_template.rerank")
+            .filter(|_| scores)
+            .map(str::to_string),
     })
 }
 
@@ -167,6 +179,8 @@ fn from_sentence_transformers(dir: &Path, hidden: usize) -> Result<Option<Poolin
         mode: Mode::Mean,
         dense: Vec::new(),
         normalize: false,
+        scores: false,
+        prompt: None,
     };
     let mut width = hidden;
     for m in list {
@@ -310,4 +324,134 @@ fn dense(dir: &Path, width: usize) -> Result<Dense> {
         out_features,
         tanh,
     })
+}
+
+/// A decoder reranker's head, where the files make the model one: llama.cpp's rank GGUF of a
+/// decoder (`pooling_type` rank and a `cls.output` matrix: Qwen3-Reranker's "yes" and "no"
+/// rows of the output head), or a Hugging Face Qwen3-Reranker, recognised as llama.cpp's
+/// converter recognises it (the folder's name or its README's title), whose head is the output
+/// head's rows of the tokens "no" and "yes". Either way the pooling is the last token's state
+/// through that head, the logits ordered "no", "yes", so that [`super::relevance`] (the last
+/// label's softmax probability) is the probability of "yes" the model card scores with.
+pub fn decoder_reranker(
+    file: &ModelFile,
+    read: Option<Pooling>,
+    store: &ferrum_loader::TensorStore,
+    hidden: usize,
+    qwen3: bool,
+) -> Result<Option<Pooling>> {
+    let (rows, prompt) = match (file, &read) {
+        (ModelFile::Gguf(g), Some(p)) if p.scores => {
+            let t = store.get("cls.output.weight").ok_or_else(|| {
+                Error::format(&g.path, "a rank pooling without its cls.output.weight head")
+            })?;
+            let n = t.n_rows();
+            if t.row_len() != hidden || n == 0 {
+                return Err(Error::format(
+                    &g.path,
+                    format!("cls.output.weight has shape {:?}", t.shape),
+                ));
+            }
+            // llama.cpp scores Qwen3's two outputs by the softmax of the first ("yes").
+            let order: Vec<usize> = (0..n).rev().collect();
+            (head_rows(t, &order, hidden)?, p.prompt.clone())
+        }
+        (ModelFile::Hf(h), None) if qwen3 && is_qwen3_reranker(&h.dir) => {
+            let ids = ["no", "yes"]
+                .iter()
+                .map(|w| vocab_id(&h.dir, w))
+                .collect::<Result<Vec<usize>>>()?;
+            let head = store
+                .get("lm_head.weight")
+                .or_else(|| store.get("model.embed_tokens.weight"))
+                .ok_or_else(|| Error::format(&h.dir, "a reranker without an output head"))?;
+            (
+                head_rows(head, &ids, hidden)?,
+                Some(QWEN3_RERANK_PROMPT.to_string()),
+            )
+        }
+        _ => return Ok(read),
+    };
+    Ok(Some(Pooling {
+        mode: Mode::Last,
+        dense: vec![Dense {
+            out_features: rows.len() / hidden,
+            weight: rows,
+            bias: None,
+            in_features: hidden,
+            tanh: false,
+        }],
+        normalize: false,
+        scores: true,
+        prompt,
+    }))
+}
+
+/// Qwen3-Reranker's prompt as its model card builds it, with the card's default instruction
+/// (the one llama.cpp's converter writes into a GGUF's rerank template).
+pub const QWEN3_RERANK_PROMPT: &str = "<|im_start|>system\nJudge whether the Document meets the \
+requirements based on the Query and the Instruct provided. Note that the answer can only be \
+\"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n<Instruct>: Given a web search query, retrieve \
+relevant passages that answer the query\n<Query>: {query}\n<Document>: {document}<|im_end|>\n\
+<|im_start|>assistant\n<think>\n\n</think>\n\n";
+
+/// llama.cpp's test: "qwen3-reranker" in the folder's name, or a README titled so.
+fn is_qwen3_reranker(dir: &Path) -> bool {
+    let named = |s: &str| s.to_lowercase().contains("qwen3-reranker");
+    let canonical = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    if canonical
+        .file_name()
+        .is_some_and(|n| named(&n.to_string_lossy()))
+    {
+        return true;
+    }
+    std::fs::read_to_string(dir.join("README.md"))
+        .is_ok_and(|r| r.to_lowercase().contains("# qwen3-reranker"))
+}
+
+/// The id of `word` in a Hugging Face folder's `tokenizer.json` (its vocabulary or its added
+/// tokens).
+fn vocab_id(dir: &Path, word: &str) -> Result<usize> {
+    let path = dir.join("tokenizer.json");
+    let j = read_json(&path)?;
+    let added = j.get("added_tokens").and_then(Json::as_array);
+    j.get("model")
+        .and_then(|m| m.get("vocab"))
+        .and_then(|v| v.get(word))
+        .and_then(Json::as_u64)
+        .or_else(|| {
+            added?
+                .iter()
+                .find(|t| t.get("content").and_then(Json::as_str) == Some(word))?
+                .get("id")?
+                .as_u64()
+        })
+        .map(|v| v as usize)
+        .ok_or_else(|| {
+            Error::format(
+                &path,
+                format!("a Qwen3 reranker needs the token {word:?} in its vocabulary"),
+            )
+        })
+}
+
+/// Rows `ids` of the matrix `t` as f32, concatenated.
+fn head_rows(t: &ferrum_loader::RawTensor, ids: &[usize], hidden: usize) -> Result<Vec<f32>> {
+    let mut out = Vec::with_capacity(ids.len() * hidden);
+    for &id in ids {
+        let row = t
+            .rows(id, 1)
+            .ok_or_else(|| Error::Weights(format!("{}: row {id} out of range", t.name)))?;
+        let mut v = vec![0f32; hidden];
+        if row.numel() != hidden
+            || !ferrum_backend::cpu::quant::dequantize(row.dtype, row.bytes(), &mut v)
+        {
+            return Err(Error::Weights(format!(
+                "{}: cannot read row {id} as {hidden} values",
+                t.name
+            )));
+        }
+        out.extend(v);
+    }
+    Ok(out)
 }
