@@ -43,6 +43,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let base = rss();
     let file =
         ModelFile::inspect(a.model).with_context(|| format!("reading {}", a.model.display()))?;
+    if ferrum_models::encoder::is_encoder(&file) {
+        return plan_encoder(&a, &file, base);
+    }
     let c = ferrum_models::read_config(&file)?;
     let header = rss().saturating_sub(base);
     let tok_before = rss();
@@ -242,5 +245,104 @@ pub fn run(a: PlanArgs) -> Result<()> {
         if fits { "fits" } else { "does NOT fit" }
     );
     println!("  the rest of available memory holds {spare_kv_tokens} tokens of KV cache");
+    Ok(())
+}
+
+/// An embedding or reranking encoder: no KV cache is kept between requests, so its memory is
+/// the mapped weights, the 8-bit copies the CPU's fast path makes of the blocks' float
+/// matrices, and one pass's buffers (`PASS_TOKENS` tokens: activations and one layer's
+/// scratch keys and values, reused by every layer).
+fn plan_encoder(a: &PlanArgs, file: &ModelFile, base: u64) -> Result<()> {
+    use ferrum_core::DType;
+    let c = ferrum_models::encoder::read_config(file)?;
+    let header = rss().saturating_sub(base);
+    let tok_before = rss();
+    let tok = match file {
+        ModelFile::Gguf(g) => Tokenizer::from_gguf(g)?,
+        ModelFile::Hf(h) => Tokenizer::from_hf_dir(&h.dir)?,
+    };
+    let tokenizer = rss().saturating_sub(tok_before);
+    drop(tok);
+    let weights = file.file_bytes() as f64;
+    let store = file.tensors();
+    // The blocks' float matrices, as `Backend::load_weight_compute` stores them: Q8_0, 34
+    // bytes a block of 32 values.
+    let float = |d: DType| matches!(d, DType::F32 | DType::F16 | DType::BF16);
+    let copies: f64 = store
+        .tensors
+        .iter()
+        .filter(|(n, t)| {
+            float(t.dtype)
+                && t.shape.len() == 2
+                && (n.contains(".layer.") || n.contains("blk."))
+                && t.row_len().is_multiple_of(32)
+        })
+        .map(|(_, t)| t.numel() as f64 * 34.0 / 32.0)
+        .sum();
+    let tokens = ferrum_models::encoder::PASS_TOKENS as f64;
+    let (h, f) = (c.hidden as f64, c.intermediate as f64);
+    // x, tmp, qkv (3 h), attn, the FFN in f32; one layer's keys and values in f16.
+    let act = tokens * (6.0 * h + f) * 4.0 + 2.0 * tokens * h * 2.0;
+    let runtime = (base + header) as f64 + tokenizer as f64;
+    let total = weights + copies + act + runtime;
+    let available = meminfo("MemAvailable:") as f64;
+    let mem_total = meminfo("MemTotal:") as f64;
+    let fits = total <= available;
+    let kind = if c.labels.is_some() {
+        "reranker"
+    } else {
+        "embedding model"
+    };
+    let mb = |b: f64| b / 1e6;
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": a.model.display().to_string(),
+                "arch": c.family.name(),
+                "kind": kind,
+                "context": c.context(),
+                "weights_bytes": weights,
+                "compute_copy_bytes": copies,
+                "kv_bytes": 0,
+                "activation_bytes": act,
+                "runtime_bytes": runtime,
+                "total_bytes": total,
+                "mem_available_bytes": available,
+                "mem_total_bytes": mem_total,
+                "fits": fits,
+            })
+        );
+        return Ok(());
+    }
+    println!(
+        "{} ({}, an {kind}: {} layers, {} wide, reads {} tokens)",
+        a.model.display(),
+        c.family.name(),
+        c.layers,
+        c.hidden,
+        c.context()
+    );
+    println!("  weights (mapped)        {:>10.1} MB", mb(weights));
+    if copies > 0.0 {
+        println!(
+            "  8-bit copies            {:>10.1} MB  (the blocks' float matrices, as the CPU's fast path multiplies them; none with --exact)",
+            mb(copies)
+        );
+    }
+    println!("  KV cache                       0.0 MB  (none kept between requests)");
+    println!(
+        "  activations             {:>10.1} MB  (one pass of {} tokens)",
+        mb(act),
+        ferrum_models::encoder::PASS_TOKENS
+    );
+    println!("  runtime + tokenizer     {:>10.1} MB", mb(runtime));
+    println!("  total                   {:>10.1} MB", mb(total));
+    println!(
+        "  this machine: {:.1} GB available of {:.1} GB — {}",
+        available / 1e9,
+        mem_total / 1e9,
+        if fits { "fits" } else { "does NOT fit" }
+    );
     Ok(())
 }

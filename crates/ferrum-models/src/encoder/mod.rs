@@ -81,6 +81,37 @@ pub fn supported() -> String {
     format!("{} (GGUF: bert)", bert::HF_CLASSES.join(", "))
 }
 
+/// An encoder's configuration from its files (config.json and sentence-transformers'
+/// `max_seq_length`, or the GGUF's keys), without loading its weights.
+pub fn read_config(file: &ModelFile) -> Result<EncoderConfig> {
+    let store = file.tensors();
+    let config = match file {
+        ModelFile::Hf(h) => bert::from_hf(&h.config)?,
+        ModelFile::Gguf(g) => {
+            let vocab = store
+                .get("token_embd.weight")
+                .map(|t| t.n_rows())
+                .ok_or_else(|| {
+                    Error::Weights(format!("{}: no token_embd.weight", g.path.display()))
+                })?;
+            bert::from_gguf(g, vocab, &store)?
+        }
+    };
+    let mut config = config;
+    if let ModelFile::Hf(h) = file {
+        let p = h.dir.join("sentence_bert_config.json");
+        if let Ok(text) = std::fs::read_to_string(&p) {
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| Error::format(&p, format!("invalid JSON: {e}")))?;
+            config.max_tokens = v
+                .get("max_seq_length")
+                .and_then(serde_json::Value::as_u64)
+                .map(|m| m as usize);
+        }
+    }
+    Ok(config)
+}
+
 /// A cross-encoder's relevance score from its logits: the sigmoid of a single logit (as
 /// sentence-transformers' `CrossEncoder`, vLLM and text-embeddings-inference give it), or
 /// the softmax probability of the last label of several.
@@ -217,30 +248,7 @@ impl<B: Backend> Encoder<B> {
         let t0 = std::time::Instant::now();
         let store = file.tensors();
         let gguf = matches!(file, ModelFile::Gguf(_));
-        let config = match file {
-            ModelFile::Hf(h) => bert::from_hf(&h.config)?,
-            ModelFile::Gguf(g) => {
-                let vocab = store
-                    .get("token_embd.weight")
-                    .map(|t| t.n_rows())
-                    .ok_or_else(|| {
-                        Error::Weights(format!("{}: no token_embd.weight", g.path.display()))
-                    })?;
-                bert::from_gguf(g, vocab, &store)?
-            }
-        };
-        let mut config = config;
-        if let ModelFile::Hf(h) = file {
-            let p = h.dir.join("sentence_bert_config.json");
-            if let Ok(text) = std::fs::read_to_string(&p) {
-                let v: serde_json::Value = serde_json::from_str(&text)
-                    .map_err(|e| Error::format(&p, format!("invalid JSON: {e}")))?;
-                config.max_tokens = v
-                    .get("max_seq_length")
-                    .and_then(serde_json::Value::as_u64)
-                    .map(|m| m as usize);
-            }
-        }
+        let config = read_config(file)?;
         let c = &config;
         if c.heads == 0 || c.hidden % c.heads != 0 {
             return Err(Error::Weights(format!(
