@@ -84,15 +84,10 @@ impl<B: Backend> Embedder<B> {
         match self {
             Embedder::Encoder(e) => e.embed(inputs),
             Embedder::Decoder(m) => {
-                let mut m = m.borrow_mut();
-                inputs
-                    .iter()
-                    .map(|x| {
-                        m.pooled(x.ids)?.ok_or_else(|| {
-                            ferrum_core::Error::InvalidRequest("this model has no pooling".into())
-                        })
-                    })
-                    .collect()
+                let ids: Vec<&[u32]> = inputs.iter().map(|x| x.ids).collect();
+                m.borrow_mut().pooled_batch(&ids)?.ok_or_else(|| {
+                    ferrum_core::Error::InvalidRequest("this model has no pooling".into())
+                })
             }
         }
     }

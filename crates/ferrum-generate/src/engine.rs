@@ -571,6 +571,30 @@ impl<B: Backend> Engine<B> {
         Ok(id)
     }
 
+    /// [`Engine::embed`] of several inputs: a decoder embedder's run together, their chunks
+    /// packed into shared passes (each input's vector what it gets alone); a chat model's
+    /// (`--embeddings-from-chat-model`) one at a time.
+    pub fn embed_batch(&mut self, inputs: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
+        if self.model.pooling.is_none() {
+            return inputs.iter().map(|t| self.embed(t)).collect();
+        }
+        let context = self.model.decoder.context;
+        for t in inputs {
+            if t.is_empty() {
+                return Err(Error::InvalidRequest("the input is empty".into()));
+            }
+            if t.len() > context {
+                return Err(Error::InvalidRequest(format!(
+                    "the input is {} tokens; the context holds {context}",
+                    t.len()
+                )));
+            }
+        }
+        self.model
+            .pooled_batch(inputs)?
+            .ok_or_else(|| Error::InvalidRequest("this model has no pooling".into()))
+    }
+
     /// A sentence embedding of `tokens`: a decoder embedder's pooling of the model's
     /// final-normalised hidden states (`Model::pooling`), else their mean scaled to unit
     /// length. Runs outside the batch, in a cache of its own.

@@ -529,6 +529,83 @@ impl<B: Backend> Decoder<B> {
         Ok(all)
     }
 
+    /// [`Decoder::hidden_rows`] of several fresh sequences at once, each in blocks of a cache
+    /// of their own: their chunks packed into passes of up to [`CHUNK`] tokens (many short
+    /// inputs share each pass's weight reads), each sequence's rows what it gets alone.
+    pub fn hidden_rows_batch(&mut self, inputs: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
+        let (h, bs, groups) = (self.config.hidden_size, BLOCK_SIZE, self.kv_groups.len());
+        let blocks: Vec<usize> = inputs.iter().map(|t| t.len().div_ceil(bs)).collect();
+        let total = blocks.iter().sum::<usize>() * groups;
+        let mut kv = self.alloc_kv_states(total.max(1), bs, inputs.len().max(1));
+        let mut next = 0u32;
+        let tables: Vec<Vec<Vec<u32>>> = blocks
+            .iter()
+            .map(|&b| {
+                (0..groups)
+                    .map(|_| {
+                        let t = (next..next + b as u32).collect();
+                        next += b as u32;
+                        t
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut done = vec![0; inputs.len()];
+        let mut out: Vec<Vec<f32>> = inputs
+            .iter()
+            .map(|t| Vec::with_capacity(t.len() * h))
+            .collect();
+        let mut host = Vec::new();
+        loop {
+            let mut seqs = Vec::new();
+            let mut owners = Vec::new();
+            let mut budget = CHUNK;
+            for (i, t) in inputs.iter().enumerate() {
+                let take = (t.len() - done[i]).min(budget);
+                if take == 0 {
+                    continue;
+                }
+                seqs.push(SeqChunk {
+                    tokens: &t[done[i]..done[i] + take],
+                    start: done[i],
+                    tables: &tables[i],
+                    logits: Logits::None,
+                    state: i,
+                });
+                owners.push((i, take));
+                budget -= take;
+                if budget == 0 {
+                    break;
+                }
+            }
+            if seqs.is_empty() {
+                break;
+            }
+            self.forward_rows(&mut kv, &seqs)?;
+            let n = CHUNK - budget;
+            let rows = Rows::dense(n, h);
+            let s = &mut self.state;
+            let be = &self.backend;
+            be.rms_norm(
+                &s.x,
+                rows,
+                &self.final_norm,
+                self.config.rms_eps,
+                &mut s.xn,
+                rows,
+            );
+            host.resize(n * h, 0.0);
+            be.read(&s.xn, 0, &mut host);
+            let mut at = 0;
+            for (i, take) in owners {
+                out[i].extend_from_slice(&host[at * h..(at + take) * h]);
+                at += take;
+                done[i] += take;
+            }
+        }
+        Ok(out)
+    }
+
     /// The mean over positions of the final-normalised hidden states of `tokens`, run as one
     /// fresh sequence owning `kv` (sentence embeddings).
     pub fn pooled_hidden(&mut self, kv: &mut KvCache<B>, tokens: &[u32]) -> Result<Vec<f32>> {

@@ -195,6 +195,19 @@ impl<B: Backend> Model<B> {
         Ok(Some(p.apply(&rows, self.decoder.config.hidden_size)))
     }
 
+    /// [`Model::pooled`] of several inputs, run together ([`Decoder::hidden_rows_batch`]).
+    pub fn pooled_batch(&mut self, inputs: &[&[u32]]) -> Result<Option<Vec<Vec<f32>>>> {
+        let Some(p) = &self.pooling else {
+            return Ok(None);
+        };
+        if inputs.iter().any(|t| t.is_empty()) {
+            return Err(Error::InvalidRequest("an input is empty".into()));
+        }
+        let h = self.decoder.config.hidden_size;
+        let rows = self.decoder.hidden_rows_batch(inputs)?;
+        Ok(Some(rows.iter().map(|r| p.apply(r, h)).collect()))
+    }
+
     pub fn open(path: impl AsRef<Path>, backend: B, opts: &LoadOptions) -> Result<Model<B>> {
         Self::load(&ModelFile::open(path)?, backend, opts)
     }

@@ -399,3 +399,27 @@ fn qwen3_reranker_matches_transformers_and_llama_cpp() {
         assert!((s - want).abs() < 1e-5, "pair {i}: {s} vs llama.cpp {want}");
     }
 }
+
+/// Decoder embedders and rerankers run their inputs together, chunks of several inputs
+/// packed into each pass (the reranker's prompts are 223–331 tokens, so most span several
+/// passes, and passes mix the end of one with the start of the next): every input's vector is
+/// the one it gets alone, bit for bit, on the default path and the exact one.
+#[test]
+fn decoder_embedders_batch_as_they_run_alone() {
+    for name in ["qwen3_last", "qwen3_rerank"] {
+        let dir = fixtures().join("encoders").join(name);
+        let r = read_json(&dir.join("reference.json"));
+        let inputs: Vec<Vec<u32>> = r["ids"].as_array().unwrap().iter().map(ids).collect();
+        let refs: Vec<&[u32]> = inputs.iter().map(Vec::as_slice).collect();
+        for be in [CpuBackend::new(), CpuBackend::exact()] {
+            let file = ModelFile::open(&dir).unwrap();
+            let mut model = ferrum_models::Model::load(&file, be, &Default::default()).unwrap();
+            let batch = model.pooled_batch(&refs).unwrap().expect("a pooling");
+            assert_eq!(batch.len(), inputs.len());
+            for (i, t) in inputs.iter().enumerate() {
+                let alone = model.pooled(t).unwrap().expect("a pooling");
+                assert_eq!(batch[i], alone, "{name}: input {i} of {} tokens", t.len());
+            }
+        }
+    }
+}

@@ -369,7 +369,8 @@ fn handle<B: Backend>(
                 ))
             } else {
                 // A decoder reranker's "embedding" is its head's logits.
-                inputs.iter().map(|x| engine.embed(&x.ids)).collect()
+                let ids: Vec<&[u32]> = inputs.iter().map(|x| x.ids.as_slice()).collect();
+                engine.embed_batch(&ids)
             };
             let _ = reply.send(r);
         }
