@@ -51,6 +51,8 @@ const MODELS: &[&str] = &[
     "gemma4",
     "gemma4-e2b",
     "gemma4-moe",
+    // gemma4's weights as a Gemma4ForConditionalGeneration checkpoint (a vision tower beside).
+    "gemma4-multimodal",
 ];
 
 /// The exact backend's tolerance. The hybrid Qwen3.5 models are ill-conditioned in f32:
