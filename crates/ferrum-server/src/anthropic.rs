@@ -509,7 +509,7 @@ async fn messages_inner(
             }))
             .into_response());
         }
-        let b = Answer::of(st.format, p.tools.as_ref(), &c.text);
+        let b = Answer::of(p.reading, p.tools.as_ref(), &c.text);
         let mut content = Vec::new();
         if let Some(t) = &b.reasoning {
             content.push(json!({"type": "thinking", "thinking": t, "signature": ""}));
@@ -545,7 +545,7 @@ async fn messages_inner(
         if !w.send("message_start", start) || !w.send("ping", json!({"type": "ping"})) {
             return;
         }
-        let mut answer = AnswerStream::new(st.format, p.tools.as_ref());
+        let mut answer = AnswerStream::new(p.reading, p.tools.as_ref());
         // A cache warm-up's one token is not the answer's.
         let Some(mut choice) = answer
             .drive(&mut rx, |piece| warm_only || w.piece(&st, piece))

@@ -972,14 +972,23 @@ pub struct Traits {
 /// rather than OpenAI's JSON string: it serialises them itself (`arguments | tojson`, gpt-oss,
 /// Llama 3.1) without a branch for strings, or walks their keys (GLM-4.5's `<arg_key>` pairs:
 /// `is mapping` tests, `.items()`), refusing a string or, as Gemma 4's does, writing it inside
-/// its own braces (`call:NAME{{"city": …}}`, which is no call in its notation).
+/// its own braces (`call:NAME{{"city": …}}`, which is no call in its notation), or parses a
+/// string itself with `from_json` (DeepSeek V3.2's), a filter this renderer does not have.
+/// Subscripts are read as attributes (`tool['function']['arguments']`, DeepSeek V3.1's and
+/// Kimi K2's spelling).
 fn wants_object_arguments(bare: &str) -> bool {
+    let bare = bare
+        .replace("['", ".")
+        .replace("[\"", ".")
+        .replace("']", "")
+        .replace("\"]", "");
     let serialises = bare.contains("arguments|tojson") && !bare.contains("argumentsisstring");
+    let parses = bare.contains("|from_json");
     let walks = bare.contains("arguments.items()")
         || bare.contains("arguments|items")
         || (bare.contains("arguments")
             && (bare.contains("isnotmapping") || bare.contains("ismapping")));
-    serialises || walks
+    serialises || walks || parses
 }
 
 impl Traits {
@@ -1082,7 +1091,8 @@ mod tests {
     use super::*;
 
     /// GLM-4.5's template walks the arguments' keys and refuses a string; Gemma 4's walks
-    /// them and writes a string inside its own braces; Llama 3.1's serialises them; Kimi K2's
+    /// them and writes a string inside its own braces; Llama 3.1's and DeepSeek V3.1's
+    /// serialise them; DeepSeek V3.2's parses a string with a filter ferrum lacks; Kimi K2's
     /// and Ministral 3's take either; a template that writes them as they come wants the
     /// string.
     #[test]
@@ -1103,6 +1113,16 @@ mod tests {
                 false,
             ),
             ("{{ tool_call.function.arguments }}", false),
+            // DeepSeek V3.1's.
+            (
+                "{{'<｜tool▁call▁begin｜>'+ tool['function']['name'] + '<｜tool▁sep｜>' + tool['function']['arguments'] | tojson + '<｜tool▁call▁end｜>'}}",
+                true,
+            ),
+            // DeepSeek V3.2's.
+            (
+                "{%- set args = func['arguments'] -%}{%- if args is string -%}{%- set args = args | from_json -%}{%- endif -%}{%- for key, val in args.items() -%}",
+                true,
+            ),
         ] {
             assert_eq!(wants_object_arguments(&bare(src)), want, "{src}");
         }

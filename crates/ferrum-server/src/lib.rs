@@ -8,6 +8,7 @@
 pub mod answer;
 pub mod anthropic;
 pub mod api;
+pub mod dsml;
 pub mod error;
 pub mod gemma;
 pub mod guard;

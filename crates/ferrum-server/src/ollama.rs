@@ -700,7 +700,7 @@ async fn run(
     t0: Instant,
     shape: Shape,
 ) -> Result<Response, ApiError> {
-    let format = p.format;
+    let reading = p.reading;
     st.check_load()?;
     let mut rx = routes::launch(&st, vec![p.plan.base.clone()]).await?;
     let id = st.new_id("ollama");
@@ -725,7 +725,7 @@ async fn run(
             }
         }
         routes::record(&st, &id, t0, std::slice::from_ref(&c), 1);
-        let a = Answer::of(format, p.tools.as_ref(), &c.text);
+        let a = Answer::of(reading, p.tools.as_ref(), &c.text);
         let part = Part {
             text: a.text,
             thinking: a.reasoning.unwrap_or_default(),
@@ -751,7 +751,7 @@ async fn run(
     let (tx, lines) = mpsc::unbounded_channel::<Result<Bytes, Infallible>>();
     let send = move |v: Value| tx.send(Ok(Bytes::from(format!("{v}\n")))).is_ok();
     tokio::spawn(async move {
-        let mut answer = AnswerStream::new(format, p.tools.as_ref());
+        let mut answer = AnswerStream::new(reading, p.tools.as_ref());
         let mut c = Choice::default();
         let mut tokens = Vec::new();
         let mut call: Option<ToolCall> = None;

@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-use crate::answer::{Answer, AnswerStream, Piece};
+use crate::answer::{Answer, AnswerStream, Piece, Reading};
 use crate::api::{self};
 use crate::error::ApiError;
 use crate::routes;
@@ -85,11 +85,12 @@ pub(crate) fn usage_json(u: &[Usage], n: usize) -> Value {
 /// out (`finish_reason: "tool_calls"`) and content is null when there is none.
 pub(crate) fn assistant_message(
     st: &AppState,
+    reading: Reading,
     tools: Option<&Tools>,
     text: &str,
     finish: Option<FinishReason>,
 ) -> (Value, Option<&'static str>) {
-    let a = Answer::of(st.format, tools, text);
+    let a = Answer::of(reading, tools, text);
     let content = if a.text.is_empty() && !a.calls.is_empty() {
         Value::Null
     } else {
@@ -144,7 +145,7 @@ async fn chat_inner(
         plan,
         tools,
         logprobs,
-        ..
+        reading,
     } = prepare_chat(&st, &req).await?;
     st.check_load()?;
     let rx = launch(&st, choices(&plan)).await?;
@@ -158,7 +159,8 @@ async fn chat_inner(
             .iter()
             .enumerate()
             .map(|(i, c)| {
-                let (message, finish) = assistant_message(&st, tools.as_ref(), &c.text, c.finish);
+                let (message, finish) =
+                    assistant_message(&st, reading, tools.as_ref(), &c.text, c.finish);
                 json!({
                     "index": i,
                     "message": message,
@@ -198,7 +200,7 @@ async fn chat_inner(
     // Each choice's answer split as it streams (reasoning, text, tool calls as they are
     // generated), the same way for every API.
     let mut answers: Vec<AnswerStream> = (0..plan.n)
-        .map(|_| AnswerStream::new(st.format, tools.as_ref()))
+        .map(|_| AnswerStream::new(reading, tools.as_ref()))
         .collect();
     let piece = move |i: usize, o: &Output| -> Vec<Value> {
         let (text, last, mut lp) = match &o.kind {

@@ -1,7 +1,10 @@
-//! `<think>…</think>` blocks of reasoning models (Qwen3, DeepSeek-R1 style), Mistral's
-//! `[THINK]…[/THINK]`, or Gemma 4's thought channel `<|channel>thought\n…<channel|>`: returned
-//! as `reasoning_content`, apart from the answer. Only used when the model's chat template
-//! mentions `<think>`, or its vocabulary has Mistral's or Gemma 4's markers.
+//! `<think>…</think>` blocks of reasoning models (Qwen3, DeepSeek-R1 style, DeepSeek V3.1/V3.2,
+//! Kimi K2 Thinking), Mistral's `[THINK]…[/THINK]`, or Gemma 4's thought channel
+//! `<|channel>thought\n…<channel|>`: returned as `reasoning_content`, apart from the answer.
+//! Only used when the model's chat template mentions `<think>`, or its vocabulary (or
+//! template) has Mistral's, Gemma 4's, DeepSeek's or Kimi K2's markers. A prompt that ends by
+//! opening the block (DeepSeek V3.1's and R1's generation prompts when thinking) leaves the
+//! answer inside it: [`ReasoningSplitter::opened`].
 
 /// How a model marks its reasoning.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,6 +22,10 @@ pub struct Tags {
     /// leaves the turn to the model after tool results that follow an assistant's text (as
     /// llama.cpp's and transformers' readers of its answers allow).
     pub lead: Option<&'static str>,
+    /// Markers that end a block without its close tag and stay in the answer: a call the
+    /// model begins before closing its reasoning (DeepSeek V3.2's and Kimi K2 Thinking's
+    /// readers in llama.cpp allow it).
+    pub ends: &'static [&'static str],
 }
 
 pub const THINK: Tags = Tags {
@@ -27,6 +34,7 @@ pub const THINK: Tags = Tags {
     label: None,
     anywhere: false,
     lead: None,
+    ends: &[],
 };
 pub const MISTRAL: Tags = Tags {
     open: "[THINK]",
@@ -34,6 +42,7 @@ pub const MISTRAL: Tags = Tags {
     label: None,
     anywhere: false,
     lead: None,
+    ends: &[],
 };
 pub const GEMMA4: Tags = Tags {
     open: "<|channel>",
@@ -41,6 +50,21 @@ pub const GEMMA4: Tags = Tags {
     label: Some("thought"),
     anywhere: true,
     lead: Some("<|turn>model\n"),
+    ends: &[],
+};
+/// DeepSeek V3.1/V3.2 (and R1): `<think>` blocks, which a call's markers may also end.
+pub const DEEPSEEK: Tags = Tags {
+    ends: &[
+        crate::dsml::BLOCK,
+        crate::dsml::DEEPSEEK.section,
+        crate::dsml::DEEPSEEK.call,
+    ],
+    ..THINK
+};
+/// Kimi K2 Thinking: `<think>` blocks, which a call's markers may also end.
+pub const KIMI: Tags = Tags {
+    ends: &[crate::dsml::KIMI.section, crate::dsml::KIMI.call],
+    ..THINK
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +114,16 @@ impl ReasoningSplitter {
             } else {
                 Self::first(tags)
             },
+            held: String::new(),
+            tags,
+            skip_ws: false,
+        }
+    }
+
+    /// For an answer whose prompt ended by opening the block: it starts as reasoning.
+    pub fn opened(tags: Tags) -> Self {
+        ReasoningSplitter {
+            state: State::Thinking,
             held: String::new(),
             tags,
             skip_ws: false,
@@ -169,13 +203,23 @@ impl ReasoningSplitter {
                     if !self.skip_whitespace() {
                         break;
                     }
-                    if let Some(end) = self.held.find(close) {
+                    let first = std::iter::once(close)
+                        .chain(self.tags.ends.iter().copied())
+                        .filter_map(|t| self.held.find(t).map(|i| (i, t)))
+                        .min();
+                    if let Some((end, tag)) = first {
                         reasoning.push_str(&self.held[..end]);
-                        self.held.drain(..end + close.len());
+                        // A call's marker ends the block but is the answer's.
+                        let used = if tag == close { end + close.len() } else { end };
+                        self.held.drain(..used);
                         self.skip_ws = true;
                         self.state = State::Answer;
                     } else {
-                        let keep = partial_tag(&self.held, close);
+                        let keep = std::iter::once(close)
+                            .chain(self.tags.ends.iter().copied())
+                            .map(|t| partial_tag(&self.held, t))
+                            .max()
+                            .unwrap_or(0);
                         let cut = self.held.len() - keep;
                         reasoning.push_str(&self.held[..cut]);
                         self.held.drain(..cut);
@@ -232,9 +276,23 @@ impl ReasoningSplitter {
         }
     }
 
+    /// [`ReasoningSplitter::opened`] when `opened`, else [`ReasoningSplitter::new`].
+    pub fn start(tags: Tags, opened: bool) -> Self {
+        if opened {
+            Self::opened(tags)
+        } else {
+            Self::new(tags)
+        }
+    }
+
     /// Splits a whole answer at once.
     pub fn split(text: &str, tags: Tags) -> (Option<String>, String) {
-        let mut s = ReasoningSplitter::new(tags);
+        ReasoningSplitter::new(tags).split_all(text)
+    }
+
+    /// Splits a whole answer at once, from this splitter's start.
+    pub fn split_all(mut self, text: &str) -> (Option<String>, String) {
+        let s = &mut self;
         let (mut r, mut c) = s.push(text);
         let (r2, c2) = s.finish();
         r.push_str(&r2);

@@ -505,7 +505,7 @@ async fn create_inner(
         let out = routes::collect(rx, 1).await?;
         routes::record(&st, &id, t0, &out, 1);
         let c = &out[0];
-        let it = Answer::of(st.format, p.tools.as_ref(), &c.text);
+        let it = Answer::of(p.reading, p.tools.as_ref(), &c.text);
         let mut output = Vec::new();
         if let Some(r) = &it.reasoning {
             output.push(reasoning_item(&new_id(&st, "rs"), r, "completed"));
@@ -551,7 +551,7 @@ async fn create_inner(
         {
             return;
         }
-        let mut answer = AnswerStream::new(st.format, p.tools.as_ref());
+        let mut answer = AnswerStream::new(p.reading, p.tools.as_ref());
         let Some(choice) = answer.drive(&mut rx, |piece| w.piece(&st, piece)).await else {
             return;
         };

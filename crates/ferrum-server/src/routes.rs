@@ -20,12 +20,13 @@ use ferrum_tokenizer::{SpecialTokens, Tokenizer};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::answer::AnswerFormat;
+use crate::answer::{AnswerFormat, Reading};
 use crate::api::{self, Plan};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::tools::Tools;
 use crate::worker::{EmbedInput, Handle, ModelCard, ModelKind};
+use ferrum_generate::Constraint;
 
 pub struct AppState {
     pub handle: Handle,
@@ -532,8 +533,9 @@ pub(crate) fn record(st: &AppState, id: &str, t0: Instant, choices: &[Choice], p
 /// Messages each submit once they have parsed their own shapes into an [`api::ChatRequest`].
 pub(crate) struct Prepared {
     pub card: ModelCard,
-    /// How the answer is to be split (plain for a raw prompt, else the model's way).
-    pub format: AnswerFormat,
+    /// How the answer is to be split (plain for a raw prompt, else the model's way, starting
+    /// inside its reasoning where the prompt opened it).
+    pub reading: Reading,
     pub plan: Plan,
     /// The tools in play, when a call may be made.
     pub tools: Option<Tools>,
@@ -600,27 +602,57 @@ pub(crate) async fn prepare_with(
     let mut plan = req
         .sampling
         .plan(prompt, limits, card.vocab_size, logprobs)?;
+    // The prompt's last tokens as text, control tokens kept: whether it opened a reasoning
+    // block the answer starts inside.
+    let prompt = &plan.base.prompt;
+    let tail = st
+        .tokenizer
+        .decode(&prompt[prompt.len().saturating_sub(8)..], false)
+        .unwrap_or_default();
+    let opened = !raw && format.opens_reasoning(&tail);
     plan.base.constraint = match format {
+        _ if opened => constraint.map(after_opened_reasoning),
         AnswerFormat::Think => constraint.map(|c| c.after_reasoning()),
         // The analysis may take half the budget: the answer it leads to needs the rest.
         AnswerFormat::Harmony => {
             let max = plan.base.max_tokens / 2;
             constraint.map(|c| c.after_harmony_analysis(max))
         }
-        // From the first token, with no reasoning before it; for Mistral and Gemma 4 a
-        // forced call is written in the Hermes layout, which their answers' parse reads too.
-        AnswerFormat::Plain | AnswerFormat::Mistral | AnswerFormat::Gemma4 => constraint,
+        // From the first token, with no reasoning before it; for Mistral, Gemma 4, DeepSeek
+        // and Kimi K2 a forced call is written in the Hermes layout, which their answers'
+        // parse reads too.
+        AnswerFormat::Plain
+        | AnswerFormat::Mistral
+        | AnswerFormat::Gemma4
+        | AnswerFormat::DeepSeek
+        | AnswerFormat::Kimi => constraint,
     };
     // The markers the answer is split by are control tokens: it is parsed with their text
     // kept.
     plan.base.skip_special &= !format.keeps_control_text();
     Ok(Prepared {
         card,
-        format,
+        reading: Reading { format, opened },
         plan,
         tools: tools.filter(|t| t.active()),
         logprobs,
     })
+}
+
+/// `c` on an answer whose prompt opened a `<think>` block: reasoning up to `</think>` first
+/// (held to no format; it may not contain `<`, as [`Constraint::after_reasoning`]'s), then
+/// what `c` asks.
+fn after_opened_reasoning(c: Constraint) -> Constraint {
+    let body = match c {
+        Constraint::JsonObject => format!("body: %json {}", serde_json::json!({"type": "object"})),
+        Constraint::JsonSchema(s) => {
+            format!("body: %json {}", ferrum_generate::grammar::compact(s))
+        }
+        Constraint::Lark(g) => g.replacen("start:", "body:", 1),
+    };
+    Constraint::Lark(format!(
+        "start: thought body\nthought: /[^<]*/ \"</think>\" /[ \\n]*/\n{body}\n"
+    ))
 }
 
 /// Each text as token ids, as embeddings read them (with the model's BOS rule).

@@ -10,10 +10,14 @@
 //! (with `[CALL_ID]ID` before `[ARGS]` in Mistral Small 3.2, or the older
 //! `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`), and Gemma 4's
 //! `<|tool_call>call:NAME{key:<|"|>text<|"|>,…}<tool_call|>` (its notation read into JSON by
-//! [`crate::gemma`]).
+//! [`crate::gemma`]), DeepSeek V3.1's `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{…}
+//! <｜tool▁call▁end｜>…<｜tool▁calls▁end｜>`, DeepSeek V3.2's DSML block and Kimi K2's
+//! `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>
+//! {…}<|tool_call_end|>…<|tool_calls_section_end|>` ([`crate::dsml`]).
 
 use serde_json::{json, Value};
 
+use crate::dsml::{self, Read, Section};
 use crate::error::ApiError;
 use crate::gemma;
 
@@ -291,6 +295,20 @@ impl Tools {
             }
         }
         if calls.is_empty() {
+            for section in dsml::SECTIONS {
+                let (rest, found) = section.calls(&content, call_of);
+                if !found.is_empty() {
+                    let rest = rest.trim();
+                    return ((!rest.is_empty()).then(|| rest.to_string()), found);
+                }
+            }
+            let (rest, found) = dsml::calls(&content, call_of);
+            if !found.is_empty() {
+                let rest = rest.trim();
+                return ((!rest.is_empty()).then(|| rest.to_string()), found);
+            }
+        }
+        if calls.is_empty() {
             if let Some((before, found)) = mistral_calls(&content) {
                 let found: Vec<ToolCall> = found.iter().filter_map(call_of).collect();
                 if !found.is_empty() {
@@ -456,6 +474,9 @@ pub struct CallStreamer {
     /// Whether any text has gone out: an answer that opens with `{` is held whole, since it
     /// may be a bare JSON call (Llama 3's), which only the final parse can tell.
     emitted: bool,
+    /// The layout of the call being read, when it is DeepSeek V3.1's or Kimi K2's: what
+    /// closes it after its arguments.
+    section: Option<&'static Section>,
 }
 
 enum StreamState {
@@ -476,6 +497,16 @@ enum StreamState {
     GemmaHeader,
     /// Inside a Gemma 4 call's arguments, read into JSON as they come.
     GemmaArgs,
+    /// At a DeepSeek V3.1 or Kimi K2 call's marker, before its arguments (the marker held).
+    SectionHeader(&'static Section),
+    /// After such a call's arguments: its closing markers, if they come.
+    After(&'static Section),
+    /// In a DSML block, between calls.
+    DsmlInvoke,
+    /// In a DSML call, between parameters; `first`: none written yet.
+    DsmlParams {
+        first: bool,
+    },
     /// Not a call this streamer can follow: the rest waits for the final parse.
     Lost,
 }
@@ -485,7 +516,16 @@ const CLOSE_TAG: &str = "</tool_call>";
 /// Mistral's call marker (a control token its answers keep, see `AnswerFormat::Mistral`).
 const MISTRAL_TAG: &str = "[TOOL_CALLS]";
 /// Where a call may begin, in each layout the stream follows.
-const CALL_TAGS: [&str; 3] = [OPEN_TAG, MISTRAL_TAG, gemma::CALL_OPEN];
+const CALL_TAGS: [&str; 8] = [
+    OPEN_TAG,
+    MISTRAL_TAG,
+    gemma::CALL_OPEN,
+    dsml::BLOCK,
+    dsml::DEEPSEEK.section,
+    dsml::DEEPSEEK.call,
+    dsml::KIMI.section,
+    dsml::KIMI.call,
+];
 
 impl CallStreamer {
     pub fn new(tools: &Tools) -> CallStreamer {
@@ -496,6 +536,7 @@ impl CallStreamer {
             gemma: gemma::Args::new(),
             raw: String::new(),
             emitted: false,
+            section: None,
         }
     }
 
@@ -510,6 +551,17 @@ impl CallStreamer {
                 StreamState::GemmaHeader => self.gemma_header(&mut out),
                 StreamState::Args { .. } => self.args(&mut out),
                 StreamState::GemmaArgs => self.gemma_args(&mut out),
+                StreamState::SectionHeader(m) => self.section_header(m, &mut out),
+                StreamState::After(m) => match m.closing(&self.buf) {
+                    Read::Done((), n) => {
+                        self.buf.drain(..n);
+                        self.state = StreamState::Text;
+                        true
+                    }
+                    Read::More | Read::No => false,
+                },
+                StreamState::DsmlInvoke => self.dsml_invoke(&mut out),
+                StreamState::DsmlParams { first } => self.dsml_params(first, &mut out),
                 StreamState::Tail(close) => match self.buf.find(close) {
                     Some(i) => {
                         self.buf.drain(..i + close.len());
@@ -539,14 +591,25 @@ impl CallStreamer {
             StreamState::Header
             | StreamState::MistralHeader
             | StreamState::GemmaHeader
+            | StreamState::SectionHeader(_)
             | StreamState::Lost => {
                 let mut t = std::mem::take(&mut self.raw);
                 t.push_str(&std::mem::take(&mut self.buf));
                 t
             }
-            StreamState::Args { .. } | StreamState::GemmaArgs | StreamState::Tail(_) => {
-                String::new()
+            // A block that ended between calls: what it held was its own (a block that never
+            // began a call is its text).
+            StreamState::DsmlInvoke if self.raw.is_empty() => String::new(),
+            StreamState::DsmlInvoke => {
+                let mut t = std::mem::take(&mut self.raw);
+                t.push_str(&std::mem::take(&mut self.buf));
+                t
             }
+            StreamState::Args { .. }
+            | StreamState::GemmaArgs
+            | StreamState::Tail(_)
+            | StreamState::After(_)
+            | StreamState::DsmlParams { .. } => String::new(),
         };
         if text.is_empty() {
             Vec::new()
@@ -569,11 +632,22 @@ impl CallStreamer {
                 self.emitted = true;
                 out.push(ToolEvent::Text(self.buf[..i].to_string()));
             }
+            self.section = dsml::SECTIONS
+                .into_iter()
+                .find(|m| m.openers().contains(&tag));
+            if let Some(m) = self.section {
+                // The header reads from the marker on.
+                self.buf.drain(..i);
+                self.raw.clear();
+                self.state = StreamState::SectionHeader(m);
+                return true;
+            }
             self.buf.drain(..i + tag.len());
             self.raw = tag.to_string();
             self.state = match tag {
                 OPEN_TAG => StreamState::Header,
                 MISTRAL_TAG => StreamState::MistralHeader,
+                dsml::BLOCK => StreamState::DsmlInvoke,
                 _ => StreamState::GemmaHeader,
             };
             return true;
@@ -702,6 +776,84 @@ impl CallStreamer {
         true
     }
 
+    /// A DeepSeek V3.1 or Kimi K2 call's header: the call starts at its arguments when the
+    /// name is a known function; otherwise the call is left to the final parse.
+    fn section_header(&mut self, m: &'static Section, out: &mut Vec<ToolEvent>) -> bool {
+        match m.header(&self.buf) {
+            Read::Done(name, at) if self.known.iter().any(|k| k == name) => {
+                out.push(ToolEvent::Start(name.to_string()));
+                self.buf.drain(..at);
+                self.state = StreamState::Args {
+                    depth: 0,
+                    in_str: false,
+                    esc: false,
+                };
+                true
+            }
+            Read::Done(..) | Read::No => {
+                self.state = StreamState::Lost;
+                true
+            }
+            Read::More => false,
+        }
+    }
+
+    /// Between calls in a DSML block: the next call of a known function starts (its
+    /// arguments' JSON opens), or the block ends. Anything else is left to the final parse.
+    fn dsml_invoke(&mut self, out: &mut Vec<ToolEvent>) -> bool {
+        match dsml::invoke(&self.buf) {
+            Read::Done(None, n) => {
+                self.buf.drain(..n);
+                self.raw.clear();
+                self.state = StreamState::Text;
+                true
+            }
+            Read::Done(Some(name), n) if self.known.iter().any(|k| k == name) => {
+                out.push(ToolEvent::Start(name.to_string()));
+                out.push(ToolEvent::Args("{".into()));
+                self.buf.drain(..n);
+                self.raw.clear();
+                self.state = StreamState::DsmlParams { first: true };
+                true
+            }
+            Read::Done(Some(_), _) | Read::No => {
+                self.state = StreamState::Lost;
+                true
+            }
+            Read::More => false,
+        }
+    }
+
+    /// A DSML call's parameters, each written as JSON once it is whole. A parameter that
+    /// does not read ends the call there (the final parse does not take it).
+    fn dsml_params(&mut self, first: bool, out: &mut Vec<ToolEvent>) -> bool {
+        match dsml::parameter(&self.buf) {
+            Read::Done(None, n) => {
+                self.buf.drain(..n);
+                out.push(ToolEvent::Args("}".into()));
+                out.push(ToolEvent::End);
+                self.state = StreamState::DsmlInvoke;
+                true
+            }
+            Read::Done(Some((key, value)), n) => {
+                self.buf.drain(..n);
+                let sep = if first { "" } else { "," };
+                out.push(ToolEvent::Args(format!(
+                    "{sep}{}:{value}",
+                    Value::String(key)
+                )));
+                self.state = StreamState::DsmlParams { first: false };
+                true
+            }
+            Read::No => {
+                out.push(ToolEvent::End);
+                self.state = StreamState::Lost;
+                true
+            }
+            Read::More => false,
+        }
+    }
+
     /// A Gemma 4 call's arguments, as JSON as far as they have come. Arguments that stop
     /// reading as Gemma's notation end the call there (the final parse does not take it) and
     /// the rest of them, up to the call's closing tag, is dropped.
@@ -770,8 +922,11 @@ impl CallStreamer {
         }
         if end.is_some() {
             out.push(ToolEvent::End);
-            // Hermes closes the call with a tag; Mistral's next call, or text, just follows.
-            self.state = if self.raw == MISTRAL_TAG {
+            // Hermes closes the call with a tag, DeepSeek and Kimi with markers they may leave
+            // out; Mistral's next call, or text, just follows.
+            self.state = if let Some(m) = self.section {
+                StreamState::After(m)
+            } else if self.raw == MISTRAL_TAG {
                 StreamState::Text
             } else {
                 StreamState::Tail(CLOSE_TAG)

@@ -2,14 +2,17 @@
 //!
 //! The templates are the ones llama.cpp keeps for its own tests (SmolLM3-3B, Granite 3.3,
 //! Phi-3.5-mini, Gemma 2, GLM-4.6, Ministral 3 14B Reasoning, Mistral Small 3.2, DeepSeek-V3.1,
-//! Kimi K2 Instruct, Gemma 4 31B and its earlier interleaved template;
+//! DeepSeek-V3.2, Kimi K2 Instruct, Kimi K2 Thinking, Gemma 4 31B and its earlier interleaved
+//! template;
 //! `vendor/llama.cpp/models/templates/*.jinja` of the
 //! llama-cpp-python==0.3.36 sdist), read from the cache that `scripts/fetch-test-assets.sh`
 //! fills: they are other projects' files and are not committed here. The expected renders
 //! (`tests/fixtures/templates/cases.json`, by `scripts/fixtures/real_templates_reference.py`)
 //! come from transformers' `render_jinja_template`, the code behind
 //! `apply_chat_template(..., tokenize=False)`; the fixture holds their sha256 and length only,
-//! since a render carries the template's own prose (system prompts, instructions).
+//! since a render carries the template's own prose (system prompts, instructions). DeepSeek-V3.2's
+//! template (llama.cpp's own) uses a `from_json` filter that jinja2 lacks: the script gives
+//! jinja2 one (`extra_filters` in the fixture) so that it compiles, and no case calls it.
 //!
 //! Each case is rendered the way the server renders a request: OpenAI-shaped messages (tool
 //! calls and tool results included) through `ChatTemplate::render_with`, with the entry's
@@ -17,8 +20,8 @@
 //! messages and no variables are also rendered through `ChatTemplate::render`. Conversations
 //! the template refuses in transformers (`raise_exception`) must be refused by ferrum too.
 //!
-//! Cases that transformers' sandbox stops (`sandbox_errors` in the fixture: Kimi K2's tool calls
-//! append to a list) are not checked.
+//! Cases that transformers' sandbox stops (`sandbox_errors` in the fixture: Kimi K2 Instruct's
+//! and Thinking's tool calls append to a list) are not checked.
 //!
 //! Templates that call `strftime_now` (Granite without a system message; Mistral Small 3.2 on
 //! every render, its default system prompt carrying the date) were rendered with
@@ -154,7 +157,7 @@ fn real_templates_render_as_transformers() {
     let entries = entries();
     let templates: BTreeSet<&str> = entries.iter().map(|e| e.template_file.as_str()).collect();
     assert!(
-        templates.len() >= 11,
+        templates.len() >= 13,
         "cases.json covers too few templates: {templates:?}"
     );
 
