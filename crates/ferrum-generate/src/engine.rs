@@ -578,17 +578,8 @@ impl<B: Backend> Engine<B> {
         if self.model.pooling.is_none() {
             return inputs.iter().map(|t| self.embed(t)).collect();
         }
-        let context = self.model.decoder.context;
         for t in inputs {
-            if t.is_empty() {
-                return Err(Error::InvalidRequest("the input is empty".into()));
-            }
-            if t.len() > context {
-                return Err(Error::InvalidRequest(format!(
-                    "the input is {} tokens; the context holds {context}",
-                    t.len()
-                )));
-            }
+            self.check_embed_input(t)?;
         }
         self.model
             .pooled_batch(inputs)?
@@ -599,16 +590,7 @@ impl<B: Backend> Engine<B> {
     /// final-normalised hidden states (`Model::pooling`), else their mean scaled to unit
     /// length. Runs outside the batch, in a cache of its own.
     pub fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        if tokens.is_empty() {
-            return Err(Error::InvalidRequest("the input is empty".into()));
-        }
-        if tokens.len() > self.model.decoder.context {
-            return Err(Error::InvalidRequest(format!(
-                "the input is {} tokens; the context holds {}",
-                tokens.len(),
-                self.model.decoder.context
-            )));
-        }
+        self.check_embed_input(tokens)?;
         if let Some(v) = self.model.pooled(tokens)? {
             return Ok(v);
         }
@@ -619,6 +601,21 @@ impl<B: Backend> Engine<B> {
             v.iter_mut().for_each(|x| *x /= norm);
         }
         Ok(v)
+    }
+
+    /// An input to embed must have a token and fit the context.
+    fn check_embed_input(&self, tokens: &[u32]) -> Result<()> {
+        let context = self.model.decoder.context;
+        if tokens.is_empty() {
+            return Err(Error::InvalidRequest("the input is empty".into()));
+        }
+        if tokens.len() > context {
+            return Err(Error::InvalidRequest(format!(
+                "the input is {} tokens; the context holds {context}",
+                tokens.len()
+            )));
+        }
+        Ok(())
     }
 
     /// Marks a request cancelled; its blocks are freed at the start of the next step, which

@@ -518,15 +518,27 @@ impl<B: Backend> Decoder<B> {
         let mut all = Vec::with_capacity(tokens.len() * h);
         let mut host = Vec::new();
         self.run_alone(kv, tokens, 0, Logits::None, |d, chunk, _| {
-            let rows = Rows::dense(chunk.len(), h);
-            let s = &mut d.state;
-            let be = &d.backend;
-            be.rms_norm(&s.x, rows, &d.final_norm, d.config.rms_eps, &mut s.xn, rows);
-            host.resize(chunk.len() * h, 0.0);
-            be.read(&s.xn, 0, &mut host);
+            d.normed_rows(chunk.len(), &mut host);
             all.extend_from_slice(&host);
         })?;
         Ok(all)
+    }
+
+    /// The last pass's first `n` residual rows through the final norm, read into `host`.
+    fn normed_rows(&mut self, n: usize, host: &mut Vec<f32>) {
+        let rows = Rows::dense(n, self.config.hidden_size);
+        let s = &mut self.state;
+        let be = &self.backend;
+        be.rms_norm(
+            &s.x,
+            rows,
+            &self.final_norm,
+            self.config.rms_eps,
+            &mut s.xn,
+            rows,
+        );
+        host.resize(n * self.config.hidden_size, 0.0);
+        be.read(&s.xn, 0, host);
     }
 
     /// [`Decoder::hidden_rows`] of several fresh sequences at once, each in blocks of a cache
@@ -582,20 +594,7 @@ impl<B: Backend> Decoder<B> {
                 break;
             }
             self.forward_rows(&mut kv, &seqs)?;
-            let n = CHUNK - budget;
-            let rows = Rows::dense(n, h);
-            let s = &mut self.state;
-            let be = &self.backend;
-            be.rms_norm(
-                &s.x,
-                rows,
-                &self.final_norm,
-                self.config.rms_eps,
-                &mut s.xn,
-                rows,
-            );
-            host.resize(n * h, 0.0);
-            be.read(&s.xn, 0, &mut host);
+            self.normed_rows(CHUNK - budget, &mut host);
             let mut at = 0;
             for (i, take) in owners {
                 out[i].extend_from_slice(&host[at * h..(at + take) * h]);

@@ -342,8 +342,13 @@ impl<B: Backend> Layer<B> {
             Some(PerLayerInput {
                 gate: l("model.layers.{i}.per_layer_input_gate.weight", (p, h))?,
                 proj: l("model.layers.{i}.per_layer_projection.weight", (h, p))?,
-                norm: norm(Some("model.layers.{i}.post_per_layer_input_norm.weight"))?
-                    .ok_or_else(|| Error::Weights("per-layer input without its norm".into()))?,
+                norm: src.norm(
+                    be,
+                    "model.layers.{i}.post_per_layer_input_norm.weight",
+                    i,
+                    h,
+                    c.norm_offset,
+                )?,
             })
         } else {
             None

@@ -414,11 +414,21 @@ mod tests {
     /// The answer `text` streamed `step` bytes at a time: the text pieces joined, the calls
     /// (streamed or whole) and the call count the stream ends with.
     fn stream(text: &str, step: usize) -> (String, Vec<(String, String)>, usize) {
-        let t = tools();
-        let mut a = AnswerStream::new(AnswerFormat::Plain, Some(&t));
-        let (mut out, mut calls) = (String::new(), Vec::new());
+        let (_, out, calls, n) = stream_as(AnswerFormat::Plain, &tools(), text, step);
+        (out, calls, n)
+    }
+
+    /// [`stream`] for a model's own format: the reasoning pieces joined too.
+    fn stream_as(
+        format: AnswerFormat,
+        t: &Tools,
+        text: &str,
+        step: usize,
+    ) -> (String, String, Vec<(String, String)>, usize) {
+        let mut a = AnswerStream::new(format, Some(t));
+        let (mut reasoning, mut out, mut calls) = (String::new(), String::new(), Vec::new());
         let mut rest = text;
-        while !rest.is_empty() || out.is_empty() && calls.is_empty() {
+        loop {
             let mut cut = step.min(rest.len());
             while !rest.is_char_boundary(cut) {
                 cut += 1;
@@ -427,18 +437,19 @@ mod tests {
             rest = tail;
             for p in a.push(piece, rest.is_empty()) {
                 match p {
+                    Piece::Reasoning(r) => reasoning.push_str(&r),
                     Piece::Text(x) => out.push_str(&x),
                     Piece::CallStart(n) => calls.push((n, String::new())),
                     Piece::CallArgs(x) => calls.last_mut().unwrap().1.push_str(&x),
                     Piece::Call(c) => calls.push((c.name, c.arguments)),
-                    Piece::CallEnd | Piece::Reasoning(_) => {}
+                    Piece::CallEnd => {}
                 }
             }
             if rest.is_empty() {
                 break;
             }
         }
-        (out, calls, a.calls())
+        (reasoning, out, calls, a.calls())
     }
 
     #[test]
@@ -471,23 +482,7 @@ mod tests {
         let t = tools();
         let text = "[THINK]Weather, so call it.[/THINK]Checking.[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Oslo\"}";
         for step in [1, 4, 1000] {
-            let mut a = AnswerStream::new(AnswerFormat::Mistral, Some(&t));
-            let (mut reasoning, mut out, mut calls) = (String::new(), String::new(), Vec::new());
-            let mut rest = text;
-            while !rest.is_empty() {
-                let (piece, tail) = rest.split_at(step.min(rest.len()));
-                rest = tail;
-                for p in a.push(piece, rest.is_empty()) {
-                    match p {
-                        Piece::Reasoning(r) => reasoning.push_str(&r),
-                        Piece::Text(x) => out.push_str(&x),
-                        Piece::CallStart(n) => calls.push((n, String::new())),
-                        Piece::CallArgs(x) => calls.last_mut().unwrap().1.push_str(&x),
-                        Piece::Call(c) => calls.push((c.name, c.arguments)),
-                        Piece::CallEnd => {}
-                    }
-                }
-            }
+            let (reasoning, out, calls, n) = stream_as(AnswerFormat::Mistral, &t, text, step);
             assert_eq!(reasoning, "Weather, so call it.", "step {step}");
             assert_eq!(out, "Checking.", "step {step}");
             assert_eq!(
@@ -495,7 +490,7 @@ mod tests {
                 vec![("get_weather".into(), "{\"city\": \"Oslo\"}".into())],
                 "step {step}"
             );
-            assert_eq!(a.calls(), 1);
+            assert_eq!(n, 1);
         }
         let whole = Answer::of(AnswerFormat::Mistral, Some(&t), text);
         assert_eq!(whole.reasoning.as_deref(), Some("Weather, so call it."));
@@ -511,23 +506,7 @@ mod tests {
         let text = "<|channel>thought\nWeather, so call it.<channel|>Checking.\
             <|tool_call>call:get_weather{city:<|\"|>Oslo<|\"|>}<tool_call|>";
         for step in [1, 3, 7, 1000] {
-            let mut a = AnswerStream::new(AnswerFormat::Gemma4, Some(&t));
-            let (mut reasoning, mut out, mut calls) = (String::new(), String::new(), Vec::new());
-            let mut rest = text;
-            while !rest.is_empty() {
-                let (piece, tail) = rest.split_at(step.min(rest.len()));
-                rest = tail;
-                for p in a.push(piece, rest.is_empty()) {
-                    match p {
-                        Piece::Reasoning(r) => reasoning.push_str(&r),
-                        Piece::Text(x) => out.push_str(&x),
-                        Piece::CallStart(n) => calls.push((n, String::new())),
-                        Piece::CallArgs(x) => calls.last_mut().unwrap().1.push_str(&x),
-                        Piece::Call(c) => calls.push((c.name, c.arguments)),
-                        Piece::CallEnd => {}
-                    }
-                }
-            }
+            let (reasoning, out, calls, n) = stream_as(AnswerFormat::Gemma4, &t, text, step);
             assert_eq!(reasoning, "Weather, so call it.", "step {step}");
             assert_eq!(out, "Checking.", "step {step}");
             assert_eq!(
@@ -535,7 +514,7 @@ mod tests {
                 vec![("get_weather".into(), "{\"city\":\"Oslo\"}".into())],
                 "step {step}"
             );
-            assert_eq!(a.calls(), 1);
+            assert_eq!(n, 1);
         }
         let whole = Answer::of(AnswerFormat::Gemma4, Some(&t), text);
         assert_eq!(whole.reasoning.as_deref(), Some("Weather, so call it."));

@@ -761,21 +761,10 @@ pub(crate) async fn embed_ids(
     Ok((out, tokens))
 }
 
-/// A cross-encoder's relevance score of each document for `query` (the sigmoid of its
-/// logit, as sentence-transformers' `CrossEncoder` gives it) and the tokens read. A pair
-/// over the model's limit is refused naming both lengths, or with `truncate` has its
-/// document cut.
-/// Cuts `ids` to `keep` tokens, its last `tail` (a decoder reranker's closing prompt) kept
-/// last; nothing when the ids fit or the tail alone would not.
-fn cut_keeping_tail(ids: &mut Vec<u32>, keep: usize, tail: usize) {
-    if ids.len() <= keep || tail >= keep || tail > ids.len() {
-        return;
-    }
-    let end = ids.split_off(ids.len() - tail);
-    ids.truncate(keep - tail);
-    ids.extend(end);
-}
-
+/// A reranker's relevance score of each document for `query` (a cross-encoder's: the
+/// sigmoid of its logit, as sentence-transformers' `CrossEncoder` gives it; a decoder
+/// reranker's: its prompt's yes/no softmax) and the tokens read. A pair over the model's
+/// limit is refused naming both lengths, or with `truncate` has its document cut.
 pub(crate) async fn score_pairs(
     st: &AppState,
     card: &ModelCard,
@@ -830,10 +819,10 @@ pub(crate) async fn score_pairs(
                     ),
                 ));
             }
-            if card.rerank_prompt.is_some() {
-                cut_keeping_tail(&mut ids, limit, tail);
-            } else {
-                ferrum_models::encoder::cut_keeping_last(&mut ids, limit);
+            // A cut that would leave the prompt's closing part alone is no cut: the pass
+            // then refuses the input, naming both lengths.
+            if tail < limit {
+                ferrum_models::encoder::cut_keeping_tail(&mut ids, limit, tail);
             }
             types.truncate(ids.len());
         }

@@ -1181,28 +1181,7 @@ mod tests {
         let t = tools(json!("auto"));
         let answer = "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Pa}ris\", \"n\": [1, {\"a\": \"\\\"\"}]}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>";
         for step in [1, 2, 3, 7, answer.len()] {
-            let mut s = CallStreamer::new(&t);
-            let mut events = Vec::new();
-            let mut rest = answer;
-            while !rest.is_empty() {
-                let mut cut = step.min(rest.len());
-                while !rest.is_char_boundary(cut) {
-                    cut += 1;
-                }
-                events.extend(s.push(&rest[..cut]));
-                rest = &rest[cut..];
-            }
-            events.extend(s.finish());
-            // Merge adjacent pieces of one kind to compare.
-            let (mut text, mut calls) = (String::new(), Vec::<(String, String)>::new());
-            for e in events {
-                match e {
-                    ToolEvent::Text(x) => text.push_str(&x),
-                    ToolEvent::Start(n) => calls.push((n, String::new())),
-                    ToolEvent::Args(a) => calls.last_mut().unwrap().1.push_str(&a),
-                    ToolEvent::End => {}
-                }
-            }
+            let (text, calls) = streamed(&t, answer, step);
             // The newline between the calls is text too.
             assert_eq!(text, "Let me look.\n\n", "step {step}");
             let (_, parsed) = t.parse_output(answer);

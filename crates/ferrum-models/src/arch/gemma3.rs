@@ -42,7 +42,8 @@ pub const INFO: ArchInfo = ArchInfo {
     ],
 };
 
-const NORMS: NormPlan = NormPlan {
+/// Gemma's four norms a layer (Gemma 4's too).
+pub(super) const NORMS: NormPlan = NormPlan {
     attn_in: Some("model.layers.{i}.input_layernorm.weight"),
     attn_out: Some("model.layers.{i}.post_attention_layernorm.weight"),
     ffn_in: Some("model.layers.{i}.pre_feedforward_layernorm.weight"),

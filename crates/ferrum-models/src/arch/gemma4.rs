@@ -27,8 +27,8 @@ use serde_json::Value as Json;
 
 use super::{Arch, ArchInfo};
 use crate::config::{
-    hf_f64, hf_opt_usize, LayerSpec, ModelConfig, MoeConfig, MoeStyle, NormPlan, QkNorm, Rope,
-    RopeScaling, Routing,
+    hf_f64, hf_opt_usize, LayerSpec, ModelConfig, MoeConfig, MoeStyle, QkNorm, Rope, RopeScaling,
+    Routing,
 };
 
 pub const INFO: ArchInfo = ArchInfo {
@@ -105,13 +105,6 @@ pub const INFO: ArchInfo = ArchInfo {
             "blk.{i}.pre_ffw_norm_2.weight",
         ),
     ],
-};
-
-const NORMS: NormPlan = NormPlan {
-    attn_in: Some("model.layers.{i}.input_layernorm.weight"),
-    attn_out: Some("model.layers.{i}.post_attention_layernorm.weight"),
-    ffn_in: Some("model.layers.{i}.pre_feedforward_layernorm.weight"),
-    ffn_out: Some("model.layers.{i}.post_feedforward_layernorm.weight"),
 };
 
 /// What every layer's kind and shape comes from, whichever file it is read from.
@@ -435,7 +428,7 @@ fn from_gguf(g: &GgufFile, vocab: usize, tied: bool) -> Result<ModelConfig> {
 }
 
 fn common(mut c: ModelConfig, source: &str) -> Result<ModelConfig> {
-    c.norms = NORMS;
+    c.norms = super::gemma3::NORMS;
     c.norm_offset = 0.0;
     c.qk_norm = QkNorm::PerHead;
     c.v_norm = true;

@@ -132,12 +132,19 @@ pub fn relevance(logits: &[f32]) -> f32 {
 /// sentence-transformers' and TEI's truncation leave it. Nothing when the ids fit or `keep` is
 /// 0 (the encoder then refuses the input, naming both lengths).
 pub fn cut_keeping_last(ids: &mut Vec<u32>, keep: usize) {
-    if keep == 0 || ids.len() <= keep {
+    cut_keeping_tail(ids, keep, 1)
+}
+
+/// Cuts `ids` to `keep` tokens with its last `tail` put back at the end (an encoder's closing
+/// token; a decoder reranker's closing prompt). Nothing when the ids fit, or `keep` is 0 or
+/// shorter than the tail.
+pub fn cut_keeping_tail(ids: &mut Vec<u32>, keep: usize, tail: usize) {
+    if keep == 0 || ids.len() <= keep || tail > keep {
         return;
     }
-    let last = ids[ids.len() - 1];
-    ids.truncate(keep);
-    ids[keep - 1] = last;
+    let end = ids.split_off(ids.len() - tail);
+    ids.truncate(keep - tail);
+    ids.extend(end);
 }
 
 /// Keeps the first `dims` numbers of an embedding (a Matryoshka model's shorter vector) and
