@@ -142,6 +142,52 @@ def test_rerank_orders_as_the_cross_encoder(reranker):
     assert e.status_code == 400 and "reranker" in e.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path", ["nomic_mean", "nomic_hf", "modernbert_mean", "embeddinggemma",
+                                  "nomic_mean.gguf", "modernbert_mean.gguf"])
+def test_rotary_encoders_embed_as_their_references(path):
+    """NomicBERT, ModernBERT and EmbeddingGemma (tests/fixtures/encoders, their generating
+    scripts beside them) served from their folders and from llama.cpp's GGUFs: the client's
+    vectors against sentence-transformers' (folders) or llama.cpp's (GGUF files)."""
+    ref_path = FIXTURES / "encoders" / (path.replace(".gguf", ".llamacpp.json") if path.endswith(".gguf")
+                                        else f"{path}/reference.json")
+    ref = json.loads(ref_path.read_text())
+    proc, base, model = start(str(FIXTURES / "encoders" / path), "--api-key", API_KEY)
+    try:
+        c = Server(proc, base, model).client()
+        r = c.embeddings.create(model=model, input=ref["inputs"])
+        for d, want in zip(r.data, ref["embeddings"]):
+            assert len(d.embedding) == len(want)
+            assert cosine(d.embedding, want) >= 0.999
+        assert r.usage.prompt_tokens == sum(len(i) for i in ref["ids"])
+        half = len(ref["embeddings"][0]) // 2
+        cut = c.embeddings.create(model=model, input=ref["inputs"][0], dimensions=half, encoding_format="float")
+        assert len(cut.data[0].embedding) == half
+    finally:
+        proc.kill()
+
+
+def test_modernbert_reranker_orders_as_transformers():
+    """ModernBertForSequenceClassification with mean pooling (gte-reranker-modernbert-base's
+    shape): /v1/rerank's order and scores against transformers' logits."""
+    ref = json.loads((FIXTURES / "encoders" / "modernbert_cross" / "reference.json").read_text())
+    query = ref["pairs"][0][0]
+    docs = [d for q, d in ref["pairs"] if q == query]
+    want = [1 / (1 + math.exp(-l[0])) for (q, _), l in zip(ref["pairs"], ref["logits"]) if q == query]
+    # The exact path: the two documents' scores are 0.008 apart.
+    proc, base, model = start(str(FIXTURES / "encoders" / "modernbert_cross"), "--api-key", API_KEY,
+                              "--exact")
+    try:
+        srv = Server(proc, base, model)
+        r = srv.raw("POST", "/v1/rerank", json={"model": model, "query": query, "documents": docs})
+        assert r.status_code == 200, r.text
+        order = sorted(range(len(docs)), key=lambda i: -want[i])
+        got = r.json()["results"]
+        assert [x["index"] for x in got] == order
+        assert all(math.isclose(x["relevance_score"], want[x["index"]], abs_tol=1e-4) for x in got)
+    finally:
+        proc.kill()
+
+
 def test_a_chat_model_needs_the_flag_for_embeddings():
     proc, base, model = start(os.environ["FERRUM_MODEL"], "--api-key", API_KEY, "--ctx", "256",
                               "--kv-tokens", "512")

@@ -116,6 +116,8 @@ pub enum Activation {
     Silu,
     /// GeGLU with the tanh approximation of GELU (Gemma's `gelu_pytorch_tanh`).
     GeluTanh,
+    /// GeGLU with GELU's exact (erf) form: ModernBERT's `"gelu"`.
+    GeluErf,
     /// gpt-oss's clamped SwiGLU: with `g = min(gate, limit)` and `u = clamp(up, ±limit)`,
     /// `(u + 1) · g · sigmoid(alpha · g)`.
     ClampedSwiglu { alpha: f32, limit: f32 },

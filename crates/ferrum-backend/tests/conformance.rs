@@ -418,6 +418,7 @@ fn elementwise<B: Backend>(h: &mut Harness<B>, rng: &mut StdRng) {
     for act in [
         Activation::Silu,
         Activation::GeluTanh,
+        Activation::GeluErf,
         Activation::ClampedSwiglu {
             alpha: 1.702,
             limit: 7.0,

@@ -274,15 +274,24 @@ fn plan_encoder(a: &PlanArgs, file: &ModelFile, base: u64) -> Result<()> {
         .filter(|(n, t)| {
             float(t.dtype)
                 && t.shape.len() == 2
-                && (n.contains(".layer.") || n.contains("blk."))
+                && (n.contains("layer") || n.contains("blk."))
                 && t.row_len().is_multiple_of(32)
         })
         .map(|(_, t)| t.numel() as f64 * 34.0 / 32.0)
         .sum();
     let tokens = ferrum_models::encoder::PASS_TOKENS as f64;
     let (h, f) = (c.hidden as f64, c.intermediate as f64);
-    // x, tmp, qkv (3 h), attn, the FFN in f32; one layer's keys and values in f16.
-    let act = tokens * (6.0 * h + f) * 4.0 + 2.0 * tokens * h * 2.0;
+    // x, tmp, qkv (3 h), attn and the FFN in f32 (a pre-norm block's normed copy, a gated
+    // FFN's `[gate | up]` and product, local attention's reversed `[q | k | v]` besides); one
+    // layer's keys and values in f16 (twice with local attention).
+    let local = c.local.is_some();
+    let gated = matches!(c.ffn, ferrum_models::encoder::FfnKind::Glu(_));
+    let widths = 6.0 * h
+        + if c.prenorm { h } else { 0.0 }
+        + if local { 3.0 * h } else { 0.0 }
+        + if gated { 3.0 * f } else { f };
+    let kv_copies = if local { 2.0 } else { 1.0 };
+    let act = tokens * widths * 4.0 + kv_copies * 2.0 * tokens * h * 2.0;
     let runtime = (base + header) as f64 + tokenizer as f64;
     let total = weights + copies + act + runtime;
     let available = meminfo("MemAvailable:") as f64;

@@ -1,4 +1,5 @@
-//! Encoder models (BERT, XLM-RoBERTa) against transformers and sentence-transformers:
+//! Encoder models (BERT, XLM-RoBERTa, NomicBERT, ModernBERT) against transformers and
+//! sentence-transformers:
 //! tiny random-weight models (tests/fixtures/encoders, made by
 //! scripts/fixtures/make_encoder_models.py) whose states, embeddings and classifier logits
 //! must match within 1e-5 on the exact path; the same BERT converted to GGUF by llama.cpp's
@@ -180,17 +181,16 @@ fn bert_two_label_classifier_matches_transformers() {
     check_cross_encoder("bert_cls2");
 }
 
-/// llama.cpp's converter's GGUF of the tiny BERT, against `llama-embedding` on that file.
-#[test]
-fn bert_gguf_matches_llama_cpp() {
-    let path = fixtures().join("encoders/bert_mean.gguf");
-    let r = read_json(&fixtures().join("encoders/bert_mean.llamacpp.json"));
+/// llama.cpp's converter's GGUF of a tiny model, against `llama-embedding` on that file.
+fn check_gguf_embedder(name: &str) {
+    let path = fixtures().join(format!("encoders/{name}.gguf"));
+    let r = read_json(&fixtures().join(format!("encoders/{name}.llamacpp.json")));
     let (enc, tok) = open(&path, CpuBackend::exact());
     let inputs = texts(&r["inputs"]);
     let mut all = Vec::new();
     for (i, t) in inputs.iter().enumerate() {
         let got = tok.encode(t, true).unwrap();
-        assert_eq!(got, ids(&r["ids"][i]), "ids of input {i} {t:?}");
+        assert_eq!(got, ids(&r["ids"][i]), "{name}: ids of input {i} {t:?}");
         all.push(got);
     }
     let xs: Vec<Input> = all
@@ -208,8 +208,49 @@ fn bert_gguf_matches_llama_cpp() {
         .enumerate()
     {
         let c = cosine(e, &floats(want));
-        assert!(c > 0.9999, "input {i}: cosine {c} with llama.cpp");
+        assert!(c > 0.9999, "{name}: input {i}: cosine {c} with llama.cpp");
     }
+}
+
+#[test]
+fn bert_gguf_matches_llama_cpp() {
+    check_gguf_embedder("bert_mean");
+}
+
+/// NomicBERT in the original checkpoints' layout (as the Hub's nomic-embed-text files) and
+/// in transformers' own, against transformers' `NomicBertModel` and sentence-transformers
+/// (scripts/fixtures/make_rope_encoders.py).
+#[test]
+fn nomic_bert_matches_sentence_transformers() {
+    check_embedder("nomic_mean");
+    check_embedder("nomic_hf");
+}
+
+/// ModernBERT with a window of 4 either side on inputs up to several times longer, so local
+/// layers see both edges and the middle.
+#[test]
+fn modernbert_matches_sentence_transformers() {
+    check_embedder("modernbert_mean");
+}
+
+/// EmbeddingGemma's shape (a bidirectional Gemma 3 with grouped-query attention, a window
+/// of 4 either side on three local layers, two Dense projections) against transformers and
+/// sentence-transformers (scripts/fixtures/make_embeddinggemma.py).
+#[test]
+fn embeddinggemma_matches_sentence_transformers() {
+    check_embedder("embeddinggemma");
+}
+
+#[test]
+fn modernbert_cross_encoder_matches_transformers() {
+    check_cross_encoder("modernbert_cross");
+}
+
+/// scripts/fixtures/rope_encoder_llamacpp_reference.sh.
+#[test]
+fn nomic_bert_and_modernbert_gguf_match_llama_cpp() {
+    check_gguf_embedder("nomic_mean");
+    check_gguf_embedder("modernbert_mean");
 }
 
 fn minilm_dir() -> PathBuf {

@@ -211,37 +211,40 @@ fn a_model_larger_than_the_device_is_refused_with_both_sizes() {
 }
 
 /// An encoder on the device (its LayerNorm and GELU on the trait's host bodies, attention on
-/// the device's paged kernel): the tiny BERT's states within 1e-5 of sentence-transformers'
-/// reference, and a cross-encoder's logits within 1e-5 of transformers'.
+/// the device's paged kernel, ModernBERT's local layers through its window): the tiny BERT's,
+/// NomicBERT's and ModernBERT's embeddings within 1e-5 of sentence-transformers' reference,
+/// and a cross-encoder's logits within 1e-5 of transformers'.
 #[test]
 fn encoders_match_the_references_on_vulkan() {
     use common::{floats, ids, read_json};
     use ferrum_models::encoder::{Encoder, Input};
-    let Some(be) = device() else { return };
-    let dir = fixtures().join("encoders/bert_mean");
-    let r = read_json(&dir.join("reference.json"));
-    let enc = Encoder::load(&ferrum_loader::ModelFile::open(&dir).unwrap(), be).unwrap();
-    let all: Vec<Vec<u32>> = r["ids"].as_array().unwrap().iter().map(ids).collect();
-    let xs: Vec<Input> = all
-        .iter()
-        .map(|v| Input {
-            ids: v,
-            types: None,
-        })
-        .collect();
-    for (i, (e, want)) in enc
-        .embed(&xs)
-        .unwrap()
-        .iter()
-        .zip(r["embeddings"].as_array().unwrap())
-        .enumerate()
-    {
-        let d = e
+    for name in ["bert_mean", "nomic_mean", "modernbert_mean"] {
+        let Some(be) = device() else { return };
+        let dir = fixtures().join("encoders").join(name);
+        let r = read_json(&dir.join("reference.json"));
+        let enc = Encoder::load(&ferrum_loader::ModelFile::open(&dir).unwrap(), be).unwrap();
+        let all: Vec<Vec<u32>> = r["ids"].as_array().unwrap().iter().map(ids).collect();
+        let xs: Vec<Input> = all
             .iter()
-            .zip(&floats(want))
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        assert!(d < 1e-5, "input {i}: embedding off by {d}");
+            .map(|v| Input {
+                ids: v,
+                types: None,
+            })
+            .collect();
+        for (i, (e, want)) in enc
+            .embed(&xs)
+            .unwrap()
+            .iter()
+            .zip(r["embeddings"].as_array().unwrap())
+            .enumerate()
+        {
+            let d = e
+                .iter()
+                .zip(&floats(want))
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(d < 1e-5, "{name}: input {i}: embedding off by {d}");
+        }
     }
     let Some(be) = device() else { return };
     let dir = fixtures().join("encoders/bert_cross");

@@ -175,17 +175,20 @@ pub(crate) fn load(g: &GgufFile) -> Result<Tokenizer> {
         ))
     })?;
     // Check the model name before reading the (possibly large) vocabulary.
-    if !matches!(model, "gpt2" | "llama" | "bert" | "gemma4") {
+    if !matches!(model, "gpt2" | "llama" | "bert" | "gemma4" | "t5") {
         return Err(Error::Tokenizer(format!(
             "{}: unsupported tokenizer.ggml.model = {model:?} (supported: \"gpt2\" byte-level \
              BPE, \"llama\" SentencePiece, \"bert\" WordPiece, \"gemma4\" SentencePiece-style \
-             BPE)",
+             BPE, \"t5\" SentencePiece Unigram)",
             g.path.display()
         )));
     }
     let vocab = Vocab::read(g)?;
     if model == "bert" {
         return wordpiece(g, &vocab);
+    }
+    if model == "t5" {
+        return unigram(g, &vocab);
     }
     let (mut inner, add_bos_default) = match model {
         "gpt2" => (byte_level_bpe(g, &vocab)?, None),
@@ -341,6 +344,137 @@ fn wordpiece(g: &GgufFile, vocab: &Vocab) -> Result<Tokenizer> {
         Some(cls),
         vec![sep],
         special,
+        None,
+    )
+}
+
+/// `tokenizer.ggml.model = "t5"`: a SentencePiece Unigram model (XLM-RoBERTa and the
+/// embedders and rerankers built on it: multilingual-e5, bge-m3, bge-reranker-v2-m3) as
+/// llama.cpp's converter stores it: pieces and their scores, the model's own normalisation
+/// (`tokenizer.ggml.precompiled_charsmap`, SentencePiece's compiled NFKC-style map), and
+/// llama.cpp's `add_space_prefix` / `remove_extra_whitespaces` switches. llama.cpp's reading:
+/// the input mapped through the charsmap, every run of spaces one `▁` before the next word
+/// (none at the end), then the best-scoring segmentation (an unknown character scoring the
+/// lowest piece's score less 10, consecutive unknowns one token). Single inputs are
+/// `BOS A EOS` as the file asks; pairs `BOS A EOS SEP B EOS` (XLM-R's `<s> A </s></s> B
+/// </s>`, llama.cpp's rerank layout).
+fn unigram(g: &GgufFile, vocab: &Vocab) -> Result<Tokenizer> {
+    use tokenizers::decoders::metaspace::Metaspace as MetaspaceDecoder;
+    use tokenizers::models::unigram::Unigram;
+    use tokenizers::normalizers::precompiled::Precompiled;
+    use tokenizers::normalizers::strip::Strip as StripNormalizer;
+    use tokenizers::normalizers::NormalizerWrapper;
+    use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
+    use tokenizers::processors::template::{SpecialToken, TemplateProcessing};
+
+    let path = g.path.display();
+    let scores = g.get_f32_array("tokenizer.ggml.scores").ok_or_else(|| {
+        Error::Tokenizer(format!(
+            "{path}: tokenizer.ggml.scores is missing (a Unigram model needs its scores)"
+        ))
+    })?;
+    if scores.len() < vocab.tokens.len() {
+        return Err(Error::Tokenizer(format!(
+            "{path}: tokenizer.ggml.scores has {} entries for {} tokens",
+            scores.len(),
+            vocab.tokens.len()
+        )));
+    }
+    let unk = vocab.special_id(g, "tokenizer.ggml.unknown_token_id");
+    let pieces: Vec<(String, f64)> = vocab
+        .tokens
+        .iter()
+        .zip(&scores)
+        .map(|(t, &s)| (t.clone(), s as f64))
+        .collect();
+    let model = Unigram::from(pieces, unk.map(|u| u as usize), false)
+        .map_err(|e| Error::Tokenizer(format!("{path}: Unigram vocabulary: {e}")))?;
+
+    let mut normalizers: Vec<NormalizerWrapper> = Vec::new();
+    if let Some(map) = g.get_i64_array("tokenizer.ggml.precompiled_charsmap") {
+        let bytes: Vec<u8> = map.iter().map(|&b| b as u8).collect();
+        if !bytes.is_empty() {
+            let pre = Precompiled::from(&bytes).map_err(|e| {
+                Error::Tokenizer(format!("{path}: tokenizer.ggml.precompiled_charsmap: {e}"))
+            })?;
+            normalizers.push(pre.into());
+        }
+    }
+    let merge = g
+        .get_bool("tokenizer.ggml.remove_extra_whitespaces")
+        .unwrap_or(true);
+    let replace_err = |e| Error::Tokenizer(format!("Unigram normalizer: {e}"));
+    if merge {
+        normalizers.push(StripNormalizer::new(true, true).into());
+        normalizers.push(
+            Replace::new(
+                tokenizers::normalizers::replace::ReplacePattern::Regex(" {2,}".into()),
+                " ",
+            )
+            .map_err(replace_err)?
+            .into(),
+        );
+    }
+    let prefix = g
+        .get_bool("tokenizer.ggml.add_space_prefix")
+        .unwrap_or(true);
+    let scheme = if prefix {
+        PrependScheme::Always
+    } else {
+        PrependScheme::Never
+    };
+    let mut inner = tokenizers::Tokenizer::new(model);
+    inner.with_normalizer(Some(NormalizerSequence::new(normalizers)));
+    inner.with_pre_tokenizer(Some(Metaspace::new('\u{2581}', scheme, true)));
+    inner.with_decoder(Some(MetaspaceDecoder::new('\u{2581}', scheme, true)));
+    inner.add_special_tokens(&vocab.added_tokens());
+
+    let bos = vocab.special_id(g, "tokenizer.ggml.bos_token_id");
+    let eos = vocab.special_id(g, "tokenizer.ggml.eos_token_id");
+    let sep = vocab
+        .special_id(g, "tokenizer.ggml.seperator_token_id")
+        .or(eos);
+    let add_bos = g.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(true);
+    let add_eos = g.get_bool("tokenizer.ggml.add_eos_token").unwrap_or(true);
+    let text_of = |id: u32| vocab.tokens[id as usize].clone();
+    let err = |e: tokenizers::Error| Error::Tokenizer(format!("Unigram template: {e}"));
+    let mut special = Vec::new();
+    let (mut single, mut pair): (Vec<String>, Vec<String>) = (Vec::new(), Vec::new());
+    if let (true, Some(b)) = (add_bos, bos) {
+        special.push(SpecialToken::new("BOS".into(), vec![b], vec![text_of(b)]).map_err(err)?);
+        single.push("BOS".into());
+        pair.push("BOS".into());
+    }
+    single.push("$A".into());
+    pair.push("$A".into());
+    if let (true, Some(e)) = (add_eos, eos) {
+        special.push(SpecialToken::new("EOS".into(), vec![e], vec![text_of(e)]).map_err(err)?);
+        single.push("EOS".into());
+        pair.push("EOS".into());
+        if let Some(s) = sep {
+            special.push(SpecialToken::new("SEP".into(), vec![s], vec![text_of(s)]).map_err(err)?);
+            pair.push("SEP:1".into());
+        }
+        pair.extend(["$B:1".to_string(), "EOS:1".to_string()]);
+    } else {
+        pair.push("$B:1".into());
+    }
+    let processor = TemplateProcessing::builder()
+        .try_single(single)
+        .map_err(|e| Error::Tokenizer(format!("Unigram template: {e}")))?
+        .try_pair(pair)
+        .map_err(|e| Error::Tokenizer(format!("Unigram template: {e}")))?
+        .special_tokens(special)
+        .build()
+        .map_err(|e| Error::Tokenizer(format!("Unigram template: {e}")))?;
+    inner.with_post_processor(Some(processor));
+    let eos_ids: Vec<u32> = eos.into_iter().collect();
+    Tokenizer::assemble(
+        inner,
+        vocab.tokens.len(),
+        bos,
+        eos_ids,
+        vocab.special_ids(),
         None,
     )
 }

@@ -74,7 +74,7 @@ pub(crate) fn spec_for(pre: Option<&str>) -> Result<PreTokenizerSpec> {
         "default" => {
             PreTokenizerSpec::new(&[r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"])
         }
-        "gpt-2" | "phi-2" | "mpt" | "olmo" => PreTokenizerSpec::new(&[GPT2]),
+        "gpt-2" | "phi-2" | "mpt" | "olmo" | "modern-bert" => PreTokenizerSpec::new(&[GPT2]),
         // Digits one by one, then GPT-2's pattern.
         "starcoder" | "refact" | "command-r" | "smollm" | "codeshell" => {
             PreTokenizerSpec::new(&[r"\p{N}", GPT2])

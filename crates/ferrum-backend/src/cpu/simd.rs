@@ -324,11 +324,20 @@ pub fn gelu_tanh_mul_scalar(g: &[f32], u: &[f32], out: &mut [f32]) {
     }
 }
 
+/// Exact-GELU GeGLU in plain code: only encoders (ModernBERT) use it, whose passes the
+/// matmuls dominate.
+pub fn gelu_erf_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
+        *o = 0.5 * g * (1.0 + crate::host_ops::erf(g * std::f32::consts::FRAC_1_SQRT_2)) * u;
+    }
+}
+
 /// A gated FFN's gate with the given nonlinearity.
 pub fn glu(g: &[f32], u: &[f32], out: &mut [f32], act: crate::Activation) {
     match act {
         crate::Activation::Silu => silu_mul(g, u, out),
         crate::Activation::GeluTanh => gelu_tanh_mul(g, u, out),
+        crate::Activation::GeluErf => gelu_erf_mul(g, u, out),
         crate::Activation::ClampedSwiglu { alpha, limit } => {
             clamped_swiglu(g, u, out, alpha, limit)
         }

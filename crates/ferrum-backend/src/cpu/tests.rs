@@ -408,6 +408,18 @@ fn silu_mul_and_embed() {
     let silu = |g: f32| g / (1.0 + (-g).exp());
     assert!((out[0] - silu(1.0) * 3.0).abs() < 1e-6);
     assert!((out[1] - silu(-2.0) * 0.5).abs() < 1e-6);
+    // Exact-GELU GeGLU: the encoders' tested GELU (host_ops::gelu_erf) times the up half.
+    be.glu(
+        &x,
+        Rows::dense(1, 4),
+        &mut out,
+        Rows::dense(1, 2),
+        Activation::GeluErf,
+    );
+    let mut g = vec![1.0f32, -2.0];
+    crate::host_ops::gelu_erf(&mut g);
+    assert!((out[0] - g[0] * 3.0).abs() < 1e-6 && (out[0] - 0.841_344_7 * 3.0).abs() < 1e-5);
+    assert!((out[1] - g[1] * 0.5).abs() < 1e-6 && (out[1] + 0.045_500_26 * 0.5).abs() < 1e-5);
 
     let table: Vec<f32> = (0..12).map(|v| v as f32).collect();
     let t = be

@@ -765,6 +765,7 @@ impl Backend for VulkanBackend {
             Activation::Silu => (0, 0.0, 0.0),
             Activation::GeluTanh => (1, 0.0, 0.0),
             Activation::ClampedSwiglu { alpha, limit } => (2, alpha, limit),
+            Activation::GeluErf => (3, 0.0, 0.0),
         };
         if let (Some(s), Some(d)) = (self.buf(x), self.buf(out)) {
             let extra = [code, f32::to_bits(alpha), f32::to_bits(limit)];

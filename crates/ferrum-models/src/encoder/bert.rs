@@ -6,91 +6,50 @@
 //! Hugging Face names (with or without the `bert.` / `roberta.` prefix a task model adds) and
 //! llama.cpp's `bert` GGUF names.
 
+use ferrum_backend::Backend;
 use ferrum_core::{Error, Result};
 use ferrum_loader::{GgufFile, ModelFile};
 use serde_json::Value as Json;
 
-use super::{EncoderConfig, Family};
+use super::{Classifier, EncoderConfig, Family, FfnKind, Layout};
+use crate::layers::WeightSource;
 
-/// `(Hugging Face name without its prefix, GGUF name)`.
-pub const NAMES: &[(&str, &str)] = &[
-    ("embeddings.word_embeddings.weight", "token_embd.weight"),
-    (
-        "embeddings.position_embeddings.weight",
-        "position_embd.weight",
-    ),
-    (
-        "embeddings.token_type_embeddings.weight",
-        "token_types.weight",
-    ),
-    ("embeddings.LayerNorm.weight", "token_embd_norm.weight"),
-    ("embeddings.LayerNorm.bias", "token_embd_norm.bias"),
-    (
-        "encoder.layer.{i}.attention.self.query.weight",
-        "blk.{i}.attn_q.weight",
-    ),
-    (
-        "encoder.layer.{i}.attention.self.query.bias",
-        "blk.{i}.attn_q.bias",
-    ),
-    (
-        "encoder.layer.{i}.attention.self.key.weight",
-        "blk.{i}.attn_k.weight",
-    ),
-    (
-        "encoder.layer.{i}.attention.self.key.bias",
-        "blk.{i}.attn_k.bias",
-    ),
-    (
-        "encoder.layer.{i}.attention.self.value.weight",
-        "blk.{i}.attn_v.weight",
-    ),
-    (
-        "encoder.layer.{i}.attention.self.value.bias",
-        "blk.{i}.attn_v.bias",
-    ),
-    (
-        "encoder.layer.{i}.attention.output.dense.weight",
-        "blk.{i}.attn_output.weight",
-    ),
-    (
-        "encoder.layer.{i}.attention.output.dense.bias",
-        "blk.{i}.attn_output.bias",
-    ),
-    (
-        "encoder.layer.{i}.attention.output.LayerNorm.weight",
-        "blk.{i}.attn_output_norm.weight",
-    ),
-    (
-        "encoder.layer.{i}.attention.output.LayerNorm.bias",
-        "blk.{i}.attn_output_norm.bias",
-    ),
-    (
-        "encoder.layer.{i}.intermediate.dense.weight",
-        "blk.{i}.ffn_up.weight",
-    ),
-    (
-        "encoder.layer.{i}.intermediate.dense.bias",
-        "blk.{i}.ffn_up.bias",
-    ),
-    (
-        "encoder.layer.{i}.output.dense.weight",
-        "blk.{i}.ffn_down.weight",
-    ),
-    (
-        "encoder.layer.{i}.output.dense.bias",
-        "blk.{i}.ffn_down.bias",
-    ),
-    (
-        "encoder.layer.{i}.output.LayerNorm.weight",
-        "blk.{i}.layer_output_norm.weight",
-    ),
-    (
-        "encoder.layer.{i}.output.LayerNorm.bias",
-        "blk.{i}.layer_output_norm.bias",
-    ),
-    // The sequence classifier: BERT's pooler then classifier, RoBERTa's head's dense then
-    // out_proj (both dense + tanh, then a linear layer to the labels).
+pub static LAYOUT: Layout = Layout {
+    prefixes: &["", "bert.", "roberta.", "model."],
+    word: &["embeddings.word_embeddings", "token_embd"],
+    position: &["embeddings.position_embeddings", "position_embd"],
+    types: &["embeddings.token_type_embeddings", "token_types"],
+    embed_norm: &["embeddings.LayerNorm", "token_embd_norm"],
+    qkv: &[],
+    q: &["encoder.layer.{i}.attention.self.query", "blk.{i}.attn_q"],
+    k: &["encoder.layer.{i}.attention.self.key", "blk.{i}.attn_k"],
+    v: &["encoder.layer.{i}.attention.self.value", "blk.{i}.attn_v"],
+    o: &[
+        "encoder.layer.{i}.attention.output.dense",
+        "blk.{i}.attn_output",
+    ],
+    attn_norm: &[
+        "encoder.layer.{i}.attention.output.LayerNorm",
+        "blk.{i}.attn_output_norm",
+    ],
+    up: &["encoder.layer.{i}.intermediate.dense", "blk.{i}.ffn_up"],
+    gate: &[],
+    down: &["encoder.layer.{i}.output.dense", "blk.{i}.ffn_down"],
+    ffn_norm: &[
+        "encoder.layer.{i}.output.LayerNorm",
+        "blk.{i}.layer_output_norm",
+    ],
+    final_norm: &[],
+    post_attn_norm: &[],
+    post_ffn_norm: &[],
+    q_norm: &[],
+    k_norm: &[],
+};
+
+/// The sequence classifier's `(Hugging Face name, GGUF name)`: BERT's pooler then
+/// classifier, RoBERTa's head's dense then out_proj (both dense + tanh, then a linear layer
+/// to the labels).
+const CLASSIFIER_NAMES: &[(&str, &str)] = &[
     ("pooler.dense.weight", "cls.weight"),
     ("pooler.dense.bias", "cls.bias"),
     ("classifier.weight", "cls.output.weight"),
@@ -100,6 +59,59 @@ pub const NAMES: &[(&str, &str)] = &[
     ("classifier.out_proj.weight", "cls.output.weight"),
     ("classifier.out_proj.bias", "cls.output.bias"),
 ];
+
+/// BERT's and RoBERTa's classifier (the pooler's names carry the encoder's prefix in a
+/// Hugging Face file; `classifier.*` does not).
+pub(super) fn classifier<B: Backend>(
+    src: &WeightSource,
+    be: &B,
+    gguf: bool,
+    prefix: &str,
+    labels: usize,
+    h: usize,
+) -> Result<Classifier<B::Weight>> {
+    let src = WeightSource {
+        store: src.store,
+        gguf,
+        names: CLASSIFIER_NAMES,
+    };
+    let get = |hf: &[&str], shape: (usize, usize)| -> Result<B::Weight> {
+        for n in hf {
+            let full = if gguf || n.starts_with("classifier") {
+                n.to_string()
+            } else {
+                format!("{prefix}{n}")
+            };
+            if src.tensor(&full, 0).is_some() {
+                return src.require(be, &full, 0, shape);
+            }
+        }
+        Err(Error::Weights(format!("no classifier tensor {:?}", hf[0])))
+    };
+    let dense = if gguf && src.store.get("cls.weight").is_none() {
+        None
+    } else {
+        Some((
+            get(&["pooler.dense.weight", "classifier.dense.weight"], (h, h))?,
+            Some(get(
+                &["pooler.dense.bias", "classifier.dense.bias"],
+                (1, h),
+            )?),
+        ))
+    };
+    Ok(Classifier {
+        dense,
+        gelu_norm: None,
+        out: get(
+            &["classifier.weight", "classifier.out_proj.weight"],
+            (labels, h),
+        )?,
+        out_bias: Some(get(
+            &["classifier.bias", "classifier.out_proj.bias"],
+            (1, labels),
+        )?),
+    })
+}
 
 /// Hugging Face classes and model types this file reads.
 pub const HF_CLASSES: &[&str] = &[
@@ -113,11 +125,24 @@ pub const HF_CLASSES: &[&str] = &[
 ];
 pub const HF_TYPES: &[&str] = &["bert", "roberta", "xlm-roberta"];
 
-fn usize_of(c: &Json, k: &str) -> Result<usize> {
+pub(super) fn usize_of(c: &Json, k: &str) -> Result<usize> {
     c.get(k)
         .and_then(Json::as_u64)
         .map(|v| v as usize)
         .ok_or_else(|| Error::Weights(format!("config.json: missing or invalid {k:?}")))
+}
+
+/// A sequence classifier's label count (`id2label`'s entries, else `num_labels`, else 2).
+pub(super) fn labels(c: &Json) -> usize {
+    c.get("id2label")
+        .and_then(Json::as_object)
+        .map(|m| m.len())
+        .or_else(|| {
+            c.get("num_labels")
+                .and_then(Json::as_u64)
+                .map(|n| n as usize)
+        })
+        .unwrap_or(2)
 }
 
 pub fn from_hf(c: &Json) -> Result<EncoderConfig> {
@@ -143,21 +168,9 @@ pub fn from_hf(c: &Json) -> Result<EncoderConfig> {
             )));
         }
     }
-    let labels = if class.ends_with("ForSequenceClassification") {
-        let n = c
-            .get("id2label")
-            .and_then(Json::as_object)
-            .map(|m| m.len())
-            .or_else(|| {
-                c.get("num_labels")
-                    .and_then(Json::as_u64)
-                    .map(|n| n as usize)
-            })
-            .unwrap_or(2);
-        Some(n)
-    } else {
-        None
-    };
+    let labels = class
+        .ends_with("ForSequenceClassification")
+        .then(|| labels(c));
     let pad = c.get("pad_token_id").and_then(Json::as_u64).unwrap_or(1) as usize;
     Ok(EncoderConfig {
         family: if roberta {
@@ -180,6 +193,16 @@ pub fn from_hf(c: &Json) -> Result<EncoderConfig> {
         labels,
         pair_types: true,
         max_tokens: None,
+        rope_theta: None,
+        local: None,
+        ffn: FfnKind::Gelu,
+        prenorm: false,
+        classifier_mean: false,
+        rms: false,
+        head_dim: 0,
+        kv_heads: 0,
+        attn_scale: 0.0,
+        embed_scale: None,
     })
 }
 
@@ -213,6 +236,16 @@ pub fn from_gguf(
         labels,
         pair_types: false,
         max_tokens: None,
+        rope_theta: None,
+        local: None,
+        ffn: FfnKind::Gelu,
+        prenorm: false,
+        classifier_mean: false,
+        rms: false,
+        head_dim: 0,
+        kv_heads: 0,
+        attn_scale: 0.0,
+        embed_scale: None,
     })
 }
 

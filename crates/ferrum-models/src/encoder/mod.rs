@@ -11,9 +11,15 @@
 //! GELU are [`Backend::layer_norm`] and [`Backend::gelu`].
 
 pub mod bert;
+pub mod gemma;
+pub mod modernbert;
+pub mod nomic;
 pub mod pooling;
 
-use ferrum_backend::{AttentionParams, AttnSeq, Backend, KvShape, KvTable, MatmulPart, Rows};
+use ferrum_backend::{
+    Activation, AttentionParams, AttnSeq, Backend, KvShape, KvTable, MatmulPart, RopeLayout,
+    RopeParams, Rows,
+};
 use ferrum_core::{DType, Error, Result};
 use ferrum_loader::ModelFile;
 
@@ -25,6 +31,16 @@ pub enum Family {
     Bert,
     /// XLM-RoBERTa and RoBERTa: BERT's blocks, positions counted from `pad_token_id + 1`.
     XlmRoberta,
+    /// NomicBERT (nomic-embed-text): BERT's post-norm blocks with rotary positions, a fused
+    /// QKV and SwiGLU, no biases.
+    NomicBert,
+    /// ModernBERT: pre-norm blocks, rotary positions, local (windowed) attention on all but
+    /// every `n`-th layer, GeGLU, no biases.
+    ModernBert,
+    /// EmbeddingGemma: Gemma 3's blocks (RMSNorms before and after each sublayer, QK-norm,
+    /// grouped-query attention, GeGLU) with attention both ways, local layers windowed
+    /// either side.
+    GemmaEmbedding,
 }
 
 impl Family {
@@ -32,8 +48,39 @@ impl Family {
         match self {
             Family::Bert => "bert",
             Family::XlmRoberta => "xlm-roberta",
+            Family::NomicBert => "nomic-bert",
+            Family::ModernBert => "modernbert",
+            Family::GemmaEmbedding => "gemma-embedding",
         }
     }
+
+    fn layout(self) -> &'static Layout {
+        match self {
+            Family::Bert | Family::XlmRoberta => &bert::LAYOUT,
+            Family::NomicBert => &nomic::LAYOUT,
+            Family::ModernBert => &modernbert::LAYOUT,
+            Family::GemmaEmbedding => &gemma::LAYOUT,
+        }
+    }
+}
+
+/// A block's feed-forward network.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum FfnKind {
+    /// `down(gelu(up(x)))` with exact GELU (BERT).
+    Gelu,
+    /// `down(act(gate(x)) · up(x))`: NomicBERT's SwiGLU, ModernBERT's GeGLU.
+    Glu(Activation),
+}
+
+/// ModernBERT's local layers: each token sees the keys within `half` positions either side.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LocalAttention {
+    pub half: usize,
+    /// The local layers' rotary base.
+    pub theta: f32,
+    /// Which layers are local (the rest attend globally).
+    pub layers: Vec<bool>,
 }
 
 #[derive(Debug, Clone)]
@@ -44,6 +91,8 @@ pub struct EncoderConfig {
     pub layers: usize,
     pub intermediate: usize,
     pub vocab: usize,
+    /// Rows of the learned position table, or the longest input a rotary model was trained
+    /// on.
     pub max_position: usize,
     /// Rows of the token-type table (0: none).
     pub type_vocab: usize,
@@ -60,6 +109,26 @@ pub struct EncoderConfig {
     /// The model's own limit below the position table, where its files give one
     /// (sentence-transformers' `max_seq_length`: all-MiniLM-L6-v2 was trained to 256).
     pub max_tokens: Option<usize>,
+    /// Rotary positions' base (of the global layers) instead of a learned table.
+    pub rope_theta: Option<f32>,
+    pub local: Option<LocalAttention>,
+    pub ffn: FfnKind,
+    /// Norms before each sublayer and once at the end (ModernBERT), not after each (BERT).
+    pub prenorm: bool,
+    /// Gemma's norms: RMSNorms (`1 + w` in a Hugging Face file) before and after each
+    /// sublayer and once at the end, and on each query and key head; `prenorm` is set too.
+    pub rms: bool,
+    /// Each attention head's size (0: `hidden / heads`).
+    pub head_dim: usize,
+    /// Key and value heads (0: as many as query heads).
+    pub kv_heads: usize,
+    /// The attention scores' scale (0: `head_dim^-½`).
+    pub attn_scale: f32,
+    /// What the token embeddings are multiplied by (Gemma's `√hidden`).
+    pub embed_scale: Option<f32>,
+    /// How a classifier reads the sequence: its first token (BERT), or the mean of its
+    /// states (ModernBERT's `classifier_pooling: "mean"`).
+    pub classifier_mean: bool,
 }
 
 impl EncoderConfig {
@@ -69,16 +138,86 @@ impl EncoderConfig {
         let table = self.max_position.saturating_sub(self.position_offset);
         self.max_tokens.map_or(table, |m| m.min(table))
     }
+
+    /// Fills the sizes left at 0 with their defaults: `hidden / heads` per head, as many KV
+    /// heads as query heads, `head_dim^-½`.
+    fn with_defaults(mut self) -> Self {
+        if self.head_dim == 0 && self.heads > 0 {
+            self.head_dim = self.hidden / self.heads;
+        }
+        if self.kv_heads == 0 {
+            self.kv_heads = self.heads;
+        }
+        if self.attn_scale == 0.0 && self.head_dim > 0 {
+            self.attn_scale = 1.0 / (self.head_dim as f32).sqrt();
+        }
+        self
+    }
+
+    /// Query columns (`heads × head_dim`) and key or value columns of the fused projection.
+    pub fn q_width(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    pub fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// The half window of layer `i`, when it is a local layer.
+    pub fn window_of(&self, i: usize) -> Option<usize> {
+        self.local
+            .as_ref()
+            .filter(|l| l.layers.get(i).copied().unwrap_or(false))
+            .map(|l| l.half)
+    }
+}
+
+/// Where a family keeps each weight: candidate names per role, Hugging Face's (after a task
+/// model's prefix) and llama.cpp's GGUF names, `{i}` the layer. Each is a stem: `.weight`
+/// follows, and `.bias` where the file has one (absent biases are zero).
+pub struct Layout {
+    /// What a task model puts before the encoder's names (`bert.`, `model.`).
+    pub prefixes: &'static [&'static str],
+    pub word: &'static [&'static str],
+    pub position: &'static [&'static str],
+    pub types: &'static [&'static str],
+    pub embed_norm: &'static [&'static str],
+    /// A fused `[q; k; v]` projection, tried before the three apart.
+    pub qkv: &'static [&'static str],
+    pub q: &'static [&'static str],
+    pub k: &'static [&'static str],
+    pub v: &'static [&'static str],
+    pub o: &'static [&'static str],
+    /// After attention (post-norm), or before it (pre-norm; none on ModernBERT's layer 0).
+    pub attn_norm: &'static [&'static str],
+    /// The FFN's input matrix: `2f` rows (`[gate; up]`) in a gated FFN without `gate`.
+    pub up: &'static [&'static str],
+    pub gate: &'static [&'static str],
+    pub down: &'static [&'static str],
+    /// After the FFN (post-norm), or before it (pre-norm).
+    pub ffn_norm: &'static [&'static str],
+    pub final_norm: &'static [&'static str],
+    /// Gemma's norms after attention and after the FFN, and per query and key head.
+    pub post_attn_norm: &'static [&'static str],
+    pub post_ffn_norm: &'static [&'static str],
+    pub q_norm: &'static [&'static str],
+    pub k_norm: &'static [&'static str],
 }
 
 /// Whether `file` holds an encoder this module runs (and not a decoder).
 pub fn is_encoder(file: &ModelFile) -> bool {
-    bert::matches(file)
+    bert::matches(file) || nomic::matches(file) || modernbert::matches(file) || gemma::matches(file)
 }
 
 /// Every encoder class and GGUF architecture, for error messages and the README.
 pub fn supported() -> String {
-    format!("{} (GGUF: bert)", bert::HF_CLASSES.join(", "))
+    format!(
+        "{}, {}, {}, Gemma3TextModel with use_bidirectional_attention (EmbeddingGemma) (GGUF: \
+         bert, nomic-bert, modern-bert, gemma-embedding)",
+        bert::HF_CLASSES.join(", "),
+        nomic::HF_CLASSES.join(", "),
+        modernbert::HF_CLASSES.join(", ")
+    )
 }
 
 /// An encoder's configuration from its files (config.json and sentence-transformers'
@@ -86,6 +225,9 @@ pub fn supported() -> String {
 pub fn read_config(file: &ModelFile) -> Result<EncoderConfig> {
     let store = file.tensors();
     let config = match file {
+        ModelFile::Hf(h) if nomic::matches(file) => nomic::from_hf(&h.config)?,
+        ModelFile::Hf(h) if modernbert::matches(file) => modernbert::from_hf(&h.config)?,
+        ModelFile::Hf(h) if gemma::matches(file) => gemma::from_hf(&h.config)?,
         ModelFile::Hf(h) => bert::from_hf(&h.config)?,
         ModelFile::Gguf(g) => {
             let vocab = store
@@ -94,10 +236,15 @@ pub fn read_config(file: &ModelFile) -> Result<EncoderConfig> {
                 .ok_or_else(|| {
                     Error::Weights(format!("{}: no token_embd.weight", g.path.display()))
                 })?;
-            bert::from_gguf(g, vocab, &store)?
+            match g.architecture()? {
+                "nomic-bert" => nomic::from_gguf(g, vocab, &store)?,
+                "modern-bert" => modernbert::from_gguf(g, vocab, &store)?,
+                "gemma-embedding" => gemma::from_gguf(g, vocab)?,
+                _ => bert::from_gguf(g, vocab, &store)?,
+            }
         }
     };
-    let mut config = config;
+    let mut config = config.with_defaults();
     if let ModelFile::Hf(h) = file {
         let p = h.dir.join("sentence_bert_config.json");
         if let Ok(text) = std::fs::read_to_string(&p) {
@@ -175,28 +322,83 @@ struct Norm {
     bias: Vec<f32>,
 }
 
-struct Layer<W> {
-    q: W,
-    k: W,
-    v: W,
-    qkv_bias: [W; 3],
-    o: W,
-    o_bias: W,
-    attn_norm: Norm,
-    up: W,
-    up_bias: W,
-    down: W,
-    down_bias: W,
-    out_norm: Norm,
+/// A block's norm: a LayerNorm (on the host's parameters) or an RMSNorm (Gemma).
+enum BlockNorm<W> {
+    Layer(Norm),
+    Rms(W),
 }
 
-/// A sequence classifier: `out(tanh(dense(first token)))`; without `dense` (a GGUF file
-/// from llama.cpp's converter, which drops BERT's pooler) `out(first token)`, as llama.cpp
-/// scores such a file.
+impl<W> BlockNorm<W> {
+    fn apply<B: Backend<Weight = W>>(&self, be: &B, x: &mut B::Buf, xv: Rows, eps: f32) {
+        match self {
+            BlockNorm::Layer(n) => be.layer_norm(x, xv, &n.weight, &n.bias, eps),
+            BlockNorm::Rms(w) => be.rms_norm_inplace(x, xv, w, eps),
+        }
+    }
+
+    /// The normed copy of `x` in `y`.
+    fn apply_into<B: Backend<Weight = W>>(
+        &self,
+        be: &B,
+        x: &B::Buf,
+        xv: Rows,
+        y: &mut B::Buf,
+        eps: f32,
+    ) {
+        match self {
+            BlockNorm::Layer(n) => {
+                be.copy_rows(x, xv, y, xv);
+                be.layer_norm(y, xv, &n.weight, &n.bias, eps);
+            }
+            BlockNorm::Rms(w) => be.rms_norm(x, xv, w, eps, y, xv),
+        }
+    }
+}
+
+/// Gemma's extra norms: after attention and after the FFN, and per query and key head.
+struct GemmaNorms<W> {
+    post_attn: W,
+    post_ffn: W,
+    q: W,
+    k: W,
+}
+
+/// A matrix, its bias where the file has one, and the columns of the output it fills.
+struct Part<W> {
+    w: W,
+    bias: Option<W>,
+    col: usize,
+    width: usize,
+}
+
+struct Layer<W> {
+    /// Into `[q | k | v]`: one fused part or three.
+    qkv: Vec<Part<W>>,
+    o: W,
+    o_bias: Option<W>,
+    attn_norm: Option<BlockNorm<W>>,
+    /// Into the FFN buffer: `[up]` (GELU) or `[gate | up]` (gated).
+    up: Vec<Part<W>>,
+    down: W,
+    down_bias: Option<W>,
+    ffn_norm: BlockNorm<W>,
+    gemma: Option<GemmaNorms<W>>,
+    /// Half window of a local layer.
+    window: Option<usize>,
+    /// Rotary inverse frequencies (rotary models).
+    inv_freq: Option<Vec<f32>>,
+}
+
+/// A sequence classifier on the pooled states: `out(tanh(dense(x)))` (BERT's pooler and
+/// classifier, RoBERTa's head) or `out(norm(gelu(dense(x))))` (ModernBERT's head); without
+/// `dense` (a BERT GGUF file from llama.cpp's converter, which drops the pooler)
+/// `out(first token)`, as llama.cpp scores such a file.
 struct Classifier<W> {
-    dense: Option<(W, W)>,
+    dense: Option<(W, Option<W>)>,
+    /// ModernBERT's head: GELU then this norm; else tanh.
+    gelu_norm: Option<Norm>,
     out: W,
-    out_bias: W,
+    out_bias: Option<W>,
 }
 
 /// One input: token ids and, for a pair, each token's segment.
@@ -226,10 +428,11 @@ pub struct Encoder<B: Backend> {
     /// Whether `pooling` came from the model's files.
     pub pooling_from_files: bool,
     word: W<B>,
-    position: W<B>,
+    position: Option<W<B>>,
     types: Option<W<B>>,
-    embed_norm: Norm,
+    embed_norm: Option<Norm>,
     layers: Vec<Layer<W<B>>>,
+    final_norm: Option<BlockNorm<W<B>>>,
     classifier: Option<Classifier<W<B>>>,
 }
 
@@ -238,10 +441,15 @@ type W<B> = <B as Backend>::Weight;
 /// One call's working buffers, sized for its largest pass.
 struct Scratch<B: Backend> {
     x: B::Buf,
+    /// A pre-norm block's normed input.
+    y: B::Buf,
     tmp: B::Buf,
     qkv: B::Buf,
+    /// Long sequences' `[q | k | v]` rows in reverse order (local attention).
+    rev: B::Buf,
     attn: B::Buf,
     ffn: B::Buf,
+    act: B::Buf,
     k: B::KvBuf,
     v: B::KvBuf,
 }
@@ -263,115 +471,174 @@ impl<B: Backend> Encoder<B> {
                 c.heads, c.hidden
             )));
         }
+        let lay = c.family.layout();
         // A task model keeps the encoder under its own prefix.
-        let prefix = ["", "bert.", "roberta.", "model."]
-            .into_iter()
-            .find(|p| gguf || store.contains(&format!("{p}embeddings.word_embeddings.weight")))
-            .ok_or_else(|| Error::Weights("no embeddings.word_embeddings.weight".into()))?;
+        let prefix = if gguf {
+            ""
+        } else {
+            lay.prefixes
+                .iter()
+                .copied()
+                .find(|p| {
+                    lay.word
+                        .iter()
+                        .any(|w| store.contains(&format!("{p}{w}.weight")))
+                })
+                .ok_or_else(|| {
+                    Error::Weights(format!("no word embeddings ({}.weight)", lay.word[0]))
+                })?
+        };
+        let find = |stems: &[&str], i: usize, suffix: &str| -> Option<String> {
+            stems.iter().find_map(|s| {
+                let n = format!("{prefix}{}{suffix}", s.replace("{i}", &i.to_string()));
+                store.contains(&n).then_some(n)
+            })
+        };
+        let missing = |stems: &[&str], i: usize| {
+            Error::Weights(format!(
+                "missing tensor {:?} (layer {i})",
+                stems.first().unwrap_or(&"?")
+            ))
+        };
         let src = WeightSource {
             store: &store,
-            gguf,
-            names: bert::NAMES,
-        };
-        let name = |n: &str| {
-            if gguf {
-                n.to_string()
-            } else {
-                format!("{prefix}{n}")
-            }
+            gguf: false,
+            names: &[],
         };
         let be = &backend;
         backend.reserve(store.total_bytes() as u64)?;
         let (h, f) = (c.hidden, c.intermediate);
-        let mat = |n: &str, i: usize, shape: (usize, usize)| src.require(be, &name(n), i, shape);
+        let mat = |stems: &[&str], i: usize, shape: (usize, usize)| -> Result<W<B>> {
+            let n = find(stems, i, ".weight").ok_or_else(|| missing(stems, i))?;
+            src.require(be, &n, 0, shape)
+        };
         // The blocks' matrices: an encoder's batches are bound by arithmetic, so the fast
         // path may multiply them in 8 bits.
-        let layer_mat = |n: &str, i: usize, shape: (usize, usize)| {
-            src.require_with(be, &name(n), i, shape, |t| be.load_weight_compute(t))
+        let layer_mat = |stems: &[&str], i: usize, shape: (usize, usize)| -> Result<W<B>> {
+            let n = find(stems, i, ".weight").ok_or_else(|| missing(stems, i))?;
+            src.require_with(be, &n, 0, shape, |t| be.load_weight_compute(t))
         };
-        let vec = |n: &str, i: usize, len: usize| src.require(be, &name(n), i, (1, len));
-        let norm = |n: &str, i: usize| -> Result<Norm> {
-            Ok(Norm {
-                weight: src.vector(&name(&format!("{n}.weight")), i, h)?,
-                bias: src.vector(&name(&format!("{n}.bias")), i, h)?,
-            })
+        let bias = |stems: &[&str], i: usize, len: usize| -> Result<Option<W<B>>> {
+            match find(stems, i, ".bias") {
+                Some(n) => Ok(Some(src.require(be, &n, 0, (1, len))?)),
+                None => Ok(None),
+            }
         };
-        let word = mat("embeddings.word_embeddings.weight", 0, (c.vocab, h))?;
-        let position = mat(
-            "embeddings.position_embeddings.weight",
-            0,
-            (c.max_position, h),
-        )?;
-        let types = if c.type_vocab > 0 {
-            Some(mat(
-                "embeddings.token_type_embeddings.weight",
-                0,
-                (c.type_vocab, h),
-            )?)
+        let norm = |stems: &[&str], i: usize| -> Result<Option<Norm>> {
+            let Some(w) = find(stems, i, ".weight") else {
+                return Ok(None);
+            };
+            Ok(Some(Norm {
+                weight: src.vector(&w, 0, h)?,
+                bias: match find(stems, i, ".bias") {
+                    Some(b) => src.vector(&b, 0, h)?,
+                    None => vec![0.0; h],
+                },
+            }))
+        };
+        // Gemma's RMSNorm weights are `1 + w` in a Hugging Face file, as stored in a GGUF.
+        let rms_offset = if gguf { 0.0 } else { 1.0 };
+        let rms = |stems: &[&str], i: usize, len: usize| -> Result<W<B>> {
+            let n = find(stems, i, ".weight").ok_or_else(|| missing(stems, i))?;
+            src.norm(be, &n, 0, len, rms_offset)
+        };
+        let block_norm = |stems: &[&str], i: usize| -> Result<Option<BlockNorm<W<B>>>> {
+            if c.rms {
+                return match find(stems, i, ".weight") {
+                    Some(_) => Ok(Some(BlockNorm::Rms(rms(stems, i, h)?))),
+                    None => Ok(None),
+                };
+            }
+            Ok(norm(stems, i)?.map(BlockNorm::Layer))
+        };
+        let need_block_norm =
+            |stems: &[&str], i: usize| block_norm(stems, i)?.ok_or_else(|| missing(stems, i));
+        let word = mat(lay.word, 0, (c.vocab, h))?;
+        let position = if c.rope_theta.is_some() {
+            None
+        } else {
+            Some(mat(lay.position, 0, (c.max_position, h))?)
+        };
+        let types = if c.type_vocab > 0 && find(lay.types, 0, ".weight").is_some() {
+            Some(mat(lay.types, 0, (c.type_vocab, h))?)
         } else {
             None
         };
-        let embed_norm = norm("embeddings.LayerNorm", 0)?;
+        let embed_norm = if lay.embed_norm.is_empty() {
+            None
+        } else {
+            Some(norm(lay.embed_norm, 0)?.ok_or_else(|| missing(lay.embed_norm, 0))?)
+        };
+        let (hd, qw, kw) = (c.head_dim, c.q_width(), c.kv_width());
+        let inv = |theta: f32| crate::config::inv_freq(theta, hd, None);
         let mut layers = Vec::with_capacity(c.layers);
         for i in 0..c.layers {
-            let l = |s: &str| format!("encoder.layer.{{i}}.{s}");
+            let part = |stems: &[&str], rows: usize, col: usize| -> Result<Part<W<B>>> {
+                Ok(Part {
+                    w: layer_mat(stems, i, (rows, h))?,
+                    bias: bias(stems, i, rows)?,
+                    col,
+                    width: rows,
+                })
+            };
+            let qkv = if find(lay.qkv, i, ".weight").is_some() {
+                vec![part(lay.qkv, qw + 2 * kw, 0)?]
+            } else {
+                vec![
+                    part(lay.q, qw, 0)?,
+                    part(lay.k, kw, qw)?,
+                    part(lay.v, kw, qw + kw)?,
+                ]
+            };
+            let up = match c.ffn {
+                FfnKind::Gelu => vec![part(lay.up, f, 0)?],
+                FfnKind::Glu(_) if find(lay.gate, i, ".weight").is_some() => {
+                    vec![part(lay.gate, f, 0)?, part(lay.up, f, f)?]
+                }
+                FfnKind::Glu(_) => vec![part(lay.up, 2 * f, 0)?],
+            };
+            let window = c.window_of(i);
             layers.push(Layer {
-                q: layer_mat(&l("attention.self.query.weight"), i, (h, h))?,
-                k: layer_mat(&l("attention.self.key.weight"), i, (h, h))?,
-                v: layer_mat(&l("attention.self.value.weight"), i, (h, h))?,
-                qkv_bias: [
-                    vec(&l("attention.self.query.bias"), i, h)?,
-                    vec(&l("attention.self.key.bias"), i, h)?,
-                    vec(&l("attention.self.value.bias"), i, h)?,
-                ],
-                o: layer_mat(&l("attention.output.dense.weight"), i, (h, h))?,
-                o_bias: vec(&l("attention.output.dense.bias"), i, h)?,
-                attn_norm: norm(&l("attention.output.LayerNorm"), i)?,
-                up: layer_mat(&l("intermediate.dense.weight"), i, (f, h))?,
-                up_bias: vec(&l("intermediate.dense.bias"), i, f)?,
-                down: layer_mat(&l("output.dense.weight"), i, (h, f))?,
-                down_bias: vec(&l("output.dense.bias"), i, h)?,
-                out_norm: norm(&l("output.LayerNorm"), i)?,
+                qkv,
+                o: layer_mat(lay.o, i, (h, qw))?,
+                o_bias: bias(lay.o, i, h)?,
+                attn_norm: if c.prenorm {
+                    block_norm(lay.attn_norm, i)?
+                } else {
+                    Some(need_block_norm(lay.attn_norm, i)?)
+                },
+                up,
+                down: layer_mat(lay.down, i, (h, f))?,
+                down_bias: bias(lay.down, i, h)?,
+                ffn_norm: need_block_norm(lay.ffn_norm, i)?,
+                gemma: if c.rms {
+                    Some(GemmaNorms {
+                        post_attn: rms(lay.post_attn_norm, i, h)?,
+                        post_ffn: rms(lay.post_ffn_norm, i, h)?,
+                        q: rms(lay.q_norm, i, hd)?,
+                        k: rms(lay.k_norm, i, hd)?,
+                    })
+                } else {
+                    None
+                },
+                window,
+                inv_freq: c.rope_theta.map(|t| match (window, &c.local) {
+                    (Some(_), Some(l)) => inv(l.theta),
+                    _ => inv(t),
+                }),
             });
         }
+        let final_norm = if c.prenorm {
+            Some(need_block_norm(lay.final_norm, 0)?)
+        } else {
+            None
+        };
         let classifier = match c.labels {
             None => None,
-            Some(labels) => {
-                // BERT: the pooler and `classifier`; RoBERTa: `classifier.dense` and
-                // `classifier.out_proj` (unprefixed in a Hugging Face file).
-                let get = |hf: &[&str], shape: (usize, usize)| -> Result<W<B>> {
-                    for n in hf {
-                        let full = if gguf || n.starts_with("classifier") {
-                            n.to_string()
-                        } else {
-                            format!("{prefix}{n}")
-                        };
-                        if src.tensor(&full, 0).is_some() {
-                            return src.require(be, &full, 0, shape);
-                        }
-                    }
-                    Err(Error::Weights(format!("no classifier tensor {:?}", hf[0])))
-                };
-                let dense = if gguf && store.get("cls.weight").is_none() {
-                    None
-                } else {
-                    Some((
-                        get(&["pooler.dense.weight", "classifier.dense.weight"], (h, h))?,
-                        get(&["pooler.dense.bias", "classifier.dense.bias"], (1, h))?,
-                    ))
-                };
-                Some(Classifier {
-                    dense,
-                    out: get(
-                        &["classifier.weight", "classifier.out_proj.weight"],
-                        (labels, h),
-                    )?,
-                    out_bias: get(
-                        &["classifier.bias", "classifier.out_proj.bias"],
-                        (1, labels),
-                    )?,
-                })
+            Some(labels) if c.family == Family::ModernBert => {
+                Some(modernbert::classifier(&src, be, labels, h)?)
             }
+            Some(labels) => Some(bert::classifier(&src, be, gguf, prefix, labels, h)?),
         };
         let read = Pooling::read(file, h)?;
         let pooling_from_files = read.is_some();
@@ -406,6 +673,7 @@ impl<B: Backend> Encoder<B> {
             types,
             embed_norm,
             layers,
+            final_norm,
             classifier,
         })
     }
@@ -443,7 +711,8 @@ impl<B: Backend> Encoder<B> {
                     c.vocab
                 )));
             }
-            if let Some(t) = x.types {
+            // A model without a token-type table (ModernBERT, Gemma) ignores the segments.
+            if let Some(t) = x.types.filter(|_| self.types.is_some()) {
                 if t.len() != x.ids.len() {
                     return Err(Error::InvalidRequest(format!(
                         "input {i}: {} token types for {} tokens",
@@ -518,7 +787,17 @@ impl<B: Backend> Encoder<B> {
         let be = &self.backend;
         let mut first = be.alloc(n * h);
         for (i, s) in states.iter().enumerate() {
-            be.write(&mut first, i * h, &s[..h]);
+            if self.config.classifier_mean {
+                let rows = (s.len() / h).max(1);
+                let mut mean = vec![0f32; h];
+                for r in s.chunks_exact(h) {
+                    mean.iter_mut().zip(r).for_each(|(m, v)| *m += v);
+                }
+                mean.iter_mut().for_each(|m| *m /= rows as f32);
+                be.write(&mut first, i * h, &mean);
+            } else {
+                be.write(&mut first, i * h, &s[..h]);
+            }
         }
         let pooled = match &cl.dense {
             Some((w, b)) => {
@@ -527,13 +806,27 @@ impl<B: Backend> Encoder<B> {
                     &first,
                     Rows::dense(n, h),
                     w,
-                    Some(b),
+                    b.as_ref(),
                     &mut pooled,
                     Rows::dense(n, h),
                 );
+                be.sync()?;
                 let mut p = vec![0f32; n * h];
                 be.read(&pooled, 0, &mut p);
-                p.iter_mut().for_each(|v| *v = v.tanh());
+                match &cl.gelu_norm {
+                    Some(norm) => {
+                        for row in p.chunks_exact_mut(h) {
+                            ferrum_backend::host_ops::gelu_erf(row);
+                            ferrum_backend::host_ops::layer_norm_row(
+                                row,
+                                &norm.weight,
+                                &norm.bias,
+                                self.config.eps,
+                            );
+                        }
+                    }
+                    None => p.iter_mut().for_each(|v| *v = v.tanh()),
+                }
                 be.write(&mut pooled, 0, &p);
                 pooled
             }
@@ -545,7 +838,7 @@ impl<B: Backend> Encoder<B> {
             &pooled,
             Rows::dense(n, h),
             &cl.out,
-            Some(&cl.out_bias),
+            cl.out_bias.as_ref(),
             &mut logits,
             Rows::dense(n, labels),
         );
@@ -559,18 +852,25 @@ impl<B: Backend> Encoder<B> {
     fn scratch(&self, tokens: usize, blocks: usize) -> Scratch<B> {
         let c = &self.config;
         let be = &self.backend;
+        // Local layers keep long sequences' keys twice: in order, and reversed.
+        let copies = if c.local.is_some() { 2 } else { 1 };
         let shape = KvShape {
-            blocks,
+            blocks: blocks * copies,
             block_size: BLOCK,
-            heads: c.heads,
-            head_dim: c.hidden / c.heads,
+            heads: c.kv_heads,
+            head_dim: c.head_dim,
         };
+        let qkv = c.q_width() + 2 * c.kv_width();
+        let gated = matches!(c.ffn, FfnKind::Glu(_));
         Scratch {
             x: be.alloc(tokens * c.hidden),
+            y: be.alloc(if c.prenorm { tokens * c.hidden } else { 1 }),
             tmp: be.alloc(tokens * c.hidden),
-            qkv: be.alloc(tokens * 3 * c.hidden),
-            attn: be.alloc(tokens * c.hidden),
-            ffn: be.alloc(tokens * c.intermediate),
+            qkv: be.alloc(tokens * qkv),
+            rev: be.alloc(if c.local.is_some() { tokens * qkv } else { 1 }),
+            attn: be.alloc(tokens * c.q_width()),
+            ffn: be.alloc(tokens * c.intermediate * if gated { 2 } else { 1 }),
+            act: be.alloc(if gated { tokens * c.intermediate } else { 1 }),
             k: be.alloc_kv(shape),
             v: be.alloc_kv(shape),
         }
@@ -579,16 +879,20 @@ impl<B: Backend> Encoder<B> {
     fn pass(&self, inputs: &[Input], s: &mut Scratch<B>) -> Result<Vec<Vec<f32>>> {
         let Scratch {
             x,
+            y,
             tmp,
             qkv,
+            rev,
             attn,
             ffn,
+            act,
             k: k_cache,
             v: v_cache,
         } = s;
         let c = &self.config;
         let be = &self.backend;
-        let (h, f, hd) = (c.hidden, c.intermediate, c.hidden / c.heads);
+        let (h, f, hd) = (c.hidden, c.intermediate, c.head_dim);
+        let (qw, kw) = (c.q_width(), c.kv_width());
         let n: usize = inputs.iter().map(|x| x.ids.len()).sum();
         let ids: Vec<u32> = inputs.iter().flat_map(|x| x.ids.iter().copied()).collect();
         let positions: Vec<u32> = inputs
@@ -597,8 +901,13 @@ impl<B: Backend> Encoder<B> {
             .collect();
         let hidden = Rows::dense(n, h);
         be.embed(&self.word, &ids, x, hidden);
-        be.embed(&self.position, &positions, tmp, hidden);
-        be.add_inplace(x, hidden, tmp, hidden);
+        if let Some(e) = c.embed_scale {
+            be.scale_inplace(x, hidden, e);
+        }
+        if let Some(position) = &self.position {
+            be.embed(position, &positions, tmp, hidden);
+            be.add_inplace(x, hidden, tmp, hidden);
+        }
         if let Some(types) = &self.types {
             let t: Vec<u32> = inputs
                 .iter()
@@ -610,16 +919,12 @@ impl<B: Backend> Encoder<B> {
             be.embed(types, &t, tmp, hidden);
             be.add_inplace(x, hidden, tmp, hidden);
         }
-        be.layer_norm(
-            x,
-            hidden,
-            &self.embed_norm.weight,
-            &self.embed_norm.bias,
-            c.eps,
-        );
+        if let Some(norm) = &self.embed_norm {
+            be.layer_norm(x, hidden, &norm.weight, &norm.bias, c.eps);
+        }
 
-        // Each sequence's blocks, consecutive; each query row a one-row sequence at the last
-        // position, so it attends to every key of its sequence.
+        // Each sequence's blocks, consecutive (then, for local layers, as many again for
+        // its keys in reverse order).
         let mut tables: Vec<Vec<u32>> = Vec::with_capacity(inputs.len());
         let mut next = 0u32;
         for x in inputs {
@@ -627,19 +932,22 @@ impl<B: Backend> Encoder<B> {
             tables.push((next..next + blocks).collect());
             next += blocks;
         }
+        let rev_tables: Vec<Vec<u32>> = tables
+            .iter()
+            .map(|t| t.iter().map(|b| b + next).collect())
+            .collect();
         let write_seqs: Vec<AttnSeq> = inputs
             .iter()
             .zip(&tables)
             .map(|(x, t)| AttnSeq {
                 rows: x.ids.len(),
                 first_pos: 0,
-                table: KvTable {
-                    blocks: t,
-                    block_size: BLOCK,
-                },
+                table: kv_table(t),
             })
             .collect();
-        let query_seqs: Vec<AttnSeq> = write_seqs
+        // Global layers: each query row a one-row sequence at the last position, so it
+        // attends to every key of its sequence.
+        let global_seqs: Vec<AttnSeq> = write_seqs
             .iter()
             .flat_map(|s| {
                 (0..s.rows).map(move |_| AttnSeq {
@@ -649,61 +957,161 @@ impl<B: Backend> Encoder<B> {
                 })
             })
             .collect();
-        let params = AttentionParams {
-            n_kv_heads: c.heads,
-            scale: 1.0 / (hd as f32).sqrt(),
-            window: None,
+        // Local layers (keys within `w` either side) through the causal window `2w + 1`:
+        // row `p` of `n` sits at `p + w` when that is a key; else, when `p ≥ w`, at `n-1-p+w`
+        // over the keys reversed (it sees reversed `0..`, which are `p - w ..= n - 1`); else
+        // (both edges past the ends) at `n - 1`, seeing all.
+        let half = c.local.as_ref().map_or(0, |l| l.half);
+        let local_seqs: Vec<AttnSeq> = write_seqs
+            .iter()
+            .zip(&rev_tables)
+            .flat_map(|(s, rt)| {
+                let n = s.rows;
+                (0..n).map(move |p| {
+                    let (first_pos, t) = if p + half < n {
+                        (p + half, s.table)
+                    } else if p >= half {
+                        (n - 1 - p + half, kv_table(rt))
+                    } else {
+                        (n - 1, s.table)
+                    };
+                    AttnSeq {
+                        rows: 1,
+                        first_pos,
+                        table: t,
+                    }
+                })
+            })
+            .collect();
+        // Rows of the sequences some row of which reads the reversed keys (`n > w`).
+        let mut rev_rows: Vec<u32> = Vec::new();
+        let mut rev_seqs = Vec::new();
+        if c.local.is_some() {
+            let mut row = 0usize;
+            for (s, rt) in write_seqs.iter().zip(&rev_tables) {
+                if s.rows > half {
+                    rev_seqs.push((rev_rows.len(), s.rows, kv_table(rt)));
+                    rev_rows.extend((row..row + s.rows).rev().map(|r| r as u32));
+                }
+                row += s.rows;
+            }
+        }
+        let params = |window: Option<usize>| AttentionParams {
+            n_kv_heads: c.kv_heads,
+            scale: c.attn_scale,
+            window: window.map(|w| 2 * w + 1),
             softcap: None,
             sinks: None,
         };
 
-        let w3 = 3 * h;
-        let q_cols = Rows::columns(n, w3, 0, h);
-        let k_cols = Rows::columns(n, w3, h, h);
-        let v_cols = Rows::columns(n, w3, 2 * h, h);
+        let w3 = qw + 2 * kw;
+        let q_cols = Rows::columns(n, w3, 0, qw);
+        let k_cols = Rows::columns(n, w3, qw, kw);
+        let v_cols = Rows::columns(n, w3, qw + kw, kw);
         let (q_view, k_view) = (q_cols.split_heads(hd), k_cols.split_heads(hd));
+        let gated = match c.ffn {
+            FfnKind::Glu(a) => Some(a),
+            FfnKind::Gelu => None,
+        };
+        let ffn_view = Rows::dense(n, if gated.is_some() { 2 * f } else { f });
+        let act_view = Rows::dense(n, f);
+        let attn_view = Rows::dense(n, qw).split_heads(hd);
         for l in &self.layers {
-            let part = |weight, bias, out| MatmulPart {
-                weight,
-                bias: Some(bias),
-                out,
+            // Pre-norm: the sublayer reads a normed copy; post-norm: `x` itself.
+            let input: &B::Buf = match (&l.attn_norm, c.prenorm) {
+                (Some(norm), true) => {
+                    norm.apply_into(be, x, hidden, y, c.eps);
+                    y
+                }
+                _ => x,
             };
-            be.matmul_many(
-                x,
-                hidden,
-                &[
-                    part(&l.q, &l.qkv_bias[0], q_cols),
-                    part(&l.k, &l.qkv_bias[1], k_cols),
-                    part(&l.v, &l.qkv_bias[2], v_cols),
-                ],
-                qkv,
-            );
+            be.matmul_many(input, hidden, &parts(&l.qkv, n, w3), qkv);
+            if let Some(g) = &l.gemma {
+                be.rms_norm_inplace(qkv, q_view, &g.q, c.eps);
+                be.rms_norm_inplace(qkv, k_view, &g.k, c.eps);
+            }
+            if let Some(inv_freq) = &l.inv_freq {
+                let rope = RopeParams {
+                    layout: RopeLayout::Neox,
+                    inv_freq,
+                    factor: 1.0,
+                };
+                be.rope(qkv, q_view, &positions, rope);
+                be.rope(qkv, k_view, &positions, rope);
+            }
             let mut row = 0;
             for s in &write_seqs {
                 be.write_kv(qkv, k_view.slice(row, s.rows), k_cache, s.table, 0);
                 be.write_kv(qkv, v_cols.slice(row, s.rows), v_cache, s.table, 0);
                 row += s.rows;
             }
-            let attn_view = Rows::dense(n, h).split_heads(hd);
+            if l.window.is_some() && !rev_rows.is_empty() {
+                let m = rev_rows.len();
+                be.gather_rows(qkv, Rows::dense(n, w3), &rev_rows, rev, Rows::dense(m, w3));
+                let rk = Rows::columns(m, w3, qw, kw).split_heads(hd);
+                let rv = Rows::columns(m, w3, qw + kw, kw);
+                for &(start, len, t) in &rev_seqs {
+                    be.write_kv(rev, rk.slice(start, len), k_cache, t, 0);
+                    be.write_kv(rev, rv.slice(start, len), v_cache, t, 0);
+                }
+            }
+            let seqs = if l.window.is_some() {
+                &local_seqs
+            } else {
+                &global_seqs
+            };
             be.attention(
                 qkv,
                 q_view,
                 k_cache,
                 v_cache,
-                &query_seqs,
+                seqs,
                 attn,
                 attn_view,
-                params,
+                params(l.window),
             );
-            be.matmul(attn, hidden, &l.o, Some(&l.o_bias), tmp, hidden);
+            be.matmul(
+                attn,
+                Rows::dense(n, qw),
+                &l.o,
+                l.o_bias.as_ref(),
+                tmp,
+                hidden,
+            );
+            if let Some(g) = &l.gemma {
+                be.rms_norm_inplace(tmp, hidden, &g.post_attn, c.eps);
+            }
             be.add_inplace(x, hidden, tmp, hidden);
-            be.layer_norm(x, hidden, &l.attn_norm.weight, &l.attn_norm.bias, c.eps);
-            let ffn_view = Rows::dense(n, f);
-            be.matmul(x, hidden, &l.up, Some(&l.up_bias), ffn, ffn_view);
-            be.gelu(ffn, ffn_view);
-            be.matmul(ffn, ffn_view, &l.down, Some(&l.down_bias), tmp, hidden);
+            if let (Some(norm), false) = (&l.attn_norm, c.prenorm) {
+                norm.apply(be, x, hidden, c.eps);
+            }
+            let input: &B::Buf = if c.prenorm {
+                l.ffn_norm.apply_into(be, x, hidden, y, c.eps);
+                y
+            } else {
+                x
+            };
+            be.matmul_many(input, hidden, &parts(&l.up, n, ffn_view.width()), ffn);
+            match gated {
+                Some(a) => {
+                    be.glu(ffn, ffn_view, act, act_view, a);
+                    be.matmul(act, act_view, &l.down, l.down_bias.as_ref(), tmp, hidden);
+                }
+                None => {
+                    be.gelu(ffn, ffn_view);
+                    be.matmul(ffn, ffn_view, &l.down, l.down_bias.as_ref(), tmp, hidden);
+                }
+            }
+            if let Some(g) = &l.gemma {
+                be.rms_norm_inplace(tmp, hidden, &g.post_ffn, c.eps);
+            }
             be.add_inplace(x, hidden, tmp, hidden);
-            be.layer_norm(x, hidden, &l.out_norm.weight, &l.out_norm.bias, c.eps);
+            if !c.prenorm {
+                l.ffn_norm.apply(be, x, hidden, c.eps);
+            }
+        }
+        if let Some(norm) = &self.final_norm {
+            norm.apply(be, x, hidden, c.eps);
         }
         be.sync()?;
         let mut all = vec![0f32; n * h];
@@ -716,4 +1124,22 @@ impl<B: Backend> Encoder<B> {
         }
         Ok(out)
     }
+}
+
+fn kv_table(blocks: &[u32]) -> KvTable<'_> {
+    KvTable {
+        blocks,
+        block_size: BLOCK,
+    }
+}
+
+/// A block's matrices as one `matmul_many` into a `width`-wide output of `n` rows.
+fn parts<W>(ps: &[Part<W>], n: usize, width: usize) -> Vec<MatmulPart<'_, W>> {
+    ps.iter()
+        .map(|p| MatmulPart {
+            weight: &p.w,
+            bias: p.bias.as_ref(),
+            out: Rows::columns(n, width, p.col, p.width),
+        })
+        .collect()
 }

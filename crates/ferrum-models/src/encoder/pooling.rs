@@ -126,7 +126,7 @@ impl Pooling {
     /// (the caller picks the default).
     pub fn read(file: &ModelFile, hidden: usize) -> Result<Option<Pooling>> {
         match file {
-            ModelFile::Gguf(g) => Ok(from_gguf(g)),
+            ModelFile::Gguf(g) => from_gguf(g),
             ModelFile::Hf(h) => from_sentence_transformers(&h.dir, hidden),
         }
     }
@@ -139,26 +139,55 @@ pub fn normalize(v: &mut [f32]) {
     v.iter_mut().for_each(|x| *x /= norm);
 }
 
-/// llama.cpp's `pooling_type`: 0 none, 1 mean, 2 CLS, 3 last, 4 rank (a classifier head).
-fn from_gguf(g: &GgufFile) -> Option<Pooling> {
-    let arch = g.architecture().ok()?;
-    let mode = match g.get_u64(&format!("{arch}.pooling_type"))? {
+/// llama.cpp's `pooling_type`: 0 none, 1 mean, 2 CLS, 3 last, 4 rank (a classifier head);
+/// and the sentence-transformers Dense projections llama.cpp's converter keeps
+/// (`--sentence-transformers-dense-modules`: `dense_2`, `dense_3`, no bias, no activation —
+/// EmbeddingGemma's).
+fn from_gguf(g: &GgufFile) -> Result<Option<Pooling>> {
+    let Ok(arch) = g.architecture() else {
+        return Ok(None);
+    };
+    let Some(kind) = g.get_u64(&format!("{arch}.pooling_type")) else {
+        return Ok(None);
+    };
+    let mode = match kind {
         1 => Mode::Mean,
         2 | 4 => Mode::Cls,
         3 => Mode::Last,
-        _ => return None,
+        _ => return Ok(None),
     };
-    let scores = g.get_u64(&format!("{arch}.pooling_type")) == Some(4);
-    Some(Pooling {
+    let scores = kind == 4;
+    let store = g.tensors();
+    let mut dense = Vec::new();
+    for name in ["dense_2.weight", "dense_3.weight"] {
+        let Some(t) = store.get(name) else { continue };
+        let (rows, cols) = (t.n_rows(), t.row_len());
+        let mut weight = vec![0f32; rows * cols];
+        if t.numel() != rows * cols
+            || !ferrum_backend::cpu::quant::dequantize(t.dtype, t.bytes(), &mut weight)
+        {
+            return Err(Error::Weights(format!(
+                "tensor {name:?}: cannot read as f32"
+            )));
+        }
+        dense.push(Dense {
+            weight,
+            bias: None,
+            in_features: cols,
+            out_features: rows,
+            tanh: false,
+        });
+    }
+    Ok(Some(Pooling {
         mode,
-        dense: Vec::new(),
+        dense,
         normalize: !scores,
         scores,
         prompt: g
             .get_str("tokenizer.chat_template.rerank")
             .filter(|_| scores)
             .map(str::to_string),
-    })
+    }))
 }
 
 fn read_json(path: &Path) -> Result<Json> {

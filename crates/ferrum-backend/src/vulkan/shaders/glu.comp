@@ -1,6 +1,7 @@
 #version 450
 // out[t, i] = act(x[t, i]) * x[t, i + width]. ACT 0 SiLU, 1 tanh-GELU, 2 gpt-oss's clamped
-// SwiGLU ((min(up,±limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)).
+// SwiGLU ((min(up,±limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)), 3 exact
+// (erf) GELU.
 layout(local_size_x = 64) in;
 layout(std430, binding = 0) readonly buffer X { float x[]; };
 layout(std430, binding = 1) buffer O { float o[]; };
@@ -23,6 +24,23 @@ void main() {
         float z = 0.7978845608028654 * (a + 0.044715 * a * a * a);
         float th = 1.0 - 2.0 / (exp(2.0 * z) + 1.0);
         r = 0.5 * a * (1.0 + th) * u;
+    } else if (p.act == 3u) {
+        // GLSL has no erf: the CPU backend's rational approximation (host_ops::erf).
+        float z = clamp(a * 0.70710678118654752, -4.0, 4.0);
+        float z2 = z * z;
+        float pn = -2.7261423e-10;
+        pn = pn * z2 + 2.7706814e-8;
+        pn = pn * z2 - 2.101024e-6;
+        pn = pn * z2 - 5.6925064e-5;
+        pn = pn * z2 - 7.3499063e-4;
+        pn = pn * z2 - 2.9546003e-3;
+        pn = pn * z2 - 1.6096033e-2;
+        float qn = -1.4566072e-5;
+        qn = qn * z2 - 2.1337406e-4;
+        qn = qn * z2 - 1.682827e-3;
+        qn = qn * z2 - 7.373329e-3;
+        qn = qn * z2 - 1.426474e-2;
+        r = 0.5 * a * (1.0 + z * pn / qn) * u;
     } else {
         float gg = min(a, p.limit);
         float uu = clamp(u, -p.limit, p.limit);
