@@ -246,6 +246,24 @@ fn modernbert_cross_encoder_matches_transformers() {
     check_cross_encoder("modernbert_cross");
 }
 
+/// A tiny XLM-RoBERTa with a SentencePiece Unigram vocabulary and its compiled NFKC map, from
+/// its folder (against sentence-transformers) and from llama.cpp's GGUF (`t5` tokenizer;
+/// against `llama-embedding`) on inputs that stress the normaliser
+/// (scripts/fixtures/make_xlmr_gguf.sh).
+#[test]
+fn xlm_roberta_unigram_matches_sentence_transformers_and_llama_cpp() {
+    check_embedder("xlmr_spm");
+    check_gguf_embedder("xlmr_spm");
+}
+
+/// EmbeddingGemma from llama.cpp's `gemma-embedding` GGUF (its Dense projections kept with
+/// `--sentence-transformers-dense-modules`) against `llama-embedding`
+/// (scripts/fixtures/make_embeddinggemma_gguf.sh).
+#[test]
+fn embeddinggemma_gguf_matches_llama_cpp() {
+    check_gguf_embedder("embeddinggemma");
+}
+
 /// scripts/fixtures/rope_encoder_llamacpp_reference.sh.
 #[test]
 fn nomic_bert_and_modernbert_gguf_match_llama_cpp() {

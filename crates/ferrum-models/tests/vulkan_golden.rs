@@ -212,13 +212,19 @@ fn a_model_larger_than_the_device_is_refused_with_both_sizes() {
 
 /// An encoder on the device (its LayerNorm and GELU on the trait's host bodies, attention on
 /// the device's paged kernel, ModernBERT's local layers through its window): the tiny BERT's,
-/// NomicBERT's and ModernBERT's embeddings within 1e-5 of sentence-transformers' reference,
-/// and a cross-encoder's logits within 1e-5 of transformers'.
+/// NomicBERT's, ModernBERT's and EmbeddingGemma's embeddings within 1e-5 of
+/// sentence-transformers' reference, and a cross-encoder's logits within 1e-5 of
+/// transformers'.
 #[test]
 fn encoders_match_the_references_on_vulkan() {
     use common::{floats, ids, read_json};
     use ferrum_models::encoder::{Encoder, Input};
-    for name in ["bert_mean", "nomic_mean", "modernbert_mean"] {
+    for name in [
+        "bert_mean",
+        "nomic_mean",
+        "modernbert_mean",
+        "embeddinggemma",
+    ] {
         let Some(be) = device() else { return };
         let dir = fixtures().join("encoders").join(name);
         let r = read_json(&dir.join("reference.json"));

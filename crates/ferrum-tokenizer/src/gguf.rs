@@ -361,7 +361,6 @@ fn wordpiece(g: &GgufFile, vocab: &Vocab) -> Result<Tokenizer> {
 fn unigram(g: &GgufFile, vocab: &Vocab) -> Result<Tokenizer> {
     use tokenizers::decoders::metaspace::Metaspace as MetaspaceDecoder;
     use tokenizers::models::unigram::Unigram;
-    use tokenizers::normalizers::precompiled::Precompiled;
     use tokenizers::normalizers::strip::Strip as StripNormalizer;
     use tokenizers::normalizers::NormalizerWrapper;
     use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
@@ -391,15 +390,15 @@ fn unigram(g: &GgufFile, vocab: &Vocab) -> Result<Tokenizer> {
         .map_err(|e| Error::Tokenizer(format!("{path}: Unigram vocabulary: {e}")))?;
 
     let mut normalizers: Vec<NormalizerWrapper> = Vec::new();
-    if let Some(map) = g.get_i64_array("tokenizer.ggml.precompiled_charsmap") {
-        let bytes: Vec<u8> = map.iter().map(|&b| b as u8).collect();
-        if !bytes.is_empty() {
-            let pre = Precompiled::from(&bytes).map_err(|e| {
+    let charsmap = match g.get_i64_array("tokenizer.ggml.precompiled_charsmap") {
+        Some(map) if !map.is_empty() => {
+            let bytes: Vec<u8> = map.iter().map(|&b| b as u8).collect();
+            Some(crate::charsmap::Charsmap::parse(&bytes).map_err(|e| {
                 Error::Tokenizer(format!("{path}: tokenizer.ggml.precompiled_charsmap: {e}"))
-            })?;
-            normalizers.push(pre.into());
+            })?)
         }
-    }
+        _ => None,
+    };
     let merge = g
         .get_bool("tokenizer.ggml.remove_extra_whitespaces")
         .unwrap_or(true);
@@ -469,14 +468,16 @@ fn unigram(g: &GgufFile, vocab: &Vocab) -> Result<Tokenizer> {
         .map_err(|e| Error::Tokenizer(format!("Unigram template: {e}")))?;
     inner.with_post_processor(Some(processor));
     let eos_ids: Vec<u32> = eos.into_iter().collect();
-    Tokenizer::assemble(
+    let mut tok = Tokenizer::assemble(
         inner,
         vocab.tokens.len(),
         bos,
         eos_ids,
         vocab.special_ids(),
         None,
-    )
+    )?;
+    tok.charsmap = charsmap.map(std::sync::Arc::new);
+    Ok(tok)
 }
 
 /// `tokenizer.ggml.merges` as (left, right) pairs, highest priority first. The separator is

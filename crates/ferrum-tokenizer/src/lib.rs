@@ -10,6 +10,7 @@
 //! Every problem with the input files is an [`Error::Tokenizer`] or [`Error::Template`]
 //! value, never a panic.
 
+mod charsmap;
 pub mod chat;
 mod content;
 pub mod gguf;
@@ -56,6 +57,8 @@ pub struct Tokenizer {
     chat_template: Option<ChatTemplate>,
     /// Keeps special-token texts in message content from becoming control tokens.
     guard: Arc<content::ContentGuard>,
+    /// A GGUF Unigram vocabulary's normalisation, applied before `inner` sees the text.
+    charsmap: Option<Arc<charsmap::Charsmap>>,
 }
 
 impl Tokenizer {
@@ -76,7 +79,16 @@ impl Tokenizer {
             special,
             chat_template,
             guard,
+            charsmap: None,
         })
+    }
+
+    /// The text as `inner` reads it: normalised first where the vocabulary brings its own map.
+    fn prepared<'a>(&self, text: &'a str) -> std::borrow::Cow<'a, str> {
+        match &self.charsmap {
+            Some(m) => std::borrow::Cow::Owned(m.normalize(text)),
+            None => std::borrow::Cow::Borrowed(text),
+        }
     }
 
     /// Builds the tokenizer from a GGUF file's `tokenizer.ggml.*` metadata.
@@ -95,9 +107,10 @@ impl Tokenizer {
     /// Special and control tokens written in the text (e.g. `<|im_start|>`) are always
     /// recognised as single tokens.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        let text = self.prepared(text);
         let enc = self
             .inner
-            .encode_fast(text, add_special)
+            .encode_fast(text.as_ref(), add_special)
             .map_err(|e| Error::Tokenizer(format!("encode: {e}")))?;
         Ok(enc.get_ids().to_vec())
     }
@@ -105,9 +118,10 @@ impl Tokenizer {
     /// A pair of texts as a cross-encoder reads them (the tokenizer's pair template, e.g.
     /// BERT's `[CLS] a [SEP] b [SEP]`): the ids and each id's segment (token type).
     pub fn encode_pair(&self, a: &str, b: &str) -> Result<(Vec<u32>, Vec<u32>)> {
+        let (a, b) = (self.prepared(a), self.prepared(b));
         let enc = self
             .inner
-            .encode_fast((a, b), true)
+            .encode_fast((a.as_ref(), b.as_ref()), true)
             .map_err(|e| Error::Tokenizer(format!("encode: {e}")))?;
         Ok((enc.get_ids().to_vec(), enc.get_type_ids().to_vec()))
     }
