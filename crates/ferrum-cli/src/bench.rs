@@ -39,6 +39,10 @@ pub struct BenchArgs {
     /// value in the list (e.g. 1,2,4,8), each stream a `--pp`-token prompt and `--tg` tokens.
     #[arg(long, value_delimiter = ',')]
     concurrency: Vec<usize>,
+    /// With --concurrency: LoRA adapters (repeatable), stream `s` running through adapter
+    /// `s mod count` (a PEFT folder or a llama.cpp GGUF LoRA).
+    #[arg(long)]
+    lora: Vec<PathBuf>,
     /// With --spec ngram|draft: instead of pp/tg, answer prompts (`--spec-prompt`, or three
     /// built in: a code edit, a quoting summary, free text) greedily with speculation off and
     /// on, `--tg` tokens each, and compare the decode rates.
@@ -157,12 +161,16 @@ fn run_on<B: MakeBackend>(a: BenchArgs, be: crate::BackendOpts) -> Result<()> {
             json: a.json,
         });
     }
+    if !a.lora.is_empty() && a.concurrency.is_empty() {
+        bail!("--lora goes with --concurrency (streams through the engine)");
+    }
     if !a.concurrency.is_empty() {
         return crate::bench_engine::run::<B>(
             &a.model,
             &file,
             be,
             &a.concurrency,
+            &a.lora,
             a.pp,
             a.tg,
             a.reps,

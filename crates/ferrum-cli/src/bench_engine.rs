@@ -59,6 +59,7 @@ pub fn run<B: MakeBackend>(
     file: &ModelFile,
     be: BackendOpts,
     levels: &[usize],
+    loras: &[std::path::PathBuf],
     prompt_len: usize,
     gen: usize,
     reps: usize,
@@ -74,6 +75,16 @@ pub fn run<B: MakeBackend>(
     let max_c = levels.iter().copied().max().unwrap_or(1);
     let per_seq = prompt_len + gen + 1;
     let mut model = Some(crate::load_model::<B>(path, file, Some(per_seq), be)?);
+    let mut adapters = Vec::new();
+    if let Some(m) = model.as_mut() {
+        for (k, p) in loras.iter().enumerate() {
+            let src = ferrum_models::lora::AdapterSource {
+                path: p,
+                scale: 1.0,
+            };
+            adapters.push(m.load_adapter(&format!("lora{k}"), &src)?);
+        }
+    }
     let mut tokenizer = Some(match file {
         ModelFile::Gguf(g) => Tokenizer::from_gguf(g)?,
         ModelFile::Hf(h) => Tokenizer::from_hf_dir(&h.dir)?,
@@ -90,7 +101,7 @@ pub fn run<B: MakeBackend>(
             let (Some(m), Some(t)) = (model.take(), tokenizer.take()) else {
                 bail!("model lost between levels");
             };
-            let (sample, m, t) = measure(m, t, room, vocab, c, prompt_len, gen)?;
+            let (sample, m, t) = measure(m, t, room, vocab, c, &adapters, prompt_len, gen)?;
             round.push(sample);
             model = Some(m);
             tokenizer = Some(t);
@@ -183,12 +194,14 @@ pub fn run<B: MakeBackend>(
 
 /// Runs `c` streams of a `prompt_len`-token prompt and `gen` tokens each through a fresh
 /// engine over the model, and hands the model and tokenizer back.
+#[allow(clippy::too_many_arguments)]
 fn measure<B: MakeBackend>(
     model: Model<B>,
     tokenizer: Tokenizer,
     (per_seq, streams): (usize, usize),
     vocab: u64,
     c: usize,
+    adapters: &[usize],
     prompt_len: usize,
     gen: usize,
 ) -> Result<(Sample, Model<B>, Tokenizer)> {
@@ -215,6 +228,9 @@ fn measure<B: MakeBackend>(
             .collect();
         let mut req = Request::new(prompt, gen);
         req.ignore_eos = true;
+        if !adapters.is_empty() {
+            req.adapter = adapters[s as usize % adapters.len()];
+        }
         ids.push(engine.add(req)?);
     }
     let t0 = Instant::now();

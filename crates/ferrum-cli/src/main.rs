@@ -187,6 +187,13 @@ struct RunArgs {
     reasoning_effort: Option<String>,
     #[command(flatten)]
     spec: SpecArgs,
+    /// A LoRA adapter to answer with: a PEFT folder (adapter_config.json +
+    /// adapter_model.safetensors) or a llama.cpp GGUF LoRA.
+    #[arg(long)]
+    lora: Option<PathBuf>,
+    /// How strongly --lora applies (its own alpha / rank times this).
+    #[arg(long, default_value_t = 1.0)]
+    lora_scale: f32,
 }
 
 /// Speculative decoding, for `run` and `serve`.
@@ -354,6 +361,38 @@ struct ServeArgs {
     /// default: the KV cache's size.
     #[arg(long)]
     max_request_tokens: Option<usize>,
+    /// A LoRA adapter, NAME=PATH (repeatable; a PEFT folder or a llama.cpp GGUF LoRA; a bare
+    /// PATH is named after its file or folder): requests naming it in `model` run through
+    /// it, batched with the base model's and other adapters' requests.
+    #[arg(long = "lora")]
+    loras: Vec<String>,
+    /// Most LoRA adapters loaded at once (with POST /v1/load_lora_adapter too).
+    #[arg(long, default_value_t = 8)]
+    max_loras: usize,
+    /// Largest rank a LoRA adapter may have.
+    #[arg(long, default_value_t = 64)]
+    max_lora_rank: usize,
+}
+
+/// `--lora NAME=PATH` (or a bare PATH, named after its last component).
+fn parse_lora(spec: &str) -> Result<(String, PathBuf)> {
+    let (name, path) = match spec.split_once('=') {
+        Some((n, p)) if !n.is_empty() && !Path::new(spec).exists() => {
+            (n.to_string(), PathBuf::from(p))
+        }
+        _ => {
+            let p = PathBuf::from(spec);
+            let stem = p
+                .file_stem()
+                .map(|s| s.to_string_lossy().to_string())
+                .unwrap_or_default();
+            (stem, p)
+        }
+    };
+    if name.is_empty() || !path.exists() {
+        anyhow::bail!("--lora {spec:?}: give NAME=PATH with an adapter folder or GGUF at PATH");
+    }
+    Ok((name, path))
 }
 
 /// A reference that must already be on disk (no download).
@@ -406,6 +445,9 @@ fn serve(a: ServeArgs) -> Result<()> {
 }
 
 fn serve_on<B: MakeBackend>(a: ServeArgs, be: BackendOpts) -> Result<()> {
+    for l in &a.loras {
+        parse_lora(l)?;
+    }
     let path = model_path(a.model.as_deref())?;
     let file = ModelFile::open(&path)?;
     let tokenizer = |f: &ModelFile| -> Result<Tokenizer> {
@@ -535,6 +577,12 @@ fn server_config(a: ServeArgs, id: String) -> ferrum_server::ServeConfig {
         shutdown_grace: std::time::Duration::from_secs(a.shutdown_grace),
         kv_events: a.kv_events,
         embeddings_from_chat: a.embeddings_from_chat_model,
+        lora: ferrum_server::worker::LoraOptions {
+            // Checked before loading (serve_on).
+            initial: a.loras.iter().filter_map(|l| parse_lora(l).ok()).collect(),
+            max_loras: a.max_loras,
+            max_rank: a.max_lora_rank,
+        },
     }
 }
 
@@ -693,6 +741,30 @@ fn run_on<B: MakeBackend>(a: RunArgs, be: BackendOpts) -> Result<()> {
     if let Some(d) = &draft {
         attach_draft(&mut session.engine, d, be)?;
     }
+    let adapter = match &a.lora {
+        Some(p) => {
+            let src = ferrum_models::lora::AdapterSource {
+                path: p,
+                scale: a.lora_scale,
+            };
+            let id = session
+                .engine
+                .model
+                .load_adapter("lora", &src)
+                .with_context(|| format!("LoRA adapter {}", p.display()))?;
+            if let Some(ad) = session.engine.model.decoder.adapter(id) {
+                eprintln!(
+                    "ferrum: LoRA adapter {} (rank {}, {:.1} MB), scale {}",
+                    p.display(),
+                    ad.rank,
+                    ad.bytes as f64 / 1e6,
+                    a.lora_scale
+                );
+            }
+            id
+        }
+        None => 0,
+    };
     let e = &session.engine;
     eprintln!(
         "ferrum: KV cache {} tokens ({:.1} MB{}), prefix caching {}{}",
@@ -722,6 +794,7 @@ fn run_on<B: MakeBackend>(a: RunArgs, be: BackendOpts) -> Result<()> {
         stop: a.stop.clone(),
         // Harmony's channels are control tokens: the answer is split at them below.
         skip_special: !ferrum_tokenizer::harmony::is_harmony(session.tokenizer()),
+        adapter,
     };
     opts.extras.validate()?;
     let mut kwargs = serde_json::Map::new();

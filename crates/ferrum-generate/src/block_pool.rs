@@ -276,7 +276,7 @@ impl BlockPool {
     /// Takes a reference on each cached block that continues `tokens`' chain, at most
     /// `max_blocks` of them. Returns the blocks and the chain hashes of each.
     pub fn lookup(&mut self, tokens: &[u32], max_blocks: usize) -> (Vec<u32>, Vec<u64>) {
-        let (mut tables, hashes) = self.lookup_groups(tokens, max_blocks, &[None]);
+        let (mut tables, hashes) = self.lookup_groups(0, tokens, max_blocks, &[None]);
         (tables.pop().unwrap_or_default(), hashes)
     }
 
@@ -284,9 +284,11 @@ impl BlockPool {
     /// group can serve: groups without a window (`windows[g] == None`) hold all of its
     /// blocks, windowed ones the blocks their window reaches back to from its end. Takes a
     /// reference on each; returns each group's table (windowed groups' earlier entries
-    /// [`NO_BLOCK`]) and the chain hashes of the prefix's blocks.
+    /// [`NO_BLOCK`]) and the chain hashes of the prefix's blocks. `root` is where the chain
+    /// starts: 0 for the base model, a LoRA adapter's salt for its sequences.
     pub fn lookup_groups(
         &mut self,
+        root: u64,
         tokens: &[u32],
         max_blocks: usize,
         windows: &[Option<usize>],
@@ -298,14 +300,14 @@ impl BlockPool {
         let bs = self.block_size;
         self.stats.tokens_queried += tokens.len() as u64;
         let mut hashes = Vec::new();
-        let mut parent = 0;
+        let mut parent = root;
         for chunk in tokens.chunks_exact(bs).take(max_blocks) {
             parent = chain_hash(parent, chunk);
             hashes.push(parent);
         }
         let found = |pool: &Self, g: usize, k: usize| -> Option<u32> {
             let &id = pool.cached.get(&(g, hashes[k]))?;
-            let parent = if k == 0 { 0 } else { hashes[k - 1] };
+            let parent = if k == 0 { root } else { hashes[k - 1] };
             match &pool.blocks[id as usize].key {
                 Some(key) if key.parent == parent && key.tokens == tokens[k * bs..(k + 1) * bs] => {
                     Some(id)

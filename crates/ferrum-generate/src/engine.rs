@@ -123,6 +123,9 @@ pub struct Request {
     /// Control tokens' text is left out of the output text (vLLM's `skip_special_tokens`);
     /// harmony answers keep it, their channels being written in control tokens.
     pub skip_special: bool,
+    /// The LoRA adapter it runs through ([`ferrum_models::decoder::SeqChunk::adapter`]; 0:
+    /// the base model).
+    pub adapter: usize,
 }
 
 impl Request {
@@ -139,6 +142,7 @@ impl Request {
             constraint: None,
             speculate: Speculate::Default,
             skip_special: true,
+            adapter: 0,
         }
     }
 }
@@ -274,6 +278,11 @@ struct Seq {
     proposal_q: Vec<Vec<(u32, f32)>>,
     /// Hybrid models: the recurrent-state slot it holds while running ([`NO_SLOT`] else).
     slot: usize,
+    /// Its LoRA adapter (0: none), and where its blocks' hash chain starts: 0 for the base
+    /// model, the adapter's salt else, so the prefix cache keeps each adapter's keys and
+    /// values apart.
+    adapter: usize,
+    root: u64,
 }
 
 const NO_SLOT: usize = usize::MAX;
@@ -466,6 +475,18 @@ impl<B: Backend> Engine<B> {
         }
     }
 
+    /// The LoRA adapters of running and of waiting requests (ids, each once, in order):
+    /// what `vllm:lora_requests_info` reports, and whether an adapter can be detached.
+    pub fn adapters_in_use(&self) -> (Vec<usize>, Vec<usize>) {
+        let ids = |seqs: &mut dyn Iterator<Item = &Seq>| {
+            let mut v: Vec<usize> = seqs.map(|s| s.adapter).filter(|&a| a != 0).collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        (ids(&mut self.running.iter()), ids(&mut self.waiting.iter()))
+    }
+
     /// Starts recording the prefix cache's [`KvEvent`](crate::block_pool::KvEvent)s (for a
     /// router's cache index).
     pub fn enable_kv_events(&mut self) {
@@ -508,6 +529,17 @@ impl<B: Backend> Engine<B> {
                 self.kv_tokens()
             )));
         }
+        let root = match req.adapter {
+            0 => 0,
+            k => match self.model.decoder.adapter(k) {
+                Some(a) => a.salt,
+                None => {
+                    return Err(Error::InvalidRequest(format!(
+                        "no LoRA adapter {k} is loaded"
+                    )))
+                }
+            },
+        };
         let mask = match &req.constraint {
             None => None,
             Some(c) => {
@@ -567,6 +599,8 @@ impl<B: Backend> Engine<B> {
             draft_sampler,
             proposal_q: Vec::new(),
             slot: NO_SLOT,
+            adapter: req.adapter,
+            root,
         });
         Ok(id)
     }
@@ -673,6 +707,7 @@ impl<B: Backend> Engine<B> {
                             Logits::None
                         },
                         state: s.slot,
+                        adapter: s.adapter,
                     }
                 })
                 .collect();
@@ -905,11 +940,11 @@ impl<B: Backend> Engine<B> {
                 let mut max_blocks = (s.tokens.len() - 1) / bs;
                 if let Some(st) = &self.states {
                     // A hybrid model resumes only where a state snapshot is kept.
-                    max_blocks = snapshot_prefix(st, &s.tokens, bs, max_blocks);
+                    max_blocks = snapshot_prefix(st, s.root, &s.tokens, bs, max_blocks);
                 }
                 let (mut blocks, mut hashes) =
                     self.pool
-                        .lookup_groups(&s.tokens, max_blocks, &self.windows);
+                        .lookup_groups(s.root, &s.tokens, max_blocks, &self.windows);
                 if let Some(st) = self.states.as_mut() {
                     // The cache may hold less than the snapshot covers: the longest prefix
                     // with both its blocks and a snapshot.
@@ -1114,8 +1149,14 @@ fn chunk_len(s: &Seq, budget: usize, bs: usize, hybrid: bool) -> usize {
 
 /// Blocks of `tokens`' prefix (at most `max_blocks`) up to the last one after which a
 /// snapshot is kept.
-fn snapshot_prefix(st: &StatePool, tokens: &[u32], bs: usize, max_blocks: usize) -> usize {
-    let mut parent = 0;
+fn snapshot_prefix(
+    st: &StatePool,
+    root: u64,
+    tokens: &[u32],
+    bs: usize,
+    max_blocks: usize,
+) -> usize {
+    let mut parent = root;
     let mut best = 0;
     for (k, chunk) in tokens.chunks_exact(bs).take(max_blocks).enumerate() {
         parent = crate::block_pool::chain_hash(parent, chunk);
@@ -1159,7 +1200,7 @@ fn register_full_blocks(pool: &mut BlockPool, s: &mut Seq) {
     let bs = pool.block_size();
     while s.hashes.len() < s.computed / bs {
         let k = s.hashes.len();
-        let parent = if k == 0 { 0 } else { s.hashes[k - 1] };
+        let parent = if k == 0 { s.root } else { s.hashes[k - 1] };
         let tokens = &s.tokens[k * bs..(k + 1) * bs];
         let mut hash = crate::block_pool::chain_hash(parent, tokens);
         for (g, t) in s.blocks.iter().enumerate() {

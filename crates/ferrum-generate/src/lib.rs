@@ -63,6 +63,8 @@ pub struct GenerateOptions {
     pub stop: Vec<String>,
     /// Control tokens' text is left out of the text (see [`Request::skip_special`]).
     pub skip_special: bool,
+    /// The LoRA adapter the answer runs through (see [`Request::adapter`]; 0: none).
+    pub adapter: usize,
 }
 
 impl Default for GenerateOptions {
@@ -73,6 +75,7 @@ impl Default for GenerateOptions {
             extras: SamplingExtras::default(),
             stop: Vec::new(),
             skip_special: true,
+            adapter: 0,
         }
     }
 }
@@ -140,6 +143,7 @@ impl<B: Backend> Session<B> {
         req.extras = opts.extras.clone();
         req.stop = opts.stop.clone();
         req.skip_special = opts.skip_special;
+        req.adapter = opts.adapter;
         let id = self.engine.add(req)?;
         let t0 = Instant::now();
         let mut first: Option<Instant> = None;

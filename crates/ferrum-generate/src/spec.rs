@@ -258,8 +258,11 @@ impl<B: Backend> DraftModel<B> {
                         } else {
                             Logits::None
                         },
-                        // Draft models have no recurrent state (hybrid ones are refused).
+                        // Draft models have no recurrent state (hybrid ones are refused) and
+                        // no adapters: a drafted token is only ever kept when the target
+                        // model, adapter and all, samples it.
                         state: 0,
+                        adapter: 0,
                     }
                 })
                 .collect();
@@ -298,6 +301,7 @@ impl<B: Backend> DraftModel<B> {
                         tables: std::slice::from_ref(&seqs[i].tables[g]),
                         logits: Logits::Last,
                         state: 0,
+                        adapter: 0,
                     })
                     .collect();
                 let rows = self.model.decoder.forward_batch_view(

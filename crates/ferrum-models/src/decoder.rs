@@ -18,9 +18,10 @@ pub use crate::config::{KvGroups, NO_BLOCK};
 use crate::config::{ModelConfig, Rope, RopeScaling};
 pub use crate::layers::WeightSource;
 use crate::layers::{
-    dense_ffn, gated_ffn, qkv_width, AttnInputs, Ffn, Layer, Mixer, PerLayerInput,
+    dense_ffn, gated_ffn, qkv_width, AttnInputs, Ffn, GateUp, Layer, Mixer, PerLayerInput,
 };
 use crate::linear::DeltaBufs;
+use crate::lora::{Adapter, LayerLora, LoraBufs, Run, Target};
 use crate::mla::MlaBufs;
 use crate::moe::{MoeLayer, Router};
 
@@ -96,6 +97,9 @@ pub struct SeqChunk<'a> {
     pub tables: &'a [Vec<u32>],
     pub logits: Logits,
     pub state: usize,
+    /// The LoRA adapter its rows go through: 0 for the base model, else the id
+    /// [`Decoder::add_adapter`] gave.
+    pub adapter: usize,
 }
 
 /// Activation buffers for one pass of at most [`CHUNK`] tokens. Allocated once at load.
@@ -167,6 +171,11 @@ pub struct Decoder<B: Backend> {
     /// The longest sequence this decoder will run (positions), whatever the cache holds.
     pub context: usize,
     state: State<B>,
+    /// Attached LoRA adapters; id `k` is slot `k − 1` (`None` once removed; ids are not
+    /// reused).
+    adapters: Vec<Option<Adapter<B>>>,
+    /// Scratch of their updates, sized for the largest attached.
+    lora_bufs: Option<LoraBufs<B>>,
 }
 
 impl<B: Backend> Decoder<B> {
@@ -317,7 +326,70 @@ impl<B: Backend> Decoder<B> {
             layers,
             context,
             state,
+            adapters: Vec::new(),
+            lora_bufs: None,
         })
+    }
+
+    /// Attaches a LoRA adapter and returns its id for [`SeqChunk::adapter`]. Refused where
+    /// it updates a projection this model's layers do not have as it expects (a fused one,
+    /// experts, a recurrent or latent mixer).
+    pub fn add_adapter(&mut self, adapter: Adapter<B>) -> Result<usize> {
+        for (i, (l, layer)) in adapter.layers.iter().zip(&self.layers).enumerate() {
+            let ok = |t: Target| match t {
+                Target::Q | Target::K | Target::V | Target::O | Target::Qkv => {
+                    let Mixer::Attention(a) = &layer.mixer else {
+                        return false;
+                    };
+                    a.takes(t)
+                }
+                Target::Gate | Target::Up | Target::Down | Target::GateUp => match &layer.ffn {
+                    Ffn::Dense { gate_up, .. } => matches!(
+                        (gate_up, t),
+                        (_, Target::Down)
+                            | (GateUp::Split { .. }, Target::Gate | Target::Up)
+                            | (GateUp::Fused(_), Target::GateUp)
+                    ),
+                    _ => false,
+                },
+            };
+            for t in l.targets() {
+                if !ok(t) {
+                    return Err(Error::Unsupported(format!(
+                        "adapter {:?} updates layer {i}'s {t:?} projection, which this model's \
+                         layer does not have in that form",
+                        adapter.name
+                    )));
+                }
+            }
+        }
+        let be = &self.backend;
+        let (rank, widest) = self
+            .lora_bufs
+            .as_ref()
+            .map_or((0, 0), |b| (b.rank, b.widest));
+        if adapter.rank > rank || adapter.widest > widest {
+            let (rank, widest) = (rank.max(adapter.rank), widest.max(adapter.widest));
+            self.lora_bufs = Some(LoraBufs {
+                low: be.alloc(CHUNK * rank),
+                high: be.alloc(CHUNK * widest),
+                rank,
+                widest,
+            });
+        }
+        // Ids are never reused: a request that named an adapter since detached gets an
+        // error, not another adapter.
+        self.adapters.push(Some(adapter));
+        Ok(self.adapters.len())
+    }
+
+    /// Detaches adapter `id`; sequences must no longer name it.
+    pub fn remove_adapter(&mut self, id: usize) -> Option<Adapter<B>> {
+        self.adapters.get_mut(id.checked_sub(1)?)?.take()
+    }
+
+    pub fn adapter(&self, id: usize) -> Option<&Adapter<B>> {
+        self.adapters.get(id.checked_sub(1)?)?.as_ref()
     }
 
     pub fn backend(&self) -> &B {
@@ -497,6 +569,7 @@ impl<B: Backend> Decoder<B> {
                 tables: &tables,
                 logits,
                 state: 0,
+                adapter: 0,
             };
             match self.forward_rows(kv, &[seq]) {
                 Ok(rows) => after(self, chunk, rows),
@@ -583,6 +656,7 @@ impl<B: Backend> Decoder<B> {
                     tables: &tables[i],
                     logits: Logits::None,
                     state: i,
+                    adapter: 0,
                 });
                 owners.push((i, take));
                 budget -= take;
@@ -704,6 +778,12 @@ impl<B: Backend> Decoder<B> {
                     )));
                 }
             }
+            if s.adapter != 0 && self.adapter(s.adapter).is_none() {
+                return Err(Error::InvalidRequest(format!(
+                    "no LoRA adapter {} is attached",
+                    s.adapter
+                )));
+            }
             if !kv.states.is_empty() && s.state >= kv.state_slots {
                 return Err(Error::InvalidRequest(format!(
                     "recurrent-state slot {} of {}",
@@ -776,6 +856,27 @@ impl<B: Backend> Decoder<B> {
                 fresh: q.start == 0,
             })
             .collect();
+        // Consecutive rows of one adapter: each run's updates are one pair of matmuls.
+        let mut runs: Vec<(usize, usize, &Adapter<B>)> = Vec::new();
+        let mut row = 0;
+        for q in seqs {
+            let m = q.tokens.len();
+            if let Some(a) = q
+                .adapter
+                .checked_sub(1)
+                .and_then(|k| self.adapters[k].as_ref())
+            {
+                match runs.last_mut() {
+                    Some((first, count, last))
+                        if *first + *count == row && std::ptr::eq(*last, a) =>
+                    {
+                        *count += m
+                    }
+                    _ => runs.push((row, m, a)),
+                }
+            }
+            row += m;
+        }
         let mut linear_index = 0;
         be.embed(&self.embed, tokens, &mut s.x, hidden);
         if let Some(e) = c.embed_scale {
@@ -808,6 +909,23 @@ impl<B: Backend> Decoder<B> {
             } else {
                 &s.x
             };
+            let layer_runs = || -> Vec<Run<B::Weight>> {
+                runs.iter()
+                    .map(|&(first, count, a)| Run {
+                        first,
+                        count,
+                        layer: &a.layers[li],
+                    })
+                    .filter(|r| !r.layer.is_empty())
+                    .collect()
+            };
+            let mut lora = match self.lora_bufs.as_mut() {
+                Some(bufs) if !runs.is_empty() => Some(LayerLora {
+                    runs: layer_runs(),
+                    bufs,
+                }),
+                _ => None,
+            };
             match &layer.mixer {
                 Mixer::Attention(attn) => {
                     let (group, _) = self.kv_groups.slot_of[li];
@@ -836,6 +954,7 @@ impl<B: Backend> Decoder<B> {
                         &mut kv.k[slot],
                         &mut kv.v[slot],
                         &inputs,
+                        lora.as_mut(),
                     );
                 }
                 Mixer::Latent(mla) => {
@@ -905,7 +1024,17 @@ impl<B: Backend> Decoder<B> {
                     down,
                     width,
                 } => dense_ffn(
-                    be, c, *width, gate_up, down, input, n, &mut s.gu, &mut s.act, &mut s.tmp,
+                    be,
+                    c,
+                    *width,
+                    gate_up,
+                    down,
+                    input,
+                    n,
+                    &mut s.gu,
+                    &mut s.act,
+                    &mut s.tmp,
+                    lora.as_mut(),
                 ),
                 Ffn::Moe(moe) => {
                     let ms = s.moe.as_mut().ok_or_else(no_moe)?;
@@ -923,6 +1052,7 @@ impl<B: Backend> Decoder<B> {
                 } => {
                     dense_ffn(
                         be, c, *width, gate_up, down, input, n, &mut s.gu, &mut s.act, &mut s.tmp,
+                        None,
                     );
                     be.rms_norm_inplace(&mut s.tmp, hidden, post_dense, c.rms_eps);
                     let ms = s.moe.as_mut().ok_or_else(no_moe)?;

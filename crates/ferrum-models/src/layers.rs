@@ -10,6 +10,7 @@ use ferrum_loader::{RawTensor, TensorStore};
 
 use crate::config::{LayerSpec, ModelConfig, MoeStyle, QkNorm};
 use crate::linear::DeltaNet;
+use crate::lora::{LayerLora, Target};
 use crate::mla::LatentAttention;
 use crate::moe::MoeLayer;
 use crate::names;
@@ -609,6 +610,18 @@ impl AttnInputs<'_> {
 }
 
 impl<B: Backend> Attention<B> {
+    /// Whether a LoRA update of `t` fits this layer's projections.
+    pub fn takes(&self, t: Target) -> bool {
+        matches!(
+            (&self.qkv, t),
+            (_, Target::O)
+                | (Qkv::Split { .. }, Target::Q | Target::K | Target::V)
+                | (Qkv::Fused(_), Target::Qkv)
+                | (Qkv::KeysAsValues { .. }, Target::Q | Target::K)
+                | (Qkv::QueryOnly(_), Target::Q)
+        )
+    }
+
     /// `out = o(attention(rope(norm(qkv(x)))))` for the `n` rows of `x`, writing each
     /// sequence's keys and values into the caches on the way (a layer reading another's
     /// cache writes none).
@@ -625,6 +638,7 @@ impl<B: Backend> Attention<B> {
         k_cache: &mut B::KvBuf,
         v_cache: &mut B::KvBuf,
         a: &AttnInputs,
+        mut lora: Option<&mut LayerLora<B>>,
     ) {
         let hd = self.head_dim;
         let (h, qd, kvd) = (c.hidden_size, c.n_heads * hd, self.kv_heads * hd);
@@ -657,9 +671,17 @@ impl<B: Backend> Attention<B> {
             Qkv::Fused(wqkv) => be.matmul(x, hidden, wqkv, None, qkv, Rows::dense(n, w)),
             Qkv::KeysAsValues { q, k } => {
                 be.matmul_many(x, hidden, &[part(q, 0, q_cols), part(k, 1, k_cols)], qkv);
-                be.copy_within(qkv, k_cols, v_view);
             }
             Qkv::QueryOnly(q) => be.matmul(x, hidden, q, None, qkv, q_cols),
+        }
+        if let Some(l) = lora.as_deref_mut() {
+            l.apply(be, Target::Q, x, hidden, qkv, q_cols);
+            l.apply(be, Target::K, x, hidden, qkv, k_cols);
+            l.apply(be, Target::V, x, hidden, qkv, v_view);
+            l.apply(be, Target::Qkv, x, hidden, qkv, Rows::dense(n, w));
+        }
+        if let Qkv::KeysAsValues { .. } = &self.qkv {
+            be.copy_within(qkv, k_cols, v_view);
         }
         let writes_kv = !matches!(self.qkv, Qkv::QueryOnly(_));
         let whole = c.qk_norm == QkNorm::Whole;
@@ -705,6 +727,9 @@ impl<B: Backend> Attention<B> {
             out,
             hidden,
         );
+        if let Some(l) = lora {
+            l.apply(be, Target::O, attn, Rows::dense(n, qd), out, hidden);
+        }
     }
 }
 
@@ -734,36 +759,63 @@ pub fn dense_ffn<B: Backend>(
     gu: &mut B::Buf,
     act: &mut B::Buf,
     out: &mut B::Buf,
+    lora: Option<&mut LayerLora<B>>,
 ) {
-    gated_ffn(
+    let Some(l) =
+        lora.filter(|l| l.touches(&[Target::Gate, Target::Up, Target::GateUp, Target::Down]))
+    else {
+        return gated_ffn(
+            be,
+            c.hidden_size,
+            width,
+            c.activation,
+            gate_up,
+            down,
+            x,
+            n,
+            gu,
+            act,
+            out,
+        );
+    };
+    // The updates join the gate and up rows before the activation, and the down
+    // projection's after it: the fused tail runs on rows that already hold them.
+    let (h, f) = (c.hidden_size, width);
+    let hidden = Rows::dense(n, h);
+    gate_up_matmul(be, h, f, gate_up, x, n, gu);
+    l.apply(
         be,
-        c.hidden_size,
-        width,
-        c.activation,
-        gate_up,
-        down,
+        Target::Gate,
         x,
-        n,
+        hidden,
         gu,
+        Rows::columns(n, 2 * f, 0, f),
+    );
+    l.apply(be, Target::Up, x, hidden, gu, Rows::columns(n, 2 * f, f, f));
+    l.apply(be, Target::GateUp, x, hidden, gu, Rows::dense(n, 2 * f));
+    let av = Rows::dense(n, f);
+    be.glu_matmul(
+        gu,
+        Rows::dense(n, 2 * f),
         act,
+        av,
+        down,
         out,
-    )
+        hidden,
+        c.activation,
+    );
+    l.apply(be, Target::Down, act, av, out, hidden);
 }
 
-/// [`dense_ffn`] of width `f` (a shared expert's).
-#[allow(clippy::too_many_arguments)]
-pub fn gated_ffn<B: Backend>(
+/// The gate and up projections of `n` rows into `gu` (`[n, 2f]`: gate columns, then up).
+fn gate_up_matmul<B: Backend>(
     be: &B,
     h: usize,
     f: usize,
-    activation: ferrum_backend::Activation,
     gate_up: &GateUp<B::Weight>,
-    down: &B::Weight,
     x: &B::Buf,
     n: usize,
     gu: &mut B::Buf,
-    act: &mut B::Buf,
-    out: &mut B::Buf,
 ) {
     let hidden = Rows::dense(n, h);
     match gate_up {
@@ -786,6 +838,25 @@ pub fn gated_ffn<B: Backend>(
         ),
         GateUp::Fused(w) => be.matmul(x, hidden, w, None, gu, Rows::dense(n, 2 * f)),
     }
+}
+
+/// [`dense_ffn`] of width `f` (a shared expert's).
+#[allow(clippy::too_many_arguments)]
+pub fn gated_ffn<B: Backend>(
+    be: &B,
+    h: usize,
+    f: usize,
+    activation: ferrum_backend::Activation,
+    gate_up: &GateUp<B::Weight>,
+    down: &B::Weight,
+    x: &B::Buf,
+    n: usize,
+    gu: &mut B::Buf,
+    act: &mut B::Buf,
+    out: &mut B::Buf,
+) {
+    let hidden = Rows::dense(n, h);
+    gate_up_matmul(be, h, f, gate_up, x, n, gu);
     be.glu_matmul(
         gu,
         Rows::dense(n, 2 * f),

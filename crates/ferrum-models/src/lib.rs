@@ -11,6 +11,7 @@ pub mod decoder;
 pub mod encoder;
 pub mod layers;
 pub mod linear;
+pub mod lora;
 pub mod mla;
 pub mod moe;
 pub mod names;
@@ -101,6 +102,9 @@ pub struct ModelInfo {
     pub decode_bytes_per_token: usize,
     /// Of which the routed experts' share (the MoE block's weight traffic per token).
     pub expert_bytes_per_token: usize,
+    /// Whether it came from a GGUF (a LoRA adapter from the other kind of file is permuted
+    /// to match a Llama GGUF's query and key rows).
+    pub gguf: bool,
 }
 
 pub struct Model<B: Backend> {
@@ -179,6 +183,7 @@ impl<B: Backend> Model<B> {
                 load_secs: t0.elapsed().as_secs_f64(),
                 decode_bytes_per_token,
                 expert_bytes_per_token,
+                gguf,
             },
         })
     }
@@ -206,6 +211,19 @@ impl<B: Backend> Model<B> {
         let h = self.decoder.config.hidden_size;
         let rows = self.decoder.hidden_rows_batch(inputs)?;
         Ok(Some(rows.iter().map(|r| p.apply(r, h)).collect()))
+    }
+
+    /// Reads a LoRA adapter for this model and attaches it; returns its id for
+    /// [`decoder::SeqChunk::adapter`].
+    pub fn load_adapter(&mut self, name: &str, src: &lora::AdapterSource) -> Result<usize> {
+        let a = lora::Adapter::load(
+            self.decoder.backend(),
+            name,
+            src,
+            &self.decoder.config,
+            self.info.gguf,
+        )?;
+        self.decoder.add_adapter(a)
     }
 
     pub fn open(path: impl AsRef<Path>, backend: B, opts: &LoadOptions) -> Result<Model<B>> {

@@ -239,6 +239,7 @@ fn batch_logits_read_in_place_equal_the_copied_ones() {
                 tables: &ta,
                 logits: la,
                 state: 0,
+                adapter: 0,
             },
             SeqChunk {
                 tokens: sb,
@@ -246,6 +247,7 @@ fn batch_logits_read_in_place_equal_the_copied_ones() {
                 tables: &tb,
                 logits: lb,
                 state: 0,
+                adapter: 0,
             },
         ];
         let copied = m.decoder.forward_batch(&mut copied_kv, &seqs).unwrap();

@@ -647,6 +647,8 @@ impl Sampling {
             constraint: None,
             speculate: self.speculate()?,
             skip_special: self.skip_special_tokens.unwrap_or(true),
+            // The route sets it from the model the request names.
+            adapter: 0,
         };
         Ok(Plan {
             base,

@@ -67,6 +67,8 @@ pub struct ServeConfig {
     /// Whether a chat model answers embedding requests with the mean of its hidden states
     /// (`--embeddings-from-chat-model`); otherwise they get a 400 saying why.
     pub embeddings_from_chat: bool,
+    /// LoRA adapters at start, and the limits on them.
+    pub lora: worker::LoraOptions,
 }
 
 pub fn router(state: Arc<routes::AppState>, max_body: usize) -> Router {
@@ -80,6 +82,8 @@ pub fn router(state: Arc<routes::AppState>, max_body: usize) -> Router {
         .route("/score", post(rerank::score))
         .route("/v1/models", get(routes::models))
         .route("/v1/models/{*id}", get(routes::model))
+        .route("/v1/load_lora_adapter", post(routes::load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(routes::unload_lora_adapter))
         .route("/v1/responses", post(responses::create))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
@@ -151,7 +155,7 @@ pub fn serve<B: ferrum_backend::Backend + 'static>(
             }
             None => None,
         };
-        let handle = worker::spawn(cfg.model_id.clone(), load, kv_events);
+        let handle = worker::spawn(cfg.model_id.clone(), load, kv_events, cfg.lora.clone());
         let format = answer::AnswerFormat::detect(&tokenizer);
         if let Some(t) = tokenizer.chat_template() {
             // A template that cannot render a four-turn chat within its limits is hostile or
@@ -309,6 +313,7 @@ mod tests {
                 kind: worker::ModelKind::Generate,
                 normalized: true,
                 rerank_prompt: None,
+                adapter: 0,
             });
             shared.ready.store(true, Ordering::SeqCst);
         }

@@ -85,7 +85,12 @@ impl Metrics {
     }
 
     /// The metrics; `card` is the loaded model (none while loading: no cache info yet).
-    pub fn render(&self, s: &EngineStats, card: Option<&ModelCard>) -> String {
+    pub fn render(
+        &self,
+        s: &EngineStats,
+        card: Option<&ModelCard>,
+        lora: &crate::worker::LoraTable,
+    ) -> String {
         let mut out = String::new();
         let usage = if s.kv_blocks > 0 {
             s.kv_blocks_used as f64 / s.kv_blocks as f64
@@ -289,10 +294,13 @@ impl Metrics {
         }
         let _ = writeln!(
             out,
-            "# HELP vllm:lora_requests_info Running and waiting LoRA adapters (none here).\n\
+            "# HELP vllm:lora_requests_info Running and waiting LoRA adapters.\n\
              # TYPE vllm:lora_requests_info gauge\n\
-             vllm:lora_requests_info{{max_lora=\"0\",running_lora_adapters=\"\",\
-             waiting_lora_adapters=\"\"}} {}",
+             vllm:lora_requests_info{{max_lora=\"{}\",running_lora_adapters=\"{}\",\
+             waiting_lora_adapters=\"{}\"}} {}",
+            lora.max_loras,
+            label(&lora.running.join(",")),
+            label(&lora.waiting.join(",")),
             self.started
         );
         if let Ok(m) = self.inner.lock() {
@@ -309,4 +317,12 @@ impl Metrics {
         }
         out
     }
+}
+
+/// A Prometheus label value: backslashes, quotes and newlines escaped (adapter names come
+/// from requests).
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }

@@ -361,7 +361,7 @@ async fn completions_inner(
         request_tokens: st.request_tokens(&card) / prompts.len().max(1),
     };
     for p in prompts {
-        let plan = req
+        let mut plan = req
             .sampling
             .plan(p, limits, card.vocab_size, logprobs)
             .map_err(|mut e| {
@@ -370,6 +370,7 @@ async fn completions_inner(
                 }
                 e
             })?;
+        plan.base.adapter = card.adapter;
         reqs.extend(choices(&plan));
         plan0.get_or_insert(plan);
     }

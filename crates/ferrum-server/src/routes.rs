@@ -117,6 +117,20 @@ impl AppState {
     /// client used, as vLLM's do.
     pub(crate) fn check_model(&self, model: &str) -> Result<ModelCard, ApiError> {
         let card = self.card()?;
+        // A LoRA adapter's name picks it: the base model's card, run through the adapter.
+        let adapter = self
+            .handle
+            .shared
+            .lora
+            .lock()
+            .ok()
+            .and_then(|t| t.adapters.iter().find(|a| a.name == model).map(|a| a.id));
+        if let Some(id) = adapter {
+            let mut card = card.clone();
+            card.id = model.to_string();
+            card.adapter = id;
+            return Ok(card);
+        }
         if !self.names.answers(model) {
             return Err(ApiError::not_found(
                 format!(
@@ -307,26 +321,51 @@ pub async fn metrics(State(st): App) -> Response {
         .unwrap_or_default();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        st.metrics.render(&s, st.handle.shared.card.get()),
+        st.metrics.render(
+            &s,
+            st.handle.shared.card.get(),
+            &st.handle
+                .shared
+                .lora
+                .lock()
+                .map(|t| t.clone())
+                .unwrap_or_default(),
+        ),
     )
         .into_response()
 }
 
 pub async fn models(State(st): App) -> Result<Response, ApiError> {
     let c = st.card()?;
-    let data: Vec<Value> = st
+    let mut data: Vec<Value> = st
         .names
         .listed()
         .iter()
         .map(|n| model_entry(c, n))
         .collect();
+    // Adapters as vLLM lists them: their base model as `parent`, their path as `root`.
+    let adapters = st
+        .handle
+        .shared
+        .lora
+        .lock()
+        .map(|t| t.adapters.clone())
+        .unwrap_or_default();
+    for a in adapters {
+        let mut e = model_entry(c, &a.name);
+        e["created"] = a.created.into();
+        e["created_at"] = rfc3339(a.created).into();
+        e["parent"] = c.id.clone().into();
+        e["root"] = a.path.clone().into();
+        data.push(e);
+    }
     // Anthropic's clients list models at the same path, with a page's fields around them.
     Ok(Json(json!({
         "object": "list",
         "data": data,
         "has_more": false,
-        "first_id": st.names.listed().first(),
-        "last_id": st.names.listed().last(),
+        "first_id": data.first().map(|e| e["id"].clone()),
+        "last_id": data.last().map(|e| e["id"].clone()),
     }))
     .into_response())
 }
@@ -337,7 +376,80 @@ pub async fn model(
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Response, ApiError> {
     let c = st.check_model(&id)?;
-    Ok(Json(model_entry(&c, &id)).into_response())
+    let mut e = model_entry(&c, &id);
+    if c.adapter != 0 {
+        if let Some(base) = st.names.listed().first() {
+            e["parent"] = base.clone().into();
+        }
+    }
+    Ok(Json(e).into_response())
+}
+
+/// vLLM's `POST /v1/load_lora_adapter`: `{"lora_name", "lora_path"}` (a PEFT folder or a
+/// llama.cpp GGUF LoRA on the server's disk). The adapter then answers to its name in
+/// `model`.
+pub async fn load_lora_adapter(
+    State(st): App,
+    Json(body): Json<Value>,
+) -> Result<Response, ApiError> {
+    let (name, path) = lora_fields(&body, true)?;
+    st.card()?;
+    if st.names.listed().contains(&name) {
+        return Err(ApiError::bad_request(
+            format!("{name:?} is the base model's name"),
+            Some("lora_name"),
+        ));
+    }
+    st.handle
+        .lora(name.clone(), path.map(std::path::PathBuf::from))
+        .await
+        .map_err(|e| match e {
+            ferrum_core::Error::InvalidRequest(m) => ApiError::bad_request(m, Some("lora_name")),
+            // A missing, malformed or mismatched adapter: the request's path is at fault.
+            other => ApiError::bad_request(other.to_string(), Some("lora_path")),
+        })?;
+    Ok(format!("Success: LoRA adapter '{name}' added successfully.").into_response())
+}
+
+/// vLLM's `POST /v1/unload_lora_adapter`: `{"lora_name"}`. Requests already running with it
+/// finish; new ones get 404.
+pub async fn unload_lora_adapter(
+    State(st): App,
+    Json(body): Json<Value>,
+) -> Result<Response, ApiError> {
+    let (name, _) = lora_fields(&body, false)?;
+    st.card()?;
+    let known = st
+        .handle
+        .shared
+        .lora
+        .lock()
+        .is_ok_and(|t| t.adapters.iter().any(|a| a.name == name));
+    if !known {
+        return Err(ApiError::not_found(
+            format!("no LoRA adapter named {name:?} is loaded"),
+            Some("lora_name"),
+        ));
+    }
+    st.handle.lora(name.clone(), None).await?;
+    Ok(format!("Success: LoRA adapter '{name}' removed successfully.").into_response())
+}
+
+/// The adapter's name (which must not be a name the base model answers to) and, to load,
+/// its path.
+fn lora_fields(body: &Value, load: bool) -> Result<(String, Option<String>), ApiError> {
+    let text = |key: &str| -> Result<String, ApiError> {
+        match body.get(key) {
+            Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
+            _ => Err(ApiError::bad_request(
+                format!("{key} must be a non-empty string"),
+                Some(key),
+            )),
+        }
+    };
+    let name = text("lora_name")?;
+    let path = if load { Some(text("lora_path")?) } else { None };
+    Ok((name, path))
 }
 
 /// A model as OpenAI's clients read it (`id`, `object`, `created`, `owned_by`) and as
@@ -602,6 +714,7 @@ pub(crate) async fn prepare_with(
     let mut plan = req
         .sampling
         .plan(prompt, limits, card.vocab_size, logprobs)?;
+    plan.base.adapter = card.adapter;
     // The prompt's last tokens as text, control tokens kept: whether it opened a reasoning
     // block the answer starts inside.
     let prompt = &plan.base.prompt;

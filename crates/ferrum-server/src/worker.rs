@@ -27,6 +27,59 @@ pub enum Command {
         score: bool,
         reply: oneshot::Sender<Result<Vec<Vec<f32>>>>,
     },
+    /// Attaches a LoRA adapter under `name` (vLLM's `/v1/load_lora_adapter`).
+    LoadLora {
+        name: String,
+        path: std::path::PathBuf,
+        reply: oneshot::Sender<Result<()>>,
+    },
+    /// Detaches an adapter: new requests cannot name it at once; it is freed when the
+    /// requests already running with it are done.
+    UnloadLora {
+        name: String,
+        reply: oneshot::Sender<Result<()>>,
+    },
+}
+
+/// The server's LoRA settings (`--lora`, `--max-loras`, `--max-lora-rank`).
+#[derive(Debug, Clone)]
+pub struct LoraOptions {
+    /// Adapters attached at start: `(name, path)`.
+    pub initial: Vec<(String, std::path::PathBuf)>,
+    /// Most adapters attached at once.
+    pub max_loras: usize,
+    /// Largest rank an adapter may have.
+    pub max_rank: usize,
+}
+
+impl Default for LoraOptions {
+    fn default() -> Self {
+        LoraOptions {
+            initial: Vec::new(),
+            max_loras: 8,
+            max_rank: 64,
+        }
+    }
+}
+
+/// An attached adapter, as the handlers see it.
+#[derive(Debug, Clone)]
+pub struct LoraEntry {
+    pub name: String,
+    /// Its id in the engine ([`ferrum_generate::Request::adapter`]).
+    pub id: usize,
+    pub path: String,
+    pub rank: usize,
+    pub created: u64,
+}
+
+/// The adapters attached, and those of running and waiting requests (by name).
+#[derive(Debug, Clone, Default)]
+pub struct LoraTable {
+    pub adapters: Vec<LoraEntry>,
+    pub running: Vec<String>,
+    pub waiting: Vec<String>,
+    pub max_loras: usize,
 }
 
 /// One input of an embedding or scoring command: token ids, and for a pair each token's
@@ -83,6 +136,8 @@ pub struct ModelCard {
     /// A decoder reranker's prompt (`{query}`, `{document}`): a pair is scored as this text,
     /// not as a cross-encoder's two segments.
     pub rerank_prompt: Option<String>,
+    /// The LoRA adapter a request naming this card runs through (0: the base model).
+    pub adapter: usize,
 }
 
 /// State the handlers read without asking the worker.
@@ -96,6 +151,8 @@ pub struct Shared {
     /// Set when the device under the engine failed (out of memory, lost): requests get 503
     /// with it and /health and /ready report it; the process stays up.
     pub fault: OnceLock<String>,
+    /// LoRA adapters: read by the handlers to resolve a request's `model`.
+    pub lora: Mutex<LoraTable>,
 }
 
 #[derive(Clone)]
@@ -132,6 +189,21 @@ impl Handle {
         Ok((id, rx))
     }
 
+    /// Attaches (`Some(path)`) or detaches (`None`) the LoRA adapter `name`.
+    pub async fn lora(&self, name: String, path: Option<std::path::PathBuf>) -> Result<()> {
+        let (reply, answer) = oneshot::channel();
+        let cmd = match path {
+            Some(path) => Command::LoadLora { name, path, reply },
+            None => Command::UnloadLora { name, reply },
+        };
+        self.tx
+            .send(cmd)
+            .map_err(|_| Error::InvalidRequest("the engine has stopped".into()))?;
+        answer
+            .await
+            .map_err(|_| Error::InvalidRequest("the engine has stopped".into()))?
+    }
+
     /// The model's vectors for `inputs` (embeddings, or with `score` a classifier's logits).
     pub async fn embed(&self, inputs: Vec<EmbedInput>, score: bool) -> Result<Vec<Vec<f32>>> {
         let (reply, answer) = oneshot::channel();
@@ -154,6 +226,7 @@ pub fn spawn<B: Backend + 'static>(
     id: String,
     load: impl FnOnce() -> Result<Served<B>> + Send + 'static,
     kv_events: Option<crate::kv_events::Sender>,
+    lora: LoraOptions,
 ) -> Handle {
     let (tx, rx) = mpsc::channel();
     let shared = Arc::new(Shared::default());
@@ -199,6 +272,7 @@ pub fn spawn<B: Backend + 'static>(
                         },
                         normalized: enc.pooling.normalize,
                         rerank_prompt: None,
+                        adapter: 0,
                     });
                     sh.ready.store(true, Ordering::SeqCst);
                     run_encoder(&enc, &rx, &sh);
@@ -235,13 +309,27 @@ pub fn spawn<B: Backend + 'static>(
                 },
                 normalized: engine.model.pooling.as_ref().is_none_or(|p| p.normalize),
                 rerank_prompt: engine.model.pooling.as_ref().and_then(|p| p.prompt.clone()),
+                adapter: 0,
             });
+            let mut adapters = Adapters {
+                opts: lora.clone(),
+                unloading: Vec::new(),
+            };
+            if let Ok(mut t) = sh.lora.lock() {
+                t.max_loras = lora.max_loras;
+            }
+            for (name, path) in &lora.initial {
+                if let Err(e) = adapters.load(&mut engine, &sh, name, path) {
+                    let _ = sh.load_error.set(e.to_string());
+                    return;
+                }
+            }
             publish(&sh, &engine);
             if kv_events.is_some() {
                 engine.enable_kv_events();
             }
             sh.ready.store(true, Ordering::SeqCst);
-            run(&mut engine, &rx, &sh, kv_events.as_ref());
+            run(&mut engine, &rx, &sh, kv_events.as_ref(), &mut adapters);
         });
     if let Err(e) = started {
         let _ = shared
@@ -284,6 +372,116 @@ fn publish<B: Backend>(sh: &Shared, engine: &Engine<B>) {
     if let Ok(mut s) = sh.stats.lock() {
         *s = engine.stats();
     }
+    let (running, waiting) = engine.adapters_in_use();
+    if let Ok(mut t) = sh.lora.lock() {
+        let names = |ids: &[usize]| -> Vec<String> {
+            ids.iter()
+                .filter_map(|&id| engine.model.decoder.adapter(id).map(|a| a.name.clone()))
+                .collect()
+        };
+        if t.running.len() + t.waiting.len() + running.len() + waiting.len() > 0 {
+            t.running = names(&running);
+            t.waiting = names(&waiting);
+        }
+    }
+}
+
+/// The engine thread's side of the LoRA adapters: the limits, and adapters detached from
+/// the table but still in use.
+struct Adapters {
+    opts: LoraOptions,
+    unloading: Vec<usize>,
+}
+
+impl Adapters {
+    fn load<B: Backend>(
+        &mut self,
+        engine: &mut Engine<B>,
+        sh: &Shared,
+        name: &str,
+        path: &std::path::Path,
+    ) -> Result<()> {
+        let taken = sh
+            .lora
+            .lock()
+            .map_or(0, |t| t.adapters.iter().filter(|a| a.name == name).count());
+        if taken > 0 {
+            return Err(Error::InvalidRequest(format!(
+                "the LoRA adapter {name:?} has already been loaded"
+            )));
+        }
+        let attached = sh.lora.lock().map_or(0, |t| t.adapters.len()) + self.unloading.len();
+        if attached >= self.opts.max_loras {
+            return Err(Error::InvalidRequest(format!(
+                "{attached} LoRA adapters are loaded, the most this server takes \
+                 (--max-loras {}); unload one first",
+                self.opts.max_loras
+            )));
+        }
+        let m = &engine.model;
+        let adapter = ferrum_models::lora::Adapter::load(
+            m.decoder.backend(),
+            name,
+            &ferrum_models::lora::AdapterSource { path, scale: 1.0 },
+            &m.decoder.config,
+            m.info.gguf,
+        )?;
+        if adapter.rank > self.opts.max_rank {
+            return Err(Error::InvalidRequest(format!(
+                "the LoRA adapter {name:?} has rank {}, above this server's --max-lora-rank {}",
+                adapter.rank, self.opts.max_rank
+            )));
+        }
+        let rank = adapter.rank;
+        let id = engine.model.decoder.add_adapter(adapter)?;
+        tracing::info!(
+            "LoRA adapter {name:?} (rank {rank}) from {}",
+            path.display()
+        );
+        if let Ok(mut t) = sh.lora.lock() {
+            t.adapters.push(LoraEntry {
+                name: name.to_string(),
+                id,
+                path: path.display().to_string(),
+                rank,
+                created: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs()),
+            });
+        }
+        Ok(())
+    }
+
+    fn unload(&mut self, sh: &Shared, name: &str) -> Result<()> {
+        let entry = sh.lora.lock().ok().and_then(|mut t| {
+            let k = t.adapters.iter().position(|a| a.name == name)?;
+            Some(t.adapters.remove(k))
+        });
+        match entry {
+            Some(e) => {
+                self.unloading.push(e.id);
+                Ok(())
+            }
+            None => Err(Error::InvalidRequest(format!(
+                "no LoRA adapter named {name:?} is loaded"
+            ))),
+        }
+    }
+
+    /// Frees the detached adapters no request uses any more.
+    fn reap<B: Backend>(&mut self, engine: &mut Engine<B>) {
+        if self.unloading.is_empty() {
+            return;
+        }
+        let (running, waiting) = engine.adapters_in_use();
+        self.unloading.retain(|id| {
+            let busy = running.contains(id) || waiting.contains(id);
+            if !busy {
+                engine.model.decoder.remove_adapter(*id);
+            }
+            busy
+        });
+    }
 }
 
 fn run<B: Backend>(
@@ -291,19 +489,21 @@ fn run<B: Backend>(
     rx: &mpsc::Receiver<Command>,
     sh: &Shared,
     kv_events: Option<&crate::kv_events::Sender>,
+    adapters: &mut Adapters,
 ) {
     let mut senders: HashMap<RequestId, tmpsc::UnboundedSender<Output>> = HashMap::new();
     loop {
         // Idle: sleep until a command comes (or every handle is gone: shut down).
         if !engine.has_work() {
             match rx.recv() {
-                Ok(cmd) => handle(engine, cmd, &mut senders),
+                Ok(cmd) => handle(engine, cmd, &mut senders, sh, adapters),
                 Err(_) => return,
             }
         }
         while let Ok(cmd) = rx.try_recv() {
-            handle(engine, cmd, &mut senders);
+            handle(engine, cmd, &mut senders, sh, adapters);
         }
+        adapters.reap(engine);
         if engine.has_work() {
             match engine.step() {
                 Ok(outs) => {
@@ -348,8 +548,17 @@ fn handle<B: Backend>(
     engine: &mut Engine<B>,
     cmd: Command,
     senders: &mut HashMap<RequestId, tmpsc::UnboundedSender<Output>>,
+    sh: &Shared,
+    adapters: &mut Adapters,
 ) {
     match cmd {
+        Command::LoadLora { name, path, reply } => {
+            let _ = reply.send(adapters.load(engine, sh, &name, &path));
+        }
+        Command::UnloadLora { name, reply } => {
+            let _ = reply.send(adapters.unload(sh, &name));
+            adapters.reap(engine);
+        }
         Command::Submit { req, events, reply } => {
             let r = engine.add(*req);
             if let Ok(id) = r {
@@ -395,6 +604,11 @@ fn run_encoder<B: Backend>(enc: &Encoder<B>, rx: &mpsc::Receiver<Command>, sh: &
                 Command::Submit { reply, .. } => {
                     let _ = reply.send(Err(Error::InvalidRequest(
                         "this model embeds or scores texts; it does not generate them".into(),
+                    )));
+                }
+                Command::LoadLora { reply, .. } | Command::UnloadLora { reply, .. } => {
+                    let _ = reply.send(Err(Error::Unsupported(
+                        "LoRA adapters are for generating models, not encoders".into(),
                     )));
                 }
                 Command::Embed {
