@@ -48,6 +48,18 @@ pub fn gelu_erf(xs: &mut [f32]) {
     }
 }
 
+/// `out += Σ_j low[j] · bt[j]` (`bt`: `low.len()` rows of `out.len()` values), each element's
+/// terms added in `j` order: [`Backend::add_low_rank`](crate::Backend::add_low_rank) for one
+/// row, the CPU's kernel's scalar twin.
+pub fn add_low_rank_row(out: &mut [f32], low: &[f32], bt: &[f32]) {
+    let w = out.len();
+    for (j, &l) in low.iter().enumerate() {
+        for (o, &b) in out.iter_mut().zip(&bt[j * w..(j + 1) * w]) {
+            *o += l * b;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

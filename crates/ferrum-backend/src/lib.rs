@@ -448,6 +448,28 @@ pub trait Backend: Send + Sync {
     /// `x[v] += y[yv]`.
     fn add_inplace(&self, x: &mut Self::Buf, xv: Rows, y: &Self::Buf, yv: Rows);
 
+    /// `out[t] += Σ_j low[t, j] · bt[j]` for every row `t` of `lv`, where `bt` (on the host)
+    /// holds `lv.width()` rows of `ov.width()` values: a LoRA update's expansion by its
+    /// transposed, scaled `B`, added to the projection's output. Each element's terms are
+    /// added in `j` order onto its value, whatever the rows, so a batch keeps each row's bits.
+    /// The default body runs on the host over the rows read out and written back.
+    fn add_low_rank(&self, low: &Self::Buf, lv: Rows, bt: &[f32], out: &mut Self::Buf, ov: Rows) {
+        assert_eq!(lv.count, ov.count);
+        let (r, w) = (lv.width(), ov.width());
+        assert_eq!(bt.len(), r * w, "add_low_rank: factor size");
+        if ov.count == 0 {
+            return;
+        }
+        let mut l = vec![0f32; r];
+        let mut row = vec![0f32; w];
+        for t in 0..ov.count {
+            self.read(low, lv.offset + t * lv.stride, &mut l);
+            self.read(out, ov.offset + t * ov.stride, &mut row);
+            host_ops::add_low_rank_row(&mut row, &l, bt);
+            self.write(out, ov.offset + t * ov.stride, &row);
+        }
+    }
+
     /// Multiplies every element of the view by `s` (embedding scaling).
     fn scale_inplace(&self, x: &mut Self::Buf, xv: Rows, s: f32);
 

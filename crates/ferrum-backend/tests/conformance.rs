@@ -439,6 +439,20 @@ fn elementwise<B: Backend>(h: &mut Harness<B>, rng: &mut StdRng) {
         be.add_inplace(&mut xb, right, &yb, left);
         read(be, &xb)
     });
+    // A LoRA update's expansion (rank 5) into a column window, 96 and 600 wide (one and
+    // three column stretches on the CPU).
+    for out_w in [w, 600] {
+        let bt = rand_vec(rng, 5 * out_w, 0.5);
+        let low = rand_vec(rng, n * 5, 2.0);
+        let base = rand_vec(rng, n * (out_w + 4), 1.0);
+        case!(h, "add_low_rank", tol, format!("{n}×5 → {out_w}"), |be| {
+            let lb = buf(be, &low);
+            let mut o = buf(be, &base);
+            let ov = Rows::columns(n, out_w + 4, 4, out_w);
+            be.add_low_rank(&lb, Rows::dense(n, 5), &bt, &mut o, ov);
+            read(be, &o)
+        });
+    }
     case!(h, "scale", tol, format!("{n}×{w}"), |be| {
         let mut xb = buf(be, &x);
         be.scale_inplace(&mut xb, left, 0.37);

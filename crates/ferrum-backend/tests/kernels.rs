@@ -1084,3 +1084,46 @@ fn amx_tile_kernels_equal_scalar_twin() {
         }
     }
 }
+
+/// The CPU's LoRA expansion (column stretches on the pool) gives its scalar twin's bits
+/// (`host_ops::add_low_rank_row`, which the trait's default body runs), row by row, at widths
+/// of one, several and a partial stretch and at strided rows, and a row's bits do not depend
+/// on the other rows of the call.
+#[test]
+fn add_low_rank_equals_its_scalar_twin() {
+    use ferrum_backend::{host_ops::add_low_rank_row, Backend, CpuBackend, Rows};
+    let be = CpuBackend::new();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(48);
+    for (n, r, w) in [(1, 16, 2048), (4, 16, 300), (7, 4, 96), (3, 64, 513)] {
+        let stride = w + 3;
+        let low: Vec<f32> = (0..n * r).map(|_| rng.gen_range(-2.0..2.0)).collect();
+        let bt: Vec<f32> = (0..r * w).map(|_| rng.gen_range(-0.5..0.5)).collect();
+        let base: Vec<f32> = (0..n * stride).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let ov = Rows::columns(n, stride, 3, w);
+        let mut got = base.clone();
+        be.add_low_rank(&low, Rows::dense(n, r), &bt, &mut got, ov);
+        let mut want = base.clone();
+        for t in 0..n {
+            add_low_rank_row(
+                &mut want[t * stride + 3..t * stride + 3 + w],
+                &low[t * r..(t + 1) * r],
+                &bt,
+            );
+        }
+        assert_eq!(got, want, "{n}×{r} → {w}");
+        // The last row alone: the same bits.
+        let mut one = base[(n - 1) * stride..].to_vec();
+        be.add_low_rank(
+            &low[(n - 1) * r..].to_vec(),
+            Rows::dense(1, r),
+            &bt,
+            &mut one,
+            Rows::columns(1, stride, 3, w),
+        );
+        assert_eq!(
+            &one[..],
+            &got[(n - 1) * stride..],
+            "{n}×{r} → {w}: last row alone"
+        );
+    }
+}

@@ -10,6 +10,7 @@ mod embed;
 mod models;
 mod plan;
 mod repl;
+mod serve_fleet;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -279,11 +280,31 @@ fn spec_note<B: Backend>(e: &ferrum_generate::Engine<B>) -> String {
     }
 }
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 struct ServeArgs {
     /// A .gguf file, a Hugging Face folder, org/repo[:file.gguf|:QUANT] or an alias
     /// (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).
     model: Option<String>,
+    /// Serve several models: NAME=MODEL (repeatable; MODEL as above, a bare MODEL is named
+    /// after its file or reference). Each loads when a request names it, within
+    /// --max-memory, and unloads when idle past --keep-alive or to make room.
+    #[arg(long = "model")]
+    models: Vec<String>,
+    /// Serve every model in this folder (each .gguf file and each Hugging Face folder),
+    /// named after its file or folder.
+    #[arg(long)]
+    models_dir: Option<PathBuf>,
+    /// Serve every complete model in the local cache (`ferrum list`).
+    #[arg(long)]
+    models_from_cache: bool,
+    /// With several models: the memory the loaded ones may take, in `ferrum plan`'s figures
+    /// (e.g. 8G, 512M; default: 90% of the memory available at start).
+    #[arg(long)]
+    max_memory: Option<String>,
+    /// With several models: how long a model stays loaded after its last request (5m,
+    /// 30s, 0 to unload at once, -1 for ever); a request's `keep_alive` overrides it.
+    #[arg(long, default_value = "5m")]
+    keep_alive: String,
     /// Address to bind; 127.0.0.1 keeps the server local.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -448,15 +469,12 @@ fn serve_on<B: MakeBackend>(a: ServeArgs, be: BackendOpts) -> Result<()> {
     for l in &a.loras {
         parse_lora(l)?;
     }
+    if serve_fleet::wanted(&a) {
+        return serve_fleet::run::<B>(a, be);
+    }
     let path = model_path(a.model.as_deref())?;
     let file = ModelFile::open(&path)?;
-    let tokenizer = |f: &ModelFile| -> Result<Tokenizer> {
-        Ok(match f {
-            ModelFile::Gguf(g) => Tokenizer::from_gguf(g)?,
-            ModelFile::Hf(h) => Tokenizer::from_hf_dir(&h.dir)?,
-        })
-    };
-    let tok = tokenizer(&file)?;
+    let tok = file_tokenizer(&file)?;
     let reference = a.model.clone().filter(|r| !Path::new(r).exists());
     let id = a
         .model_names
@@ -473,41 +491,62 @@ fn serve_on<B: MakeBackend>(a: ServeArgs, be: BackendOpts) -> Result<()> {
     if ferrum_models::encoder::is_encoder(&file) {
         return serve_encoder::<B>(a, be, path, file, tok, id);
     }
-    let (ctx, kv_tokens, prefix) = (a.ctx, a.kv_tokens, !a.no_prefix_cache);
-    let (spec_tokens, draft) = a.spec.resolve()?;
-    let load = move || -> ferrum_core::Result<ferrum_server::worker::Served<B>> {
-        let model = load_model::<B>(&path, &file, ctx, be)
-            .map_err(|e| ferrum_core::Error::Weights(format!("{e:#}")))?;
-        let engine_tok =
-            tokenizer(&file).map_err(|e| ferrum_core::Error::Tokenizer(format!("{e:#}")))?;
-        // By default room for four sequences of the whole context.
-        let mut config = match kv_tokens {
-            Some(t) => EngineConfig::for_model(&model.decoder, t),
-            None => {
-                let mut c = EngineConfig::for_model(&model.decoder, model.decoder.context);
-                c.kv_blocks *= 4;
-                c
-            }
-        };
-        config.prefix_caching = prefix;
-        config.spec_tokens = spec_tokens;
-        let mut engine = ferrum_generate::Engine::new(model, engine_tok, config)?;
-        if let Some(d) = &draft {
-            attach_draft(&mut engine, d, be)
-                .map_err(|e| ferrum_core::Error::Weights(format!("{e:#}")))?;
-        }
-        eprintln!(
-            "ferrum: KV cache {} tokens ({:.1} MB{}), prefix caching {}{}; ready",
-            engine.kv_tokens(),
-            engine.kv_bytes() as f64 / 1e6,
-            window_note(&engine.model.decoder),
-            if prefix { "on" } else { "off" },
-            spec_note(&engine)
-        );
-        Ok(ferrum_server::worker::Served::Generate(Box::new(engine)))
-    };
+    let load = generator_loader::<B>(&a, be, path, file)?;
     let cfg = server_config(a, id);
     ferrum_server::serve(cfg, tok, load).map_err(|e| anyhow::anyhow!(e))
+}
+
+/// What loads a generating model's engine on the server's worker thread: the model, its
+/// KV pool (by default room for four sequences of the whole context), speculation.
+pub(crate) fn generator_loader<B: MakeBackend>(
+    a: &ServeArgs,
+    be: BackendOpts,
+    path: PathBuf,
+    file: ModelFile,
+) -> Result<impl FnOnce() -> ferrum_core::Result<ferrum_server::worker::Served<B>> + Send + 'static>
+{
+    let (ctx, kv_tokens, prefix) = (a.ctx, a.kv_tokens, !a.no_prefix_cache);
+    let (spec_tokens, draft) = a.spec.resolve()?;
+    Ok(
+        move || -> ferrum_core::Result<ferrum_server::worker::Served<B>> {
+            let model = load_model::<B>(&path, &file, ctx, be)
+                .map_err(|e| ferrum_core::Error::Weights(format!("{e:#}")))?;
+            let engine_tok = file_tokenizer(&file)
+                .map_err(|e| ferrum_core::Error::Tokenizer(format!("{e:#}")))?;
+            let mut config = match kv_tokens {
+                Some(t) => EngineConfig::for_model(&model.decoder, t),
+                None => {
+                    let mut c = EngineConfig::for_model(&model.decoder, model.decoder.context);
+                    c.kv_blocks *= 4;
+                    c
+                }
+            };
+            config.prefix_caching = prefix;
+            config.spec_tokens = spec_tokens;
+            let mut engine = ferrum_generate::Engine::new(model, engine_tok, config)?;
+            if let Some(d) = &draft {
+                attach_draft(&mut engine, d, be)
+                    .map_err(|e| ferrum_core::Error::Weights(format!("{e:#}")))?;
+            }
+            eprintln!(
+                "ferrum: KV cache {} tokens ({:.1} MB{}), prefix caching {}{}; ready",
+                engine.kv_tokens(),
+                engine.kv_bytes() as f64 / 1e6,
+                window_note(&engine.model.decoder),
+                if prefix { "on" } else { "off" },
+                spec_note(&engine)
+            );
+            Ok(ferrum_server::worker::Served::Generate(Box::new(engine)))
+        },
+    )
+}
+
+/// A model file's tokenizer.
+pub(crate) fn file_tokenizer(f: &ModelFile) -> Result<Tokenizer> {
+    Ok(match f {
+        ModelFile::Gguf(g) => Tokenizer::from_gguf(g)?,
+        ModelFile::Hf(h) => Tokenizer::from_hf_dir(&h.dir)?,
+    })
 }
 
 /// `serve` for an embedding model or a reranker: no KV pool or scheduler, the worker
@@ -520,7 +559,18 @@ fn serve_encoder<B: MakeBackend>(
     tok: Tokenizer,
     id: String,
 ) -> Result<()> {
-    let load = move || -> ferrum_core::Result<ferrum_server::worker::Served<B>> {
+    let load = encoder_loader::<B>(be, path, file);
+    let cfg = server_config(a, id);
+    ferrum_server::serve(cfg, tok, load).map_err(|e| anyhow::anyhow!(e))
+}
+
+/// What loads an embedding model or a reranker on the server's worker thread.
+pub(crate) fn encoder_loader<B: MakeBackend>(
+    be: BackendOpts,
+    path: PathBuf,
+    file: ModelFile,
+) -> impl FnOnce() -> ferrum_core::Result<ferrum_server::worker::Served<B>> + Send + 'static {
+    move || -> ferrum_core::Result<ferrum_server::worker::Served<B>> {
         let enc = ferrum_models::encoder::Encoder::load(
             &file,
             B::make(&be).map_err(|e| ferrum_core::Error::Device(format!("{e:#}")))?,
@@ -540,12 +590,10 @@ fn serve_encoder<B: MakeBackend>(
             enc.config.context(),
         );
         Ok(ferrum_server::worker::Served::Encode(Box::new(enc)))
-    };
-    let cfg = server_config(a, id);
-    ferrum_server::serve(cfg, tok, load).map_err(|e| anyhow::anyhow!(e))
+    }
 }
 
-fn server_config(a: ServeArgs, id: String) -> ferrum_server::ServeConfig {
+pub(crate) fn server_config(a: ServeArgs, id: String) -> ferrum_server::ServeConfig {
     ferrum_server::ServeConfig {
         host: a.host,
         port: a.port,

@@ -363,18 +363,11 @@ impl<B: Backend> Decoder<B> {
                 }
             }
         }
-        let be = &self.backend;
-        let (rank, widest) = self
-            .lora_bufs
-            .as_ref()
-            .map_or((0, 0), |b| (b.rank, b.widest));
-        if adapter.rank > rank || adapter.widest > widest {
-            let (rank, widest) = (rank.max(adapter.rank), widest.max(adapter.widest));
+        let rank = self.lora_bufs.as_ref().map_or(0, |b| b.rank);
+        if adapter.rank > rank {
             self.lora_bufs = Some(LoraBufs {
-                low: be.alloc(CHUNK * rank),
-                high: be.alloc(CHUNK * widest),
-                rank,
-                widest,
+                low: self.backend.alloc(CHUNK * adapter.rank),
+                rank: adapter.rank,
             });
         }
         // Ids are never reused: a request that named an adapter since detached gets an

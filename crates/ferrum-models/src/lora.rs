@@ -47,10 +47,12 @@ pub enum Target {
     GateUp,
 }
 
-/// One projection's update: `A` (`[rank, in]`) and `s · B` (`[out, rank]`).
+/// One projection's update: `A` (`[rank, in]`, the backend's) and `(s · B)ᵀ` (`[rank, out]`,
+/// on the host: [`Backend::add_low_rank`] runs through it row by row, where a matmul by `B`
+/// would make each output a dot product of only `rank` terms).
 pub struct Delta<W> {
     pub a: W,
-    pub b: W,
+    pub bt: Vec<f32>,
     pub rank: usize,
     pub out: usize,
 }
@@ -84,8 +86,6 @@ pub struct Adapter<B: Backend> {
     /// The largest rank of its updates.
     pub rank: usize,
     pub layers: Vec<LoraLayer<B::Weight>>,
-    /// The widest output of an update (sizes the decoder's scratch).
-    pub widest: usize,
     /// f32 bytes of its factors.
     pub bytes: usize,
     /// Where its sequences' prefix-cache chains start: distinct for every adapter loaded,
@@ -193,7 +193,7 @@ impl<B: Backend> Adapter<B> {
         let mut layers: Vec<LoraLayer<B::Weight>> = (0..c.n_layers)
             .map(|_| LoraLayer { deltas: Vec::new() })
             .collect();
-        let (mut rank, mut widest, mut bytes) = (0, 0, 0);
+        let (mut rank, mut bytes) = (0, 0);
         for f in factors {
             let (out, input) = expected_shape(c, f.layer, f.target);
             if (f.out, f.input) != (out, input) {
@@ -207,7 +207,12 @@ impl<B: Backend> Adapter<B> {
                 )));
             }
             let s = f.scale * src.scale;
-            let b: Vec<f32> = f.b.iter().map(|v| v * s).collect();
+            let mut bt = vec![0f32; f.b.len()];
+            for (o, row) in f.b.chunks_exact(f.rank).enumerate() {
+                for (j, v) in row.iter().enumerate() {
+                    bt[j * out + o] = v * s;
+                }
+            }
             let tensor = |part: &str, rows: usize, cols: usize, data: &[f32]| {
                 let bytes = data.iter().flat_map(|v| v.to_le_bytes()).collect();
                 let t = RawTensor::from_bytes(
@@ -221,12 +226,11 @@ impl<B: Backend> Adapter<B> {
             };
             let delta = Delta {
                 a: tensor("a", f.rank, input, &f.a)?,
-                b: tensor("b", out, f.rank, &b)?,
+                bt,
                 rank: f.rank,
                 out,
             };
             rank = rank.max(f.rank);
-            widest = widest.max(out);
             bytes += 4 * f.rank * (input + out);
             let l = &mut layers[f.layer];
             if l.get(f.target).is_some() {
@@ -243,7 +247,6 @@ impl<B: Backend> Adapter<B> {
             name: name.to_string(),
             rank,
             layers,
-            widest,
             bytes,
             salt: {
                 use std::hash::{Hash, Hasher};
@@ -513,12 +516,10 @@ fn is_used(name: &str, c: &ModelConfig, src: &WeightSource) -> bool {
     })
 }
 
-/// Scratch for the updates of one pass: `A x` (`[rows, rank]`) and `B (A x)`.
+/// Scratch for the updates of one pass: `A x` (`[rows, rank]`).
 pub struct LoraBufs<B: Backend> {
     pub low: B::Buf,
-    pub high: B::Buf,
     pub rank: usize,
-    pub widest: usize,
 }
 
 /// Rows `first..first + count` of a pass that use one adapter's layer.
@@ -543,7 +544,6 @@ impl<B: Backend> LayerLora<'_, B> {
                 continue;
             };
             let low = Rows::dense(r.count, d.rank);
-            let high = Rows::dense(r.count, d.out);
             be.matmul(
                 x,
                 xv.slice(r.first, r.count),
@@ -552,8 +552,7 @@ impl<B: Backend> LayerLora<'_, B> {
                 &mut self.bufs.low,
                 low,
             );
-            be.matmul(&self.bufs.low, low, &d.b, None, &mut self.bufs.high, high);
-            be.add_inplace(out, ov.slice(r.first, r.count), &self.bufs.high, high);
+            be.add_low_rank(&self.bufs.low, low, &d.bt, out, ov.slice(r.first, r.count));
         }
     }
 

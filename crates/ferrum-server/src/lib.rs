@@ -10,6 +10,7 @@ pub mod anthropic;
 pub mod api;
 pub mod dsml;
 pub mod error;
+pub mod fleet;
 pub mod gemma;
 pub mod guard;
 pub mod kv_events;
@@ -34,6 +35,7 @@ use axum::Router;
 use ferrum_core::Result;
 use ferrum_tokenizer::{SpecialTokens, Tokenizer};
 
+#[derive(Clone)]
 pub struct ServeConfig {
     pub host: String,
     pub port: u16,
@@ -155,36 +157,7 @@ pub fn serve<B: ferrum_backend::Backend + 'static>(
             }
             None => None,
         };
-        let handle = worker::spawn(cfg.model_id.clone(), load, kv_events, cfg.lora.clone());
-        let format = answer::AnswerFormat::detect(&tokenizer);
-        if let Some(t) = tokenizer.chat_template() {
-            // A template that cannot render a four-turn chat within its limits is hostile or
-            // broken: chat requests get that error at once instead of running it again.
-            if let Err(e) = t.dry_run() {
-                tracing::warn!("chat requests will be refused: {e}");
-            }
-        }
-        let state = Arc::new(routes::AppState {
-            handle,
-            names: routes::ModelNames::new(
-                std::iter::once(cfg.model_id.clone()).chain(cfg.model_aliases.iter().cloned()),
-                cfg.any_model_name,
-            ),
-            pull: cfg.pull.clone(),
-            pulling: Default::default(),
-            format,
-            tokenizer,
-            metrics: Default::default(),
-            api_key: cfg.api_key.clone(),
-            max_waiting: cfg.max_waiting,
-            next_id: AtomicU64::new(0),
-            guard: guard::BrowserGuard::new(&cfg.host, &cfg.allowed_hosts, &cfg.allowed_origins),
-            content_special: cfg.content_special,
-            max_request_tokens: cfg.max_request_tokens,
-            draining: AtomicBool::new(false),
-            in_handlers: AtomicUsize::new(0),
-            embeddings_from_chat: cfg.embeddings_from_chat,
-        });
+        let state = model_state(&cfg, tokenizer, load, kv_events);
         tracing::info!(
             "serving {:?} on http://{addr} (OpenAI API under /v1; /health, /metrics){}",
             cfg.model_id,
@@ -203,6 +176,46 @@ pub fn serve<B: ferrum_backend::Backend + 'static>(
     // Renders run on threads of their own with a deadline; none is waited for here.
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
     Ok(())
+}
+
+/// One model's server state: its engine's worker started on its own thread (loading there;
+/// the state answers 503 until it is ready), its tokenizer, names and limits from `cfg`.
+pub fn model_state<B: ferrum_backend::Backend + 'static>(
+    cfg: &ServeConfig,
+    tokenizer: Tokenizer,
+    load: impl FnOnce() -> Result<worker::Served<B>> + Send + 'static,
+    kv_events: Option<kv_events::Sender>,
+) -> Arc<routes::AppState> {
+    let handle = worker::spawn(cfg.model_id.clone(), load, kv_events, cfg.lora.clone());
+    let format = answer::AnswerFormat::detect(&tokenizer);
+    if let Some(t) = tokenizer.chat_template() {
+        // A template that cannot render a four-turn chat within its limits is hostile or
+        // broken: chat requests get that error at once instead of running it again.
+        if let Err(e) = t.dry_run() {
+            tracing::warn!("chat requests will be refused: {e}");
+        }
+    }
+    Arc::new(routes::AppState {
+        handle,
+        names: routes::ModelNames::new(
+            std::iter::once(cfg.model_id.clone()).chain(cfg.model_aliases.iter().cloned()),
+            cfg.any_model_name,
+        ),
+        pull: cfg.pull.clone(),
+        pulling: Default::default(),
+        format,
+        tokenizer,
+        metrics: Default::default(),
+        api_key: cfg.api_key.clone(),
+        max_waiting: cfg.max_waiting,
+        next_id: AtomicU64::new(0),
+        guard: guard::BrowserGuard::new(&cfg.host, &cfg.allowed_hosts, &cfg.allowed_origins),
+        content_special: cfg.content_special,
+        max_request_tokens: cfg.max_request_tokens,
+        draining: AtomicBool::new(false),
+        in_handlers: AtomicUsize::new(0),
+        embeddings_from_chat: cfg.embeddings_from_chat,
+    })
 }
 
 /// Resolves when the server should stop accepting connections: after SIGTERM or Ctrl-C,
@@ -241,7 +254,7 @@ async fn drain(st: Arc<routes::AppState>, grace: std::time::Duration) {
     });
 }
 
-async fn shutdown() {
+pub(crate) async fn shutdown() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

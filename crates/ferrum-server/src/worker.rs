@@ -153,6 +153,18 @@ pub struct Shared {
     pub fault: OnceLock<String>,
     /// LoRA adapters: read by the handlers to resolve a request's `model`.
     pub lora: Mutex<LoraTable>,
+    /// Set when the worker thread has ended and dropped its model (every [`Handle`] gone):
+    /// a server of several models waits for it before loading another in its place.
+    pub stopped: AtomicBool,
+}
+
+/// Sets [`Shared::stopped`] when the worker's thread ends, after what it held is dropped.
+struct StopFlag(Arc<Shared>);
+
+impl Drop for StopFlag {
+    fn drop(&mut self) {
+        self.0.stopped.store(true, Ordering::SeqCst);
+    }
 }
 
 #[derive(Clone)]
@@ -234,6 +246,8 @@ pub fn spawn<B: Backend + 'static>(
     let started = std::thread::Builder::new()
         .name("ferrum-engine".into())
         .spawn(move || {
+            // Declared first, so dropped last: after the model.
+            let _stop = StopFlag(sh.clone());
             // Before the backend's threads exist, so they inherit it.
             yield_to_http_threads();
             let served = match load() {

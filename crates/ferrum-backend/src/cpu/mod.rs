@@ -1233,6 +1233,36 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn add_low_rank(&self, low: &Vec<f32>, lv: Rows, bt: &[f32], out: &mut Vec<f32>, ov: Rows) {
+        assert_eq!(lv.count, ov.count);
+        let (n, r, w) = (ov.count, lv.width(), ov.width());
+        assert_eq!(bt.len(), r * w, "add_low_rank: factor size");
+        check_view("add_low_rank low", lv, low.len());
+        check_view("add_low_rank out", ov, out.len());
+        assert!(n <= 1 || ov.stride >= w, "rows overlap");
+        if n == 0 {
+            return;
+        }
+        // Column stretches: each task reads its stretch of every factor row once (it stays
+        // in L1 for every row of the pass) and owns those columns of every output row.
+        const COLS: usize = 256;
+        let dst = SharedMut(out.as_mut_ptr());
+        self.pool.run(w.div_ceil(COLS), &|task| {
+            let (c0, c1) = (task * COLS, ((task + 1) * COLS).min(w));
+            for t in 0..n {
+                // SAFETY: in bounds (check_view); rows do not overlap and these columns are
+                // this task's alone.
+                let o = unsafe { dst.slice(ov.offset + t * ov.stride + c0, c1 - c0) };
+                let l = &low[lv.offset + t * lv.stride..][..r];
+                for (j, &lj) in l.iter().enumerate() {
+                    for (x, &b) in o.iter_mut().zip(&bt[j * w + c0..j * w + c1]) {
+                        *x += lj * b;
+                    }
+                }
+            }
+        });
+    }
+
     fn fill(&self, x: &mut Vec<f32>, xv: Rows, value: f32) {
         check_view("fill", xv, x.len());
         let w = xv.width();
