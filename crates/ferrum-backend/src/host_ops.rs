@@ -48,15 +48,42 @@ pub fn gelu_erf(xs: &mut [f32]) {
     }
 }
 
-/// `out += Σ_j low[j] · bt[j]` (`bt`: `low.len()` rows of `out.len()` values), each element's
-/// terms added in `j` order: [`Backend::add_low_rank`](crate::Backend::add_low_rank) for one
-/// row, the CPU's kernel's scalar twin.
-pub fn add_low_rank_row(out: &mut [f32], low: &[f32], bt: &[f32]) {
-    let w = out.len();
-    for (j, &l) in low.iter().enumerate() {
-        for (o, &b) in out.iter_mut().zip(&bt[j * w..(j + 1) * w]) {
-            *o += l * b;
+/// Columns a stretch of [`Backend::add_low_rank`](crate::Backend::add_low_rank)'s factor
+/// holds: its rows for those columns lie together, so a stretch of every row is read once
+/// and stays in L1 while the pass's rows are updated.
+pub const LOW_RANK_STRETCH: usize = 256;
+
+/// A `rank × width` row-major matrix (a LoRA update's scaled `Bᵀ`) in the stretch layout
+/// [`Backend::add_low_rank`](crate::Backend::add_low_rank) reads: stretch `k` (columns
+/// `k·S..min((k+1)·S, width)`, `S` = [`LOW_RANK_STRETCH`]) holds those columns of row 0,
+/// then of row 1, and so on.
+pub fn low_rank_stretches(m: &[f32], rank: usize, width: usize) -> Vec<f32> {
+    assert_eq!(m.len(), rank * width);
+    let mut out = Vec::with_capacity(m.len());
+    for c0 in (0..width).step_by(LOW_RANK_STRETCH) {
+        let c1 = (c0 + LOW_RANK_STRETCH).min(width);
+        for j in 0..rank {
+            out.extend_from_slice(&m[j * width + c0..j * width + c1]);
         }
+    }
+    out
+}
+
+/// `out += Σ_j low[j] · bt[j]` for one row (`bt` in [`low_rank_stretches`]' layout), each
+/// element's terms fused-multiply-added in `j` order: the CPU kernel's scalar twin (the
+/// attention's `mix`, stretch by stretch), and the trait's default body.
+pub fn add_low_rank_row(out: &mut [f32], low: &[f32], bt: &[f32]) {
+    let (w, r) = (out.len(), low.len());
+    let mut at = 0;
+    for c0 in (0..w).step_by(LOW_RANK_STRETCH) {
+        let acc = &mut out[c0..(c0 + LOW_RANK_STRETCH).min(w)];
+        let n = acc.len();
+        for (j, &lj) in low.iter().enumerate() {
+            for (a, &b) in acc.iter_mut().zip(&bt[at + j * n..at + (j + 1) * n]) {
+                *a = lj.mul_add(b, *a);
+            }
+        }
+        at += r * n;
     }
 }
 

@@ -448,11 +448,31 @@ pub trait Backend: Send + Sync {
     /// `x[v] += y[yv]`.
     fn add_inplace(&self, x: &mut Self::Buf, xv: Rows, y: &Self::Buf, yv: Rows);
 
-    /// `out[t] += Σ_j low[t, j] · bt[j]` for every row `t` of `lv`, where `bt` (on the host)
-    /// holds `lv.width()` rows of `ov.width()` values: a LoRA update's expansion by its
-    /// transposed, scaled `B`, added to the projection's output. Each element's terms are
-    /// added in `j` order onto its value, whatever the rows, so a batch keeps each row's bits.
-    /// The default body runs on the host over the rows read out and written back.
+    /// `low[t, j] = x[t] · a[j]` for every row `t` of `xv`, where `a` (on the host) holds
+    /// `lv.width()` rows of `xv.width()` values: a LoRA update's `A x`, each product the
+    /// CPU's f32 dot ([`cpu::simd::dot_f32`]) whatever the rows. The default body runs on the
+    /// host over the rows read out and written back.
+    fn low_rank_shrink(&self, x: &Self::Buf, xv: Rows, a: &[f32], low: &mut Self::Buf, lv: Rows) {
+        assert_eq!(xv.count, lv.count);
+        let (k, r) = (xv.width(), lv.width());
+        assert_eq!(a.len(), r * k, "low_rank_shrink: factor size");
+        let mut row = vec![0f32; k];
+        let mut out = vec![0f32; r];
+        for t in 0..xv.count {
+            self.read(x, xv.offset + t * xv.stride, &mut row);
+            for (o, aj) in out.iter_mut().zip(a.chunks_exact(k)) {
+                *o = cpu::simd::dot_f32(&row, aj);
+            }
+            self.write(low, lv.offset + t * lv.stride, &out);
+        }
+    }
+
+    /// `out[t] += Σ_j low[t, j] · bt[j]` for every row `t` of `lv`, where `bt` (on the host,
+    /// in [`host_ops::low_rank_stretches`]' layout) holds `lv.width()` rows of `ov.width()`
+    /// values: a LoRA update's expansion by its transposed, scaled `B`, added to the
+    /// projection's output. Each element's terms are fused-multiply-added in `j` order onto
+    /// its value, whatever the rows, so a batch keeps each row's bits. The default body runs
+    /// on the host over the rows read out and written back.
     fn add_low_rank(&self, low: &Self::Buf, lv: Rows, bt: &[f32], out: &mut Self::Buf, ov: Rows) {
         assert_eq!(lv.count, ov.count);
         let (r, w) = (lv.width(), ov.width());

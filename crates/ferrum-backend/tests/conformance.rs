@@ -439,8 +439,15 @@ fn elementwise<B: Backend>(h: &mut Harness<B>, rng: &mut StdRng) {
         be.add_inplace(&mut xb, right, &yb, left);
         read(be, &xb)
     });
-    // A LoRA update's expansion (rank 5) into a column window, 96 and 600 wide (one and
-    // three column stretches on the CPU).
+    // A LoRA update: `A x` (rank 5) from strided rows, then its expansion into a column
+    // window, 96 and 600 wide (one and three column stretches on the CPU).
+    let a = rand_vec(rng, 5 * w, 0.5);
+    case!(h, "low_rank_shrink", tol, format!("{n}×{w} → 5"), |be| {
+        let xb = buf(be, &x);
+        let mut o = buf(be, &vec![0.0; n * 5]);
+        be.low_rank_shrink(&xb, right, &a, &mut o, Rows::dense(n, 5));
+        read(be, &o)
+    });
     for out_w in [w, 600] {
         let bt = rand_vec(rng, 5 * out_w, 0.5);
         let low = rand_vec(rng, n * 5, 2.0);

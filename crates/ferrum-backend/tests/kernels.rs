@@ -1091,13 +1091,15 @@ fn amx_tile_kernels_equal_scalar_twin() {
 /// on the other rows of the call.
 #[test]
 fn add_low_rank_equals_its_scalar_twin() {
-    use ferrum_backend::{host_ops::add_low_rank_row, Backend, CpuBackend, Rows};
+    use ferrum_backend::host_ops::{add_low_rank_row, low_rank_stretches};
+    use ferrum_backend::{Backend, CpuBackend, Rows};
     let be = CpuBackend::new();
     let mut rng = rand::rngs::StdRng::seed_from_u64(48);
     for (n, r, w) in [(1, 16, 2048), (4, 16, 300), (7, 4, 96), (3, 64, 513)] {
         let stride = w + 3;
         let low: Vec<f32> = (0..n * r).map(|_| rng.gen_range(-2.0..2.0)).collect();
-        let bt: Vec<f32> = (0..r * w).map(|_| rng.gen_range(-0.5..0.5)).collect();
+        let m: Vec<f32> = (0..r * w).map(|_| rng.gen_range(-0.5..0.5)).collect();
+        let bt = low_rank_stretches(&m, r, w);
         let base: Vec<f32> = (0..n * stride).map(|_| rng.gen_range(-1.0..1.0)).collect();
         let ov = Rows::columns(n, stride, 3, w);
         let mut got = base.clone();
@@ -1111,6 +1113,20 @@ fn add_low_rank_equals_its_scalar_twin() {
             );
         }
         assert_eq!(got, want, "{n}×{r} → {w}");
+        // And the stretches hold the plain product: within rounding of f64.
+        for t in 0..n {
+            for c in 0..w {
+                let exact: f64 = base[t * stride + 3 + c] as f64
+                    + (0..r)
+                        .map(|j| low[t * r + j] as f64 * m[j * w + c] as f64)
+                        .sum::<f64>();
+                let g = got[t * stride + 3 + c] as f64;
+                assert!(
+                    (g - exact).abs() < 1e-4,
+                    "{n}×{r} → {w}: row {t} column {c}"
+                );
+            }
+        }
         // The last row alone: the same bits.
         let mut one = base[(n - 1) * stride..].to_vec();
         be.add_low_rank(
@@ -1125,5 +1141,43 @@ fn add_low_rank_equals_its_scalar_twin() {
             &got[(n - 1) * stride..],
             "{n}×{r} → {w}: last row alone"
         );
+    }
+}
+
+/// The CPU's `A x` of a LoRA update (factor rows split among the threads) gives each
+/// element the f32 dot's bits, at strided rows, whatever the other rows of the call.
+#[test]
+fn low_rank_shrink_equals_the_dot_per_element() {
+    use ferrum_backend::cpu::simd::dot_f32;
+    use ferrum_backend::{Backend, CpuBackend, Rows};
+    let be = CpuBackend::new();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(49);
+    for (n, r, k) in [(1, 16, 2048), (4, 16, 300), (7, 3, 96), (3, 64, 513)] {
+        let stride = k + 5;
+        let x: Vec<f32> = (0..n * stride).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let a: Vec<f32> = (0..r * k).map(|_| rng.gen_range(-0.5..0.5)).collect();
+        let xv = Rows::columns(n, stride, 5, k);
+        let mut got = vec![0f32; n * r];
+        be.low_rank_shrink(&x, xv, &a, &mut got, Rows::dense(n, r));
+        for t in 0..n {
+            let xt = &x[t * stride + 5..t * stride + 5 + k];
+            for j in 0..r {
+                let want = dot_f32(xt, &a[j * k..(j + 1) * k]);
+                assert_eq!(
+                    got[t * r + j].to_bits(),
+                    want.to_bits(),
+                    "{n}×{k} → {r}: ({t}, {j})"
+                );
+                let exact: f64 = xt
+                    .iter()
+                    .zip(&a[j * k..])
+                    .map(|(&p, &q)| p as f64 * q as f64)
+                    .sum();
+                assert!(
+                    (want as f64 - exact).abs() < 1e-3,
+                    "{n}×{k} → {r}: ({t}, {j})"
+                );
+            }
+        }
     }
 }

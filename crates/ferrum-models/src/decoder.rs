@@ -173,7 +173,7 @@ pub struct Decoder<B: Backend> {
     state: State<B>,
     /// Attached LoRA adapters; id `k` is slot `k − 1` (`None` once removed; ids are not
     /// reused).
-    adapters: Vec<Option<Adapter<B>>>,
+    adapters: Vec<Option<Adapter>>,
     /// Scratch of their updates, sized for the largest attached.
     lora_bufs: Option<LoraBufs<B>>,
 }
@@ -334,7 +334,7 @@ impl<B: Backend> Decoder<B> {
     /// Attaches a LoRA adapter and returns its id for [`SeqChunk::adapter`]. Refused where
     /// it updates a projection this model's layers do not have as it expects (a fused one,
     /// experts, a recurrent or latent mixer).
-    pub fn add_adapter(&mut self, adapter: Adapter<B>) -> Result<usize> {
+    pub fn add_adapter(&mut self, adapter: Adapter) -> Result<usize> {
         for (i, (l, layer)) in adapter.layers.iter().zip(&self.layers).enumerate() {
             let ok = |t: Target| match t {
                 Target::Q | Target::K | Target::V | Target::O | Target::Qkv => {
@@ -377,11 +377,11 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Detaches adapter `id`; sequences must no longer name it.
-    pub fn remove_adapter(&mut self, id: usize) -> Option<Adapter<B>> {
+    pub fn remove_adapter(&mut self, id: usize) -> Option<Adapter> {
         self.adapters.get_mut(id.checked_sub(1)?)?.take()
     }
 
-    pub fn adapter(&self, id: usize) -> Option<&Adapter<B>> {
+    pub fn adapter(&self, id: usize) -> Option<&Adapter> {
         self.adapters.get(id.checked_sub(1)?)?.as_ref()
     }
 
@@ -850,7 +850,7 @@ impl<B: Backend> Decoder<B> {
             })
             .collect();
         // Consecutive rows of one adapter: each run's updates are one pair of matmuls.
-        let mut runs: Vec<(usize, usize, &Adapter<B>)> = Vec::new();
+        let mut runs: Vec<(usize, usize, &Adapter)> = Vec::new();
         let mut row = 0;
         for q in seqs {
             let m = q.tokens.len();
@@ -902,7 +902,7 @@ impl<B: Backend> Decoder<B> {
             } else {
                 &s.x
             };
-            let layer_runs = || -> Vec<Run<B::Weight>> {
+            let layer_runs = || -> Vec<Run> {
                 runs.iter()
                     .map(|&(first, count, a)| Run {
                         first,

@@ -216,13 +216,7 @@ impl<B: Backend> Model<B> {
     /// Reads a LoRA adapter for this model and attaches it; returns its id for
     /// [`decoder::SeqChunk::adapter`].
     pub fn load_adapter(&mut self, name: &str, src: &lora::AdapterSource) -> Result<usize> {
-        let a = lora::Adapter::load(
-            self.decoder.backend(),
-            name,
-            src,
-            &self.decoder.config,
-            self.info.gguf,
-        )?;
+        let a = lora::Adapter::load(name, src, &self.decoder.config, self.info.gguf)?;
         self.decoder.add_adapter(a)
     }
 

@@ -13,7 +13,7 @@
 use std::path::Path;
 
 use ferrum_backend::{Backend, Rows};
-use ferrum_core::{DType, Error, Result};
+use ferrum_core::{Error, Result};
 use ferrum_loader::{GgufFile, RawTensor, TensorStore};
 
 use crate::arch::Arch;
@@ -47,23 +47,25 @@ pub enum Target {
     GateUp,
 }
 
-/// One projection's update: `A` (`[rank, in]`, the backend's) and `(s · B)ᵀ` (`[rank, out]`,
-/// on the host: [`Backend::add_low_rank`] runs through it row by row, where a matmul by `B`
-/// would make each output a dot product of only `rank` terms).
-pub struct Delta<W> {
-    pub a: W,
+/// One projection's update, on the host: `A` (`[rank, in]`, for [`Backend::low_rank_shrink`])
+/// and `(s · B)ᵀ` (`[rank, out]` in column stretches: [`Backend::add_low_rank`] adds its rows
+/// to the output scaled by `A x`, where a matmul by `B` would make each output a dot product
+/// of only `rank` terms). Small enough (a rank-16 update of a 2048-wide projection is 256 KB)
+/// that the backends' own copies would buy nothing on the CPU.
+pub struct Delta {
+    pub a: Vec<f32>,
     pub bt: Vec<f32>,
     pub rank: usize,
     pub out: usize,
 }
 
 /// A layer's updates, where the adapter has them.
-pub struct LoraLayer<W> {
-    deltas: Vec<(Target, Delta<W>)>,
+pub struct LoraLayer {
+    deltas: Vec<(Target, Delta)>,
 }
 
-impl<W> LoraLayer<W> {
-    pub fn get(&self, t: Target) -> Option<&Delta<W>> {
+impl LoraLayer {
+    pub fn get(&self, t: Target) -> Option<&Delta> {
         self.deltas.iter().find(|(x, _)| *x == t).map(|(_, d)| d)
     }
 
@@ -81,11 +83,11 @@ impl<W> LoraLayer<W> {
 }
 
 /// A loaded adapter: its updates per layer, ready for the decoder.
-pub struct Adapter<B: Backend> {
+pub struct Adapter {
     pub name: String,
     /// The largest rank of its updates.
     pub rank: usize,
-    pub layers: Vec<LoraLayer<B::Weight>>,
+    pub layers: Vec<LoraLayer>,
     /// f32 bytes of its factors.
     pub bytes: usize,
     /// Where its sequences' prefix-cache chains start: distinct for every adapter loaded,
@@ -146,17 +148,16 @@ impl Factors {
     }
 }
 
-impl<B: Backend> Adapter<B> {
+impl Adapter {
     /// Reads the adapter at `src.path` (a PEFT folder, its `adapter_model.safetensors`, or a
     /// GGUF LoRA) for a base model of configuration `c` (`base_gguf`: whether the base is a
     /// GGUF, whose Llama query and key rows are permuted for the interleaved rotation).
     pub fn load(
-        be: &B,
         name: &str,
         src: &AdapterSource,
         c: &ModelConfig,
         base_gguf: bool,
-    ) -> Result<Adapter<B>> {
+    ) -> Result<Adapter> {
         let path = src.path;
         let is_gguf = path.is_file()
             && path
@@ -190,7 +191,7 @@ impl<B: Backend> Adapter<B> {
                 f.b = permute_rows(&f.b, f.rank, heads, f.out, base_gguf);
             }
         }
-        let mut layers: Vec<LoraLayer<B::Weight>> = (0..c.n_layers)
+        let mut layers: Vec<LoraLayer> = (0..c.n_layers)
             .map(|_| LoraLayer { deltas: Vec::new() })
             .collect();
         let (mut rank, mut bytes) = (0, 0);
@@ -213,19 +214,9 @@ impl<B: Backend> Adapter<B> {
                     bt[j * out + o] = v * s;
                 }
             }
-            let tensor = |part: &str, rows: usize, cols: usize, data: &[f32]| {
-                let bytes = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-                let t = RawTensor::from_bytes(
-                    &format!("lora.{}.{:?}.{part}", f.layer, f.target),
-                    DType::F32,
-                    vec![rows, cols],
-                    bytes,
-                )
-                .ok_or_else(|| Error::Weights("LoRA factor: bad size".into()))?;
-                be.load_weight(&t)
-            };
+            let bt = ferrum_backend::host_ops::low_rank_stretches(&bt, f.rank, out);
             let delta = Delta {
-                a: tensor("a", f.rank, input, &f.a)?,
+                a: f.a,
                 bt,
                 rank: f.rank,
                 out,
@@ -523,15 +514,15 @@ pub struct LoraBufs<B: Backend> {
 }
 
 /// Rows `first..first + count` of a pass that use one adapter's layer.
-pub struct Run<'a, W> {
+pub struct Run<'a> {
     pub first: usize,
     pub count: usize,
-    pub layer: &'a LoraLayer<W>,
+    pub layer: &'a LoraLayer,
 }
 
 /// A layer's runs of the pass, with the scratch they share.
 pub struct LayerLora<'a, B: Backend> {
-    pub runs: Vec<Run<'a, B::Weight>>,
+    pub runs: Vec<Run<'a>>,
     pub bufs: &'a mut LoraBufs<B>,
 }
 
@@ -544,14 +535,7 @@ impl<B: Backend> LayerLora<'_, B> {
                 continue;
             };
             let low = Rows::dense(r.count, d.rank);
-            be.matmul(
-                x,
-                xv.slice(r.first, r.count),
-                &d.a,
-                None,
-                &mut self.bufs.low,
-                low,
-            );
+            be.low_rank_shrink(x, xv.slice(r.first, r.count), &d.a, &mut self.bufs.low, low);
             be.add_low_rank(&self.bufs.low, low, &d.bt, out, ov.slice(r.first, r.count));
         }
     }

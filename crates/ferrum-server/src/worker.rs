@@ -434,7 +434,6 @@ impl Adapters {
         }
         let m = &engine.model;
         let adapter = ferrum_models::lora::Adapter::load(
-            m.decoder.backend(),
             name,
             &ferrum_models::lora::AdapterSource { path, scale: 1.0 },
             &m.decoder.config,

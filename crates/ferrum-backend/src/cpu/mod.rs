@@ -1233,6 +1233,32 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn low_rank_shrink(&self, x: &Vec<f32>, xv: Rows, a: &[f32], low: &mut Vec<f32>, lv: Rows) {
+        assert_eq!(xv.count, lv.count);
+        let (n, k, r) = (xv.count, xv.width(), lv.width());
+        assert_eq!(a.len(), r * k, "low_rank_shrink: factor size");
+        check_view("low_rank_shrink x", xv, x.len());
+        check_view("low_rank_shrink low", lv, low.len());
+        assert!(n <= 1 || lv.stride >= r, "rows overlap");
+        if n == 0 || r == 0 {
+            return;
+        }
+        // A task a few of the factor's rows, for every row of the pass (each factor row read
+        // once a call).
+        let per_task = r.div_ceil(self.threads * 2).max(1);
+        let dst = SharedMut(low.as_mut_ptr());
+        self.pool.run(r.div_ceil(per_task), &|task| {
+            let (j0, j1) = (task * per_task, ((task + 1) * per_task).min(r));
+            for (j, aj) in a.chunks_exact(k).enumerate().take(j1).skip(j0) {
+                for t in 0..n {
+                    let xt = &x[xv.offset + t * xv.stride..][..k];
+                    // SAFETY: in bounds (check_view); element (t, j) is this task's alone.
+                    unsafe { dst.write(lv.offset + t * lv.stride + j, simd::dot_f32(xt, aj)) };
+                }
+            }
+        });
+    }
+
     fn add_low_rank(&self, low: &Vec<f32>, lv: Rows, bt: &[f32], out: &mut Vec<f32>, ov: Rows) {
         assert_eq!(lv.count, ov.count);
         let (n, r, w) = (ov.count, lv.width(), ov.width());
@@ -1243,22 +1269,19 @@ impl Backend for CpuBackend {
         if n == 0 {
             return;
         }
-        // Column stretches: each task reads its stretch of every factor row once (it stays
-        // in L1 for every row of the pass) and owns those columns of every output row.
-        const COLS: usize = 256;
+        // A task a stretch of columns: it reads the factor's stretch once (it stays in L1 for
+        // every row of the pass) and owns those columns of every output row.
+        let stretch = crate::host_ops::LOW_RANK_STRETCH;
+        let mix = simd::attn_kernels().mix;
         let dst = SharedMut(out.as_mut_ptr());
-        self.pool.run(w.div_ceil(COLS), &|task| {
-            let (c0, c1) = (task * COLS, ((task + 1) * COLS).min(w));
+        self.pool.run(w.div_ceil(stretch), &|task| {
+            let (c0, c1) = (task * stretch, ((task + 1) * stretch).min(w));
+            let block = &bt[r * c0..r * c1];
             for t in 0..n {
                 // SAFETY: in bounds (check_view); rows do not overlap and these columns are
                 // this task's alone.
                 let o = unsafe { dst.slice(ov.offset + t * ov.stride + c0, c1 - c0) };
-                let l = &low[lv.offset + t * lv.stride..][..r];
-                for (j, &lj) in l.iter().enumerate() {
-                    for (x, &b) in o.iter_mut().zip(&bt[j * w + c0..j * w + c1]) {
-                        *x += lj * b;
-                    }
-                }
+                mix(&low[lv.offset + t * lv.stride..][..r], block, o);
             }
         });
     }
