@@ -67,6 +67,9 @@ struct BlockKey {
     group: usize,
     hash: u64,
     parent: u64,
+    /// Where its chain starts (0, or a LoRA adapter's salt): a block whose parent is its
+    /// root is a chain's first.
+    root: u64,
     tokens: Vec<u32>,
 }
 
@@ -125,13 +128,13 @@ impl BlockPool {
         // Whatever is cached already, announced in registration order is not known: by
         // chain position, parents first.
         let mut keys: Vec<&BlockKey> = self.blocks.iter().filter_map(|b| b.key.as_ref()).collect();
-        keys.sort_by_key(|k| (k.parent != 0, k.hash));
+        keys.sort_by_key(|k| (k.parent != k.root, k.hash));
         let mut seen = std::collections::HashSet::new();
         for k in keys {
             if seen.insert(k.hash) {
                 ev.push(KvEvent::BlockStored {
                     hash: k.hash,
-                    parent: (k.parent != 0).then_some(k.parent),
+                    parent: (k.parent != k.root).then_some(k.parent),
                     tokens: k.tokens.clone(),
                 });
             }
@@ -156,7 +159,7 @@ impl BlockPool {
             if let Some(ev) = self.events.as_mut() {
                 ev.push(KvEvent::BlockStored {
                     hash: key.hash,
-                    parent: (key.parent != 0).then_some(key.parent),
+                    parent: (key.parent != key.root).then_some(key.parent),
                     tokens: key.tokens.clone(),
                 });
             }
@@ -248,12 +251,20 @@ impl BlockPool {
     /// Makes a full block findable: `tokens` are its contents, `parent` the hash of the block
     /// before it (0 for the first). Returns this block's hash, the parent of the next.
     pub fn register(&mut self, id: u32, parent: u64, tokens: &[u32]) -> u64 {
-        self.register_in(0, id, parent, tokens)
+        self.register_in(0, id, parent, 0, tokens)
     }
 
-    /// [`register`](Self::register) for a block of KV group `group`. The hash chain is the
-    /// tokens', the same for every group.
-    pub fn register_in(&mut self, group: usize, id: u32, parent: u64, tokens: &[u32]) -> u64 {
+    /// [`register`](Self::register) for a block of KV group `group`, in a chain that starts
+    /// from `root` (0; a LoRA adapter's salt for its sequences: the first block's `parent`).
+    /// The hash chain is the tokens', the same for every group.
+    pub fn register_in(
+        &mut self,
+        group: usize,
+        id: u32,
+        parent: u64,
+        root: u64,
+        tokens: &[u32],
+    ) -> u64 {
         let hash = chain_hash(parent, tokens);
         if !self.prefix_caching || self.blocks[id as usize].key.is_some() {
             return hash;
@@ -265,6 +276,7 @@ impl BlockPool {
                 group,
                 hash,
                 parent,
+                root,
                 tokens: tokens.to_vec(),
             };
             self.held_up(&key);
@@ -442,6 +454,39 @@ mod tests {
 
     /// Events: cleared first, a chain stored parent first, a hash held by two groups removed
     /// only when both have lost it, an eviction removed.
+    /// A LoRA adapter's chain starts from its salt: found only from that root, and its first
+    /// block announced without a parent, as a base model's is.
+    #[test]
+    fn an_adapter_chain_is_its_own() {
+        let mut p = BlockPool::new(4, 2, true);
+        p.enable_events();
+        p.take_events();
+        let salt = 0xfeed;
+        let (a, b) = (p.allocate().unwrap(), p.allocate().unwrap());
+        let h0 = p.register_in(0, a, salt, salt, &[1, 2]);
+        let h1 = p.register_in(0, b, h0, salt, &[3, 4]);
+        assert_ne!(h0, chain_hash(0, &[1, 2]));
+        let parents: Vec<Option<u64>> = p
+            .take_events()
+            .into_iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockStored { parent, .. } => Some(parent),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(parents, vec![None, Some(h0)]);
+        p.release(a);
+        p.release(b);
+        let tokens = [1, 2, 3, 4, 5];
+        let (t, hashes) = p.lookup_groups(0, &tokens, 2, &[None]);
+        assert!(
+            t[0].is_empty() && hashes.is_empty(),
+            "the base model found an adapter's blocks"
+        );
+        let (t, hashes) = p.lookup_groups(salt, &tokens, 2, &[None]);
+        assert_eq!((t[0].clone(), hashes), (vec![a, b], vec![h0, h1]));
+    }
+
     #[test]
     fn events_follow_what_the_cache_can_serve() {
         let mut p = BlockPool::new(3, 2, true);
@@ -455,7 +500,7 @@ mod tests {
         let h0 = p.register(a, 0, &[1, 2]);
         let h1 = p.register(b, h0, &[3, 4]);
         // Group 1 holds the first block too: no second announcement.
-        p.register_in(1, c, 0, &[1, 2]);
+        p.register_in(1, c, 0, 0, &[1, 2]);
         assert_eq!(
             p.take_events(),
             vec![

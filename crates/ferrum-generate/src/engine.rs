@@ -1205,7 +1205,7 @@ fn register_full_blocks(pool: &mut BlockPool, s: &mut Seq) {
         let mut hash = crate::block_pool::chain_hash(parent, tokens);
         for (g, t) in s.blocks.iter().enumerate() {
             if t[k] != NO_BLOCK {
-                hash = pool.register_in(g, t[k], parent, tokens);
+                hash = pool.register_in(g, t[k], parent, s.root, tokens);
             }
         }
         s.hashes.push(hash);
