@@ -39,8 +39,9 @@ pub struct BenchArgs {
     /// value in the list (e.g. 1,2,4,8), each stream a `--pp`-token prompt and `--tg` tokens.
     #[arg(long, value_delimiter = ',')]
     concurrency: Vec<usize>,
-    /// With --concurrency: LoRA adapters (repeatable), stream `s` running through adapter
-    /// `s mod count` (a PEFT folder or a llama.cpp GGUF LoRA).
+    /// LoRA adapters (repeatable; a PEFT folder or a llama.cpp GGUF LoRA): the streams run
+    /// through the engine (`--concurrency`, one stream without it), stream `s` through
+    /// adapter `s mod count`.
     #[arg(long)]
     lora: Vec<PathBuf>,
     /// With --spec ngram|draft: instead of pp/tg, answer prompts (`--spec-prompt`, or three
@@ -161,20 +162,16 @@ fn run_on<B: MakeBackend>(a: BenchArgs, be: crate::BackendOpts) -> Result<()> {
             json: a.json,
         });
     }
-    if !a.lora.is_empty() && a.concurrency.is_empty() {
-        bail!("--lora goes with --concurrency (streams through the engine)");
-    }
-    if !a.concurrency.is_empty() {
+    // Adapters run through the engine: without --concurrency, as one stream.
+    let one = [1];
+    let levels: &[usize] = if a.concurrency.is_empty() && !a.lora.is_empty() {
+        &one
+    } else {
+        &a.concurrency
+    };
+    if !levels.is_empty() {
         return crate::bench_engine::run::<B>(
-            &a.model,
-            &file,
-            be,
-            &a.concurrency,
-            &a.lora,
-            a.pp,
-            a.tg,
-            a.reps,
-            a.json,
+            &a.model, &file, be, levels, &a.lora, a.pp, a.tg, a.reps, a.json,
         );
     }
     let mut model = crate::load_model::<B>(&a.model, &file, Some(ctx), be)?;

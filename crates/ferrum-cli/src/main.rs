@@ -95,6 +95,12 @@ enum Cmd {
         /// auto (a GPU if there is one, else the CPU), cpu, vulkan or vulkan:N.
         #[arg(long, value_parser = parse_device, default_value = "auto")]
         device: Device,
+        /// Through this LoRA adapter (a PEFT folder or a llama.cpp GGUF LoRA).
+        #[arg(long)]
+        lora: Option<PathBuf>,
+        /// How strongly --lora applies (its own scale times this).
+        #[arg(long, default_value_t = 1.0)]
+        lora_scale: f32,
     },
     /// Embeddings of texts from an embedding model, or a reranker's scores of texts against
     /// --query, as JSON lines.
@@ -687,9 +693,12 @@ fn main() {
             tokens,
             exact,
             device,
+            lora,
+            lora_scale,
         } => {
             let be = BackendOpts::new(exact, None, device);
-            on_backend!(be, logits(&model, &tokens, be))
+            let lora = lora.as_deref().map(|p| (p, lora_scale));
+            on_backend!(be, logits(&model, &tokens, lora, be))
         }
         Cmd::Perplexity {
             model,
@@ -984,14 +993,27 @@ fn quantize(input: &Path, output: &Path, ftype: &str) -> Result<()> {
     Ok(())
 }
 
-fn logits<B: MakeBackend>(model: &Path, tokens: &[u32], be: BackendOpts) -> Result<()> {
+fn logits<B: MakeBackend>(
+    model: &Path,
+    tokens: &[u32],
+    lora: Option<(&Path, f32)>,
+    be: BackendOpts,
+) -> Result<()> {
     if tokens.is_empty() {
         bail!("--tokens needs at least one token id");
     }
     let (mut model, _) = load::<B>(model, Some(tokens.len()), be)?;
+    let adapter = match lora {
+        Some((path, scale)) => model
+            .load_adapter("lora", &ferrum_models::lora::AdapterSource { path, scale })
+            .with_context(|| format!("LoRA adapter {}", path.display()))?,
+        None => 0,
+    };
     let vocab = model.decoder.config.vocab_size;
     let mut kv = model.decoder.alloc_kv_tokens(tokens.len());
-    let all = model.decoder.forward(&mut kv, tokens, 0, Logits::All)?;
+    let all = model
+        .decoder
+        .forward_adapter(&mut kv, tokens, 0, Logits::All, adapter)?;
     let rows: Vec<&[f32]> = all.chunks(vocab).collect();
     println!("{}", serde_json::json!({ "logits": rows }));
     Ok(())

@@ -510,8 +510,20 @@ impl<B: Backend> Decoder<B> {
         start: usize,
         want: Logits,
     ) -> Result<Vec<f32>> {
+        self.forward_adapter(kv, tokens, start, want, 0)
+    }
+
+    /// [`forward`](Self::forward) through LoRA adapter `adapter` (0: none).
+    pub fn forward_adapter(
+        &mut self,
+        kv: &mut KvCache<B>,
+        tokens: &[u32],
+        start: usize,
+        want: Logits,
+        adapter: usize,
+    ) -> Result<Vec<f32>> {
         let mut out = Vec::new();
-        self.run_alone(kv, tokens, start, want, |d, _, rows| {
+        self.run_alone(kv, tokens, (start, adapter), want, |d, _, rows| {
             let at = out.len();
             d.logits_rows(rows, &mut out, at)
         })?;
@@ -531,7 +543,7 @@ impl<B: Backend> Decoder<B> {
         spare: &'a mut Vec<f32>,
     ) -> Result<&'a [f32]> {
         let mut rows = 0;
-        self.run_alone(kv, tokens, start, Logits::Last, |_, _, r| rows = r)?;
+        self.run_alone(kv, tokens, (start, 0), Logits::Last, |_, _, r| rows = r)?;
         Ok(self.logits_view(rows, spare))
     }
 
@@ -542,7 +554,7 @@ impl<B: Backend> Decoder<B> {
         &mut self,
         kv: &mut KvCache<B>,
         tokens: &[u32],
-        start: usize,
+        (start, adapter): (usize, usize),
         want: Logits,
         mut after: impl FnMut(&mut Self, &[u32], usize),
     ) -> Result<()> {
@@ -562,7 +574,7 @@ impl<B: Backend> Decoder<B> {
                 tables: &tables,
                 logits,
                 state: 0,
-                adapter: 0,
+                adapter,
             };
             match self.forward_rows(kv, &[seq]) {
                 Ok(rows) => after(self, chunk, rows),
@@ -583,7 +595,7 @@ impl<B: Backend> Decoder<B> {
         let h = self.config.hidden_size;
         let mut all = Vec::with_capacity(tokens.len() * h);
         let mut host = Vec::new();
-        self.run_alone(kv, tokens, 0, Logits::None, |d, chunk, _| {
+        self.run_alone(kv, tokens, (0, 0), Logits::None, |d, chunk, _| {
             d.normed_rows(chunk.len(), &mut host);
             all.extend_from_slice(&host);
         })?;
