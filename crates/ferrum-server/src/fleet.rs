@@ -145,19 +145,11 @@ impl Fleet {
     /// waiting, and none dispatched in the last half second (whose engine request may not
     /// be counted yet).
     fn idle(&self, e: &Entry, l: &Loaded) -> bool {
-        let st = &l.state;
         let quiet = self
             .now_ms()
             .saturating_sub(e.last_used.load(Ordering::Relaxed))
             > 500;
-        quiet
-            && st.in_handlers.load(Ordering::SeqCst) == 0
-            && st
-                .handle
-                .shared
-                .stats
-                .lock()
-                .is_ok_and(|s| s.running + s.waiting == 0)
+        quiet && !l.state.busy()
     }
 
     fn used_bytes(&self) -> u64 {
@@ -386,16 +378,8 @@ pub fn router(fleet: Arc<Fleet>) -> Router {
 }
 
 /// The API key check of the front's own model lists (the models' routers check their own).
-fn authorised(f: &Fleet, req: &axum::http::HeaderMap) -> bool {
-    let Some(key) = &f.cfg.api_key else {
-        return true;
-    };
-    let bearer = req
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    let x = req.get("x-api-key").and_then(|v| v.to_str().ok());
-    bearer.is_some_and(|k| k == key) || x.is_some_and(|k| k == key)
+fn authorised(f: &Fleet, h: &axum::http::HeaderMap) -> bool {
+    crate::routes::key_given(f.cfg.api_key.as_deref(), h)
 }
 
 fn refuse(path: &str, e: ApiError) -> Response {
@@ -452,7 +436,7 @@ async fn dispatch(State(f): FleetState, req: HttpRequest) -> Response {
         },
     };
     // Loading is for callers with the key.
-    if e_needs_load(entry) && !authorised(&f, &parts.headers) && !is_public(&path) {
+    if entry.loaded().is_none() && !authorised(&f, &parts.headers) && path != "/" {
         return refuse(&path, ApiError::unauthorized());
     }
     let keep = f.keep_alive(json.as_ref());
@@ -469,14 +453,6 @@ async fn dispatch(State(f): FleetState, req: HttpRequest) -> Response {
     let Ok(resp) = loaded.router.clone().oneshot(req).await;
     entry.last_used.store(f.now_ms(), Ordering::Relaxed);
     resp
-}
-
-fn e_needs_load(e: &Entry) -> bool {
-    e.loaded().is_none()
-}
-
-fn is_public(path: &str) -> bool {
-    path == "/"
 }
 
 async fn models(State(f): FleetState, req: HttpRequest) -> Response {
@@ -711,17 +687,10 @@ async fn drain(f: Arc<Fleet>, grace: Duration) {
     }
     let deadline = tokio::time::Instant::now() + grace;
     loop {
-        let busy = f.entries.iter().any(|e| {
-            e.loaded().is_some_and(|l| {
-                l.state.in_handlers.load(Ordering::SeqCst) > 0
-                    || l.state
-                        .handle
-                        .shared
-                        .stats
-                        .lock()
-                        .is_ok_and(|s| s.running + s.waiting > 0)
-            })
-        });
+        let busy = f
+            .entries
+            .iter()
+            .any(|e| e.loaded().is_some_and(|l| l.state.busy()));
         if !busy || tokio::time::Instant::now() >= deadline {
             break;
         }

@@ -228,14 +228,7 @@ async fn drain(st: Arc<routes::AppState>, grace: std::time::Duration) {
     st.draining.store(true, std::sync::atomic::Ordering::SeqCst);
     let deadline = tokio::time::Instant::now() + grace;
     loop {
-        let busy = st.in_handlers.load(std::sync::atomic::Ordering::SeqCst) > 0
-            || st
-                .handle
-                .shared
-                .stats
-                .lock()
-                .is_ok_and(|s| s.running + s.waiting > 0);
-        if !busy {
+        if !st.busy() {
             tracing::info!("drained; exiting");
             break;
         }

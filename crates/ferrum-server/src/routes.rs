@@ -94,6 +94,17 @@ impl ModelNames {
 }
 
 impl AppState {
+    /// Whether a request is in a handler, running or waiting.
+    pub(crate) fn busy(&self) -> bool {
+        self.in_handlers.load(Ordering::SeqCst) > 0
+            || self
+                .handle
+                .shared
+                .stats
+                .lock()
+                .is_ok_and(|s| s.running + s.waiting > 0)
+    }
+
     pub(crate) fn card(&self) -> Result<&ModelCard, ApiError> {
         if let Some(e) = self.handle.shared.load_error.get() {
             return Err(ApiError::not_ready(format!(
@@ -202,19 +213,24 @@ pub(crate) fn respond(st: &AppState, r: Result<Response, ApiError>) -> Response 
 /// API-key check for the API routes when the server has a key: `Authorization: Bearer …`,
 /// or `x-api-key: …` as Anthropic's clients send it.
 pub async fn auth(State(st): App, req: HttpRequest, next: Next) -> Response {
-    if let Some(key) = &st.api_key {
-        let h = req.headers();
-        let bearer = h
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        let x_api_key = h.get("x-api-key").and_then(|v| v.to_str().ok());
-        let ok = bearer.is_some_and(|k| k == key) || x_api_key.is_some_and(|k| k == key);
-        if !ok {
-            return error_for(&st, req.uri().path(), ApiError::unauthorized());
-        }
+    if !key_given(st.api_key.as_deref(), req.headers()) {
+        return error_for(&st, req.uri().path(), ApiError::unauthorized());
     }
     next.run(req).await
+}
+
+/// Whether the headers carry `key` (`Authorization: Bearer …` or `x-api-key: …`); true
+/// when the server has none.
+pub(crate) fn key_given(key: Option<&str>, h: &axum::http::HeaderMap) -> bool {
+    let Some(key) = key else {
+        return true;
+    };
+    let bearer = h
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let x_api_key = h.get("x-api-key").and_then(|v| v.to_str().ok());
+    bearer.is_some_and(|k| k == key) || x_api_key.is_some_and(|k| k == key)
 }
 
 /// An error in the shape the clients of `path`'s API read.
