@@ -17,7 +17,7 @@ fi
 (cd fuzz && cargo afl build --release)
 bin="fuzz/target/release/target"
 if [ "$which" = all ]; then
-    targets="gguf gguf_vocab hf_folder chat_template openai_request json_schema"
+    targets="gguf gguf_vocab hf_folder chat_template openai_request json_schema image"
 else
     targets="$which"
 fi

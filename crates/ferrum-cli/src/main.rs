@@ -365,6 +365,13 @@ struct ServeArgs {
     /// XLM-RoBERTa) need no flag.
     #[arg(long)]
     embeddings_from_chat_model: bool,
+    /// The most pixels (width x height) an image in a request may have; larger ones get a
+    /// 400 from their header, before decoding.
+    #[arg(long, default_value_t = 32 << 20)]
+    max_image_pixels: u64,
+    /// The most images one request may carry.
+    #[arg(long, default_value_t = 16)]
+    max_images: usize,
     /// Keep activations in f32 (the reference's math).
     #[arg(long)]
     exact: bool,
@@ -636,6 +643,13 @@ pub(crate) fn server_config(a: ServeArgs, id: String) -> ferrum_server::ServeCon
             initial: a.loras.iter().filter_map(|l| parse_lora(l).ok()).collect(),
             max_loras: a.max_loras,
             max_rank: a.max_lora_rank,
+        },
+        images: ferrum_server::images::ImageOptions {
+            limits: ferrum_image::Limits {
+                max_pixels: a.max_image_pixels,
+                ..Default::default()
+            },
+            max_per_request: a.max_images,
         },
     }
 }

@@ -64,6 +64,11 @@ pub const TARGETS: &[Target] = &[
         run: json_schema,
         seeds: seeds::json_schema,
     },
+    Target {
+        name: "image",
+        run: image,
+        seeds: seeds::image,
+    },
 ];
 
 pub fn target(name: &str) -> Option<&'static Target> {
@@ -103,6 +108,26 @@ fn fuzz_limits() -> RenderLimits {
         max_output: 1 << 16,
         max_memory: 32 << 20,
         timeout: Duration::from_millis(500),
+    }
+}
+
+/// An image as a request sends it: decoded within limits small enough that a lying header
+/// costs nothing, then through both kinds of processor.
+pub fn image(data: &[u8]) {
+    let limits = ferrum_image::Limits {
+        max_bytes: 1 << 20,
+        max_pixels: 1 << 16,
+    };
+    let Ok(img) = ferrum_image::decode(data, &limits) else {
+        return;
+    };
+    for cfg in [
+        r#"{"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 16, "width": 16}, "do_pan_and_scan": true, "pan_and_scan_min_crop_size": 4}"#,
+        r#"{"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 64, "max_pixels": 4096, "patch_size": 4, "merge_size": 2}"#,
+    ] {
+        let j: serde_json::Value = serde_json::from_str(cfg).expect("a fixed config");
+        let p = ferrum_image::Processor::from_json(&j).expect("a fixed config");
+        let _ = p.process(&img);
     }
 }
 
@@ -451,6 +476,20 @@ pub mod seeds {
             br#"g{"model": "m", "prompt": "p", "system": "s", "format": "json", "raw": false, "context": [1, 2], "options": {"num_predict": -1, "top_k": 3}, "logprobs": true, "top_logprobs": 2}"#.to_vec(),
             br#"r{"model": "m", "instructions": "i", "input": [{"role": "user", "content": [{"type": "input_text", "text": "q"}]}, {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"}, {"type": "function_call_output", "call_id": "c1", "output": "o"}], "tools": [{"type": "function", "name": "w", "parameters": {"type": "object"}}], "tool_choice": {"type": "function", "name": "w"}, "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}, "strict": true}}, "max_output_tokens": 4, "store": false}"#.to_vec(),
         ]
+    }
+
+    pub fn image() -> Vec<Vec<u8>> {
+        [
+            "rgb_9x7.png",
+            "rgba_40x90.png",
+            "palette_80x20.png",
+            "rgb_120x90.jpg",
+            "rgb_64x48.webp",
+            "rgb_30x50.gif",
+        ]
+        .iter()
+        .map(|f| read(&format!("vision/processor/{f}")))
+        .collect()
     }
 
     pub fn json_schema() -> Vec<Vec<u8>> {

@@ -81,3 +81,8 @@ fn every_target_is_smoked() {
         ]
     );
 }
+
+#[test]
+fn image() {
+    run("image");
+}

@@ -135,6 +135,41 @@ fn text_of(v: &Value, what: &str) -> Result<String, ApiError> {
     })
 }
 
+/// An `image` block's source as the URL of an OpenAI `image_url` part: base64 data as a
+/// `data:` URL, a `url` source as it is (the chat request's check refuses what it cannot
+/// read, with the reason).
+fn image_source(b: &Value, at: &str) -> Result<String, ApiError> {
+    let src = b
+        .get("source")
+        .ok_or_else(|| bad(format!("{at}.source: an image block needs a source")))?;
+    match src.get("type").and_then(Value::as_str) {
+        Some("base64") => {
+            let media = src.get("media_type").and_then(Value::as_str).unwrap_or("");
+            if !matches!(
+                media,
+                "image/png" | "image/jpeg" | "image/webp" | "image/gif"
+            ) {
+                return Err(bad(format!(
+                    "{at}.source.media_type {media:?} (image/png, image/jpeg, image/webp or image/gif)"
+                )));
+            }
+            let data = src
+                .get("data")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad(format!("{at}.source.data: a base64 string is required")))?;
+            Ok(format!("data:{media};base64,{data}"))
+        }
+        Some("url") => src
+            .get("url")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .ok_or_else(|| bad(format!("{at}.source.url: a string is required"))),
+        other => Err(bad(format!(
+            "{at}.source.type {other:?} is not supported (base64 or url)"
+        ))),
+    }
+}
+
 /// The Messages request as the chat request the server runs (OpenAI's shape).
 fn to_chat(body: &Map<String, Value>, count_only: bool, template: &str) -> Result<Value, ApiError> {
     let mut messages = Vec::new();
@@ -186,15 +221,28 @@ fn to_chat(body: &Map<String, Value>, count_only: bool, template: &str) -> Resul
             }
         };
         let mut text = String::new();
+        // A user turn with images becomes OpenAI content parts (text and image_url, in
+        // order); without, its text.
+        let mut parts = Vec::new();
+        let mut images = false;
         let mut thinking = String::new();
         let mut calls = Vec::new();
         for (j, b) in blocks.iter().enumerate() {
             let at = format!("messages.{i}.content.{j}");
             match b.get("type").and_then(Value::as_str) {
                 Some("text") => match b.get("text") {
-                    Some(Value::String(t)) => text.push_str(t),
+                    Some(Value::String(t)) => {
+                        text.push_str(t);
+                        parts.push(json!({"type": "text", "text": t}));
+                    }
                     _ => return Err(bad(format!("{at}.text: a string is required"))),
                 },
+                Some("image") if role == "user" => {
+                    images = true;
+                    parts.push(
+                        json!({"type": "image_url", "image_url": {"url": image_source(b, &at)?}}),
+                    );
+                }
                 // Reasoning goes with its turn (templates drop it from turns before the
                 // last answer; harmony keeps a call's); redacted reasoning has no text.
                 Some("thinking") if role == "assistant" => {
@@ -249,6 +297,8 @@ fn to_chat(body: &Map<String, Value>, count_only: bool, template: &str) -> Resul
                 msg["reasoning_content"] = json!(thinking);
             }
             messages.push(msg);
+        } else if images {
+            messages.push(json!({"role": "user", "content": parts}));
         } else if !text.is_empty() {
             messages.push(json!({"role": "user", "content": text}));
         }

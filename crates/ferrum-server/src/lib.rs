@@ -13,6 +13,7 @@ pub mod error;
 pub mod fleet;
 pub mod gemma;
 pub mod guard;
+pub mod images;
 pub mod kv_events;
 pub mod metrics;
 pub mod ollama;
@@ -71,6 +72,8 @@ pub struct ServeConfig {
     pub embeddings_from_chat: bool,
     /// LoRA adapters at start, and the limits on them.
     pub lora: worker::LoraOptions,
+    /// What a request's images may be.
+    pub images: images::ImageOptions,
 }
 
 pub fn router(state: Arc<routes::AppState>, max_body: usize) -> Router {
@@ -215,6 +218,8 @@ pub fn model_state<B: ferrum_backend::Backend + 'static>(
         draining: AtomicBool::new(false),
         in_handlers: AtomicUsize::new(0),
         embeddings_from_chat: cfg.embeddings_from_chat,
+        images: cfg.images,
+        vision: false,
     })
 }
 
@@ -341,6 +346,8 @@ mod tests {
             content_special: SpecialTokens::Text,
             max_request_tokens: None,
             embeddings_from_chat: false,
+            images: Default::default(),
+            vision: false,
         });
         router(state, 1 << 16)
     }

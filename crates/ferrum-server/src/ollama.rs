@@ -302,14 +302,30 @@ fn common(
     Ok(())
 }
 
-fn no_images(v: Option<&Value>, at: &str) -> Result<(), ApiError> {
-    match v {
-        Some(Value::Array(a)) if !a.is_empty() => Err(ApiError::param(
-            at,
-            "this model takes no image input (images are not supported yet)",
-        )),
-        _ => Ok(()),
+/// Ollama's `images` (base64 strings) as `image_url` parts after the message's text, which
+/// the chat request's check then reads (or refuses, with the reason).
+fn with_images(content: &str, v: Option<&Value>, at: &str) -> Result<Value, ApiError> {
+    let list = match v {
+        None | Some(Value::Null) => return Ok(content.into()),
+        Some(Value::Array(a)) if a.is_empty() => return Ok(content.into()),
+        Some(Value::Array(a)) => a,
+        Some(_) => {
+            return Err(ApiError::param(
+                at,
+                "images must be a list of base64 strings",
+            ))
+        }
+    };
+    let mut parts = vec![json!({"type": "text", "text": content})];
+    for (k, img) in list.iter().enumerate() {
+        let b64 = img
+            .as_str()
+            .ok_or_else(|| ApiError::param(at, format!("{at}[{k}] must be a base64 string")))?;
+        parts.push(
+            json!({"type": "image_url", "image_url": {"url": format!("data:;base64,{b64}")}}),
+        );
     }
+    Ok(Value::Array(parts))
 }
 
 /// Ollama's messages as the chat request's: tool calls' arguments (objects) as JSON text
@@ -323,7 +339,6 @@ fn messages(list: &[Value]) -> Result<Vec<Value>, ApiError> {
         let o = m
             .as_object()
             .ok_or_else(|| ApiError::param("messages", format!("{at} must be an object")))?;
-        no_images(o.get("images"), "images")?;
         let role = o.get("role").and_then(Value::as_str).unwrap_or("");
         let content = match o.get("content") {
             None | Some(Value::Null) => "",
@@ -335,7 +350,8 @@ fn messages(list: &[Value]) -> Result<Vec<Value>, ApiError> {
                 ))
             }
         };
-        let mut msg = json!({"role": role, "content": content});
+        let mut msg =
+            json!({"role": role, "content": with_images(content, o.get("images"), "images")?});
         if let Some(t) = o.get("thinking").and_then(Value::as_str) {
             msg["reasoning_content"] = json!(t);
         }
@@ -495,7 +511,6 @@ fn generate_request(
             return Err(ApiError::param(k, "image generation is not supported"));
         }
     }
-    no_images(body.get("images"), "images")?;
     let text = |k: &str| -> Result<String, ApiError> {
         match body.get(k) {
             None | Some(Value::Null) => Ok(String::new()),
@@ -530,7 +545,18 @@ fn generate_request(
     if !system.is_empty() {
         msgs.push(json!({"role": "system", "content": system}));
     }
-    msgs.push(json!({"role": "user", "content": prompt}));
+    let raw_images = body
+        .get("images")
+        .is_some_and(|v| v.as_array().is_some_and(|a| !a.is_empty()));
+    if raw && raw_images {
+        return Err(ApiError::param(
+            "images",
+            "images need the chat template to place them: leave raw out",
+        ));
+    }
+    msgs.push(
+        json!({"role": "user", "content": with_images(&prompt, body.get("images"), "images")?}),
+    );
     let mut chat = Map::new();
     chat.insert("messages".into(), Value::Array(msgs));
     let req = to_request(body, chat, template)?;
@@ -1219,8 +1245,12 @@ mod tests {
         assert_eq!(call["function"]["arguments"], json!("{\"city\":\"Oslo\"}"));
         assert_eq!(call["id"], json!("call_1"));
         assert_eq!(m[2]["name"], json!("get_weather"));
-        let e = messages(&[json!({"role": "user", "content": "x", "images": ["aGk="]})]);
-        assert!(e.is_err());
+        // Images become image_url parts, which the chat request's check reads.
+        let m = messages(&[json!({"role": "user", "content": "x", "images": ["aGk="]})]).unwrap();
+        assert_eq!(
+            m[0]["content"][1]["image_url"]["url"],
+            json!("data:;base64,aGk=")
+        );
         // What Ollama does not know either is left out, as Ollama does.
         let m = messages(&[json!({"role": "user", "content": "x", "mood": "happy"})]).unwrap();
         assert_eq!(m[0], json!({"role": "user", "content": "x"}));

@@ -101,6 +101,44 @@ fn text_of(v: &Value, at: &str) -> Result<String, ApiError> {
     })
 }
 
+/// A message's content: its text, or, where it has `input_image` parts, Chat Completions'
+/// parts (text and `image_url`, in order).
+fn content_of(v: &Value, at: &str) -> Result<Value, ApiError> {
+    let parts = match v {
+        Value::Array(p) if p.iter().any(|p| p["type"] == "input_image") => p,
+        _ => return Ok(Value::String(text_of(v, at)?)),
+    };
+    let mut out = Vec::with_capacity(parts.len());
+    for (j, p) in parts.iter().enumerate() {
+        match p.get("type").and_then(Value::as_str) {
+            Some("input_image") => {
+                if p.get("file_id").is_some_and(|f| !f.is_null()) {
+                    return Err(bad(
+                        "input",
+                        format!("{at}.content[{j}]: file_id images need OpenAI's file store: send image_url"),
+                    ));
+                }
+                let url = p.get("image_url").and_then(Value::as_str).ok_or_else(|| {
+                    bad(
+                        "input",
+                        format!("{at}.content[{j}].image_url: a string is required"),
+                    )
+                })?;
+                let mut image = json!({"url": url});
+                if let Some(d) = p.get("detail").filter(|d| !d.is_null()) {
+                    image["detail"] = d.clone();
+                }
+                out.push(json!({"type": "image_url", "image_url": image}));
+            }
+            _ => {
+                let text = text_of(&Value::Array(vec![p.clone()]), &format!("{at}[{j}]"))?;
+                out.push(json!({"type": "text", "text": text}));
+            }
+        }
+    }
+    Ok(Value::Array(out))
+}
+
 /// The Responses request as the chat request the server runs (Chat Completions' shape).
 fn to_chat(body: &Map<String, Value>, template: &str) -> Result<Value, ApiError> {
     for (field, why) in REFUSED {
@@ -181,7 +219,7 @@ fn to_chat(body: &Map<String, Value>, template: &str) -> Result<Value, ApiError>
                                 return Err(bad("input", format!("{at}.role: {other:?}")));
                             }
                         };
-                        let content = text_of(it.get("content").unwrap_or(&Value::Null), &at)?;
+                        let content = content_of(it.get("content").unwrap_or(&Value::Null), &at)?;
                         messages.push(json!({"role": role, "content": content}));
                     }
                     "function_call" => {

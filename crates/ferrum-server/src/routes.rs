@@ -57,6 +57,10 @@ pub struct AppState {
     pub in_handlers: AtomicUsize,
     /// Whether a chat model answers embedding requests (with the mean of its hidden states).
     pub embeddings_from_chat: bool,
+    /// What a request's images may be.
+    pub images: crate::images::ImageOptions,
+    /// Whether the model takes images (a vision encoder is loaded with it).
+    pub vision: bool,
 }
 
 type App = State<Arc<AppState>>;
@@ -94,6 +98,16 @@ impl ModelNames {
 }
 
 impl AppState {
+    /// The request's images checked (decodable, within the limits), then refused unless the
+    /// model takes images.
+    pub(crate) fn check_images(&self, req: &api::ChatRequest) -> Result<(), ApiError> {
+        let images = req.images(&self.images)?;
+        if !images.is_empty() && !self.vision {
+            return Err(crate::images::no_vision(&req.model));
+        }
+        Ok(())
+    }
+
     /// Whether a request is in a handler, running or waiting.
     pub(crate) fn busy(&self) -> bool {
         self.in_handlers.load(Ordering::SeqCst) > 0
@@ -676,6 +690,7 @@ pub(crate) async fn chat_prompt_ids(
     req: &api::ChatRequest,
     tools: Option<&Tools>,
 ) -> Result<Vec<u32>, ApiError> {
+    st.check_images(req)?;
     let (messages, kwargs) = req.template_inputs(&st.tokenizer, tools, st.content_special)?;
     render_prompt(st, messages, kwargs, true).await
 }

@@ -62,6 +62,7 @@ async fn tokenize_inner(
         let tools = req.tools()?;
         let tools = tools.as_ref().filter(|t| t.active());
         let gen = api::flag(&o, &["add_generation_prompt"], true)?;
+        st.check_images(&req)?;
         let (messages, kwargs) = req.template_inputs(&st.tokenizer, tools, st.content_special)?;
         routes::render_prompt(st, messages, kwargs, gen).await?
     } else {
