@@ -48,6 +48,16 @@ pub fn gelu_erf(xs: &mut [f32]) {
     }
 }
 
+/// GELU's tanh approximation, `½ x (1 + tanh(√(2/π) (x + 0.044715 x³)))`, in place, in f32
+/// as PyTorch computes `gelu(approximate="tanh")`.
+pub fn gelu_tanh(xs: &mut [f32]) {
+    const C: f32 = 0.797_884_6; // √(2/π)
+    for v in xs {
+        let x = *v;
+        *v = 0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh());
+    }
+}
+
 /// Columns a stretch of [`Backend::add_low_rank`](crate::Backend::add_low_rank)'s factor
 /// holds: its rows for those columns lie together, so a stretch of every row is read once
 /// and stays in L1 while the pass's rows are updated.

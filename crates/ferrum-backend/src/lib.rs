@@ -619,6 +619,13 @@ pub trait Backend: Send + Sync {
         on_host(self, x, xv, host_ops::gelu_erf);
     }
 
+    /// GELU in its tanh approximation (PyTorch's `gelu(approximate="tanh")`), in place over
+    /// `xv`: a vision tower's MLP activation (SigLIP's `gelu_pytorch_tanh`). The default body
+    /// runs on the host, as [`Self::gelu`]'s does.
+    fn gelu_tanh(&self, x: &mut Self::Buf, xv: Rows) {
+        on_host(self, x, xv, host_ops::gelu_tanh);
+    }
+
     /// `cap · tanh(x / cap)` over the view, in place: Gemma's final logit soft-capping. Once
     /// per generated token over the logits, so the default body runs on the host.
     fn softcap(&self, x: &mut Self::Buf, xv: Rows, cap: f32) {

@@ -708,6 +708,7 @@ impl<B: Backend> Engine<B> {
                         },
                         state: s.slot,
                         adapter: s.adapter,
+                        embeds: &[],
                     }
                 })
                 .collect();

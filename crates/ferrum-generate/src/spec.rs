@@ -263,6 +263,7 @@ impl<B: Backend> DraftModel<B> {
                         // model, adapter and all, samples it.
                         state: 0,
                         adapter: 0,
+                        embeds: &[],
                     }
                 })
                 .collect();
@@ -302,6 +303,7 @@ impl<B: Backend> DraftModel<B> {
                         logits: Logits::Last,
                         state: 0,
                         adapter: 0,
+                        embeds: &[],
                     })
                     .collect();
                 let rows = self.model.decoder.forward_batch_view(

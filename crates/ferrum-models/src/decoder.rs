@@ -18,7 +18,7 @@ pub use crate::config::{KvGroups, NO_BLOCK};
 use crate::config::{ModelConfig, Rope, RopeScaling};
 pub use crate::layers::WeightSource;
 use crate::layers::{
-    dense_ffn, gated_ffn, qkv_width, AttnInputs, Ffn, GateUp, Layer, Mixer, PerLayerInput,
+    dense_ffn, gated_ffn, qkv_width, Attend, AttnInputs, Ffn, GateUp, Layer, Mixer, PerLayerInput,
 };
 use crate::linear::DeltaBufs;
 use crate::lora::{Adapter, LayerLora, LoraBufs, Run, Target};
@@ -100,6 +100,20 @@ pub struct SeqChunk<'a> {
     /// The LoRA adapter its rows go through: 0 for the base model, else the id
     /// [`Decoder::add_adapter`] gave.
     pub adapter: usize,
+    /// Rows whose input is given instead of their token's embedding (an image's rows from
+    /// a vision tower), in order of `row`.
+    pub embeds: &'a [Embeds<'a>],
+}
+
+/// Rows `row..row + values.len() / hidden` of a chunk take `values` as their input (after
+/// the embedding's scale, which they do not get). `bidirectional`: the rows attend to each
+/// other both ways (Gemma 3's image rows; the others attend causally as ever, a window
+/// reaching back as far from the last of them as it does from each).
+#[derive(Debug, Clone, Copy)]
+pub struct Embeds<'a> {
+    pub row: usize,
+    pub values: &'a [f32],
+    pub bidirectional: bool,
 }
 
 /// Activation buffers for one pass of at most [`CHUNK`] tokens. Allocated once at load.
@@ -116,6 +130,57 @@ struct State<B: Backend> {
     linear: Option<DeltaBufs<B>>,
     mla: Option<MlaBufs<B>>,
     per_layer: Option<PerLayerBufs<B>>,
+}
+
+impl<B: Backend> State<B> {
+    /// Buffers for passes of up to `cap` tokens.
+    fn new(be: &B, c: &ModelConfig, cap: usize) -> State<B> {
+        let (qd, _, f) = c.max_layer_dims();
+        let h = c.hidden_size;
+        let lp = c.per_layer_input * c.n_layers;
+        State {
+            x: be.alloc(cap * h),
+            xn: be.alloc(cap * h),
+            qkv: be.alloc(cap * qkv_width(c)),
+            attn: be.alloc(cap * qd),
+            tmp: be.alloc(cap * h),
+            gu: be.alloc(cap * 2 * f),
+            act: be.alloc(cap * f),
+            // Grown on demand: generation needs one row, scoring a whole chunk.
+            logits: be.alloc(c.vocab_size),
+            moe: c.moe.as_ref().map(|m| MoeState {
+                router_logits: be.alloc(cap * m.n_experts),
+                host_logits: vec![0.0; cap * m.n_experts],
+                scratch: MoeScratch {
+                    x: be.alloc(cap * h),
+                    gu: be.alloc(cap * 2 * m.expert_ffn),
+                    act: be.alloc(cap * m.expert_ffn),
+                    y: be.alloc(cap * h),
+                },
+                router: Router::new(m),
+                counts: vec![vec![0; m.n_experts]; c.n_layers],
+                expert_secs: 0.0,
+                shared: m.shared_ffn.map(|sf| {
+                    [
+                        be.alloc(cap * 2 * sf),
+                        be.alloc(cap * sf),
+                        be.alloc(cap * h),
+                        be.alloc(cap),
+                    ]
+                }),
+                beside: (m.style == crate::config::MoeStyle::Gemma4)
+                    .then(|| [be.alloc(cap * h), be.alloc(cap * h), be.alloc(cap * h)]),
+            }),
+            linear: c.linear.as_ref().map(|l| DeltaBufs::new(be, l, cap)),
+            mla: c.mla.as_ref().map(|m| MlaBufs::new(be, c, m, cap)),
+            per_layer: (lp > 0).then(|| PerLayerBufs {
+                inputs: be.alloc(cap * lp),
+                tok: be.alloc(cap * lp),
+                gate: be.alloc(cap * 2 * c.per_layer_input),
+                act: be.alloc(cap * c.per_layer_input),
+            }),
+        }
+    }
 }
 
 /// Gemma 4's per-layer inputs of the pass (`[n, layers × width]`, layer `l` at columns
@@ -171,6 +236,9 @@ pub struct Decoder<B: Backend> {
     /// The longest sequence this decoder will run (positions), whatever the cache holds.
     pub context: usize,
     state: State<B>,
+    /// The most tokens a pass carries ([`CHUNK`] unless [`Self::set_pass_capacity`] raised
+    /// it: a Gemma 3 image's rows must all be in one pass).
+    pass: usize,
     /// Attached LoRA adapters; id `k` is slot `k − 1` (`None` once removed; ids are not
     /// reused).
     adapters: Vec<Option<Adapter>>,
@@ -265,54 +333,7 @@ impl<B: Backend> Decoder<B> {
         let context = context.max(1);
         config.resolve_context(context);
         let c = &config;
-        let (qd, _, f) = c.max_layer_dims();
-        let state = State {
-            x: be.alloc(CHUNK * h),
-            xn: be.alloc(CHUNK * h),
-            qkv: be.alloc(CHUNK * qkv_width(c)),
-            attn: be.alloc(CHUNK * qd),
-            tmp: be.alloc(CHUNK * h),
-            gu: be.alloc(CHUNK * 2 * f),
-            act: be.alloc(CHUNK * f),
-            // Grown on demand: generation needs one row, scoring a whole chunk.
-            logits: be.alloc(c.vocab_size),
-            moe: c.moe.as_ref().map(|m| MoeState {
-                router_logits: be.alloc(CHUNK * m.n_experts),
-                host_logits: vec![0.0; CHUNK * m.n_experts],
-                scratch: MoeScratch {
-                    x: be.alloc(CHUNK * h),
-                    gu: be.alloc(CHUNK * 2 * m.expert_ffn),
-                    act: be.alloc(CHUNK * m.expert_ffn),
-                    y: be.alloc(CHUNK * h),
-                },
-                router: Router::new(m),
-                counts: vec![vec![0; m.n_experts]; c.n_layers],
-                expert_secs: 0.0,
-                shared: m.shared_ffn.map(|sf| {
-                    [
-                        be.alloc(CHUNK * 2 * sf),
-                        be.alloc(CHUNK * sf),
-                        be.alloc(CHUNK * h),
-                        be.alloc(CHUNK),
-                    ]
-                }),
-                beside: (m.style == crate::config::MoeStyle::Gemma4).then(|| {
-                    [
-                        be.alloc(CHUNK * h),
-                        be.alloc(CHUNK * h),
-                        be.alloc(CHUNK * h),
-                    ]
-                }),
-            }),
-            linear: c.linear.as_ref().map(|l| DeltaBufs::new(be, l, CHUNK)),
-            mla: c.mla.as_ref().map(|m| MlaBufs::new(be, c, m, CHUNK)),
-            per_layer: (lp > 0).then(|| PerLayerBufs {
-                inputs: be.alloc(CHUNK * lp),
-                tok: be.alloc(CHUNK * lp),
-                gate: be.alloc(CHUNK * 2 * c.per_layer_input),
-                act: be.alloc(CHUNK * c.per_layer_input),
-            }),
-        };
+        let state = State::new(be, c, CHUNK);
         Ok(Decoder {
             inv_freq: config.rope_inv_freq(),
             local_inv_freq: config.local_inv_freq(),
@@ -326,6 +347,7 @@ impl<B: Backend> Decoder<B> {
             layers,
             context,
             state,
+            pass: CHUNK,
             adapters: Vec::new(),
             lora_bufs: None,
         })
@@ -366,7 +388,7 @@ impl<B: Backend> Decoder<B> {
         let rank = self.lora_bufs.as_ref().map_or(0, |b| b.rank);
         if adapter.rank > rank {
             self.lora_bufs = Some(LoraBufs {
-                low: self.backend.alloc(CHUNK * adapter.rank),
+                low: self.backend.alloc(self.pass * adapter.rank),
                 rank: adapter.rank,
             });
         }
@@ -383,6 +405,25 @@ impl<B: Backend> Decoder<B> {
 
     pub fn adapter(&self, id: usize) -> Option<&Adapter> {
         self.adapters.get(id.checked_sub(1)?)?.as_ref()
+    }
+
+    /// Lets a pass carry up to `tokens` tokens (never fewer than [`CHUNK`]): a vision
+    /// model's image, whose rows attend both ways, must be in one pass.
+    pub fn set_pass_capacity(&mut self, tokens: usize) {
+        let tokens = tokens.max(CHUNK);
+        if tokens == self.pass {
+            return;
+        }
+        self.state = State::new(&self.backend, &self.config, tokens);
+        self.pass = tokens;
+        if let Some(b) = &mut self.lora_bufs {
+            b.low = self.backend.alloc(tokens * b.rank);
+        }
+    }
+
+    /// The most tokens a pass carries.
+    pub fn pass_capacity(&self) -> usize {
+        self.pass
     }
 
     pub fn backend(&self) -> &B {
@@ -530,6 +571,79 @@ impl<B: Backend> Decoder<B> {
         Ok(out)
     }
 
+    /// [`forward`](Self::forward) of a fresh sequence (from position 0) whose rows `embeds`
+    /// name take the given values: passes of up to [`Self::pass_capacity`] tokens, never
+    /// cutting a bidirectional span (a causal one may be cut).
+    pub fn forward_embedded(
+        &mut self,
+        kv: &mut KvCache<B>,
+        tokens: &[u32],
+        embeds: &[Embeds],
+        want: Logits,
+    ) -> Result<Vec<f32>> {
+        let h = self.config.hidden_size;
+        let tables = std::mem::take(&mut kv.identity);
+        let mut out = Vec::new();
+        let mut pos = 0;
+        let mut result = Ok(());
+        while pos < tokens.len() {
+            let mut end = (pos + self.pass).min(tokens.len());
+            // Back off to the start of a bidirectional span the cut would fall inside.
+            for e in embeds.iter().filter(|e| e.bidirectional) {
+                let rows = e.values.len() / h;
+                if e.row < end && end < e.row + rows {
+                    end = e.row;
+                }
+            }
+            if end <= pos {
+                result = Err(Error::InvalidRequest(format!(
+                    "an image of more rows than a pass carries ({})",
+                    self.pass
+                )));
+                break;
+            }
+            // The parts of `embeds` inside this chunk, relative to it.
+            let chunk_embeds: Vec<Embeds> = embeds
+                .iter()
+                .filter_map(|e| {
+                    let rows = e.values.len() / h;
+                    let (a, b) = (e.row.max(pos), (e.row + rows).min(end));
+                    (a < b).then(|| Embeds {
+                        row: a - pos,
+                        values: &e.values[(a - e.row) * h..(b - e.row) * h],
+                        bidirectional: e.bidirectional,
+                    })
+                })
+                .collect();
+            let logits = match want {
+                Logits::Last if end < tokens.len() => Logits::None,
+                w => w,
+            };
+            let seq = SeqChunk {
+                tokens: &tokens[pos..end],
+                start: pos,
+                tables: &tables,
+                logits,
+                state: 0,
+                adapter: 0,
+                embeds: &chunk_embeds,
+            };
+            match self.forward_rows(kv, &[seq]) {
+                Ok(rows) => {
+                    let at = out.len();
+                    self.logits_rows(rows, &mut out, at);
+                }
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+            pos = end;
+        }
+        kv.identity = tables;
+        result.map(|()| out)
+    }
+
     /// [`forward`](Self::forward) with [`Logits::Last`], the logits left where the pass put
     /// them (or in `spare`, a buffer the caller keeps across calls) instead of copied into a
     /// new vector: what the engine's decode step does. A vocabulary-sized vector allocated,
@@ -575,6 +689,7 @@ impl<B: Backend> Decoder<B> {
                 logits,
                 state: 0,
                 adapter,
+                embeds: &[],
             };
             match self.forward_rows(kv, &[seq]) {
                 Ok(rows) => after(self, chunk, rows),
@@ -662,6 +777,7 @@ impl<B: Backend> Decoder<B> {
                     logits: Logits::None,
                     state: i,
                     adapter: 0,
+                    embeds: &[],
                 });
                 owners.push((i, take));
                 budget -= take;
@@ -740,9 +856,10 @@ impl<B: Backend> Decoder<B> {
     fn forward_rows(&mut self, kv: &mut KvCache<B>, seqs: &[SeqChunk]) -> Result<usize> {
         let vocab = self.config.vocab_size;
         let n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
-        if n > CHUNK {
+        if n > self.pass {
             return Err(Error::InvalidRequest(format!(
-                "a pass carries at most {CHUNK} tokens, got {n}"
+                "a pass carries at most {} tokens, got {n}",
+                self.pass
             )));
         }
         let groups = &self.kv_groups;
@@ -782,6 +899,21 @@ impl<B: Backend> Decoder<B> {
                         t.len()
                     )));
                 }
+            }
+            let h = self.config.hidden_size;
+            let mut next = 0;
+            for e in s.embeds {
+                let rows = e.values.len() / h;
+                if e.values.len() % h != 0 || e.row < next || e.row + rows > s.tokens.len() {
+                    return Err(Error::InvalidRequest(format!(
+                        "embedded rows {}..{} (of width {}) do not fit a chunk of {} tokens in order",
+                        e.row,
+                        e.row + rows,
+                        h,
+                        s.tokens.len()
+                    )));
+                }
+                next = e.row + rows;
             }
             if s.adapter != 0 && self.adapter(s.adapter).is_none() {
                 return Err(Error::InvalidRequest(format!(
@@ -882,10 +1014,25 @@ impl<B: Backend> Decoder<B> {
             }
             row += m;
         }
+        // Rows attending both ways (an image's) make their own attention groups.
+        let bidirectional = seqs
+            .iter()
+            .any(|q| q.embeds.iter().any(|e| e.bidirectional));
+        let attend: Vec<Option<Vec<Attend>>> = attn_seqs
+            .iter()
+            .map(|group| bidirectional.then(|| attend_groups(seqs, group, c.hidden_size)))
+            .collect();
         let mut linear_index = 0;
         be.embed(&self.embed, tokens, &mut s.x, hidden);
         if let Some(e) = c.embed_scale {
             be.scale_inplace(&mut s.x, hidden, e);
+        }
+        let mut row = 0;
+        for q in seqs {
+            for e in q.embeds {
+                be.write(&mut s.x, (row + e.row) * c.hidden_size, e.values);
+            }
+            row += q.tokens.len();
         }
         if let (Some(pl), Some(b)) = (&self.per_layer, s.per_layer.as_mut()) {
             per_layer_inputs(be, c, pl, b, tokens, &s.x);
@@ -947,6 +1094,7 @@ impl<B: Backend> Decoder<B> {
                             sinks: attn.sinks.as_deref(),
                         },
                         temp: c.attn_temp,
+                        attend: attend[group].as_deref(),
                     };
                     attn.forward(
                         be,
@@ -980,6 +1128,8 @@ impl<B: Backend> Decoder<B> {
                             sinks: None,
                         },
                         temp: c.attn_temp,
+                        // No latent-attention model takes images.
+                        attend: None,
                     };
                     mla.forward(
                         be,
@@ -1150,6 +1300,49 @@ impl<B: Backend> Decoder<B> {
 /// A block's output (`state.tmp`) into the residual stream: its post-norm and multiplier
 /// where the family has them, then `x += tmp`, fused with the next norm into `xn` when one
 /// follows.
+/// The attention groups of a pass with bidirectional rows (see [`Attend`]): each
+/// sequence's causal runs as they are, each row of a bidirectional span a one-row sequence at
+/// the span's last position with its window widened; consecutive groups of one widening
+/// merged into one call.
+fn attend_groups<'a>(seqs: &[SeqChunk], group: &[AttnSeq<'a>], hidden: usize) -> Vec<Attend<'a>> {
+    let mut out: Vec<Attend<'a>> = Vec::new();
+    let mut push = |seq: AttnSeq<'a>, widen: usize| match out.last_mut() {
+        Some(last) if last.widen == widen => last.seqs.push(seq),
+        _ => out.push(Attend {
+            seqs: vec![seq],
+            widen,
+        }),
+    };
+    for (q, s) in seqs.iter().zip(group) {
+        let run = |from: usize, to: usize| AttnSeq {
+            rows: to - from,
+            first_pos: s.first_pos + from,
+            table: s.table,
+        };
+        let mut at = 0;
+        for e in q.embeds.iter().filter(|e| e.bidirectional) {
+            let len = e.values.len() / hidden;
+            if e.row > at {
+                push(run(at, e.row), 0);
+            }
+            let last = s.first_pos + e.row + len - 1;
+            for i in 0..len {
+                let seq = AttnSeq {
+                    rows: 1,
+                    first_pos: last,
+                    table: s.table,
+                };
+                push(seq, len - 1 - i);
+            }
+            at = e.row + len;
+        }
+        if at < s.rows {
+            push(run(at, s.rows), 0);
+        }
+    }
+    out
+}
+
 fn residual<B: Backend>(
     be: &B,
     c: &ModelConfig,

@@ -587,6 +587,20 @@ pub struct AttnInputs<'a> {
     pub params: AttentionParams<'a>,
     /// The query temperature's `(beta, floor)` (see [`ModelConfig::attn_temp`]).
     pub temp: Option<(f32, usize)>,
+    /// Who sees what when it is not the causal rule over `seqs` (rows attending both ways):
+    /// consecutive groups of the pass's rows, each one attention call.
+    pub attend: Option<&'a [Attend<'a>]>,
+}
+
+/// Consecutive rows of a pass attended as `seqs` say, a windowed layer's window `widen`
+/// longer. A bidirectional span's row `p` of a span ending at `e` is a one-row sequence at
+/// `e − 1`, so it sees the whole span; under a window `w` it sees from `p − w + 1` on, as
+/// transformers' mask (the window and the span's block) has it, which is a window `w + (e − 1
+/// − p)` from `e − 1`.
+#[derive(Debug, Clone)]
+pub struct Attend<'a> {
+    pub seqs: Vec<AttnSeq<'a>>,
+    pub widen: usize,
 }
 
 impl AttnInputs<'_> {
@@ -713,9 +727,39 @@ impl<B: Backend> Attention<B> {
             }
         }
         let attn_view = Rows::dense(n, qd).split_heads(hd);
-        be.attention(
-            qkv, q_view, k_cache, v_cache, a.seqs, attn, attn_view, a.params,
-        );
+        match a.attend {
+            None => be.attention(
+                qkv, q_view, k_cache, v_cache, a.seqs, attn, attn_view, a.params,
+            ),
+            // Without a window every group has the same parameters: one call.
+            Some(groups) if a.params.window.is_none() => {
+                let seqs: Vec<AttnSeq> = groups.iter().flat_map(|g| g.seqs.clone()).collect();
+                be.attention(
+                    qkv, q_view, k_cache, v_cache, &seqs, attn, attn_view, a.params,
+                );
+            }
+            Some(groups) => {
+                let mut row = 0;
+                for g in groups {
+                    let rows: usize = g.seqs.iter().map(|s| s.rows).sum();
+                    let params = AttentionParams {
+                        window: a.params.window.map(|w| w + g.widen),
+                        ..a.params
+                    };
+                    be.attention(
+                        qkv,
+                        q_view.slice(row, rows),
+                        k_cache,
+                        v_cache,
+                        &g.seqs,
+                        attn,
+                        attn_view.slice(row, rows),
+                        params,
+                    );
+                    row += rows;
+                }
+            }
+        }
         if self.gate.is_some() {
             be.sigmoid_mul(attn, Rows::dense(n, qd), qkv, gate_cols);
         }

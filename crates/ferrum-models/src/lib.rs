@@ -15,6 +15,7 @@ pub mod lora;
 pub mod mla;
 pub mod moe;
 pub mod names;
+pub mod vision;
 
 use std::path::Path;
 use std::time::Instant;
@@ -24,7 +25,7 @@ use ferrum_core::{DType, Error, Result};
 use ferrum_loader::ModelFile;
 
 pub use config::{Arch, ModelConfig, MoeConfig};
-pub use decoder::{Decoder, KvCache, KvGroups, Logits, SeqChunk, WeightSource, NO_BLOCK};
+pub use decoder::{Decoder, Embeds, KvCache, KvGroups, Logits, SeqChunk, WeightSource, NO_BLOCK};
 
 /// Which architecture a file holds: GGUF `general.architecture`, or a Hugging Face
 /// `architectures` class / `model_type`.
@@ -114,6 +115,8 @@ pub struct Model<B: Backend> {
     /// give one (sentence-transformers' `modules.json`, a GGUF `pooling_type`): the model is
     /// then served as an embedding model.
     pub pooling: Option<encoder::Pooling>,
+    /// The vision tower of a vision-language checkpoint.
+    pub vision: Option<vision::Vision<B>>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -152,7 +155,13 @@ impl<B: Backend> Model<B> {
             )));
         }
         backend.reserve(store.total_bytes() as u64)?;
-        let decoder = Decoder::load(backend, config, &src, context)?;
+        let mut decoder = Decoder::load(backend, config, &src, context)?;
+        let vision = vision::Vision::load(file, decoder.backend())?;
+        if let Some(v) = vision.as_ref().filter(|v| v.tokens.bidirectional) {
+            // An image's rows attend to each other: all of them, with its begin and end
+            // tokens, go in one pass.
+            decoder.set_pass_capacity(v.max_rows() + 2);
+        }
         let mut by_type: std::collections::HashMap<DType, usize> = Default::default();
         for t in store.tensors.values() {
             *by_type.entry(t.dtype).or_default() += t.bytes().len();
@@ -175,6 +184,7 @@ impl<B: Backend> Model<B> {
         Ok(Model {
             decoder,
             pooling,
+            vision,
             info: ModelInfo {
                 arch,
                 params: store.total_params(),
@@ -218,6 +228,50 @@ impl<B: Backend> Model<B> {
     pub fn load_adapter(&mut self, name: &str, src: &lora::AdapterSource) -> Result<usize> {
         let a = lora::Adapter::load(name, src, &self.decoder.config, self.info.gguf)?;
         self.decoder.add_adapter(a)
+    }
+
+    /// Logits of `tokens` (from position 0 of `kv`) whose image placeholders take `images`'
+    /// rows, in order ([`vision::Vision::encode`]'s output, one entry an image): scoring
+    /// and tests; the engine splices them itself.
+    pub fn forward_with_images(
+        &mut self,
+        kv: &mut KvCache<B>,
+        tokens: &[u32],
+        images: &[Vec<f32>],
+        want: Logits,
+    ) -> Result<Vec<f32>> {
+        let Some(v) = &self.vision else {
+            if images.is_empty() {
+                return self.decoder.forward(kv, tokens, 0, want);
+            }
+            return Err(Error::InvalidRequest(
+                "this model has no vision tower".into(),
+            ));
+        };
+        let spans = v.spans(tokens);
+        if spans.len() != images.len() {
+            return Err(Error::InvalidRequest(format!(
+                "{} images for {} image placeholders",
+                images.len(),
+                spans.len()
+            )));
+        }
+        let h = self.decoder.config.hidden_size;
+        let mut embeds = Vec::with_capacity(spans.len());
+        for (&(row, len), rows) in spans.iter().zip(images) {
+            if rows.len() != len * h {
+                return Err(Error::InvalidRequest(format!(
+                    "an image of {} rows for {len} placeholders",
+                    rows.len() / h
+                )));
+            }
+            embeds.push(decoder::Embeds {
+                row,
+                values: rows,
+                bidirectional: v.tokens.bidirectional,
+            });
+        }
+        self.decoder.forward_embedded(kv, tokens, &embeds, want)
     }
 
     pub fn open(path: impl AsRef<Path>, backend: B, opts: &LoadOptions) -> Result<Model<B>> {

@@ -240,6 +240,7 @@ fn batch_logits_read_in_place_equal_the_copied_ones() {
                 logits: la,
                 state: 0,
                 adapter: 0,
+                embeds: &[],
             },
             SeqChunk {
                 tokens: sb,
@@ -248,6 +249,7 @@ fn batch_logits_read_in_place_equal_the_copied_ones() {
                 logits: lb,
                 state: 0,
                 adapter: 0,
+                embeds: &[],
             },
         ];
         let copied = m.decoder.forward_batch(&mut copied_kv, &seqs).unwrap();

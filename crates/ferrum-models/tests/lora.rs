@@ -83,6 +83,7 @@ fn run(be: CpuBackend, base: &Path, adapter: &Path, tokens: &[u32]) -> Vec<Vec<f
         logits: Logits::All,
         state: 0,
         adapter: id,
+        embeds: &[],
     };
     let v = m.decoder.config.vocab_size;
     let all = m.decoder.forward_batch(&mut kv, &[chunk]).unwrap();
@@ -204,6 +205,7 @@ fn a_batch_of_adapters_gives_each_row_its_own_logits() {
                 logits: want,
                 state: 0,
                 adapter: ids[k],
+                embeds: &[],
             };
             rows.push(m.decoder.forward_batch(&mut kv, &[c]).unwrap());
         }
@@ -221,6 +223,7 @@ fn a_batch_of_adapters_gives_each_row_its_own_logits() {
                 logits: if step == 0 { Logits::All } else { Logits::Last },
                 state: 0,
                 adapter: ids[k],
+                embeds: &[],
             })
             .collect();
         let out = m.decoder.forward_batch(&mut kv, &chunks).unwrap();

@@ -1575,6 +1575,11 @@ impl Backend for CpuBackend {
         self.rows_in_place(x, xv, &crate::host_ops::gelu_erf);
     }
 
+    fn gelu_tanh(&self, x: &mut Vec<f32>, xv: Rows) {
+        check_view("gelu_tanh", xv, x.len());
+        self.rows_in_place(x, xv, &crate::host_ops::gelu_tanh);
+    }
+
     fn scale_inplace(&self, x: &mut Vec<f32>, xv: Rows, s: f32) {
         check_view("scale", xv, x.len());
         let w = xv.width();

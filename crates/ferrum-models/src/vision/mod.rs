@@ -1,0 +1,266 @@
+//! Vision towers (issue 45): what turns a processed image ([`ferrum_image::Processed`]) into
+//! rows of the language model's embedding width, and how those rows sit in the prompt. One
+//! file a family: `gemma3.rs` (SigLIP, average pooling, Gemma 3's projector).
+//!
+//! A tower runs on the language model's backend, whole images a pass: patch embedding as a
+//! matmul over the flattened patches, pre-LayerNorm blocks with attention over every patch
+//! (the encoders' trick: each query row a one-row sequence at the last position of a scratch
+//! KV cache), then the family's projector. The decoder splices the rows in place of the
+//! image's placeholder tokens ([`crate::decoder::Embeds`]).
+
+pub mod gemma3;
+
+use ferrum_backend::{AttentionParams, AttnSeq, Backend, KvShape, KvTable, Rows};
+use ferrum_core::{DType, Error, Result};
+use ferrum_image::{Processed, Processor};
+use ferrum_loader::{ModelFile, RawTensor, TensorStore};
+use serde_json::Value as Json;
+
+/// How an image's rows sit in the prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageTokens {
+    /// Opens each image (Gemma 3's `<start_of_image>`).
+    pub begin: Option<u32>,
+    /// The placeholder each image row replaces (`<image_soft_token>`).
+    pub placeholder: u32,
+    /// Closes each image (`<end_of_image>`).
+    pub end: Option<u32>,
+    /// Whether an image's rows attend to each other both ways (Gemma 3).
+    pub bidirectional: bool,
+}
+
+/// A vision tower with its processor and prompt layout.
+pub struct Vision<B: Backend> {
+    pub processor: Processor,
+    pub tokens: ImageTokens,
+    tower: Tower<B>,
+}
+
+enum Tower<B: Backend> {
+    Gemma3(gemma3::Gemma3Vision<B>),
+}
+
+impl<B: Backend> Vision<B> {
+    /// The vision tower of a Hugging Face checkpoint that has one (`vision_config` in its
+    /// config.json and a `preprocessor_config.json` beside it); `None` for a text model.
+    pub fn load(file: &ModelFile, be: &B) -> Result<Option<Vision<B>>> {
+        let ModelFile::Hf(h) = file else {
+            return Ok(None);
+        };
+        if h.config.get("vision_config").is_none_or(Json::is_null) {
+            return Ok(None);
+        }
+        let pre = h.dir.join("preprocessor_config.json");
+        let pj: Json = match std::fs::read(&pre) {
+            Ok(b) => serde_json::from_slice(&b)
+                .map_err(|e| Error::Weights(format!("{}: {e}", pre.display())))?,
+            Err(_) => {
+                return Err(Error::Weights(format!(
+                    "{}: the checkpoint has a vision tower but no preprocessor_config.json",
+                    h.dir.display()
+                )))
+            }
+        };
+        let processor = Processor::from_json(&pj).map_err(Error::Weights)?;
+        let store = file.tensors();
+        let model_type = h.config.get("model_type").and_then(Json::as_str);
+        match model_type {
+            Some("gemma3") => {
+                let (tower, tokens) = gemma3::Gemma3Vision::load(&h.config, &store, be)?;
+                Ok(Some(Vision {
+                    processor,
+                    tokens,
+                    tower: Tower::Gemma3(tower),
+                }))
+            }
+            other => Err(Error::Unsupported(format!(
+                "the vision tower of model_type {other:?} (supported: gemma3)"
+            ))),
+        }
+    }
+
+    /// The rows an image takes in the prompt.
+    pub fn rows_per_image(&self, _processed: &Processed) -> usize {
+        match &self.tower {
+            Tower::Gemma3(t) => t.tokens_per_image,
+        }
+    }
+
+    /// The most rows one image takes.
+    pub fn max_rows(&self) -> usize {
+        match &self.tower {
+            Tower::Gemma3(t) => t.tokens_per_image,
+        }
+    }
+
+    /// Runs of placeholder tokens in `ids`: each image's `(first row, rows)`.
+    pub fn spans(&self, ids: &[u32]) -> Vec<(usize, usize)> {
+        let mut out: Vec<(usize, usize)> = Vec::new();
+        let per = self.max_rows();
+        for (i, &t) in ids.iter().enumerate() {
+            if t != self.tokens.placeholder {
+                continue;
+            }
+            match out.last_mut() {
+                // Consecutive placeholders belong to one image until it has its rows (two
+                // images with no token between them are two runs of `per`).
+                Some((start, len)) if *start + *len == i && *len < per => *len += 1,
+                _ => out.push((i, 1)),
+            }
+        }
+        out
+    }
+
+    /// The width of the rows ([`Self::encode`]'s).
+    pub fn width(&self) -> usize {
+        match &self.tower {
+            Tower::Gemma3(t) => t.text_hidden,
+        }
+    }
+
+    /// The placeholder ids of one image (begin, placeholders, end), which the decoder's
+    /// rows replace.
+    pub fn prompt_ids(&self, processed: &Processed) -> Vec<u32> {
+        let n = self.rows_per_image(processed);
+        let t = &self.tokens;
+        let mut ids = Vec::with_capacity(n + 2);
+        ids.extend(t.begin);
+        ids.extend(std::iter::repeat_n(t.placeholder, n));
+        ids.extend(t.end);
+        ids
+    }
+
+    /// The image's rows for the language model, `[rows_per_image, width]` row-major.
+    pub fn encode(&self, be: &B, processed: &Processed) -> Result<Vec<f32>> {
+        match &self.tower {
+            Tower::Gemma3(t) => t.encode(be, processed),
+        }
+    }
+}
+
+/// The first of `candidates` (full tensor names) the store has.
+fn find<'a>(store: &'a TensorStore, candidates: &[String]) -> Result<&'a RawTensor> {
+    candidates
+        .iter()
+        .find_map(|n| store.get(n))
+        .ok_or_else(|| Error::Weights(format!("missing tensor {:?}", candidates[0])))
+}
+
+/// A tensor as f32 host values, checked to hold `len`.
+fn host_f32(t: &RawTensor, len: usize) -> Result<Vec<f32>> {
+    if t.numel() != len {
+        return Err(Error::Weights(format!(
+            "tensor {:?} has shape {:?}, expected {len} values",
+            t.name, t.shape
+        )));
+    }
+    let mut v = vec![0f32; len];
+    if !ferrum_backend::cpu::quant::dequantize(t.dtype, t.bytes(), &mut v) {
+        return Err(Error::Weights(format!(
+            "tensor {:?}: cannot convert",
+            t.name
+        )));
+    }
+    Ok(v)
+}
+
+/// Host values as an f32 weight of `shape` on the backend (`[len]` for a vector: a bias or
+/// a norm's weight).
+fn weight_from<B: Backend>(be: &B, name: &str, shape: Vec<usize>, v: &[f32]) -> Result<B::Weight> {
+    let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let t = RawTensor::from_bytes(name, DType::F32, shape, bytes)
+        .ok_or_else(|| Error::Weights(format!("tensor {name:?}: bad size")))?;
+    be.load_weight(&t)
+}
+
+/// A tensor of `rows × cols` values (whatever its dimensions: a convolution's kernel seen as
+/// one row per output channel) as a `[rows, cols]` weight in its own format.
+fn matrix<B: Backend>(be: &B, t: &RawTensor, rows: usize, cols: usize) -> Result<B::Weight> {
+    if rows == 1 {
+        // A vector (bias): kept as one, as the backends keep biases.
+        return weight_from(be, &t.name, vec![cols], &host_f32(t, cols)?);
+    }
+    if t.numel() != rows * cols {
+        return Err(Error::Weights(format!(
+            "tensor {:?} has shape {:?}, expected [{rows}, {cols}]",
+            t.name, t.shape
+        )));
+    }
+    if t.shape == [rows, cols] {
+        return be.load_weight(t);
+    }
+    let r = RawTensor::from_bytes(&t.name, t.dtype, vec![rows, cols], t.bytes().to_vec())
+        .ok_or_else(|| Error::Weights(format!("tensor {:?}: bad size", t.name)))?;
+    be.load_weight(&r)
+}
+
+/// Full attention among `n` rows (every row sees every key) through the backend's paged
+/// attention: keys and values into a scratch cache, each query row a one-row sequence at the
+/// last position.
+#[allow(clippy::too_many_arguments)]
+fn attend_all<B: Backend>(
+    be: &B,
+    qkv: &B::Buf,
+    n: usize,
+    heads: usize,
+    head_dim: usize,
+    out: &mut B::Buf,
+    cache: &mut (B::KvBuf, B::KvBuf),
+    blocks: &[u32],
+) {
+    const BLOCK: usize = 16;
+    let w = heads * head_dim;
+    let table = KvTable {
+        blocks,
+        block_size: BLOCK,
+    };
+    let q = Rows::columns(n, 3 * w, 0, w).split_heads(head_dim);
+    let k = Rows::columns(n, 3 * w, w, w).split_heads(head_dim);
+    let v = Rows::columns(n, 3 * w, 2 * w, w);
+    be.write_kv(qkv, k, &mut cache.0, table, 0);
+    be.write_kv(qkv, v, &mut cache.1, table, 0);
+    let seqs: Vec<AttnSeq> = (0..n)
+        .map(|_| AttnSeq {
+            rows: 1,
+            first_pos: n - 1,
+            table,
+        })
+        .collect();
+    let params = AttentionParams {
+        n_kv_heads: heads,
+        scale: (head_dim as f32).powf(-0.5),
+        window: None,
+        softcap: None,
+        sinks: None,
+    };
+    be.attention(
+        qkv,
+        q,
+        &cache.0,
+        &cache.1,
+        &seqs,
+        out,
+        Rows::dense(n, w).split_heads(head_dim),
+        params,
+    );
+}
+
+/// A scratch KV cache for full attention over `n` rows: its buffers and block table.
+fn scratch_cache<B: Backend>(
+    be: &B,
+    n: usize,
+    heads: usize,
+    head_dim: usize,
+) -> ((B::KvBuf, B::KvBuf), Vec<u32>) {
+    let blocks = n.div_ceil(16);
+    let shape = KvShape {
+        blocks,
+        block_size: 16,
+        heads,
+        head_dim,
+    };
+    (
+        (be.alloc_kv(shape), be.alloc_kv(shape)),
+        (0..blocks as u32).collect(),
+    )
+}
