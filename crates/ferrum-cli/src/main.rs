@@ -201,6 +201,10 @@ struct RunArgs {
     /// How strongly --lora applies (its own alpha / rank times this).
     #[arg(long, default_value_t = 1.0)]
     lora_scale: f32,
+    /// An image for the prompt (repeatable; PNG, JPEG, WebP or GIF), for a vision-language
+    /// model: the images come before the prompt's text, in order.
+    #[arg(long)]
+    image: Vec<PathBuf>,
 }
 
 /// Speculative decoding, for `run` and `serve`.
@@ -866,7 +870,9 @@ fn run_on<B: MakeBackend>(a: RunArgs, be: BackendOpts) -> Result<()> {
         // Harmony's channels are control tokens: the answer is split at them below.
         skip_special: !ferrum_tokenizer::harmony::is_harmony(session.tokenizer()),
         adapter,
+        images: Vec::new(),
     };
+    let mut opts = opts;
     opts.extras.validate()?;
     let mut kwargs = serde_json::Map::new();
     if let Some(e) = &a.reasoning_effort {
@@ -881,6 +887,23 @@ fn run_on<B: MakeBackend>(a: RunArgs, be: BackendOpts) -> Result<()> {
         })
         .collect();
 
+    if !a.image.is_empty() {
+        let Some(prompt) = a.prompt else {
+            anyhow::bail!("--image needs a prompt (-p TEXT): the chat takes no images yet");
+        };
+        if a.raw {
+            anyhow::bail!("--image needs the chat template to place the images: leave out --raw");
+        }
+        let (ids, images) = image_prompt(&session, &messages, &prompt, &a.image, &kwargs)?;
+        opts.images = images;
+        answer(
+            &mut session,
+            &ids,
+            &opts,
+            &std::sync::atomic::AtomicBool::new(false),
+        )?;
+        return Ok(());
+    }
     if let Some(prompt) = a.prompt {
         let ids = if a.raw {
             session.tokenizer().encode(&prompt, true)?
@@ -901,6 +924,55 @@ fn run_on<B: MakeBackend>(a: RunArgs, be: BackendOpts) -> Result<()> {
     }
 
     repl::chat(&mut session, messages, &opts, &kwargs)
+}
+
+/// The prompt ids and processed images of a user turn of `images` then `prompt` after
+/// `before` (system messages), for the model's vision tower.
+fn image_prompt<B: Backend>(
+    session: &Session<B>,
+    before: &[Message],
+    prompt: &str,
+    images: &[PathBuf],
+    kwargs: &serde_json::Map<String, serde_json::Value>,
+) -> Result<(Vec<u32>, Vec<ferrum_image::Processed>)> {
+    let model = &session.engine.model;
+    let Some(vision) = &model.vision else {
+        anyhow::bail!("--image: this model does not take images (it has no vision encoder)");
+    };
+    let tok = session.tokenizer();
+    let (marker, expansion) = vision
+        .prompt_texts(|id| tok.inner().id_to_token(id))
+        .context("the vocabulary lacks the model's image tokens")?;
+    let mut processed = Vec::with_capacity(images.len());
+    for p in images {
+        let bytes = std::fs::read(p).with_context(|| format!("--image {}", p.display()))?;
+        let img = ferrum_image::decode(&bytes, &ferrum_image::Limits::default())
+            .with_context(|| format!("--image {}", p.display()))?;
+        let px = vision
+            .processor
+            .process(&img)
+            .map_err(|e| anyhow::anyhow!("--image {}: {e}", p.display()))?;
+        processed.push(px);
+    }
+    let mut parts: Vec<serde_json::Value> = images
+        .iter()
+        .map(|_| serde_json::json!({"type": "image"}))
+        .collect();
+    parts.push(serde_json::json!({"type": "text", "text": prompt}));
+    let mut messages: Vec<serde_json::Value> = before
+        .iter()
+        .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+        .collect();
+    messages.push(serde_json::json!({"role": "user", "content": parts}));
+    let ids = tok.chat_prompt_with_images(
+        &messages,
+        true,
+        kwargs,
+        ferrum_tokenizer::SpecialTokens::Text,
+        false,
+        (&marker, &expansion),
+    )?;
+    Ok((ids, processed))
 }
 
 /// The conversation as prompt ids (special-token texts in what was typed stay plain text),

@@ -17,7 +17,7 @@ use std::collections::VecDeque;
 
 use ferrum_backend::Backend;
 use ferrum_core::{Error, Result};
-use ferrum_models::{Decoder, KvCache, KvGroups, Logits, Model, SeqChunk, NO_BLOCK};
+use ferrum_models::{Decoder, Embeds, KvCache, KvGroups, Logits, Model, SeqChunk, NO_BLOCK};
 use ferrum_tokenizer::Tokenizer;
 
 use crate::block_pool::{BlockPool, PrefixStats};
@@ -82,6 +82,8 @@ impl EngineConfig {
     /// groups (a windowed group holds a window, not the whole sequence).
     pub fn for_model<B: Backend>(decoder: &Decoder<B>, kv_tokens: usize) -> EngineConfig {
         let mut c = EngineConfig::with_kv_tokens(kv_tokens);
+        // A vision model's passes carry a whole image besides the usual chunk.
+        c.max_batch_tokens = decoder.pass_capacity();
         c.kv_blocks = decoder
             .kv_groups
             .blocks_for(kv_tokens.max(1), c.block_size, c.max_batch_tokens)
@@ -126,6 +128,9 @@ pub struct Request {
     /// The LoRA adapter it runs through ([`ferrum_models::decoder::SeqChunk::adapter`]; 0:
     /// the base model).
     pub adapter: usize,
+    /// The images whose placeholders the prompt holds, in order (processed for the model's
+    /// vision tower, which the engine runs when the request arrives).
+    pub images: Vec<ferrum_image::Processed>,
 }
 
 impl Request {
@@ -143,6 +148,7 @@ impl Request {
             speculate: Speculate::Default,
             skip_special: true,
             adapter: 0,
+            images: Vec::new(),
         }
     }
 }
@@ -283,6 +289,60 @@ struct Seq {
     /// values apart.
     adapter: usize,
     root: u64,
+    /// Its images' rows (from the vision tower) and where they sit.
+    images: Vec<ImageSpan>,
+    /// What the prefix cache hashes instead of `tokens` when there are images: each image's
+    /// placeholders carry its content hash (halves in turn), so an image's keys and values
+    /// are found again only for the same image.
+    keys: Option<Vec<u32>>,
+}
+
+/// An image's rows in a sequence: positions `start..start + len`.
+struct ImageSpan {
+    start: usize,
+    len: usize,
+    rows: Vec<f32>,
+    bidirectional: bool,
+}
+
+impl Seq {
+    /// The tokens as the prefix cache hashes them.
+    fn keys(&self) -> &[u32] {
+        self.keys.as_deref().unwrap_or(&self.tokens)
+    }
+
+    /// The image rows inside positions `from..to`, relative to `from`.
+    fn embeds(&self, from: usize, to: usize, hidden: usize) -> Vec<Embeds<'_>> {
+        self.images
+            .iter()
+            .filter_map(|im| {
+                let (a, b) = (im.start.max(from), (im.start + im.len).min(to));
+                (a < b).then(|| Embeds {
+                    row: a - from,
+                    values: &im.rows[(a - im.start) * hidden..(b - im.start) * hidden],
+                    bidirectional: im.bidirectional,
+                })
+            })
+            .collect()
+    }
+
+    /// `n` tokens from `computed` cut or grown so that no image attending both ways is
+    /// split between passes: cut before one it would enter, or, starting inside one (its
+    /// first rows cached), the rest of it whole; 0 when that does not fit in `budget`.
+    fn whole_images(&self, n: usize, budget: usize) -> usize {
+        let end = self.computed + n;
+        for im in self.images.iter().filter(|im| im.bidirectional) {
+            let (a, b) = (im.start, im.start + im.len);
+            if self.computed <= a && a < end && end < b {
+                return a - self.computed;
+            }
+            if a < self.computed && self.computed < b && end < b {
+                let need = b - self.computed;
+                return if need <= budget { need } else { 0 };
+            }
+        }
+        n
+    }
 }
 
 const NO_SLOT: usize = usize::MAX;
@@ -328,10 +388,10 @@ impl<B: Backend> Engine<B> {
                 "the KV cache needs at least one block of one position".into(),
             ));
         }
-        if config.max_batch_tokens == 0 || config.max_batch_tokens > ferrum_models::decoder::CHUNK {
+        let pass = model.decoder.pass_capacity();
+        if config.max_batch_tokens == 0 || config.max_batch_tokens > pass {
             return Err(Error::InvalidRequest(format!(
-                "max_batch_tokens must be 1..={}",
-                ferrum_models::decoder::CHUNK
+                "max_batch_tokens must be 1..={pass}"
             )));
         }
         let (kv, states) = if model.decoder.is_hybrid() {
@@ -540,6 +600,7 @@ impl<B: Backend> Engine<B> {
                 }
             },
         };
+        let (images, keys) = self.image_spans(&req.prompt, &req.images)?;
         let mask = match &req.constraint {
             None => None,
             Some(c) => {
@@ -601,8 +662,62 @@ impl<B: Backend> Engine<B> {
             slot: NO_SLOT,
             adapter: req.adapter,
             root,
+            images,
+            keys,
         });
         Ok(id)
+    }
+
+    /// A request's images run through the vision tower and placed at their placeholders,
+    /// and the tokens the prefix cache hashes for them.
+    fn image_spans(
+        &self,
+        prompt: &[u32],
+        images: &[ferrum_image::Processed],
+    ) -> Result<(Vec<ImageSpan>, Option<Vec<u32>>)> {
+        if images.is_empty() {
+            return Ok((Vec::new(), None));
+        }
+        let Some(v) = &self.model.vision else {
+            return Err(Error::InvalidRequest(
+                "this model does not take images: it has no vision encoder".into(),
+            ));
+        };
+        let spans = v.spans(prompt);
+        if spans.len() != images.len() {
+            return Err(Error::InvalidRequest(format!(
+                "{} images for {} image placeholders in the prompt",
+                images.len(),
+                spans.len()
+            )));
+        }
+        let h = self.model.decoder.config.hidden_size;
+        let mut keys = prompt.to_vec();
+        let mut out = Vec::with_capacity(images.len());
+        for (&(start, len), img) in spans.iter().zip(images) {
+            let rows = v.encode(self.model.decoder.backend(), img)?;
+            if rows.len() != len * h {
+                return Err(Error::InvalidRequest(format!(
+                    "an image of {} rows for {len} placeholders",
+                    rows.len() / h
+                )));
+            }
+            let hash = content_hash(img);
+            for (i, k) in keys[start..start + len].iter_mut().enumerate() {
+                *k = if i % 2 == 0 {
+                    hash as u32
+                } else {
+                    (hash >> 32) as u32
+                };
+            }
+            out.push(ImageSpan {
+                start,
+                len,
+                rows,
+                bidirectional: v.tokens.bidirectional,
+            });
+        }
+        Ok((out, Some(keys)))
     }
 
     /// [`Engine::embed`] of several inputs: a decoder embedder's run together, their chunks
@@ -689,11 +804,21 @@ impl<B: Backend> Engine<B> {
                 v
             })
             .collect();
+        let hidden = self.model.decoder.config.hidden_size;
+        let embeds: Vec<Vec<Embeds>> = plan
+            .iter()
+            .map(|w| {
+                let s = &self.running[w.seq];
+                let own = w.n - w.draft.len();
+                s.embeds(s.computed, s.computed + own, hidden)
+            })
+            .collect();
         let logits = {
             let seqs: Vec<SeqChunk> = plan
                 .iter()
                 .zip(&inputs)
-                .map(|(w, input)| {
+                .zip(&embeds)
+                .map(|((w, input), embeds)| {
                     let s = &self.running[w.seq];
                     SeqChunk {
                         tokens: input,
@@ -708,7 +833,7 @@ impl<B: Backend> Engine<B> {
                         },
                         state: s.slot,
                         adapter: s.adapter,
-                        embeds: &[],
+                        embeds,
                     }
                 })
                 .collect();
@@ -881,6 +1006,11 @@ impl<B: Backend> Engine<B> {
         while i < self.running.len() && budget > 0 {
             let s = &mut self.running[i];
             let mut n = chunk_len(s, budget, bs, hybrid);
+            if n == 0 {
+                // An image that does not fit in what is left of this step waits for the next.
+                i += 1;
+                continue;
+            }
             // A decoding sequence may draft: within the budget, its max_tokens and the context.
             // Not a hybrid model's: a rejected draft would stay in its recurrent state.
             let mut draft = std::mem::take(&mut s.proposal);
@@ -941,11 +1071,11 @@ impl<B: Backend> Engine<B> {
                 let mut max_blocks = (s.tokens.len() - 1) / bs;
                 if let Some(st) = &self.states {
                     // A hybrid model resumes only where a state snapshot is kept.
-                    max_blocks = snapshot_prefix(st, s.root, &s.tokens, bs, max_blocks);
+                    max_blocks = snapshot_prefix(st, s.root, s.keys(), bs, max_blocks);
                 }
                 let (mut blocks, mut hashes) =
                     self.pool
-                        .lookup_groups(s.root, &s.tokens, max_blocks, &self.windows);
+                        .lookup_groups(s.root, s.keys(), max_blocks, &self.windows);
                 if let Some(st) = self.states.as_mut() {
                     // The cache may hold less than the snapshot covers: the longest prefix
                     // with both its blocks and a snapshot.
@@ -971,7 +1101,7 @@ impl<B: Backend> Engine<B> {
             }
             let n = chunk_len(&s, budget, bs, hybrid);
             let upto = s.computed + n;
-            if !grow(&mut self.pool, &mut s, upto) {
+            if n == 0 || !grow(&mut self.pool, &mut s, upto) {
                 // Not enough room: hand back what it took and wait for running ones to end.
                 release_all(&mut self.pool, &mut s.blocks);
                 self.give_slot(&mut s);
@@ -1141,11 +1271,11 @@ fn chunk_len(s: &Seq, budget: usize, bs: usize, hybrid: bool) -> usize {
     let n = (s.tokens.len() - s.computed).min(budget);
     let last = last_prompt_boundary(s, bs);
     if !hybrid || s.computed >= last {
-        return n;
+        return s.whole_images(n, budget);
     }
     let every = SNAPSHOT_EVERY_BLOCKS * bs;
     let next = ((s.computed / every + 1) * every).min(last);
-    n.min(next - s.computed)
+    s.whole_images(n.min(next - s.computed), budget)
 }
 
 /// Blocks of `tokens`' prefix (at most `max_blocks`) up to the last one after which a
@@ -1195,6 +1325,17 @@ fn grow(pool: &mut BlockPool, s: &mut Seq, upto: usize) -> bool {
     true
 }
 
+/// A processed image's content hash (its shape and values' bits).
+fn content_hash(p: &ferrum_image::Processed) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    p.shape.hash(&mut h);
+    for v in &p.values {
+        v.to_bits().hash(&mut h);
+    }
+    h.finish()
+}
+
 /// Makes `s`'s newly completed blocks findable by later requests, in every group that still
 /// holds them.
 fn register_full_blocks(pool: &mut BlockPool, s: &mut Seq) {
@@ -1202,7 +1343,7 @@ fn register_full_blocks(pool: &mut BlockPool, s: &mut Seq) {
     while s.hashes.len() < s.computed / bs {
         let k = s.hashes.len();
         let parent = if k == 0 { s.root } else { s.hashes[k - 1] };
-        let tokens = &s.tokens[k * bs..(k + 1) * bs];
+        let tokens = &s.keys()[k * bs..(k + 1) * bs];
         let mut hash = crate::block_pool::chain_hash(parent, tokens);
         for (g, t) in s.blocks.iter().enumerate() {
             if t[k] != NO_BLOCK {
@@ -1295,6 +1436,9 @@ fn emit_token(
         }
     }
     s.tokens.push(token);
+    if let Some(k) = &mut s.keys {
+        k.push(token);
+    }
     s.sampler.observe(token);
     cx.stats.generated_tokens += 1;
     let text = s.detok.push(cx.tokenizer, token)?;

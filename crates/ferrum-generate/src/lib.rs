@@ -65,6 +65,8 @@ pub struct GenerateOptions {
     pub skip_special: bool,
     /// The LoRA adapter the answer runs through (see [`Request::adapter`]; 0: none).
     pub adapter: usize,
+    /// The prompt's images, in order (see [`Request::images`]).
+    pub images: Vec<ferrum_image::Processed>,
 }
 
 impl Default for GenerateOptions {
@@ -76,6 +78,7 @@ impl Default for GenerateOptions {
             stop: Vec::new(),
             skip_special: true,
             adapter: 0,
+            images: Vec::new(),
         }
     }
 }
@@ -144,6 +147,7 @@ impl<B: Backend> Session<B> {
         req.stop = opts.stop.clone();
         req.skip_special = opts.skip_special;
         req.adapter = opts.adapter;
+        req.images = opts.images.clone();
         let id = self.engine.add(req)?;
         let t0 = Instant::now();
         let mut first: Option<Instant> = None;

@@ -158,9 +158,10 @@ impl<B: Backend> Model<B> {
         let mut decoder = Decoder::load(backend, config, &src, context)?;
         let vision = vision::Vision::load(file, decoder.backend())?;
         if let Some(v) = vision.as_ref().filter(|v| v.tokens.bidirectional) {
-            // An image's rows attend to each other: all of them, with its begin and end
-            // tokens, go in one pass.
-            decoder.set_pass_capacity(v.max_rows() + 2);
+            // An image's rows attend to each other: all of them go in one pass, which also
+            // carries the usual chunk's worth of other tokens (decode steps of other
+            // sequences before it).
+            decoder.set_pass_capacity(v.max_rows() + decoder::CHUNK);
         }
         let mut by_type: std::collections::HashMap<DType, usize> = Default::default();
         for t in store.tensors.values() {

@@ -649,6 +649,8 @@ impl Sampling {
             skip_special: self.skip_special_tokens.unwrap_or(true),
             // The route sets it from the model the request names.
             adapter: 0,
+            // The route sets them from the request's image parts.
+            images: Vec::new(),
         };
         Ok(Plan {
             base,
@@ -808,7 +810,32 @@ impl ChatRequest {
                     ))
                 }
             };
+            // A message with images is given to the template as parts (`{"type": "image"}`
+            // where each was, which the template marks); the images themselves were read by
+            // `ChatRequest::images`.
+            let mut image_parts: Option<Vec<Value>> = None;
+            if let Some(Content::Parts(parts)) = &m.content {
+                if parts.iter().any(|p| p.kind == "image_url") {
+                    let mut list = Vec::with_capacity(parts.len());
+                    for p in parts {
+                        match (p.kind.as_str(), &p.text) {
+                            ("text", Some(t)) => list.push(
+                                serde_json::json!({"type": "text", "text": esc.str(t)}),
+                            ),
+                            ("image_url", _) => list.push(serde_json::json!({"type": "image"})),
+                            (kind, _) => {
+                                return Err(ApiError::param(
+                                    "messages",
+                                    format!("messages[{i}]: content parts of type {kind:?} are not supported"),
+                                ))
+                            }
+                        }
+                    }
+                    image_parts = Some(list);
+                }
+            }
             let content = match &m.content {
+                _ if image_parts.is_some() => String::new(),
                 None => m.refusal.clone().unwrap_or_default(),
                 Some(Content::Text(t)) => t.clone(),
                 Some(Content::Parts(parts)) => {
@@ -866,7 +893,10 @@ impl ChatRequest {
                 content = format!("<tool_response>\n{content}\n</tool_response>");
             }
             msg.insert("role".into(), role.into());
-            msg.insert("content".into(), content.into());
+            match image_parts {
+                Some(parts) => msg.insert("content".into(), Value::Array(parts)),
+                None => msg.insert("content".into(), content.into()),
+            };
             let reasoning = m.reasoning_content.as_ref().or(m.reasoning.as_ref());
             if let Some(r) = reasoning.filter(|r| role == "assistant" && !r.is_empty()) {
                 msg.insert(reasoning_key.into(), esc.str(r).into());

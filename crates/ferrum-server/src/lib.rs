@@ -219,7 +219,6 @@ pub fn model_state<B: ferrum_backend::Backend + 'static>(
         in_handlers: AtomicUsize::new(0),
         embeddings_from_chat: cfg.embeddings_from_chat,
         images: cfg.images,
-        vision: false,
     })
 }
 
@@ -324,6 +323,7 @@ mod tests {
                 kind: worker::ModelKind::Generate,
                 normalized: true,
                 rerank_prompt: None,
+                vision: None,
                 adapter: 0,
             });
             shared.ready.store(true, Ordering::SeqCst);
@@ -347,7 +347,6 @@ mod tests {
             max_request_tokens: None,
             embeddings_from_chat: false,
             images: Default::default(),
-            vision: false,
         });
         router(state, 1 << 16)
     }

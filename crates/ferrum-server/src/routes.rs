@@ -25,7 +25,7 @@ use crate::api::{self, Plan};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::tools::Tools;
-use crate::worker::{EmbedInput, Handle, ModelCard, ModelKind};
+use crate::worker::{EmbedInput, Handle, ModelCard, ModelKind, VisionCard};
 use ferrum_generate::Constraint;
 
 pub struct AppState {
@@ -59,11 +59,12 @@ pub struct AppState {
     pub embeddings_from_chat: bool,
     /// What a request's images may be.
     pub images: crate::images::ImageOptions,
-    /// Whether the model takes images (a vision encoder is loaded with it).
-    pub vision: bool,
 }
 
 type App = State<Arc<AppState>>;
+
+/// A request's images with the model's handling of them.
+pub(crate) type RequestImages = (Arc<VisionCard>, Vec<crate::images::ImageInput>);
 
 /// The names the served model answers to: `--served-model-name` (repeatable, vLLM's flag;
 /// the first is its id) and, with `--any-model-name`, any name at all (llama-server's way, for
@@ -99,13 +100,19 @@ impl ModelNames {
 
 impl AppState {
     /// The request's images checked (decodable, within the limits), then refused unless the
-    /// model takes images.
-    pub(crate) fn check_images(&self, req: &api::ChatRequest) -> Result<(), ApiError> {
+    /// model takes images; with the model's image handling where there are some.
+    pub(crate) fn check_images(
+        &self,
+        req: &api::ChatRequest,
+    ) -> Result<Option<RequestImages>, ApiError> {
         let images = req.images(&self.images)?;
-        if !images.is_empty() && !self.vision {
-            return Err(crate::images::no_vision(&req.model));
+        if images.is_empty() {
+            return Ok(None);
         }
-        Ok(())
+        match &self.card()?.vision {
+            Some(v) => Ok(Some((v.clone(), images))),
+            None => Err(crate::images::no_vision(&req.model)),
+        }
     }
 
     /// Whether a request is in a handler, running or waiting.
@@ -598,6 +605,48 @@ pub(crate) fn token_text(tok: &Tokenizer, id: u32) -> String {
     tok.decode(&[id], false).unwrap_or_default()
 }
 
+/// [`render_prompt`] of a conversation with images: their processing (resizing) runs off
+/// the async threads too, and the template's image markers become the model's placeholders.
+pub(crate) async fn render_prompt_images(
+    st: &Arc<AppState>,
+    messages: Vec<Value>,
+    kwargs: serde_json::Map<String, Value>,
+    add_generation_prompt: bool,
+    images: Option<RequestImages>,
+) -> Result<(Vec<u32>, Vec<ferrum_image::Processed>), ApiError> {
+    let Some((vision, images)) = images else {
+        let ids = render_prompt(st, messages, kwargs, add_generation_prompt).await?;
+        return Ok((ids, Vec::new()));
+    };
+    let st = st.clone();
+    let gen = add_generation_prompt;
+    tokio::task::spawn_blocking(move || {
+        let processed = images
+            .iter()
+            .enumerate()
+            .map(|(i, im)| {
+                vision
+                    .processor
+                    .process(&im.image)
+                    .map_err(|e| ApiError::param("messages", format!("image {}: {e}", i + 1)))
+            })
+            .collect::<Result<Vec<_>, ApiError>>()?;
+        let expand = (vision.marker.as_str(), vision.expansion.as_str());
+        let escaped = st.content_special == SpecialTokens::Text;
+        let ids = st.tokenizer.chat_prompt_with_images(
+            &messages,
+            gen,
+            &kwargs,
+            st.content_special,
+            escaped,
+            expand,
+        )?;
+        Ok((ids, processed))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("the prompt render failed: {e}")))?
+}
+
 /// The conversation as prompt ids, rendered off the async threads: the render has its own
 /// thread and deadline (the template's sandbox), and this waits for it without holding up
 /// other requests.
@@ -690,9 +739,19 @@ pub(crate) async fn chat_prompt_ids(
     req: &api::ChatRequest,
     tools: Option<&Tools>,
 ) -> Result<Vec<u32>, ApiError> {
-    st.check_images(req)?;
+    Ok(chat_prompt(st, req, tools).await?.0)
+}
+
+/// [`chat_prompt_ids`] with the request's images processed for the model's vision tower (in
+/// order; their placeholders are in the ids).
+pub(crate) async fn chat_prompt(
+    st: &Arc<AppState>,
+    req: &api::ChatRequest,
+    tools: Option<&Tools>,
+) -> Result<(Vec<u32>, Vec<ferrum_image::Processed>), ApiError> {
+    let images = st.check_images(req)?;
     let (messages, kwargs) = req.template_inputs(&st.tokenizer, tools, st.content_special)?;
-    render_prompt(st, messages, kwargs, true).await
+    render_prompt_images(st, messages, kwargs, true, images).await
 }
 
 pub(crate) async fn prepare_chat(
@@ -726,10 +785,12 @@ pub(crate) async fn prepare_with(
     let harmony = format == AnswerFormat::Harmony;
     let constraint = req.constraint(tools.as_ref(), harmony)?;
     let logprobs = req.logprobs()?;
+    let mut images = Vec::new();
     let prompt = match ids {
         PromptIds::Raw(ids) => ids,
         PromptIds::Render { mut before } => {
-            let ids = chat_prompt_ids(st, req, tools.as_ref()).await?;
+            let (ids, processed) = chat_prompt(st, req, tools.as_ref()).await?;
+            images = processed;
             // After an earlier exchange's ids the conversation goes on: one BOS, at the start.
             let bos = st.tokenizer.bos_id();
             let skip =
@@ -746,6 +807,7 @@ pub(crate) async fn prepare_with(
         .sampling
         .plan(prompt, limits, card.vocab_size, logprobs)?;
     plan.base.adapter = card.adapter;
+    plan.base.images = images;
     // The prompt's last tokens as text, control tokens kept: whether it opened a reasoning
     // block the answer starts inside.
     let prompt = &plan.base.prompt;

@@ -62,9 +62,11 @@ async fn tokenize_inner(
         let tools = req.tools()?;
         let tools = tools.as_ref().filter(|t| t.active());
         let gen = api::flag(&o, &["add_generation_prompt"], true)?;
-        st.check_images(&req)?;
+        let images = st.check_images(&req)?;
         let (messages, kwargs) = req.template_inputs(&st.tokenizer, tools, st.content_special)?;
-        routes::render_prompt(st, messages, kwargs, gen).await?
+        routes::render_prompt_images(st, messages, kwargs, gen, images)
+            .await?
+            .0
     } else {
         let text = match o.get("content").or_else(|| o.get("prompt")) {
             Some(Value::String(s)) => s.as_str(),

@@ -138,6 +138,19 @@ pub struct ModelCard {
     pub rerank_prompt: Option<String>,
     /// The LoRA adapter a request naming this card runs through (0: the base model).
     pub adapter: usize,
+    /// A vision-language model's image handling; `None`: it takes no images.
+    pub vision: Option<std::sync::Arc<VisionCard>>,
+}
+
+/// How a vision model's images enter a chat: the processor that prepares them, and the
+/// text the chat template writes for each (`marker`) with what it becomes before the prompt
+/// is tokenized (`expansion`: the model's placeholder tokens, as its Hugging Face processor
+/// expands them).
+#[derive(Debug, Clone)]
+pub struct VisionCard {
+    pub processor: ferrum_image::Processor,
+    pub marker: String,
+    pub expansion: String,
 }
 
 /// State the handlers read without asking the worker.
@@ -286,6 +299,7 @@ pub fn spawn<B: Backend + 'static>(
                         },
                         normalized: enc.pooling.normalize,
                         rerank_prompt: None,
+                        vision: None,
                         adapter: 0,
                     });
                     sh.ready.store(true, Ordering::SeqCst);
@@ -324,6 +338,15 @@ pub fn spawn<B: Backend + 'static>(
                 normalized: engine.model.pooling.as_ref().is_none_or(|p| p.normalize),
                 rerank_prompt: engine.model.pooling.as_ref().and_then(|p| p.prompt.clone()),
                 adapter: 0,
+                vision: engine.model.vision.as_ref().and_then(|v| {
+                    let text = |id| engine.tokenizer.inner().id_to_token(id);
+                    let (marker, expansion) = v.prompt_texts(text)?;
+                    Some(std::sync::Arc::new(VisionCard {
+                        processor: v.processor.clone(),
+                        marker,
+                        expansion,
+                    }))
+                }),
             });
             let mut adapters = Adapters {
                 opts: lora.clone(),

@@ -192,7 +192,14 @@ impl Tokenizer {
         kwargs: &serde_json::Map<String, serde_json::Value>,
         special: SpecialTokens,
     ) -> Result<Vec<u32>> {
-        self.chat_prompt_inner(messages, add_generation_prompt, kwargs, special, false)
+        self.chat_prompt_inner(
+            messages,
+            add_generation_prompt,
+            kwargs,
+            special,
+            false,
+            None,
+        )
     }
 
     /// [`Tokenizer::chat_prompt`] with [`SpecialTokens::Text`] for inputs whose request strings
@@ -211,6 +218,31 @@ impl Tokenizer {
             kwargs,
             SpecialTokens::Text,
             true,
+            None,
+        )
+    }
+
+    /// [`Tokenizer::chat_prompt`] (`escaped`: [`Tokenizer::chat_prompt_escaped`]) of a
+    /// conversation with images: each `marker` the template writes (an image's place) is
+    /// replaced by `expansion` in the rendered text before it is tokenized, as a vision
+    /// model's Hugging Face processor expands it. Markers in the request's own strings were
+    /// escaped with them ([`SpecialTokens::Text`]) and stay text.
+    pub fn chat_prompt_with_images<M: serde::Serialize>(
+        &self,
+        messages: &[M],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+        special: SpecialTokens,
+        escaped: bool,
+        (marker, expansion): (&str, &str),
+    ) -> Result<Vec<u32>> {
+        self.chat_prompt_inner(
+            messages,
+            add_generation_prompt,
+            kwargs,
+            special,
+            escaped,
+            Some((marker, expansion)),
         )
     }
 
@@ -258,6 +290,7 @@ impl Tokenizer {
         kwargs: &serde_json::Map<String, serde_json::Value>,
         special: SpecialTokens,
         escaped: bool,
+        expand: Option<(&str, &str)>,
     ) -> Result<Vec<u32>> {
         let as_text = special == SpecialTokens::Text;
         let to_json = |v| {
@@ -309,6 +342,10 @@ impl Tokenizer {
             // A harmony model without a template: the format's own rendering (always for
             // the assistant's next turn).
             None => harmony::render(messages, &kwargs, &chat::today())?,
+        };
+        let text = match expand {
+            Some((marker, expansion)) if !marker.is_empty() => text.replace(marker, expansion),
+            _ => text,
         };
         if as_text {
             self.guard.encode_rendered(self, &text)

@@ -130,6 +130,19 @@ impl<B: Backend> Vision<B> {
         ids
     }
 
+    /// The text a chat template writes for an image and what it becomes before the prompt
+    /// is tokenized, given each token's text: Gemma 3's processor turns `<start_of_image>`
+    /// into the image's whole sequence with a blank line either side. `None` where a token
+    /// has no text.
+    pub fn prompt_texts(&self, text: impl Fn(u32) -> Option<String>) -> Option<(String, String)> {
+        let t = &self.tokens;
+        let begin = text(t.begin?)?;
+        let placeholder = text(t.placeholder)?;
+        let end = t.end.map_or(Some(String::new()), &text)?;
+        let rows = placeholder.repeat(self.max_rows());
+        Some((begin.clone(), format!("\n\n{begin}{rows}{end}\n\n")))
+    }
+
     /// The image's rows for the language model, `[rows_per_image, width]` row-major.
     pub fn encode(&self, be: &B, processed: &Processed) -> Result<Vec<f32>> {
         match &self.tower {
