@@ -205,6 +205,10 @@ struct RunArgs {
     /// model: the images come before the prompt's text, in order.
     #[arg(long)]
     image: Vec<PathBuf>,
+    /// A GGUF model's vision tower: llama.cpp's mmproj file (default: the one beside the
+    /// model, if there is one).
+    #[arg(long)]
+    mmproj: Option<PathBuf>,
 }
 
 /// Speculative decoding, for `run` and `serve`.
@@ -376,6 +380,10 @@ struct ServeArgs {
     /// The most images one request may carry.
     #[arg(long, default_value_t = 16)]
     max_images: usize,
+    /// A GGUF model's vision tower: llama.cpp's mmproj file (default: the one beside the
+    /// model, if there is one).
+    #[arg(long)]
+    mmproj: Option<PathBuf>,
     /// Keep activations in f32 (the reference's math).
     #[arg(long)]
     exact: bool,
@@ -523,10 +531,11 @@ pub(crate) fn generator_loader<B: MakeBackend>(
 ) -> Result<impl FnOnce() -> ferrum_core::Result<ferrum_server::worker::Served<B>> + Send + 'static>
 {
     let (ctx, kv_tokens, prefix) = (a.ctx, a.kv_tokens, !a.no_prefix_cache);
+    let mmproj = a.mmproj.clone();
     let (spec_tokens, draft) = a.spec.resolve()?;
     Ok(
         move || -> ferrum_core::Result<ferrum_server::worker::Served<B>> {
-            let model = load_model::<B>(&path, &file, ctx, be)
+            let model = load_model_with::<B>(&path, &file, ctx, be, mmproj.as_deref())
                 .map_err(|e| ferrum_core::Error::Weights(format!("{e:#}")))?;
             let engine_tok = file_tokenizer(&file)
                 .map_err(|e| ferrum_core::Error::Tokenizer(format!("{e:#}")))?;
@@ -744,12 +753,22 @@ fn load<B: MakeBackend>(
     ctx: Option<usize>,
     be: BackendOpts,
 ) -> Result<(Model<B>, Tokenizer)> {
+    load_with(path, ctx, be, None)
+}
+
+/// [`load`] with a GGUF model's vision tower (`--mmproj`).
+fn load_with<B: MakeBackend>(
+    path: &Path,
+    ctx: Option<usize>,
+    be: BackendOpts,
+    mmproj: Option<&Path>,
+) -> Result<(Model<B>, Tokenizer)> {
     let file = ModelFile::open(path)?;
     let tokenizer = match &file {
         ModelFile::Gguf(g) => Tokenizer::from_gguf(g)?,
         ModelFile::Hf(h) => Tokenizer::from_hf_dir(&h.dir)?,
     };
-    Ok((load_model(path, &file, ctx, be)?, tokenizer))
+    Ok((load_model_with(path, &file, ctx, be, mmproj)?, tokenizer))
 }
 
 /// Loads only the model (the benchmark needs no tokenizer), printing the summary line.
@@ -759,6 +778,17 @@ pub(crate) fn load_model<B: MakeBackend>(
     ctx: Option<usize>,
     be: BackendOpts,
 ) -> Result<Model<B>> {
+    load_model_with(path, file, ctx, be, None)
+}
+
+/// [`load_model`] with a GGUF model's vision tower (`--mmproj`; else one beside it).
+pub(crate) fn load_model_with<B: MakeBackend>(
+    path: &Path,
+    file: &ModelFile,
+    ctx: Option<usize>,
+    be: BackendOpts,
+    mmproj: Option<&Path>,
+) -> Result<Model<B>> {
     let backend = B::make(&be)?;
     let backend_name = backend.name();
     let spinner = repl::spinner(&format!(
@@ -767,7 +797,11 @@ pub(crate) fn load_model<B: MakeBackend>(
             .unwrap_or(path.as_os_str())
             .to_string_lossy()
     ));
-    let model = Model::load(file, backend, &LoadOptions { context: ctx });
+    let opts = LoadOptions {
+        context: ctx,
+        mmproj: mmproj.map(Path::to_path_buf),
+    };
+    let model = Model::load(file, backend, &opts);
     if let Some(s) = spinner {
         s.finish_and_clear();
     }
@@ -811,7 +845,13 @@ fn run(a: RunArgs) -> Result<()> {
 fn run_on<B: MakeBackend>(a: RunArgs, be: BackendOpts) -> Result<()> {
     let path = model_path(a.model.as_deref())?;
     let (spec_tokens, draft) = a.spec.resolve()?;
-    let (model, tokenizer) = load::<B>(&path, a.ctx, be)?;
+    let (model, tokenizer) = load_with::<B>(&path, a.ctx, be, a.mmproj.as_deref())?;
+    if let Some(v) = &model.vision {
+        eprintln!(
+            "ferrum: vision tower: {} image tokens an image",
+            v.max_rows()
+        );
+    }
     let mut session = Session::speculative(model, tokenizer, spec_tokens)?;
     if let Some(d) = &draft {
         attach_draft(&mut session.engine, d, be)?;

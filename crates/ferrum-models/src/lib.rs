@@ -123,6 +123,9 @@ pub struct Model<B: Backend> {
 pub struct LoadOptions {
     /// KV capacity in tokens; defaults to the model's context, at most [`DEFAULT_MAX_CONTEXT`].
     pub context: Option<usize>,
+    /// A GGUF model's vision tower: llama.cpp's `mmproj` file. Without it, one beside the
+    /// model (a `*mmproj*.gguf` in its folder) is used where its projector is supported.
+    pub mmproj: Option<std::path::PathBuf>,
 }
 
 /// Context used when the caller does not ask for one: long enough for chat, small enough that
@@ -156,7 +159,7 @@ impl<B: Backend> Model<B> {
         }
         backend.reserve(store.total_bytes() as u64)?;
         let mut decoder = Decoder::load(backend, config, &src, context)?;
-        let vision = vision::Vision::load(file, decoder.backend())?;
+        let vision = vision::Vision::load(file, opts.mmproj.as_deref(), decoder.backend())?;
         if let Some(v) = vision.as_ref().filter(|v| v.tokens.bidirectional) {
             // An image's rows attend to each other: all of them go in one pass, which also
             // carries the usual chunk's worth of other tokens (decode steps of other

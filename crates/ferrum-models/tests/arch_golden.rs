@@ -207,7 +207,15 @@ fn mxfp4_gguf_default_backend_is_as_close_as_q8_0_and_batch_invariant() {
     eprintln!("default backend, worst relative |Δlogit|: MXFP4 {mx:.2e}, Q8_0 {q8:.2e}");
     assert!(mx <= 1.25 * q8, "MXFP4 {mx} vs Q8_0 {q8}");
     let path = dir("gpt-oss").join("model-mxfp4.gguf");
-    let mut m = Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(64) }).unwrap();
+    let mut m = Model::open(
+        &path,
+        CpuBackend::new(),
+        &LoadOptions {
+            context: Some(64),
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let mut kv = m.decoder.alloc_kv_tokens(64);
     for (i, &t) in r.tokens.iter().enumerate() {
         let row = m.decoder.forward(&mut kv, &[t], i, Logits::Last).unwrap();
@@ -230,7 +238,10 @@ fn prefill_equals_token_by_token_decode() {
         let mut m = Model::open(
             dir(name),
             CpuBackend::exact(),
-            &LoadOptions { context: Some(64) },
+            &LoadOptions {
+                context: Some(64),
+                ..Default::default()
+            },
         )
         .unwrap();
         let mut kv = m.decoder.alloc_kv_tokens(64);
@@ -283,8 +294,15 @@ fn hybrid_chunks_are_bit_identical() {
         for file in ["model-q8_0.gguf", "model-f32.gguf"] {
             let path = dir(name).join(file);
             let one = run(CpuBackend::new(), &path, &r.tokens);
-            let mut m =
-                Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(64) }).unwrap();
+            let mut m = Model::open(
+                &path,
+                CpuBackend::new(),
+                &LoadOptions {
+                    context: Some(64),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
             let v = m.decoder.config.vocab_size;
             for step in [1, 5] {
                 let mut kv = m.decoder.alloc_kv_tokens(64);

@@ -76,7 +76,10 @@ fn greedy_continuation_matches_transformers() {
     let mut m = Model::open(
         model_path(),
         CpuBackend::exact(),
-        &LoadOptions { context: Some(64) },
+        &LoadOptions {
+            context: Some(64),
+            ..Default::default()
+        },
     )
     .unwrap();
     let mut kv = m.decoder.alloc_kv_tokens(64);

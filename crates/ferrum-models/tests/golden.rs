@@ -50,8 +50,15 @@ fn run(path: PathBuf, tokens: &[u32]) -> (Vec<Vec<f32>>, usize) {
 }
 
 fn run_on(be: CpuBackend, path: PathBuf, tokens: &[u32]) -> (Vec<Vec<f32>>, usize) {
-    let mut m = Model::open(&path, be, &LoadOptions { context: Some(64) })
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut m = Model::open(
+        &path,
+        be,
+        &LoadOptions {
+            context: Some(64),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let mut kv = m.decoder.alloc_kv_tokens(64);
     let v = m.decoder.config.vocab_size;
     let all = m.decoder.forward(&mut kv, tokens, 0, Logits::All).unwrap();
@@ -168,8 +175,15 @@ fn prefill_in_one_pass_equals_token_by_token_decode() {
         let r = reference(name);
         let path = dir(name).join("model-f32.gguf");
         let (full, v) = run_on(CpuBackend::new(), path.clone(), &r.tokens);
-        let mut m =
-            Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(64) }).unwrap();
+        let mut m = Model::open(
+            &path,
+            CpuBackend::new(),
+            &LoadOptions {
+                context: Some(64),
+                ..Default::default()
+            },
+        )
+        .unwrap();
         let mut kv = m.decoder.alloc_kv_tokens(64);
         let mut last = Vec::new();
         for (i, &t) in r.tokens.iter().enumerate() {
@@ -190,7 +204,15 @@ fn prefill_in_one_pass_equals_token_by_token_decode() {
 #[test]
 fn context_overflow_and_bad_token_are_errors() {
     let path = dir("qwen3").join("model-f32.gguf");
-    let mut m = Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(8) }).unwrap();
+    let mut m = Model::open(
+        &path,
+        CpuBackend::new(),
+        &LoadOptions {
+            context: Some(8),
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let mut kv = m.decoder.alloc_kv_tokens(8);
     let e = m
         .decoder
@@ -214,7 +236,15 @@ fn batch_logits_read_in_place_equal_the_copied_ones() {
     use ferrum_models::decoder::SeqChunk;
     let r = reference("qwen3");
     let path = dir("qwen3").join("model-f32.gguf");
-    let mut m = Model::open(&path, CpuBackend::new(), &LoadOptions { context: Some(64) }).unwrap();
+    let mut m = Model::open(
+        &path,
+        CpuBackend::new(),
+        &LoadOptions {
+            context: Some(64),
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let v = m.decoder.config.vocab_size;
     let (a, b) = (&r.tokens[..5], &r.tokens[2..9]);
     let (ta, tb) = ([vec![0u32, 1]], [vec![2u32, 3]]);
@@ -276,7 +306,10 @@ fn last_logits_in_place_equal_the_copied_ones() {
     let mut m = Model::open(
         &path,
         CpuBackend::new(),
-        &LoadOptions { context: Some(ctx) },
+        &LoadOptions {
+            context: Some(ctx),
+            ..Default::default()
+        },
     )
     .unwrap();
     let vocab = m.decoder.config.vocab_size as u32;

@@ -49,8 +49,15 @@ fn dir() -> PathBuf {
 
 /// The logits of every position, one token a pass (the decode path).
 fn logits_decoded(path: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
-    let mut m = Model::open(path, CpuBackend::new(), &LoadOptions { context: Some(64) })
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut m = Model::open(
+        path,
+        CpuBackend::new(),
+        &LoadOptions {
+            context: Some(64),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let mut kv = m.decoder.alloc_kv_tokens(64);
     (0..tokens.len())
         .map(|i| {

@@ -63,8 +63,15 @@ fn fixture(name: &str) -> Fixture {
 /// Every position's logits with the adapter at `adapter` (a folder or a GGUF) on the base
 /// model at `base`, one pass.
 fn run(be: CpuBackend, base: &Path, adapter: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
-    let mut m = Model::open(base, be, &LoadOptions { context: Some(64) })
-        .unwrap_or_else(|e| panic!("{}: {e}", base.display()));
+    let mut m = Model::open(
+        base,
+        be,
+        &LoadOptions {
+            context: Some(64),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", base.display()));
     let id = m
         .load_adapter(
             "a",
@@ -179,7 +186,15 @@ fn default_path_stays_near_peft() {
 #[test]
 fn a_batch_of_adapters_gives_each_row_its_own_logits() {
     let base = fixtures().join("tiny/llama");
-    let mut m = Model::open(&base, CpuBackend::new(), &LoadOptions { context: Some(64) }).unwrap();
+    let mut m = Model::open(
+        &base,
+        CpuBackend::new(),
+        &LoadOptions {
+            context: Some(64),
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let mut ids = vec![0];
     for name in ["llama-attn-r4", "llama-mlp-r16-rslora", "llama-all-r8"] {
         let dir = fixtures().join("lora").join(name);
@@ -254,7 +269,10 @@ fn bad_adapters_are_refused_with_a_reason() {
     let mut m = Model::open(
         &llama,
         CpuBackend::exact(),
-        &LoadOptions { context: Some(64) },
+        &LoadOptions {
+            context: Some(64),
+            ..Default::default()
+        },
     )
     .unwrap();
     let load = |m: &mut Model<CpuBackend>, p: &Path| {

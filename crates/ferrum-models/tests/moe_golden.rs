@@ -43,8 +43,15 @@ fn reference(name: &str, file: &str) -> Reference {
 }
 
 fn load(be: CpuBackend, path: PathBuf) -> Model<CpuBackend> {
-    Model::open(&path, be, &LoadOptions { context: Some(64) })
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    Model::open(
+        &path,
+        be,
+        &LoadOptions {
+            context: Some(64),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 fn logits(m: &mut Model<CpuBackend>, tokens: &[u32]) -> Vec<Vec<f32>> {

@@ -182,7 +182,10 @@ fn hybrid_models_are_refused_with_the_reason() {
     let err = match Model::load(
         &ferrum_loader::ModelFile::open(&path).expect("opens"),
         be,
-        &LoadOptions { context: Some(16) },
+        &LoadOptions {
+            context: Some(16),
+            ..Default::default()
+        },
     ) {
         Ok(_) => panic!("a hybrid model loaded on the Vulkan backend"),
         Err(e) => e.to_string(),

@@ -31,6 +31,7 @@ pub fn load<B: ferrum_backend::Backend>(
     let tok = Tokenizer::from_gguf(g).unwrap();
     let opts = LoadOptions {
         context: Some(context),
+        ..Default::default()
     };
     (Model::load(&file, be, &opts).unwrap(), tok)
 }

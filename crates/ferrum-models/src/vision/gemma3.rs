@@ -7,7 +7,7 @@
 use ferrum_backend::{Backend, MatmulPart, Rows};
 use ferrum_core::{Error, Result};
 use ferrum_image::Processed;
-use ferrum_loader::TensorStore;
+use ferrum_loader::{GgufFile, TensorStore};
 use serde_json::Value as Json;
 
 use super::{attend_all, find, host_f32, matrix, scratch_cache, weight_from, ImageTokens};
@@ -42,6 +42,50 @@ pub struct Gemma3Vision<B: Backend> {
     projection: B::Weight,
 }
 
+/// A vision tower's sizes, from either kind of file.
+struct Dims {
+    hidden: usize,
+    heads: usize,
+    intermediate: usize,
+    layers: usize,
+    image: usize,
+    patch: usize,
+    eps: f32,
+    tokens_per_image: usize,
+    text_hidden: usize,
+}
+
+/// llama.cpp's mmproj name of a tensor named as in transformers' SigLIP (below
+/// `vision_model.`) or Gemma 3's projector.
+fn gguf_name(rest: &str) -> String {
+    if let Some(r) = rest.strip_prefix("encoder.layers.") {
+        let (i, tail) = r.split_once('.').unwrap_or((r, ""));
+        let (part, what) = tail.rsplit_once('.').unwrap_or((tail, ""));
+        let part = match part {
+            "layer_norm1" => "ln1",
+            "layer_norm2" => "ln2",
+            "self_attn.q_proj" => "attn_q",
+            "self_attn.k_proj" => "attn_k",
+            "self_attn.v_proj" => "attn_v",
+            "self_attn.out_proj" => "attn_out",
+            "mlp.fc1" => "ffn_up",
+            "mlp.fc2" => "ffn_down",
+            other => other,
+        };
+        return format!("v.blk.{i}.{part}.{what}");
+    }
+    match rest {
+        "embeddings.patch_embedding.weight" => "v.patch_embd.weight".into(),
+        "embeddings.patch_embedding.bias" => "v.patch_embd.bias".into(),
+        "embeddings.position_embedding.weight" => "v.position_embd.weight".into(),
+        "post_layernorm.weight" => "v.post_ln.weight".into(),
+        "post_layernorm.bias" => "v.post_ln.bias".into(),
+        "mm_soft_emb_norm.weight" => "mm.soft_emb_norm.weight".into(),
+        "mm_input_projection_weight" => "mm.input_projection.weight".into(),
+        other => other.into(),
+    }
+}
+
 fn usize_at(j: &Json, k: &str) -> Result<usize> {
     j.get(k)
         .and_then(Json::as_u64)
@@ -56,18 +100,9 @@ fn token_at(j: &Json, keys: &[&str]) -> Option<u32> {
 }
 
 impl<B: Backend> Gemma3Vision<B> {
+    /// From a Hugging Face checkpoint (its config.json and tensors).
     pub fn load(config: &Json, store: &TensorStore, be: &B) -> Result<(Self, ImageTokens)> {
         let v = &config["vision_config"];
-        let hidden = usize_at(v, "hidden_size")?;
-        let heads = usize_at(v, "num_attention_heads")?;
-        let intermediate = usize_at(v, "intermediate_size")?;
-        let layers = usize_at(v, "num_hidden_layers")?;
-        let image = usize_at(v, "image_size")?;
-        let patch = usize_at(v, "patch_size")?;
-        let eps = v
-            .get("layer_norm_eps")
-            .and_then(Json::as_f64)
-            .unwrap_or(1e-6) as f32;
         match v.get("hidden_act").and_then(Json::as_str) {
             None | Some("gelu_pytorch_tanh") => {}
             Some(other) => {
@@ -82,23 +117,25 @@ impl<B: Backend> Gemma3Vision<B> {
             .and_then(Json::as_u64)
             .ok_or_else(|| Error::Weights("config.json: text_config.hidden_size".into()))?
             as usize;
-        let tokens_per_image = config
-            .get("mm_tokens_per_image")
-            .and_then(Json::as_u64)
-            .unwrap_or(256) as usize;
-        let side = image / patch;
-        let per_side = (tokens_per_image as f64).sqrt().round() as usize;
-        if hidden % heads != 0
-            || side == 0
-            || per_side * per_side != tokens_per_image
-            || per_side == 0
-            || side % per_side != 0
-        {
-            return Err(Error::Weights(format!(
-                "config.json: a {side}x{side} patch grid cannot pool to {tokens_per_image} tokens \
-                 (or {hidden} is not {heads} heads)"
-            )));
-        }
+        let image = usize_at(v, "image_size")?;
+        let patch = usize_at(v, "patch_size")?;
+        let dims = Dims {
+            hidden: usize_at(v, "hidden_size")?,
+            heads: usize_at(v, "num_attention_heads")?,
+            intermediate: usize_at(v, "intermediate_size")?,
+            layers: usize_at(v, "num_hidden_layers")?,
+            image,
+            patch,
+            eps: v
+                .get("layer_norm_eps")
+                .and_then(Json::as_f64)
+                .unwrap_or(1e-6) as f32,
+            tokens_per_image: config
+                .get("mm_tokens_per_image")
+                .and_then(Json::as_u64)
+                .unwrap_or(256) as usize,
+            text_hidden,
+        };
         let placeholder = token_at(config, &["image_token_index", "image_token_id"])
             .ok_or_else(|| Error::Weights("config.json: image_token_index".into()))?;
         let tokens = ImageTokens {
@@ -107,8 +144,82 @@ impl<B: Backend> Gemma3Vision<B> {
             end: token_at(config, &["eoi_token_index", "eoi_token_id"]),
             bidirectional: true,
         };
+        Ok((Self::build(dims, store, be, false)?, tokens))
+    }
 
+    /// From llama.cpp's `mmproj` GGUF (projector type `gemma3`), for a language model of
+    /// `text_hidden` whose vocabulary gives the image tokens.
+    pub fn load_gguf(
+        mm: &GgufFile,
+        text_hidden: usize,
+        vocab: &[&str],
+        be: &B,
+    ) -> Result<(Self, ImageTokens)> {
+        let key = |k: &str| mm.require_usize(&format!("clip.vision.{k}"));
+        let image = key("image_size")?;
+        let patch = key("patch_size")?;
+        let side = image / patch.max(1);
+        let scale = mm
+            .get_u64("clip.vision.projector.scale_factor")
+            .map_or(4, |v| v as usize)
+            .max(1);
+        let per_side = side / scale;
+        let dims = Dims {
+            hidden: key("embedding_length")?,
+            heads: key("attention.head_count")?,
+            intermediate: key("feed_forward_length")?,
+            layers: key("block_count")?,
+            image,
+            patch,
+            eps: mm
+                .get_f64("clip.vision.attention.layer_norm_epsilon")
+                .unwrap_or(1e-6) as f32,
+            tokens_per_image: per_side * per_side,
+            text_hidden,
+        };
+        let id = |t: &str| vocab.iter().position(|v| *v == t).map(|i| i as u32);
+        let placeholder = id("<image_soft_token>").ok_or_else(|| {
+            Error::Weights("the model's vocabulary has no <image_soft_token>".into())
+        })?;
+        let tokens = ImageTokens {
+            begin: id("<start_of_image>"),
+            placeholder,
+            end: id("<end_of_image>"),
+            bidirectional: true,
+        };
+        Ok((Self::build(dims, &mm.tensors(), be, true)?, tokens))
+    }
+
+    fn build(d: Dims, store: &TensorStore, be: &B, gguf: bool) -> Result<Self> {
+        let Dims {
+            hidden,
+            heads,
+            intermediate,
+            layers,
+            image,
+            patch,
+            eps,
+            tokens_per_image,
+            text_hidden,
+        } = d;
+        let side = image / patch.max(1);
+        let per_side = (tokens_per_image as f64).sqrt().round() as usize;
+        if hidden % heads.max(1) != 0
+            || heads == 0
+            || side == 0
+            || per_side * per_side != tokens_per_image
+            || per_side == 0
+            || side % per_side != 0
+        {
+            return Err(Error::Weights(format!(
+                "vision tower: a {side}x{side} patch grid cannot pool to {tokens_per_image} \
+                 tokens (or {hidden} is not {heads} heads)"
+            )));
+        }
         let tower = |rest: &str| -> Vec<String> {
+            if gguf {
+                return vec![gguf_name(rest)];
+            }
             [
                 "vision_tower.vision_model.",
                 "vision_tower.",
@@ -120,6 +231,9 @@ impl<B: Backend> Gemma3Vision<B> {
             .collect()
         };
         let projector = |rest: &str| -> Vec<String> {
+            if gguf {
+                return vec![gguf_name(rest)];
+            }
             ["multi_modal_projector.", "model.multi_modal_projector."]
                 .iter()
                 .map(|p| format!("{p}{rest}"))
@@ -161,7 +275,9 @@ impl<B: Backend> Gemma3Vision<B> {
             })
             .collect::<Result<Vec<_>>>()?;
         let soft = vec(projector("mm_soft_emb_norm.weight"), hidden)?;
-        let soft: Vec<f32> = soft.iter().map(|w| 1.0 + w).collect();
+        // Gemma's `1 + w` (llama.cpp's converter stores it added).
+        let offset = if gguf { 0.0 } else { 1.0 };
+        let soft: Vec<f32> = soft.iter().map(|w| offset + w).collect();
         let proj = vec(
             projector("mm_input_projection_weight"),
             hidden * text_hidden,
@@ -174,7 +290,7 @@ impl<B: Backend> Gemma3Vision<B> {
                 proj_t[o * hidden + i] = proj[i * text_hidden + o];
             }
         }
-        let t = Gemma3Vision {
+        Ok(Gemma3Vision {
             hidden,
             heads,
             intermediate,
@@ -198,8 +314,7 @@ impl<B: Backend> Gemma3Vision<B> {
                 vec![text_hidden, hidden],
                 &proj_t,
             )?,
-        };
-        Ok((t, tokens))
+        })
     }
 
     /// Each `[3, H, W]` image of `processed` (the whole image, then any pan-and-scan crops)

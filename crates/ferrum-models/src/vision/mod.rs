@@ -13,7 +13,9 @@ pub mod gemma3;
 use ferrum_backend::{AttentionParams, AttnSeq, Backend, KvShape, KvTable, Rows};
 use ferrum_core::{DType, Error, Result};
 use ferrum_image::{Processed, Processor};
-use ferrum_loader::{ModelFile, RawTensor, TensorStore};
+use std::path::Path;
+
+use ferrum_loader::{GgufFile, ModelFile, RawTensor, TensorStore};
 use serde_json::Value as Json;
 
 /// How an image's rows sit in the prompt.
@@ -42,10 +44,12 @@ enum Tower<B: Backend> {
 
 impl<B: Backend> Vision<B> {
     /// The vision tower of a Hugging Face checkpoint that has one (`vision_config` in its
-    /// config.json and a `preprocessor_config.json` beside it); `None` for a text model.
-    pub fn load(file: &ModelFile, be: &B) -> Result<Option<Vision<B>>> {
-        let ModelFile::Hf(h) = file else {
-            return Ok(None);
+    /// config.json and a `preprocessor_config.json` beside it), or of a GGUF model with
+    /// llama.cpp's `mmproj` file (`mmproj`, or the one beside it); `None` for a text model.
+    pub fn load(file: &ModelFile, mmproj: Option<&Path>, be: &B) -> Result<Option<Vision<B>>> {
+        let h = match file {
+            ModelFile::Hf(h) => h,
+            ModelFile::Gguf(g) => return Self::load_gguf(g, mmproj, be),
         };
         if h.config.get("vision_config").is_none_or(Json::is_null) {
             return Ok(None);
@@ -77,6 +81,67 @@ impl<B: Backend> Vision<B> {
                 "the vision tower of model_type {other:?} (supported: gemma3)"
             ))),
         }
+    }
+
+    fn load_gguf(lm: &GgufFile, mmproj: Option<&Path>, be: &B) -> Result<Option<Vision<B>>> {
+        let (path, explicit) = match mmproj {
+            Some(p) => (p.to_path_buf(), true),
+            None => match beside(&lm.path) {
+                Some(p) => (p, false),
+                None => return Ok(None),
+            },
+        };
+        let mm = GgufFile::open(&path)?;
+        let kind = mm
+            .get_str("clip.projector_type")
+            .or_else(|| mm.get_str("clip.vision.projector_type"))
+            .unwrap_or("");
+        if kind != "gemma3" {
+            if !explicit {
+                // A projector of a family not supported here beside the model: it runs as
+                // the text model it also is.
+                return Ok(None);
+            }
+            return Err(Error::Unsupported(format!(
+                "{}: vision projector {kind:?} (supported: gemma3)",
+                path.display()
+            )));
+        }
+        let arch = lm.architecture()?;
+        let text_hidden = lm.require_usize(&format!("{arch}.embedding_length"))?;
+        let vocab = lm
+            .get_str_array("tokenizer.ggml.tokens")
+            .unwrap_or_default();
+        let (tower, tokens) = gemma3::Gemma3Vision::load_gguf(&mm, text_hidden, &vocab, be)?;
+        let size = mm.require_usize("clip.vision.image_size")?;
+        let triple = |k: &str| -> Result<[f32; 3]> {
+            match mm.get_f32_array(k).as_deref() {
+                Some(&[a, b, c]) => Ok([a, b, c]),
+                None => Ok([0.5; 3]),
+                Some(_) => Err(Error::Weights(format!(
+                    "{}: {k} is not 3 values",
+                    path.display()
+                ))),
+            }
+        };
+        let processor = Processor::Gemma3 {
+            height: size,
+            width: size,
+            filter: ferrum_image::Filter::Bilinear,
+            norm: ferrum_image::processor::Normalize {
+                rescale: Some(1.0 / 255.0),
+                mean_std: Some((
+                    triple("clip.vision.image_mean")?,
+                    triple("clip.vision.image_std")?,
+                )),
+            },
+            pan_and_scan: None,
+        };
+        Ok(Some(Vision {
+            processor,
+            tokens,
+            tower: Tower::Gemma3(tower),
+        }))
     }
 
     /// The rows an image takes in the prompt.
@@ -149,6 +214,18 @@ impl<B: Backend> Vision<B> {
             Tower::Gemma3(t) => t.encode(be, processed),
         }
     }
+}
+
+/// The one `*mmproj*.gguf` in the folder of the model at `model` (llama.cpp's and Ollama's
+/// downloads keep it there); `None` when there is none or several.
+fn beside(model: &Path) -> Option<std::path::PathBuf> {
+    let dir = model.parent()?;
+    let mut found = std::fs::read_dir(dir).ok()?.flatten().filter_map(|e| {
+        let name = e.file_name().to_string_lossy().to_lowercase();
+        (name.contains("mmproj") && name.ends_with(".gguf")).then(|| e.path())
+    });
+    let first = found.next()?;
+    found.next().is_none().then_some(first)
 }
 
 /// The first of `candidates` (full tensor names) the store has.

@@ -21,8 +21,15 @@ pub fn logits_all<B: ferrum_backend::Backend>(
     tokens: &[u32],
 ) -> Vec<Vec<f32>> {
     use ferrum_models::{LoadOptions, Logits, Model};
-    let mut m = Model::open(path, be, &LoadOptions { context: Some(64) })
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut m = Model::open(
+        path,
+        be,
+        &LoadOptions {
+            context: Some(64),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let mut kv = m.decoder.alloc_kv_tokens(64);
     let v = m.decoder.config.vocab_size;
     let all = m
@@ -58,7 +65,15 @@ pub fn score_passage(
     reference_argmax: &[u32],
 ) -> (f64, f64) {
     use ferrum_models::{LoadOptions, Logits, Model};
-    let mut m = Model::open(path, be, &LoadOptions { context: Some(512) }).unwrap();
+    let mut m = Model::open(
+        path,
+        be,
+        &LoadOptions {
+            context: Some(512),
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let v = m.decoder.config.vocab_size;
     let mut kv = m.decoder.alloc_kv_tokens(512);
     let logits = m.decoder.forward(&mut kv, tokens, 0, Logits::All).unwrap();
