@@ -44,7 +44,9 @@ fn worst(a: &[f32], b: &[f32]) -> f32 {
 fn gemma3_image_features_match_transformers() {
     let file = ModelFile::open(fixture("vision/gemma3")).unwrap();
     let be = CpuBackend::exact();
-    let vision = Vision::load(&file, &be).unwrap().expect("a vision tower");
+    let vision = Vision::load(&file, None, &be)
+        .unwrap()
+        .expect("a vision tower");
     for case in reference()["cases"].as_array().unwrap() {
         let want = floats(&case["features"]);
         let mut got = Vec::new();
