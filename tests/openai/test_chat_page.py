@@ -74,3 +74,41 @@ def test_chat_page_streams_an_answer(server):
     finally:
         d.quit()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_chat_page_attaches_an_image(server):
+    """An image attached with the Image button goes with the next message as an image_url part
+    (shown in the user's bubble); this model has no vision tower, so the answer is the
+    server's 400, shown under it."""
+    tmp = tempfile.mkdtemp(prefix="ferrum-chromium-")
+    try:
+        d = browser(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        d.get(server.base + "/")
+        d.execute_script("localStorage.clear()")
+        d.refresh()
+        key = d.find_element(By.ID, "apikey")
+        key.send_keys(API_KEY)
+        d.execute_script("arguments[0].dispatchEvent(new Event('change'))", key)
+        WebDriverWait(d, 30).until(lambda d: d.find_element(By.ID, "model").get_attribute("value") == server.model)
+        picker = d.find_element(By.ID, "file")
+        d.execute_script("arguments[0].hidden = false", picker)
+        png = os.path.join(os.path.dirname(__file__), "..", "fixtures", "vision", "processor", "rgb_9x7.png")
+        picker.send_keys(os.path.abspath(png))
+        WebDriverWait(d, 10).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#pending img"))
+        box = d.find_element(By.ID, "input")
+        box.send_keys("What is this?")
+        box.send_keys(Keys.ENTER)
+        WebDriverWait(d, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta"))
+        meta = d.find_element(By.CSS_SELECTOR, ".msg.assistant .meta").text
+        assert "does not take images" in meta, meta
+        user = d.find_elements(By.CSS_SELECTOR, ".msg.user")[-1]
+        assert user.find_elements(By.TAG_NAME, "img"), "the image is not in the bubble"
+        assert "What is this?" in user.text
+        assert not d.find_elements(By.CSS_SELECTOR, "#pending img")
+    finally:
+        d.quit()
+        shutil.rmtree(tmp, ignore_errors=True)
