@@ -240,3 +240,90 @@ fn images_must_match_their_placeholders() {
     // as transformers runs them when no pixels come.
     assert!(e2.is_ok());
 }
+
+/// The chat path on tests/fixtures/vision/gemma3_it (scripts/fixtures/make_gemma3_vision_it.py:
+/// a tokenizer and Gemma 3's chat template): the conversation rendered with image parts and
+/// its image markers expanded gives transformers' processor's ids, and the engine's greedy
+/// tokens are `model.generate`'s.
+#[test]
+fn chats_with_images_match_transformers_processor_and_generate() {
+    let dir = fixtures().join("vision/gemma3_it");
+    let reference: Json =
+        serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
+    let file = ModelFile::open(&dir).unwrap();
+    let m = Model::load(&file, CpuBackend::exact(), &LoadOptions::default()).unwrap();
+    let tok = Tokenizer::from_hf_dir(&dir).unwrap();
+    let v = m.vision.as_ref().unwrap();
+    let (marker, expansion) = v.prompt_texts(|id| tok.inner().id_to_token(id)).unwrap();
+    let config = EngineConfig {
+        block_size: 4,
+        kv_blocks: 256,
+        max_batch_tokens: m.decoder.pass_capacity(),
+        max_running: 4,
+        prefix_caching: true,
+        spec_tokens: 0,
+        state_snapshots: 4,
+    };
+    let processor = v.processor.clone();
+    let mut e = Engine::new(m, tok, config).unwrap();
+    for case in reference["cases"].as_array().unwrap() {
+        // The messages as the server gives them to the template: image parts as
+        // `{"type": "image"}`.
+        let mut messages = case["messages"].clone();
+        for m in messages.as_array_mut().unwrap() {
+            if let Some(parts) = m["content"].as_array_mut() {
+                for p in parts {
+                    if p["type"] == "image" {
+                        *p = serde_json::json!({"type": "image"});
+                    }
+                }
+            }
+        }
+        let ids = e
+            .tokenizer
+            .chat_prompt_with_images(
+                messages.as_array().unwrap(),
+                true,
+                &Default::default(),
+                ferrum_tokenizer::SpecialTokens::Text,
+                false,
+                (&marker, &expansion),
+            )
+            .unwrap();
+        let want: Vec<u32> = case["input_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(ids, want, "{}: prompt ids", case["name"]);
+        let images: Vec<Processed> = case["images"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| {
+                let bytes = std::fs::read(
+                    fixtures()
+                        .join("vision/processor")
+                        .join(n.as_str().unwrap()),
+                )
+                .unwrap();
+                processor
+                    .process(&decode(&bytes, &Limits::default()).unwrap())
+                    .unwrap()
+            })
+            .collect();
+        let mut r = Request::new(ids, 6);
+        r.ignore_eos = true;
+        r.images = images;
+        let id = e.add(r).unwrap();
+        let (tokens, _) = run_all(&mut e).remove(&id).unwrap();
+        let generated: Vec<u32> = case["generated"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(tokens, generated, "{}: greedy tokens", case["name"]);
+    }
+}

@@ -1,0 +1,146 @@
+"""A vision-language model through the server (issue 45): the tiny random Gemma 3 of
+tests/fixtures/vision/gemma3_it (scripts/fixtures/make_gemma3_vision_it.py, whose reference.json
+holds transformers' processor ids and model.generate's greedy tokens). The official openai and
+anthropic clients send images, streamed and not, and get transformers' tokens; a second turn
+about the same image reports the image's tokens as cached; every API takes images."""
+
+import base64
+import json
+import os
+import time
+
+import anthropic
+import httpx
+import pytest
+
+from conftest import API_KEY, Server, start
+from test_images import BOMB
+
+HERE = os.path.dirname(__file__)
+FIXTURE = os.path.join(HERE, "..", "fixtures", "vision", "gemma3_it")
+IMAGES = os.path.join(HERE, "..", "fixtures", "vision", "processor")
+REF = json.load(open(os.path.join(FIXTURE, "reference.json")))
+CASES = {c["name"]: c for c in REF["cases"]}
+PLACEHOLDER = REF["special_ids"]["<image_soft_token>"]
+
+
+def b64(name):
+    with open(os.path.join(IMAGES, name), "rb") as f:
+        return base64.b64encode(f.read()).decode()
+
+
+def openai_messages(case):
+    """The case's conversation with OpenAI image_url parts."""
+    out = []
+    for m in case["messages"]:
+        c = m["content"]
+        if isinstance(c, list):
+            c = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(p["file"])}}
+                 if p["type"] == "image" else p for p in c]
+        out.append({"role": m["role"], "content": c})
+    return out
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    proc, base, model = start(os.path.abspath(FIXTURE), "--ctx", "512", "--exact")
+    yield Server(proc, base, model)
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def detok(server, ids):
+    r = server.raw("POST", "/detokenize", json={"model": server.model, "tokens": ids})
+    assert r.status_code == 200, r.text
+    return r.json()["prompt"]
+
+
+@pytest.mark.parametrize("name", ["one_image", "two_images", "second_turn"])
+def test_openai_chat_gets_transformers_tokens(vlm, name):
+    case = CASES[name]
+    msgs = openai_messages(case)
+    # The prompt is transformers' processor's, image placeholders and all.
+    r = vlm.raw("POST", "/tokenize", json={"model": vlm.model, "messages": msgs})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == case["input_ids"]
+    want = detok(vlm, case["generated"])
+    c = vlm.client().chat.completions.create(model=vlm.model, messages=msgs, max_tokens=6,
+                                              temperature=0, extra_body={"ignore_eos": True})
+    assert c.choices[0].message.content == want
+    assert c.usage.prompt_tokens == len(case["input_ids"])
+    # Streamed: the same text.
+    text = ""
+    for chunk in vlm.client().chat.completions.create(model=vlm.model, messages=msgs, max_tokens=6,
+                                                       temperature=0, stream=True,
+                                                       extra_body={"ignore_eos": True}):
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+    assert text == want
+
+
+def test_a_second_turn_finds_the_image_in_the_prefix_cache(vlm):
+    first = [{"role": "system", "content": "Be brief, this is a new topic."},
+             {"role": "user", "content": [
+                 {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64("rgb_50x70.png")}},
+                 {"type": "text", "text": "What is in this picture?"}]}]
+    c1 = vlm.client().chat.completions.create(model=vlm.model, messages=first, max_tokens=4, temperature=0)
+    second = first + [{"role": "assistant", "content": c1.choices[0].message.content},
+                      {"role": "user", "content": "And now?"}]
+    ids = vlm.raw("POST", "/tokenize", json={"model": vlm.model, "messages": second}).json()["tokens"]
+    image_end = max(i for i, t in enumerate(ids) if t == PLACEHOLDER) + 1
+    c2 = vlm.client().chat.completions.create(model=vlm.model, messages=second, max_tokens=4, temperature=0)
+    cached = c2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= image_end, (cached, image_end)
+    # Another image in the same place is not served from the cache past the text before it.
+    other = json.loads(json.dumps(second))
+    other[1]["content"][0]["image_url"]["url"] = "data:image/png;base64," + b64("rgb_300x120.png")
+    c3 = vlm.client().chat.completions.create(model=vlm.model, messages=other, max_tokens=4, temperature=0)
+    first_image = min(i for i, t in enumerate(ids) if t == PLACEHOLDER)
+    assert c3.usage.prompt_tokens_details.cached_tokens <= first_image
+
+
+def test_anthropic_client_sends_an_image(vlm):
+    case = CASES["one_image"]
+    client = anthropic.Anthropic(base_url=vlm.base, api_key=API_KEY, max_retries=0)
+    content = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": b64("rgb_300x200.png")}},
+               {"type": "text", "text": "What is in this picture?"}]
+    # anthropic 2.x's create has no sampling arguments: greedy through extra_body.
+    greedy = {"temperature": 0}
+    r = client.messages.create(model=vlm.model, max_tokens=6, extra_body=greedy,
+                               messages=[{"role": "user", "content": content}])
+    assert r.usage.input_tokens == len(case["input_ids"])
+    assert r.content[0].text == detok(vlm, case["generated"])
+    with client.messages.stream(model=vlm.model, max_tokens=6, extra_body=greedy,
+                                messages=[{"role": "user", "content": content}]) as s:
+        streamed = "".join(s.text_stream)
+    assert streamed == r.content[0].text
+
+
+def test_responses_and_ollama_take_images(vlm):
+    case = CASES["one_image"]
+    want = detok(vlm, case["generated"])
+    r = vlm.client().responses.create(model=vlm.model, max_output_tokens=6, temperature=0, store=False, input=[{
+        "role": "user", "content": [
+            {"type": "input_image", "image_url": "data:image/png;base64," + b64("rgb_300x200.png")},
+            {"type": "input_text", "text": "What is in this picture?"}]}])
+    assert r.output_text == want
+    assert r.usage.input_tokens == len(case["input_ids"])
+    o = vlm.raw("POST", "/api/chat", json={"model": vlm.model, "stream": False, "options": {"num_predict": 6, "temperature": 0},
+                                          "messages": [{"role": "user", "content": "What is in this picture?",
+                                                        "images": [b64("rgb_300x200.png")]}]})
+    assert o.status_code == 200, o.text
+
+
+def test_hostile_images_to_a_vision_model_are_400s(vlm):
+    bomb = base64.b64encode(BOMB).decode()
+    for url, needle in [("data:image/png;base64," + bomb, "pixels"),
+                        ("data:image/png;base64," + base64.b64encode(b"junk").decode(), "not one of")]:
+        t0 = time.time()
+        r = vlm.raw("POST", "/v1/chat/completions", json={"model": vlm.model, "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
+        assert time.time() - t0 < 1.0
+        assert r.status_code == 400 and needle in r.text, r.text
+    # Still serving.
+    c = vlm.client().chat.completions.create(model=vlm.model, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert c.choices[0].finish_reason
