@@ -929,7 +929,7 @@ fn run_on<B: MakeBackend>(a: RunArgs, be: BackendOpts) -> Result<()> {
 
     if !a.image.is_empty() {
         let Some(prompt) = a.prompt else {
-            anyhow::bail!("--image needs a prompt (-p TEXT): the chat takes no images yet");
+            anyhow::bail!("--image needs a prompt (--prompt TEXT): the chat takes no images yet");
         };
         if a.raw {
             anyhow::bail!("--image needs the chat template to place the images: leave out --raw");

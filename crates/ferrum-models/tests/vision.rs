@@ -146,3 +146,84 @@ fn mismatched_images_are_refused() {
         .unwrap_err();
     assert!(e.to_string().contains("1 rows for 4"), "{e}");
 }
+
+/// Gemma 3 from GGUF: llama.cpp's conversion of tests/fixtures/vision/gemma3_it, the language
+/// model with its mmproj file beside it (scripts/fixtures/make_gemma3_vision_gguf.py). The
+/// GGUF's own tokenizer and chat template give transformers' processor's ids, and the last
+/// position's logits are transformers' within what the converter's f16 projection costs
+/// (the same argmax).
+#[test]
+fn gemma3_from_gguf_with_mmproj_matches_transformers() {
+    use ferrum_models::{LoadOptions, Logits, Model};
+    let dir = fixture("vision/gemma3_it_gguf");
+    let file = ModelFile::open(dir.join("model-f32.gguf")).unwrap();
+    let ModelFile::Gguf(g) = &file else {
+        unreachable!()
+    };
+    let tok = ferrum_tokenizer::Tokenizer::from_gguf(g).unwrap();
+    // No --mmproj: the file beside the model is found.
+    let mut model = Model::load(&file, CpuBackend::exact(), &LoadOptions::default()).unwrap();
+    let v = model.vision.as_ref().expect("the mmproj beside the model");
+    let (marker, expansion) = v.prompt_texts(|id| tok.inner().id_to_token(id)).unwrap();
+    let reference: Json =
+        serde_json::from_slice(&std::fs::read(fixture("vision/gemma3_it/reference.json")).unwrap())
+            .unwrap();
+    for case in reference["cases"].as_array().unwrap() {
+        let mut messages = case["messages"].clone();
+        for m in messages.as_array_mut().unwrap() {
+            if let Some(parts) = m["content"].as_array_mut() {
+                for p in parts.iter_mut().filter(|p| p["type"] == "image") {
+                    *p = serde_json::json!({"type": "image"});
+                }
+            }
+        }
+        let ids = tok
+            .chat_prompt_with_images(
+                messages.as_array().unwrap(),
+                true,
+                &Default::default(),
+                ferrum_tokenizer::SpecialTokens::Text,
+                false,
+                (&marker, &expansion),
+            )
+            .unwrap();
+        let want: Vec<u32> = case["input_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(ids, want, "{}: prompt ids", case["name"]);
+        let v = model.vision.as_ref().unwrap();
+        let be = model.decoder.backend();
+        let images: Vec<Vec<f32>> = case["images"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| {
+                let bytes = std::fs::read(fixture(&format!(
+                    "vision/processor/{}",
+                    n.as_str().unwrap()
+                )))
+                .unwrap();
+                let img = decode(&bytes, &Limits::default()).unwrap();
+                v.encode(be, &v.processor.process(&img).unwrap()).unwrap()
+            })
+            .collect();
+        let mut kv = model.decoder.alloc_kv_tokens(ids.len());
+        let got = model
+            .forward_with_images(&mut kv, &ids, &images, Logits::Last)
+            .unwrap();
+        let want = floats(&case["last_logits"]);
+        let d = worst(&got, &want);
+        let argmax = |v: &[f32]| {
+            v.iter()
+                .enumerate()
+                .fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b })
+                .0
+        };
+        println!("gguf {}: last logits max |diff| {d:.3e}", case["name"]);
+        assert!(d < 2e-3, "{}: {d}", case["name"]);
+        assert_eq!(argmax(&got), argmax(&want), "{}", case["name"]);
+    }
+}
