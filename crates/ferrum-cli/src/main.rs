@@ -893,7 +893,7 @@ fn run_on<B: MakeBackend>(a: RunArgs, be: BackendOpts) -> Result<()> {
         },
         spec_note(e)
     );
-    let opts = GenerateOptions {
+    let mut opts = GenerateOptions {
         max_tokens: a.max_tokens,
         params: SamplingParams {
             temperature: a.temperature,
@@ -912,7 +912,6 @@ fn run_on<B: MakeBackend>(a: RunArgs, be: BackendOpts) -> Result<()> {
         adapter,
         images: Vec::new(),
     };
-    let mut opts = opts;
     opts.extras.validate()?;
     let mut kwargs = serde_json::Map::new();
     if let Some(e) = &a.reasoning_effort {
@@ -927,25 +926,17 @@ fn run_on<B: MakeBackend>(a: RunArgs, be: BackendOpts) -> Result<()> {
         })
         .collect();
 
-    if !a.image.is_empty() {
-        let Some(prompt) = a.prompt else {
-            anyhow::bail!("--image needs a prompt (--prompt TEXT): the chat takes no images yet");
-        };
-        if a.raw {
-            anyhow::bail!("--image needs the chat template to place the images: leave out --raw");
-        }
-        let (ids, images) = image_prompt(&session, &messages, &prompt, &a.image, &kwargs)?;
-        opts.images = images;
-        answer(
-            &mut session,
-            &ids,
-            &opts,
-            &std::sync::atomic::AtomicBool::new(false),
-        )?;
-        return Ok(());
-    }
     if let Some(prompt) = a.prompt {
-        let ids = if a.raw {
+        let ids = if !a.image.is_empty() {
+            if a.raw {
+                anyhow::bail!(
+                    "--image needs the chat template to place the images: leave out --raw"
+                );
+            }
+            let (ids, images) = image_prompt(&session, &messages, &prompt, &a.image, &kwargs)?;
+            opts.images = images;
+            ids
+        } else if a.raw {
             session.tokenizer().encode(&prompt, true)?
         } else {
             messages.push(Message {
@@ -963,6 +954,9 @@ fn run_on<B: MakeBackend>(a: RunArgs, be: BackendOpts) -> Result<()> {
         return Ok(());
     }
 
+    if !a.image.is_empty() {
+        anyhow::bail!("--image needs a prompt (--prompt TEXT): the chat takes no images yet");
+    }
     repl::chat(&mut session, messages, &opts, &kwargs)
 }
 

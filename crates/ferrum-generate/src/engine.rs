@@ -683,25 +683,13 @@ impl<B: Backend> Engine<B> {
                 "this model does not take images: it has no vision encoder".into(),
             ));
         };
-        let spans = v.spans(prompt);
-        if spans.len() != images.len() {
-            return Err(Error::InvalidRequest(format!(
-                "{} images for {} image placeholders in the prompt",
-                images.len(),
-                spans.len()
-            )));
-        }
+        let spans = v.place(prompt, images.len())?;
         let h = self.model.decoder.config.hidden_size;
         let mut keys = prompt.to_vec();
         let mut out = Vec::with_capacity(images.len());
         for (&(start, len), img) in spans.iter().zip(images) {
             let rows = v.encode(self.model.decoder.backend(), img)?;
-            if rows.len() != len * h {
-                return Err(Error::InvalidRequest(format!(
-                    "an image of {} rows for {len} placeholders",
-                    rows.len() / h
-                )));
-            }
+            ferrum_models::vision::Vision::<B>::check_rows(&rows, len, h)?;
             let hash = content_hash(img);
             for (i, k) in keys[start..start + len].iter_mut().enumerate() {
                 *k = if i % 2 == 0 {

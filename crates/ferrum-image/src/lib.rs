@@ -2,12 +2,13 @@
 //! vision models' processors — what transformers' image processors do to an image before
 //! the vision tower sees it, with Pillow's resampling reproduced to the bit.
 //!
-//! - [`decode`]: PNG, JPEG, WebP and GIF (its first frame) by the `image` crate, after the
+//! - [`decode()`]: PNG, WebP and GIF (its first frame) by the `image` crate and JPEG by
+//!   `jpeg-decoder`, after the
 //!   header's size is checked against [`Limits`] (a small file claiming 100,000 × 100,000
 //!   pixels is refused before anything is allocated); transparent images are laid over white
 //!   as transformers' `convert_to_rgb` does (Pillow's integer `alpha_composite`).
-//! - [`resize`]: Pillow's two-pass resampling of 8-bit images (its filters, coefficient
-//!   windows and 22-bit fixed point), so a resized image equals `Image.resize`'s.
+//! - [`resize()`](resize::resize): Pillow's two-pass resampling of 8-bit images (its filters, coefficient
+//!   windows, 22-bit fixed point and pass order), so a resized image equals `Image.resize`'s.
 //! - [`processor`]: Gemma 3's (fixed size, optional pan-and-scan crops) and the Qwen VL
 //!   line's (dynamic resolution in multiples of the merged patch, flattened patches) from a
 //!   checkpoint's `preprocessor_config.json`.

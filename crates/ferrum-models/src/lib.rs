@@ -252,23 +252,11 @@ impl<B: Backend> Model<B> {
                 "this model has no vision tower".into(),
             ));
         };
-        let spans = v.spans(tokens);
-        if spans.len() != images.len() {
-            return Err(Error::InvalidRequest(format!(
-                "{} images for {} image placeholders",
-                images.len(),
-                spans.len()
-            )));
-        }
+        let spans = v.place(tokens, images.len())?;
         let h = self.decoder.config.hidden_size;
         let mut embeds = Vec::with_capacity(spans.len());
         for (&(row, len), rows) in spans.iter().zip(images) {
-            if rows.len() != len * h {
-                return Err(Error::InvalidRequest(format!(
-                    "an image of {} rows for {len} placeholders",
-                    rows.len() / h
-                )));
-            }
+            vision::Vision::<B>::check_rows(rows, len, h)?;
             embeds.push(decoder::Embeds {
                 row,
                 values: rows,

@@ -176,6 +176,30 @@ impl<B: Backend> Vision<B> {
         out
     }
 
+    /// [`Self::spans`], one for each of `images` images: an error naming both counts when
+    /// they differ.
+    pub fn place(&self, prompt: &[u32], images: usize) -> Result<Vec<(usize, usize)>> {
+        let spans = self.spans(prompt);
+        if spans.len() != images {
+            return Err(Error::InvalidRequest(format!(
+                "{images} images for {} image placeholders in the prompt",
+                spans.len()
+            )));
+        }
+        Ok(spans)
+    }
+
+    /// Checks that an image's `rows` (of `hidden` values each) fill its `len` placeholders.
+    pub fn check_rows(rows: &[f32], len: usize, hidden: usize) -> Result<()> {
+        if rows.len() != len * hidden {
+            return Err(Error::InvalidRequest(format!(
+                "an image of {} rows for {len} placeholders",
+                rows.len() / hidden.max(1)
+            )));
+        }
+        Ok(())
+    }
+
     /// The width of the rows ([`Self::encode`]'s).
     pub fn width(&self) -> usize {
         match &self.tower {
