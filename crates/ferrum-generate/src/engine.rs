@@ -684,6 +684,13 @@ impl<B: Backend> Engine<B> {
             ));
         };
         let spans = v.place(prompt, images.len())?;
+        let step = self.config.max_batch_tokens;
+        if let Some(&(_, len)) = spans.iter().find(|s| v.tokens.bidirectional && s.1 > step) {
+            // It could never be scheduled: its rows go in one step.
+            return Err(Error::InvalidRequest(format!(
+                "an image of {len} tokens does not fit in a step of {step} tokens (max_batch_tokens)"
+            )));
+        }
         let h = self.model.decoder.config.hidden_size;
         let mut keys = prompt.to_vec();
         let mut out = Vec::with_capacity(images.len());
@@ -994,8 +1001,9 @@ impl<B: Backend> Engine<B> {
         while i < self.running.len() && budget > 0 {
             let s = &mut self.running[i];
             let mut n = chunk_len(s, budget, bs, hybrid);
-            if n == 0 {
-                // An image that does not fit in what is left of this step waits for the next.
+            if n == 0 && s.computed < s.tokens.len() {
+                // An image that does not fit in what is left of this step waits for the next
+                // (a sequence with nothing pending goes on: its step may be all draft).
                 i += 1;
                 continue;
             }
@@ -1089,7 +1097,7 @@ impl<B: Backend> Engine<B> {
             }
             let n = chunk_len(&s, budget, bs, hybrid);
             let upto = s.computed + n;
-            if n == 0 || !grow(&mut self.pool, &mut s, upto) {
+            if (n == 0 && s.computed < s.tokens.len()) || !grow(&mut self.pool, &mut s, upto) {
                 // Not enough room: hand back what it took and wait for running ones to end.
                 release_all(&mut self.pool, &mut s.blocks);
                 self.give_slot(&mut s);

@@ -239,6 +239,25 @@ fn images_must_match_their_placeholders() {
     // Placeholders without an image run as text tokens (no rows to put there): allowed,
     // as transformers runs them when no pixels come.
     assert!(e2.is_ok());
+    // Steps too small for an image: refused when it arrives, not left waiting for ever.
+    let small = EngineConfig {
+        block_size: 4,
+        kv_blocks: 64,
+        max_batch_tokens: 3,
+        max_running: 2,
+        prefix_caching: true,
+        spec_tokens: 0,
+        state_snapshots: 4,
+    };
+    let tok = Tokenizer::from_hf_dir(&fixtures().join("tiny/qwen3")).unwrap();
+    let mut e = Engine::new(model(false), tok, small).unwrap();
+    let mut p = vec![2];
+    p.extend(block());
+    let e3 = e.add(request(p, vec![a], 4)).unwrap_err();
+    assert!(
+        e3.to_string().contains("does not fit in a step of 3"),
+        "{e3}"
+    );
 }
 
 /// The chat path on tests/fixtures/vision/gemma3_it (scripts/fixtures/make_gemma3_vision_it.py:

@@ -5,7 +5,7 @@
 //! limit, and the model takes images. Every refusal is a 400 naming the part and the reason,
 //! decided from the header before any pixel is decoded where the size is the problem.
 
-use ferrum_image::{ImageError, Limits, RgbImage};
+use ferrum_image::{Limits, RgbImage};
 use serde_json::Value;
 
 use crate::api::{ChatRequest, Content};
@@ -88,16 +88,8 @@ pub fn image_url(v: &Value, at: &str, opts: &ImageOptions) -> Result<ImageInput,
         ));
     }
     let bytes = ferrum_image::decode_data_url(url).map_err(|e| bad(at, e))?;
-    let image = decode(&bytes, at, opts)?;
+    let image = ferrum_image::decode(&bytes, &opts.limits).map_err(|e| bad(at, e))?;
     Ok(ImageInput { image, detail })
-}
-
-/// Bytes of an image (Ollama's base64 strings decoded) within the limits.
-pub fn decode(bytes: &[u8], at: &str, opts: &ImageOptions) -> Result<RgbImage, ApiError> {
-    ferrum_image::decode(bytes, &opts.limits).map_err(|e| match e {
-        ImageError::TooManyPixels { .. } | ImageError::TooManyBytes { .. } => bad(at, e),
-        e => bad(at, e),
-    })
 }
 
 impl ChatRequest {

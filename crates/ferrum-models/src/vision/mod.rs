@@ -91,7 +91,25 @@ impl<B: Backend> Vision<B> {
                 None => return Ok(None),
             },
         };
-        let mm = GgufFile::open(&path)?;
+        if !explicit {
+            // A file found beside the model is used only where it is this model's: any
+            // other (another family's, one this model's vocabulary cannot place) is left.
+            let arch = lm.architecture().unwrap_or("");
+            if arch != "gemma3" {
+                return Ok(None);
+            }
+            return Ok(Self::load_mmproj(lm, &path, false, be).ok().flatten());
+        }
+        Self::load_mmproj(lm, &path, true, be)
+    }
+
+    fn load_mmproj(
+        lm: &GgufFile,
+        path: &Path,
+        explicit: bool,
+        be: &B,
+    ) -> Result<Option<Vision<B>>> {
+        let mm = GgufFile::open(path)?;
         let kind = mm
             .get_str("clip.projector_type")
             .or_else(|| mm.get_str("clip.vision.projector_type"))
