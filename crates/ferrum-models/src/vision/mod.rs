@@ -162,13 +162,6 @@ impl<B: Backend> Vision<B> {
         }))
     }
 
-    /// The rows an image takes in the prompt.
-    pub fn rows_per_image(&self, _processed: &Processed) -> usize {
-        match &self.tower {
-            Tower::Gemma3(t) => t.tokens_per_image,
-        }
-    }
-
     /// The most rows one image takes.
     pub fn max_rows(&self) -> usize {
         match &self.tower {
@@ -218,25 +211,6 @@ impl<B: Backend> Vision<B> {
         Ok(())
     }
 
-    /// The width of the rows ([`Self::encode`]'s).
-    pub fn width(&self) -> usize {
-        match &self.tower {
-            Tower::Gemma3(t) => t.text_hidden,
-        }
-    }
-
-    /// The placeholder ids of one image (begin, placeholders, end), which the decoder's
-    /// rows replace.
-    pub fn prompt_ids(&self, processed: &Processed) -> Vec<u32> {
-        let n = self.rows_per_image(processed);
-        let t = &self.tokens;
-        let mut ids = Vec::with_capacity(n + 2);
-        ids.extend(t.begin);
-        ids.extend(std::iter::repeat_n(t.placeholder, n));
-        ids.extend(t.end);
-        ids
-    }
-
     /// The text a chat template writes for an image and what it becomes before the prompt
     /// is tokenized, given each token's text: Gemma 3's processor turns `<start_of_image>`
     /// into the image's whole sequence with a blank line either side. `None` where a token
@@ -250,7 +224,7 @@ impl<B: Backend> Vision<B> {
         Some((begin.clone(), format!("\n\n{begin}{rows}{end}\n\n")))
     }
 
-    /// The image's rows for the language model, `[rows_per_image, width]` row-major.
+    /// The image's rows for the language model, `[max_rows, text width]` row-major.
     pub fn encode(&self, be: &B, processed: &Processed) -> Result<Vec<f32>> {
         match &self.tower {
             Tower::Gemma3(t) => t.encode(be, processed),
