@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 
 import httpx
@@ -27,16 +28,33 @@ def free_port():
         return s.getsockname()[1]
 
 
+class Served(subprocess.Popen):
+    """A process whose output (stdout and stderr) goes to a file, read back by `output()` or
+    `communicate()`. A pipe that nobody reads until the end fills at 64 KiB of log lines, and
+    then the server's next log line blocks the thread writing it: a long suite hung so."""
+
+    def __init__(self, args, **kw):
+        self.log = tempfile.TemporaryFile(mode="w+")
+        super().__init__(args, stdout=self.log, stderr=subprocess.STDOUT, text=True, **kw)
+
+    def output(self):
+        self.log.seek(0)
+        return self.log.read()
+
+    def communicate(self, input=None, timeout=None):
+        self.wait(timeout)
+        return self.output(), None
+
+
 def start(model, *args):
     """A `ferrum serve` of its own for `model` with `args`, once healthy: (process, base URL,
     the model's id)."""
     port = free_port()
-    proc = subprocess.Popen([os.environ["FERRUM_BIN"], "serve", model, "--port", str(port), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = Served([os.environ["FERRUM_BIN"], "serve", model, "--port", str(port), *args])
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
     while time.time() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
+        assert proc.poll() is None, proc.output()
         try:
             r = httpx.get(base + "/health", timeout=2)
             if r.status_code == 200:
@@ -65,18 +83,17 @@ def server():
     binary = os.environ["FERRUM_BIN"]
     model = os.environ["FERRUM_MODEL"]
     port = free_port()
-    proc = subprocess.Popen(
+    proc = Served(
         [binary, "serve", model, "--port", str(port), "--api-key", API_KEY,
          "--ctx", str(CTX), "--kv-tokens", "8192", "--embeddings-from-chat-model",
          *os.environ.get("FERRUM_SERVE_ARGS", "").split()],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     model_id = None
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"ferrum serve exited early:\n{proc.stdout.read()}")
+            raise RuntimeError(f"ferrum serve exited early:\n{proc.output()}")
         try:
             r = httpx.get(base + "/health", timeout=2)
             if r.status_code == 200:

@@ -144,3 +144,55 @@ def test_hostile_images_to_a_vision_model_are_400s(vlm):
     # Still serving.
     c = vlm.client().chat.completions.create(model=vlm.model, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
     assert c.choices[0].finish_reason
+
+
+def test_image_urls_are_fetched_only_when_allowed(vlm):
+    """`serve --allow-image-urls`: an http image URL answers as the same image sent inline;
+    a missing one, one too slow, and any URL to a server without the flag are 400s."""
+    import http.server
+    import threading
+
+    class Images(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, directory=IMAGES, **kw)
+
+        def do_GET(self):
+            if self.path == "/slow.png":
+                time.sleep(3)
+            return super().do_GET()
+
+        def log_message(self, *a):
+            pass
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Images)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{web.server_address[1]}"
+    case = CASES["one_image"]
+    want = detok(vlm, case["generated"])
+
+    def ask(server, image_url):
+        msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
+                                             {"type": "text", "text": "What is in this picture?"}]}]
+        return server.raw("POST", "/v1/chat/completions", json={
+            "model": server.model, "messages": msgs, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+
+    r = ask(vlm, url + "/rgb_300x200.png")
+    assert r.status_code == 400 and "--allow-image-urls" in r.text, r.text
+    proc, base, model = start(os.path.abspath(FIXTURE), "--ctx", "512", "--exact",
+                              "--allow-image-urls", "--image-url-timeout", "1")
+    try:
+        fetching = Server(proc, base, model)
+        r = ask(fetching, url + "/rgb_300x200.png")
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want
+        for path, needle in [("/missing.png", "HTTP 404"), ("/slow.png", "took over 1 s")]:
+            t0 = time.time()
+            r = ask(fetching, url + path)
+            assert r.status_code == 400 and needle in r.text, r.text
+            assert time.time() - t0 < 2.5
+        # Still serving.
+        assert ask(fetching, "data:image/png;base64," + b64("rgb_300x200.png")).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        web.shutdown()

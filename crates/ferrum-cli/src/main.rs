@@ -380,6 +380,14 @@ struct ServeArgs {
     /// The most images one request may carry.
     #[arg(long, default_value_t = 16)]
     max_images: usize,
+    /// Fetch http(s) image URLs in requests (without this they get a 400): each within
+    /// --image-url-timeout and the 20 MB image limit. The server then reaches any address a
+    /// client names: allow it only where clients are trusted.
+    #[arg(long)]
+    allow_image_urls: bool,
+    /// Seconds an image URL has, from connecting to its last byte.
+    #[arg(long, default_value_t = 10.0, value_parser = positive_secs)]
+    image_url_timeout: f64,
     /// A GGUF model's vision tower: llama.cpp's mmproj file (default: the one beside the
     /// model, if there is one).
     #[arg(long)]
@@ -663,6 +671,9 @@ pub(crate) fn server_config(a: ServeArgs, id: String) -> ferrum_server::ServeCon
                 ..Default::default()
             },
             max_per_request: a.max_images,
+            fetch_timeout: a
+                .allow_image_urls
+                .then(|| std::time::Duration::from_secs_f64(a.image_url_timeout)),
         },
     }
 }
@@ -746,6 +757,13 @@ fn main() {
 
 pub(crate) fn parse_kv_dtype(s: &str) -> std::result::Result<KvDtype, String> {
     KvDtype::parse(s).ok_or_else(|| format!("unknown KV format {s:?} (f16, f32 or q8_0)"))
+}
+
+fn positive_secs(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x > 0.0 && x.is_finite() => Ok(x),
+        _ => Err(format!("{s:?} is not a positive number of seconds")),
+    }
 }
 
 fn load<B: MakeBackend>(
@@ -955,7 +973,7 @@ fn run_on<B: MakeBackend>(a: RunArgs, be: BackendOpts) -> Result<()> {
     }
 
     if !a.image.is_empty() {
-        anyhow::bail!("--image needs a prompt (--prompt TEXT): the chat takes no images yet");
+        anyhow::bail!("--image needs a prompt (--prompt TEXT); in the chat, /image FILE");
     }
     repl::chat(&mut session, messages, &opts, &kwargs)
 }
@@ -969,44 +987,81 @@ fn image_prompt<B: Backend>(
     images: &[PathBuf],
     kwargs: &serde_json::Map<String, serde_json::Value>,
 ) -> Result<(Vec<u32>, Vec<ferrum_image::Processed>)> {
-    let model = &session.engine.model;
-    let Some(vision) = &model.vision else {
-        anyhow::bail!("--image: this model does not take images (it has no vision encoder)");
+    let processed = images
+        .iter()
+        .map(|p| load_image(session, p))
+        .collect::<Result<Vec<_>>>()?;
+    let mut messages = before.to_vec();
+    messages.push(Message::new("user", prompt));
+    let mut per_user = vec![Vec::new(); messages.iter().filter(|m| m.role == "user").count()];
+    if let Some(last) = per_user.last_mut() {
+        *last = processed;
+    }
+    render_with_images(session, &messages, &per_user, kwargs)
+}
+
+/// An image file read, decoded and processed for the model's vision tower (`--image`, the
+/// chat's `/image`).
+pub(crate) fn load_image<B: Backend>(
+    session: &Session<B>,
+    path: &Path,
+) -> Result<ferrum_image::Processed> {
+    let Some(vision) = &session.engine.model.vision else {
+        anyhow::bail!("this model does not take images (it has no vision encoder)");
+    };
+    let bytes = std::fs::read(path).with_context(|| format!("image {}", path.display()))?;
+    let img = ferrum_image::decode(&bytes, &ferrum_image::Limits::default())
+        .with_context(|| format!("image {}", path.display()))?;
+    vision
+        .processor
+        .process(&img)
+        .map_err(|e| anyhow::anyhow!("image {}: {e}", path.display()))
+}
+
+/// A conversation's prompt ids and its images in order: `images[k]` go at the start of the
+/// k-th user message, before its text (as `--image` and `/image` place them).
+pub(crate) fn render_with_images<B: Backend>(
+    session: &Session<B>,
+    messages: &[Message],
+    images: &[Vec<ferrum_image::Processed>],
+    kwargs: &serde_json::Map<String, serde_json::Value>,
+) -> Result<(Vec<u32>, Vec<ferrum_image::Processed>)> {
+    let Some(vision) = &session.engine.model.vision else {
+        anyhow::bail!("this model does not take images (it has no vision encoder)");
     };
     let tok = session.tokenizer();
     let (marker, expansion) = vision
         .prompt_texts(|id| tok.inner().id_to_token(id))
         .context("the vocabulary lacks the model's image tokens")?;
-    let mut processed = Vec::with_capacity(images.len());
-    for p in images {
-        let bytes = std::fs::read(p).with_context(|| format!("--image {}", p.display()))?;
-        let img = ferrum_image::decode(&bytes, &ferrum_image::Limits::default())
-            .with_context(|| format!("--image {}", p.display()))?;
-        let px = vision
-            .processor
-            .process(&img)
-            .map_err(|e| anyhow::anyhow!("--image {}: {e}", p.display()))?;
-        processed.push(px);
-    }
-    let mut parts: Vec<serde_json::Value> = images
+    let mut all = Vec::new();
+    let mut users = images.iter();
+    let json: Vec<serde_json::Value> = messages
         .iter()
-        .map(|_| serde_json::json!({"type": "image"}))
+        .map(|m| {
+            let these = if m.role == "user" { users.next() } else { None };
+            match these.filter(|v| !v.is_empty()) {
+                Some(v) => {
+                    all.extend(v.iter().cloned());
+                    let mut parts: Vec<serde_json::Value> = v
+                        .iter()
+                        .map(|_| serde_json::json!({"type": "image"}))
+                        .collect();
+                    parts.push(serde_json::json!({"type": "text", "text": m.content}));
+                    serde_json::json!({"role": m.role, "content": parts})
+                }
+                None => serde_json::json!({"role": m.role, "content": m.content}),
+            }
+        })
         .collect();
-    parts.push(serde_json::json!({"type": "text", "text": prompt}));
-    let mut messages: Vec<serde_json::Value> = before
-        .iter()
-        .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
-        .collect();
-    messages.push(serde_json::json!({"role": "user", "content": parts}));
     let ids = tok.chat_prompt_with_images(
-        &messages,
+        &json,
         true,
         kwargs,
         ferrum_tokenizer::SpecialTokens::Text,
         false,
         (&marker, &expansion),
     )?;
-    Ok((ids, processed))
+    Ok((ids, all))
 }
 
 /// The conversation as prompt ids (special-token texts in what was typed stay plain text),

@@ -1,8 +1,10 @@
 //! The terminal chat of `ferrum run`: a message per line, or several lines between `"""`
-//! marks; `/system TEXT`, `/clear`, `/exit`. Ctrl-C stops the answer being written and
-//! returns to the prompt; Ctrl-D (end of input) or `/exit` leaves.
+//! marks; `/system TEXT`, `/image FILE` (a vision model's: the image goes with the next
+//! message), `/clear`, `/exit`. Ctrl-C stops the answer being written and returns to the
+//! prompt; Ctrl-D (end of input) or `/exit` leaves.
 
 use std::io::{BufRead, IsTerminal, Write};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -71,12 +73,23 @@ pub fn chat<B: Backend>(
     if let Err(e) = ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst)) {
         eprintln!("ferrum: Ctrl-C will end the program ({e})");
     }
+    let vision = session.engine.model.vision.is_some();
     eprintln!(
         "Type a message (\"\"\" starts and ends several lines). /system TEXT sets the system \
-         prompt, /clear starts over, /exit or Ctrl-D leaves; Ctrl-C stops an answer."
+         prompt, {}/clear starts over, /exit or Ctrl-D leaves; Ctrl-C stops an answer.",
+        if vision {
+            "/image FILE attaches an image to the next message, "
+        } else {
+            ""
+        }
     );
     let stdin = std::io::stdin();
     let mut input = stdin.lock();
+    // Each user message's images (the k-th user message's at k), and those attached to the
+    // next one. The whole conversation's images go with every turn: the prefix cache keeps
+    // their rows, so only a new image's are computed again.
+    let mut user_images: Vec<Vec<ferrum_image::Processed>> = Vec::new();
+    let mut pending = Vec::new();
     loop {
         INTERRUPTED.store(false, Ordering::SeqCst);
         let Some(text) = read_message(&mut input)? else {
@@ -90,6 +103,8 @@ pub fn chat<B: Backend>(
             "/exit" | "/quit" | "/bye" => break,
             "/clear" => {
                 messages.retain(|m| m.role == "system");
+                user_images.clear();
+                pending.clear();
                 // Nothing to reset: the next prompt simply shares no prefix with the cache.
                 eprintln!("(conversation cleared)");
                 continue;
@@ -107,19 +122,47 @@ pub fn chat<B: Backend>(
             eprintln!("(system prompt set)");
             continue;
         }
+        if let Some(path) = trimmed.strip_prefix("/image ") {
+            // A path dragged into a terminal comes quoted.
+            let path = path.trim().trim_matches(|c| c == '\'' || c == '"');
+            match crate::load_image(session, Path::new(path)) {
+                Ok(px) => {
+                    pending.push(px);
+                    eprintln!("(image {path} attached: it goes with your next message)");
+                }
+                Err(e) => eprintln!("ferrum: {e:#}"),
+            }
+            continue;
+        }
         if trimmed.starts_with('/') && !trimmed.contains(char::is_whitespace) {
-            eprintln!("unknown command {trimmed}: /system TEXT, /clear, /exit");
+            eprintln!(
+                "unknown command {trimmed}: /system TEXT, {}/clear, /exit",
+                if vision { "/image FILE, " } else { "" }
+            );
             continue;
         }
         messages.push(Message::new("user", text.clone()));
-        let ids = crate::render(session.tokenizer(), &messages, kwargs)?;
-        match crate::answer(session, &ids, opts, &INTERRUPTED) {
+        user_images.push(std::mem::take(&mut pending));
+        let turn = if user_images.iter().all(Vec::is_empty) {
+            crate::render(session.tokenizer(), &messages, kwargs).map(|ids| (ids, Vec::new()))
+        } else {
+            crate::render_with_images(session, &messages, &user_images, kwargs)
+        };
+        let answer = turn.and_then(|(ids, images)| {
+            let opts = GenerateOptions {
+                images,
+                ..opts.clone()
+            };
+            crate::answer(session, &ids, &opts, &INTERRUPTED)
+        });
+        match answer {
             Ok(answer) => messages.push(Message::new("assistant", answer)),
             Err(e) => {
                 // A turn that cannot run (e.g. the conversation outgrew the context) is
-                // reported and dropped; the chat goes on.
+                // reported and dropped with its images; the chat goes on.
                 eprintln!("ferrum: {e:#}");
                 messages.pop();
+                user_images.pop();
             }
         }
     }

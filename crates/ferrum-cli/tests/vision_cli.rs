@@ -92,3 +92,63 @@ fn images_the_model_cannot_take_are_errors() {
     assert!(!ok);
     assert!(err.contains("config.json"), "{err}");
 }
+
+#[test]
+fn the_chat_takes_images_with_slash_image() {
+    use std::io::Write;
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures("vision/gemma3_it/reference.json")).unwrap(),
+    )
+    .unwrap();
+    let want = reference["cases"][0]["generated_text"].as_str().unwrap();
+    let image = fixtures("vision/processor/rgb_300x200.png");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferrum"))
+        .args([
+            "run",
+            "--device",
+            "cpu",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "6",
+        ])
+        .args([&fixtures("vision/gemma3_it"), "--exact"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("runs");
+    // The first turn is the reference's one_image chat; a file that is not there is
+    // reported and the chat goes on; the second turn carries the first turn's image.
+    let script = format!(
+        "/image '{image}'\nWhat is in this picture?\n/image /no/such.png\nAnd now?\n/exit\n"
+    );
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(script.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.starts_with(want), "{stdout:?} {stderr}");
+    assert!(stderr.contains("attached"), "{stderr}");
+    assert!(stderr.contains("/no/such.png"), "{stderr}");
+    // Two answers; the second's prompt (the first image again) is partly found cached.
+    let turns: Vec<(usize, usize)> = stderr
+        .lines()
+        .filter_map(|l| {
+            let (_, l) = l.split_once('[')?;
+            let (n, rest) = l.split_once(" prompt tokens (")?;
+            let (computed, _) = rest.split_once(" computed")?;
+            Some((n.parse().ok()?, computed.parse().ok()?))
+        })
+        .collect();
+    assert_eq!(turns.len(), 2, "{stderr}");
+    assert_eq!(turns[0], (31, 31), "{stderr}");
+    assert!(turns[1].1 < turns[1].0, "{stderr}");
+}

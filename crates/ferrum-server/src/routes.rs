@@ -101,18 +101,38 @@ impl ModelNames {
 impl AppState {
     /// The request's images checked (decodable, within the limits), then refused unless the
     /// model takes images; with the model's image handling where there are some.
-    pub(crate) fn check_images(
+    /// Decoding (and fetching, where URLs are allowed) runs on a blocking thread. A model
+    /// without vision is told so after its data URLs are checked, and before any URL is
+    /// fetched.
+    pub(crate) async fn check_images(
         &self,
         req: &api::ChatRequest,
     ) -> Result<Option<RequestImages>, ApiError> {
-        let images = req.images(&self.images)?;
-        if images.is_empty() {
+        let parts = req.image_parts(&self.images)?;
+        if parts.is_empty() {
             return Ok(None);
         }
-        match &self.card()?.vision {
-            Some(v) => Ok(Some((v.clone(), images))),
-            None => Err(crate::images::no_vision(&req.model)),
-        }
+        let opts = self.images;
+        let Some(vision) = self.card()?.vision.clone() else {
+            // Nothing is fetched for it; without fetching, a URL is refused as such.
+            let fetches = opts.fetch_timeout.is_some();
+            for (at, v) in parts
+                .iter()
+                .filter(|(_, v)| !(fetches && crate::images::is_url_part(v)))
+            {
+                crate::images::image_url(v, at, &opts)?;
+            }
+            return Err(crate::images::no_vision(&req.model));
+        };
+        let images = tokio::task::spawn_blocking(move || {
+            parts
+                .iter()
+                .map(|(at, v)| crate::images::image_url(v, at, &opts))
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("decoding the images: {e}")))??;
+        Ok(Some((vision, images)))
     }
 
     /// Whether a request is in a handler, running or waiting.
@@ -749,7 +769,7 @@ pub(crate) async fn chat_prompt(
     req: &api::ChatRequest,
     tools: Option<&Tools>,
 ) -> Result<(Vec<u32>, Vec<ferrum_image::Processed>), ApiError> {
-    let images = st.check_images(req)?;
+    let images = st.check_images(req).await?;
     let (messages, kwargs) = req.template_inputs(&st.tokenizer, tools, st.content_special)?;
     render_prompt_images(st, messages, kwargs, true, images).await
 }

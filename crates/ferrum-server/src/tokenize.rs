@@ -62,7 +62,7 @@ async fn tokenize_inner(
         let tools = req.tools()?;
         let tools = tools.as_ref().filter(|t| t.active());
         let gen = api::flag(&o, &["add_generation_prompt"], true)?;
-        let images = st.check_images(&req)?;
+        let images = st.check_images(&req).await?;
         let (messages, kwargs) = req.template_inputs(&st.tokenizer, tools, st.content_special)?;
         routes::render_prompt_images(st, messages, kwargs, gen, images)
             .await?
