@@ -57,6 +57,14 @@ pub struct BenchArgs {
     /// for 1,000 built-in sentences of 8-64 tokens.
     #[arg(long)]
     embed: Option<String>,
+    /// Instead of pp/tg: a vision model's image prefill of this image (PNG, JPEG, WebP,
+    /// GIF): preprocessing, the vision tower, and the language model's pass over the image's
+    /// rows (with its begin and end tokens), each timed; `--reps` runs, medians.
+    #[arg(long)]
+    image: Option<PathBuf>,
+    /// A GGUF model's vision tower for `--image` (default: the mmproj file beside it).
+    #[arg(long)]
+    mmproj: Option<PathBuf>,
 }
 
 /// The middle of the finite values (the upper of the two middle ones for an even count); NaN
@@ -150,6 +158,9 @@ fn run_on<B: MakeBackend>(a: BenchArgs, be: crate::BackendOpts) -> Result<()> {
     let file = ferrum_loader::ModelFile::open(&a.model)?;
     if let Some(texts) = &a.embed {
         return embed_bench::<B>(&a, be, texts);
+    }
+    if let Some(image) = &a.image {
+        return image_bench::<B>(&a, &file, be, image);
     }
     if a.spec.enabled() {
         return crate::bench_spec::run::<B>(crate::bench_spec::SpecBench {
@@ -444,6 +455,101 @@ fn embed_bench<B: MakeBackend>(a: &BenchArgs, be: crate::BackendOpts, texts: &st
             a.reps
         );
     }
+    Ok(())
+}
+
+/// `--image`: one image through a vision model as a prompt's image prefill, each stage timed
+/// (llama.cpp's `mtmd` reports the same two model stages: the image encoded, then decoded
+/// into the language model's cache).
+fn image_bench<B: MakeBackend>(
+    a: &BenchArgs,
+    file: &ferrum_loader::ModelFile,
+    be: crate::BackendOpts,
+    path: &std::path::Path,
+) -> Result<()> {
+    let mut model = crate::load_model_with::<B>(&a.model, file, None, be, a.mmproj.as_deref())?;
+    let Some(vision) = &model.vision else {
+        bail!("--image: this model has no vision tower (a GGUF model needs its mmproj file)");
+    };
+    let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let rows = vision.max_rows();
+    let t = &vision.tokens;
+    let tokens: Vec<u32> = t
+        .begin
+        .into_iter()
+        .chain(std::iter::repeat_n(t.placeholder, rows))
+        .chain(t.end)
+        .collect();
+    let mut kv = model.decoder.alloc_kv_tokens(tokens.len());
+    let (mut prep, mut tower, mut prefill) = (Vec::new(), Vec::new(), Vec::new());
+    let mut size = (0, 0);
+    // The first run is a warm-up (page faults of the mapped weights).
+    for rep in 0..=a.reps {
+        let t0 = Instant::now();
+        let img = ferrum_image::decode(&bytes, &ferrum_image::Limits::default())
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        size = (img.width, img.height);
+        let vision = model.vision.as_ref().expect("checked above");
+        let px = vision
+            .processor
+            .process(&img)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let t1 = Instant::now();
+        let embeds = vision.encode(model.decoder.backend(), &px)?;
+        let t2 = Instant::now();
+        model.forward_with_images(
+            &mut kv,
+            &tokens,
+            &[embeds],
+            ferrum_models::decoder::Logits::Last,
+        )?;
+        let t3 = Instant::now();
+        if rep > 0 {
+            prep.push(1e3 * (t1 - t0).as_secs_f64());
+            tower.push(1e3 * (t2 - t1).as_secs_f64());
+            prefill.push(1e3 * (t3 - t2).as_secs_f64());
+        }
+    }
+    let (prep_ms, tower_ms, prefill_ms) = (median(prep), median(tower), median(prefill));
+    let total = prep_ms + tower_ms + prefill_ms;
+    let backend_name = model.decoder.backend().name();
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": a.model.display().to_string(),
+                "arch": model.info.arch.name(),
+                "backend": backend_name,
+                "image": path.display().to_string(),
+                "image_size": [size.0, size.1],
+                "image_rows": rows,
+                "prompt_tokens": tokens.len(),
+                "preprocess_ms": prep_ms,
+                "encode_ms": tower_ms,
+                "prefill_ms": prefill_ms,
+                "total_ms": total,
+                "runs": a.reps,
+            })
+        );
+        return Ok(());
+    }
+    println!("model: {} ({})", a.model.display(), model.info.arch.name());
+    println!("backend: {backend_name}");
+    println!(
+        "image {} ({}x{}): {rows} rows, a prompt of {} tokens; medians of {}",
+        path.display(),
+        size.0,
+        size.1,
+        tokens.len(),
+        a.reps
+    );
+    println!("  preprocess        {prep_ms:>9.1} ms");
+    println!("  vision tower      {tower_ms:>9.1} ms");
+    println!(
+        "  image prefill     {prefill_ms:>9.1} ms  ({:.1} tok/s)",
+        tokens.len() as f64 * 1e3 / prefill_ms
+    );
+    println!("  total             {total:>9.1} ms");
     Ok(())
 }
 

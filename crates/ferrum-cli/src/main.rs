@@ -79,6 +79,10 @@ enum Cmd {
         /// KV cache element format: f16 (default), f32 or q8_0.
         #[arg(long, value_parser = parse_kv_dtype)]
         kv_dtype: Option<KvDtype>,
+        /// A GGUF model's vision tower (llama.cpp's mmproj file; default: the one beside the
+        /// model, as run and serve find it).
+        #[arg(long)]
+        mmproj: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -708,6 +712,7 @@ fn main() {
             concurrency,
             kv_tokens,
             kv_dtype,
+            mmproj,
             json,
         } => local_model(&model).and_then(|model| {
             plan::run(plan::PlanArgs {
@@ -717,6 +722,7 @@ fn main() {
                 kv_tokens,
                 kv_bytes_per_value: kv_dtype.unwrap_or(KvDtype::F16).row_bytes(32) as f64 / 32.0,
                 json,
+                mmproj: mmproj.as_deref(),
             })
         }),
         Cmd::Bench(a) => bench::run(a),

@@ -37,6 +37,8 @@ pub struct PlanArgs<'a> {
     pub kv_tokens: Option<usize>,
     pub kv_bytes_per_value: f64,
     pub json: bool,
+    /// A GGUF model's mmproj file (else the one beside it, as `run` and `serve` find it).
+    pub mmproj: Option<&'a Path>,
 }
 
 pub fn run(a: PlanArgs) -> Result<()> {
@@ -47,6 +49,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         return plan_encoder(&a, &file, base);
     }
     let c = ferrum_models::read_config(&file)?;
+    let vision = ferrum_models::vision::plan(&file, a.mmproj)?;
     let header = rss().saturating_sub(base);
     let tok_before = rss();
     let tok = match &file {
@@ -76,10 +79,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
     // As the engine sizes its pool: blocks of one KV group's layers, windowed groups holding
     // only their window of each sequence (see `KvGroups`).
     let groups = ferrum_models::KvGroups::new(&c.layers);
-    let (bs, chunk_tokens) = (
-        ferrum_models::decoder::BLOCK_SIZE,
-        ferrum_models::decoder::CHUNK,
-    );
+    // A vision model's passes hold a whole image besides a chunk (`set_pass_capacity`).
+    let pass = ferrum_models::decoder::CHUNK + vision.as_ref().map_or(0, |v| v.max_rows);
+    let (bs, chunk_tokens) = (ferrum_models::decoder::BLOCK_SIZE, pass);
     let block_values: usize = groups
         .buffer_shapes((c.n_kv_heads, c.head_dim))
         .iter()
@@ -102,10 +104,14 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let state_bytes = c.state_bytes() as f64;
     let states = state_bytes * state_slots as f64;
     kv += states;
-    let weights = file.file_bytes() as f64;
-    // The decoder's buffers for one pass of CHUNK tokens, the logits of up to CHUNK rows
-    // (and the engine's copy of them), the MoE scratch.
-    let chunk = ferrum_models::decoder::CHUNK as f64;
+    // An mmproj file is mapped beside the model; a Hugging Face folder's files hold both.
+    let vision_file = vision.as_ref().map_or(0, |v| v.file_bytes) as f64;
+    let vision_act = vision.as_ref().map_or(0, |v| v.activation_bytes) as f64;
+    let weights = file.file_bytes() as f64 + vision_file;
+    // The decoder's buffers for one pass (CHUNK tokens, and an image's rows for a vision
+    // model), the logits of up to CHUNK rows (and the engine's copy of them), the MoE
+    // scratch; one image's pass through the vision tower.
+    let chunk = pass as f64;
     let (qd, kvd, f) = c.max_layer_dims();
     let (h, qd, kvd, f, v) = (
         c.hidden_size as f64,
@@ -118,7 +124,10 @@ pub fn run(a: PlanArgs) -> Result<()> {
     // Gemma 4's per-layer inputs: every layer's slice for the pass, twice, and one gate.
     let lp = (c.per_layer_input * c.n_layers) as f64;
     act += chunk * (2.0 * lp + 3.0 * c.per_layer_input as f64) * 4.0;
-    let rows = chunk.min(a.concurrency.max(1) as f64).max(1.0);
+    act += vision_act;
+    let rows = (ferrum_models::decoder::CHUNK as f64)
+        .min(a.concurrency.max(1) as f64)
+        .max(1.0);
     act += 2.0 * rows * v * 4.0;
     if let Some(m) = &c.moe {
         act += chunk * (2.0 * m.n_experts as f64 + 2.0 * h + 3.0 * m.expert_ffn as f64) * 4.0;
@@ -167,6 +176,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
                 "windowed_layers": windowed.iter().map(|(n, _)| n).sum::<usize>(),
                 "kv_shared_layers": shared_kv_layers,
                 "weights_bytes": weights,
+                "vision_file_bytes": vision_file,
+                "vision_activation_bytes": vision_act,
+                "image_rows": vision.as_ref().map(|v| v.max_rows),
                 "kv_bytes": kv,
                 "state_slots": state_slots,
                 "state_bytes_per_slot": state_bytes,
@@ -192,6 +204,21 @@ pub fn run(a: PlanArgs) -> Result<()> {
         c.vocab_size
     );
     println!("  weights (mapped)        {:>10.1} MB", mb(weights));
+    if let Some(v) = &vision {
+        let file = if v.file_bytes > 0 {
+            format!(
+                "the mmproj file's {:.1} MB is in the weights; ",
+                mb(vision_file)
+            )
+        } else {
+            String::new()
+        };
+        println!(
+            "                                         (vision tower: {file}one image's pass {:.1} MB, in the activations; an image is {} rows of a pass of {pass})",
+            mb(vision_act),
+            v.max_rows
+        );
+    }
     let why = match a.kv_tokens {
         Some(_) => "as asked".to_string(),
         None => format!("context {ctx} × {} sequence(s)", a.concurrency),

@@ -152,3 +152,63 @@ fn the_chat_takes_images_with_slash_image() {
     assert_eq!(turns[0], (31, 31), "{stderr}");
     assert!(turns[1].1 < turns[1].0, "{stderr}");
 }
+
+fn json_of(args: &[&str]) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrum"))
+        .args(args)
+        .output()
+        .expect("runs");
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+#[test]
+fn plan_counts_the_vision_tower_and_bench_times_an_image() {
+    let folder = fixtures("vision/gemma3_it");
+    let gguf = fixtures("vision/gemma3_it_gguf/model-f32.gguf");
+    let mmproj = fixtures("vision/gemma3_it_gguf/mmproj-model-f32.gguf");
+    let text = json_of(&["plan", &fixtures("tiny/qwen3"), "--json"]);
+    assert!(text["image_rows"].is_null(), "{text}");
+    let hf = json_of(&["plan", &folder, "--json"]);
+    assert_eq!(hf["image_rows"], 4, "{hf}");
+    assert_eq!(hf["vision_file_bytes"], 0.0, "{hf}");
+    assert!(
+        hf["vision_activation_bytes"].as_f64().unwrap() > 0.0,
+        "{hf}"
+    );
+    // The mmproj beside the GGUF is mapped too: its bytes join the weights.
+    let g = json_of(&["plan", &gguf, "--json"]);
+    let mm_bytes = std::fs::metadata(&mmproj).unwrap().len() as f64;
+    let lm_bytes = std::fs::metadata(&gguf).unwrap().len() as f64;
+    assert_eq!(g["vision_file_bytes"].as_f64(), Some(mm_bytes), "{g}");
+    assert_eq!(
+        g["weights_bytes"].as_f64(),
+        Some(mm_bytes + lm_bytes),
+        "{g}"
+    );
+    assert_eq!(g["vision_activation_bytes"], hf["vision_activation_bytes"]);
+    let named = json_of(&["plan", &gguf, "--mmproj", &mmproj, "--json"]);
+    assert_eq!(named["vision_file_bytes"], g["vision_file_bytes"]);
+
+    let image = fixtures("vision/processor/rgb_300x200.png");
+    let b = json_of(&[
+        "bench", &folder, "--device", "cpu", "--image", &image, "--reps", "2", "--json",
+    ]);
+    assert_eq!(b["image_rows"], 4, "{b}");
+    assert_eq!(b["image_size"], serde_json::json!([300, 200]), "{b}");
+    // <start_of_image>, four rows, <end_of_image>.
+    assert_eq!(b["prompt_tokens"], 6, "{b}");
+    for k in ["preprocess_ms", "encode_ms", "prefill_ms"] {
+        assert!(b[k].as_f64().unwrap() > 0.0, "{k}: {b}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrum"))
+        .args(["bench", &fixtures("tiny/qwen3"), "--image", &image])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no vision tower"));
+}

@@ -43,7 +43,7 @@ pub struct Gemma3Vision<B: Backend> {
 }
 
 /// A vision tower's sizes, from either kind of file.
-struct Dims {
+pub(super) struct Dims {
     hidden: usize,
     heads: usize,
     intermediate: usize,
@@ -51,8 +51,88 @@ struct Dims {
     image: usize,
     patch: usize,
     eps: f32,
-    tokens_per_image: usize,
+    pub(super) tokens_per_image: usize,
     text_hidden: usize,
+}
+
+impl Dims {
+    /// From a Hugging Face config.json (its `vision_config` and text width).
+    pub(super) fn from_hf(config: &Json) -> Result<Dims> {
+        let v = &config["vision_config"];
+        match v.get("hidden_act").and_then(Json::as_str) {
+            None | Some("gelu_pytorch_tanh") => {}
+            Some(other) => {
+                return Err(Error::Unsupported(format!(
+                    "config.json: vision activation {other:?}"
+                )))
+            }
+        }
+        let text_hidden = config
+            .get("text_config")
+            .and_then(|t| t.get("hidden_size"))
+            .and_then(Json::as_u64)
+            .ok_or_else(|| Error::Weights("config.json: text_config.hidden_size".into()))?
+            as usize;
+        let image = usize_at(v, "image_size")?;
+        let patch = usize_at(v, "patch_size")?;
+        Ok(Dims {
+            hidden: usize_at(v, "hidden_size")?,
+            heads: usize_at(v, "num_attention_heads")?,
+            intermediate: usize_at(v, "intermediate_size")?,
+            layers: usize_at(v, "num_hidden_layers")?,
+            image,
+            patch,
+            eps: v
+                .get("layer_norm_eps")
+                .and_then(Json::as_f64)
+                .unwrap_or(1e-6) as f32,
+            tokens_per_image: config
+                .get("mm_tokens_per_image")
+                .and_then(Json::as_u64)
+                .unwrap_or(256) as usize,
+            text_hidden,
+        })
+    }
+
+    /// From llama.cpp's mmproj keys, for a language model of `text_hidden`.
+    pub(super) fn from_gguf(mm: &GgufFile, text_hidden: usize) -> Result<Dims> {
+        let key = |k: &str| mm.require_usize(&format!("clip.vision.{k}"));
+        let image = key("image_size")?;
+        let patch = key("patch_size")?;
+        let side = image / patch.max(1);
+        let scale = mm
+            .get_u64("clip.vision.projector.scale_factor")
+            .map_or(4, |v| v as usize)
+            .max(1);
+        let per_side = side / scale;
+        Ok(Dims {
+            hidden: key("embedding_length")?,
+            heads: key("attention.head_count")?,
+            intermediate: key("feed_forward_length")?,
+            layers: key("block_count")?,
+            image,
+            patch,
+            eps: mm
+                .get_f64("clip.vision.attention.layer_norm_epsilon")
+                .unwrap_or(1e-6) as f32,
+            tokens_per_image: per_side * per_side,
+            text_hidden,
+        })
+    }
+
+    /// The bytes one image's pass allocates, all f32 (as `encode_one` allocates them): the
+    /// pixels three times (processed, as patches, on the backend), the residual stream and
+    /// its three companions, QKV, the MLP's rows, the scratch keys and values, the host's copy
+    /// of the states; then the pooled rows through the norm and the projection.
+    pub(super) fn activation_bytes(&self) -> u64 {
+        let side = self.image / self.patch.max(1);
+        let n = side * side;
+        let (h, f, t) = (self.hidden, self.intermediate, self.tokens_per_image);
+        let pixels = 3 * self.patch * self.patch;
+        let per_patch = 3 * pixels + 4 * h + 3 * h + f + 2 * h + h;
+        let pooled = t * (3 * h + 2 * self.text_hidden);
+        4 * (n * per_patch + pooled) as u64
+    }
 }
 
 /// llama.cpp's mmproj name of a tensor named as in transformers' SigLIP (below
@@ -102,40 +182,7 @@ fn token_at(j: &Json, keys: &[&str]) -> Option<u32> {
 impl<B: Backend> Gemma3Vision<B> {
     /// From a Hugging Face checkpoint (its config.json and tensors).
     pub fn load(config: &Json, store: &TensorStore, be: &B) -> Result<(Self, ImageTokens)> {
-        let v = &config["vision_config"];
-        match v.get("hidden_act").and_then(Json::as_str) {
-            None | Some("gelu_pytorch_tanh") => {}
-            Some(other) => {
-                return Err(Error::Unsupported(format!(
-                    "config.json: vision activation {other:?}"
-                )))
-            }
-        }
-        let text_hidden = config
-            .get("text_config")
-            .and_then(|t| t.get("hidden_size"))
-            .and_then(Json::as_u64)
-            .ok_or_else(|| Error::Weights("config.json: text_config.hidden_size".into()))?
-            as usize;
-        let image = usize_at(v, "image_size")?;
-        let patch = usize_at(v, "patch_size")?;
-        let dims = Dims {
-            hidden: usize_at(v, "hidden_size")?,
-            heads: usize_at(v, "num_attention_heads")?,
-            intermediate: usize_at(v, "intermediate_size")?,
-            layers: usize_at(v, "num_hidden_layers")?,
-            image,
-            patch,
-            eps: v
-                .get("layer_norm_eps")
-                .and_then(Json::as_f64)
-                .unwrap_or(1e-6) as f32,
-            tokens_per_image: config
-                .get("mm_tokens_per_image")
-                .and_then(Json::as_u64)
-                .unwrap_or(256) as usize,
-            text_hidden,
-        };
+        let dims = Dims::from_hf(config)?;
         let placeholder = token_at(config, &["image_token_index", "image_token_id"])
             .ok_or_else(|| Error::Weights("config.json: image_token_index".into()))?;
         let tokens = ImageTokens {
@@ -155,28 +202,7 @@ impl<B: Backend> Gemma3Vision<B> {
         vocab: &[&str],
         be: &B,
     ) -> Result<(Self, ImageTokens)> {
-        let key = |k: &str| mm.require_usize(&format!("clip.vision.{k}"));
-        let image = key("image_size")?;
-        let patch = key("patch_size")?;
-        let side = image / patch.max(1);
-        let scale = mm
-            .get_u64("clip.vision.projector.scale_factor")
-            .map_or(4, |v| v as usize)
-            .max(1);
-        let per_side = side / scale;
-        let dims = Dims {
-            hidden: key("embedding_length")?,
-            heads: key("attention.head_count")?,
-            intermediate: key("feed_forward_length")?,
-            layers: key("block_count")?,
-            image,
-            patch,
-            eps: mm
-                .get_f64("clip.vision.attention.layer_norm_epsilon")
-                .unwrap_or(1e-6) as f32,
-            tokens_per_image: per_side * per_side,
-            text_hidden,
-        };
+        let dims = Dims::from_gguf(mm, text_hidden)?;
         let id = |t: &str| vocab.iter().position(|v| *v == t).map(|i| i as u32);
         let placeholder = id("<image_soft_token>").ok_or_else(|| {
             Error::Weights("the model's vocabulary has no <image_soft_token>".into())

@@ -84,20 +84,12 @@ impl<B: Backend> Vision<B> {
     }
 
     fn load_gguf(lm: &GgufFile, mmproj: Option<&Path>, be: &B) -> Result<Option<Vision<B>>> {
-        let (path, explicit) = match mmproj {
-            Some(p) => (p.to_path_buf(), true),
-            None => match beside(&lm.path) {
-                Some(p) => (p, false),
-                None => return Ok(None),
-            },
+        let Some((path, explicit)) = mmproj_of(lm, mmproj) else {
+            return Ok(None);
         };
         if !explicit {
-            // A file found beside the model is used only where it is this model's: any
-            // other (another family's, one this model's vocabulary cannot place) is left.
-            let arch = lm.architecture().unwrap_or("");
-            if arch != "gemma3" {
-                return Ok(None);
-            }
+            // One that is not this model's after all (one its vocabulary cannot place) is
+            // left: the model runs as the text model it also is.
             return Ok(Self::load_mmproj(lm, &path, false, be).ok().flatten());
         }
         Self::load_mmproj(lm, &path, true, be)
@@ -230,6 +222,79 @@ impl<B: Backend> Vision<B> {
             Tower::Gemma3(t) => t.encode(be, processed),
         }
     }
+}
+
+/// The mmproj file a GGUF language model goes with, and whether it was named: `mmproj`,
+/// or the one beside the model where the model is of a family that takes one (a file found
+/// beside another family's model is not its).
+fn mmproj_of(lm: &GgufFile, mmproj: Option<&Path>) -> Option<(std::path::PathBuf, bool)> {
+    if let Some(p) = mmproj {
+        return Some((p.to_path_buf(), true));
+    }
+    (lm.architecture().unwrap_or("") == "gemma3")
+        .then(|| beside(&lm.path))
+        .flatten()
+        .map(|p| (p, false))
+}
+
+/// What a model's vision tower adds to its memory, read from the headers (`ferrum plan`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct VisionPlan {
+    /// The mmproj file's bytes (0 where the tower is in the model's own files, which
+    /// already count it).
+    pub file_bytes: u64,
+    /// One image's pass through the tower.
+    pub activation_bytes: u64,
+    /// The most rows one image takes in the language model's pass.
+    pub max_rows: usize,
+}
+
+/// The vision tower [`Vision::load`] would load for `file` (and `mmproj`), sized from the
+/// headers alone; `None` for a text model.
+pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan>> {
+    let (dims, file_bytes) = match file {
+        ModelFile::Hf(h) => {
+            if h.config.get("vision_config").is_none_or(Json::is_null) {
+                return Ok(None);
+            }
+            match h.config.get("model_type").and_then(Json::as_str) {
+                Some("gemma3") => (gemma3::Dims::from_hf(&h.config)?, 0),
+                other => {
+                    return Err(Error::Unsupported(format!(
+                        "the vision tower of model_type {other:?} (supported: gemma3)"
+                    )))
+                }
+            }
+        }
+        ModelFile::Gguf(lm) => {
+            let Some((path, explicit)) = mmproj_of(lm, mmproj) else {
+                return Ok(None);
+            };
+            let mm = GgufFile::open(&path)?;
+            let kind = mm
+                .get_str("clip.projector_type")
+                .or_else(|| mm.get_str("clip.vision.projector_type"))
+                .unwrap_or("");
+            if kind != "gemma3" {
+                if !explicit {
+                    return Ok(None);
+                }
+                return Err(Error::Unsupported(format!(
+                    "{}: vision projector {kind:?} (supported: gemma3)",
+                    path.display()
+                )));
+            }
+            let arch = lm.architecture()?;
+            let text_hidden = lm.require_usize(&format!("{arch}.embedding_length"))?;
+            let bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
+            (gemma3::Dims::from_gguf(&mm, text_hidden)?, bytes)
+        }
+    };
+    Ok(Some(VisionPlan {
+        file_bytes,
+        activation_bytes: dims.activation_bytes(),
+        max_rows: dims.tokens_per_image,
+    }))
 }
 
 /// The one `*mmproj*.gguf` in the folder of the model at `model` (llama.cpp's and Ollama's
