@@ -193,6 +193,14 @@ fn plan_counts_the_vision_tower_and_bench_times_an_image() {
     assert_eq!(g["vision_activation_bytes"], hf["vision_activation_bytes"]);
     let named = json_of(&["plan", &gguf, "--mmproj", &mmproj, "--json"]);
     assert_eq!(named["vision_file_bytes"], g["vision_file_bytes"]);
+    // Named by a bare file name from its own folder: the mmproj beside it is still found.
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrum"))
+        .args(["plan", "model-f32.gguf", "--json"])
+        .current_dir(fixtures("vision/gemma3_it_gguf"))
+        .output()
+        .unwrap();
+    let bare: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(bare["vision_file_bytes"], g["vision_file_bytes"], "{bare}");
 
     let image = fixtures("vision/processor/rgb_300x200.png");
     let b = json_of(&[

@@ -77,7 +77,8 @@ fn every_target_is_smoked() {
             "hf_folder",
             "chat_template",
             "openai_request",
-            "json_schema"
+            "json_schema",
+            "image"
         ]
     );
 }

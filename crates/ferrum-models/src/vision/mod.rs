@@ -54,6 +54,12 @@ impl<B: Backend> Vision<B> {
         if h.config.get("vision_config").is_none_or(Json::is_null) {
             return Ok(None);
         }
+        let model_type = h.config.get("model_type").and_then(Json::as_str);
+        if model_type != Some("gemma3") {
+            // A tower of a family not built here (Gemma 4's, the Qwen VL line's): the
+            // checkpoint runs as the text model it also is, and images to it are refused.
+            return Ok(None);
+        }
         let pre = h.dir.join("preprocessor_config.json");
         let pj: Json = match std::fs::read(&pre) {
             Ok(b) => serde_json::from_slice(&b)
@@ -67,20 +73,12 @@ impl<B: Backend> Vision<B> {
         };
         let processor = Processor::from_json(&pj).map_err(Error::Weights)?;
         let store = file.tensors();
-        let model_type = h.config.get("model_type").and_then(Json::as_str);
-        match model_type {
-            Some("gemma3") => {
-                let (tower, tokens) = gemma3::Gemma3Vision::load(&h.config, &store, be)?;
-                Ok(Some(Vision {
-                    processor,
-                    tokens,
-                    tower: Tower::Gemma3(tower),
-                }))
-            }
-            other => Err(Error::Unsupported(format!(
-                "the vision tower of model_type {other:?} (supported: gemma3)"
-            ))),
-        }
+        let (tower, tokens) = gemma3::Gemma3Vision::load(&h.config, &store, be)?;
+        Ok(Some(Vision {
+            processor,
+            tokens,
+            tower: Tower::Gemma3(tower),
+        }))
     }
 
     fn load_gguf(lm: &GgufFile, mmproj: Option<&Path>, be: &B) -> Result<Option<Vision<B>>> {
@@ -257,14 +255,11 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
             if h.config.get("vision_config").is_none_or(Json::is_null) {
                 return Ok(None);
             }
-            match h.config.get("model_type").and_then(Json::as_str) {
-                Some("gemma3") => (gemma3::Dims::from_hf(&h.config)?, 0),
-                other => {
-                    return Err(Error::Unsupported(format!(
-                        "the vision tower of model_type {other:?} (supported: gemma3)"
-                    )))
-                }
+            if h.config.get("model_type").and_then(Json::as_str) != Some("gemma3") {
+                // Loaded as a text model (see `Vision::load`).
+                return Ok(None);
             }
+            (gemma3::Dims::from_hf(&h.config)?, 0)
         }
         ModelFile::Gguf(lm) => {
             let Some((path, explicit)) = mmproj_of(lm, mmproj) else {
@@ -300,7 +295,11 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
 /// The one `*mmproj*.gguf` in the folder of the model at `model` (llama.cpp's and Ollama's
 /// downloads keep it there); `None` when there is none or several.
 fn beside(model: &Path) -> Option<std::path::PathBuf> {
-    let dir = model.parent()?;
+    // A bare file name's folder is the current one (its parent is the empty path).
+    let dir = model
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     let mut found = std::fs::read_dir(dir).ok()?.flatten().filter_map(|e| {
         let name = e.file_name().to_string_lossy().to_lowercase();
         (name.contains("mmproj") && name.ends_with(".gguf")).then(|| e.path())
