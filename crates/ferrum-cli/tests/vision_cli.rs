@@ -10,17 +10,20 @@ fn fixtures(p: &str) -> String {
     format!("{}/../../tests/fixtures/{p}", env!("CARGO_MANIFEST_DIR"))
 }
 
+/// `ferrum run` greedy on the CPU for the fixtures' six tokens.
+const RUN: [&str; 7] = [
+    "run",
+    "--device",
+    "cpu",
+    "--temperature",
+    "0",
+    "--max-tokens",
+    "6",
+];
+
 fn run(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_ferrum"))
-        .args([
-            "run",
-            "--device",
-            "cpu",
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "6",
-        ])
+        .args(RUN)
         .args(args)
         .output()
         .expect("runs");
@@ -103,15 +106,7 @@ fn the_chat_takes_images_with_slash_image() {
     let want = reference["cases"][0]["generated_text"].as_str().unwrap();
     let image = fixtures("vision/processor/rgb_300x200.png");
     let mut child = Command::new(env!("CARGO_BIN_EXE_ferrum"))
-        .args([
-            "run",
-            "--device",
-            "cpu",
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "6",
-        ])
+        .args(RUN)
         .args([&fixtures("vision/gemma3_it"), "--exact"])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())

@@ -99,24 +99,10 @@ impl<B: Backend> Vision<B> {
         explicit: bool,
         be: &B,
     ) -> Result<Option<Vision<B>>> {
-        let mm = GgufFile::open(path)?;
-        let kind = mm
-            .get_str("clip.projector_type")
-            .or_else(|| mm.get_str("clip.vision.projector_type"))
-            .unwrap_or("");
-        if kind != "gemma3" {
-            if !explicit {
-                // A projector of a family not supported here beside the model: it runs as
-                // the text model it also is.
-                return Ok(None);
-            }
-            return Err(Error::Unsupported(format!(
-                "{}: vision projector {kind:?} (supported: gemma3)",
-                path.display()
-            )));
-        }
-        let arch = lm.architecture()?;
-        let text_hidden = lm.require_usize(&format!("{arch}.embedding_length"))?;
+        let Some(mm) = open_mmproj(path, explicit)? else {
+            return Ok(None);
+        };
+        let text_hidden = text_width(lm)?;
         let vocab = lm
             .get_str_array("tokenizer.ggml.tokens")
             .unwrap_or_default();
@@ -235,6 +221,34 @@ fn mmproj_of(lm: &GgufFile, mmproj: Option<&Path>) -> Option<(std::path::PathBuf
         .map(|p| (p, false))
 }
 
+/// The mmproj file at `path` where its projector is one built here; another family's is
+/// `None` when the file was found beside the model (which then runs as the text model it also
+/// is) and an error when it was named.
+fn open_mmproj(path: &Path, explicit: bool) -> Result<Option<GgufFile>> {
+    let mm = GgufFile::open(path)?;
+    let kind = mm
+        .get_str("clip.projector_type")
+        .or_else(|| mm.get_str("clip.vision.projector_type"))
+        .unwrap_or("")
+        .to_string();
+    if kind == "gemma3" {
+        return Ok(Some(mm));
+    }
+    if !explicit {
+        return Ok(None);
+    }
+    Err(Error::Unsupported(format!(
+        "{}: vision projector {kind:?} (supported: gemma3)",
+        path.display()
+    )))
+}
+
+/// The language model's width, which the projector's rows must have.
+fn text_width(lm: &GgufFile) -> Result<usize> {
+    let arch = lm.architecture()?;
+    lm.require_usize(&format!("{arch}.embedding_length"))
+}
+
 /// What a model's vision tower adds to its memory, read from the headers (`ferrum plan`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct VisionPlan {
@@ -265,24 +279,11 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
             let Some((path, explicit)) = mmproj_of(lm, mmproj) else {
                 return Ok(None);
             };
-            let mm = GgufFile::open(&path)?;
-            let kind = mm
-                .get_str("clip.projector_type")
-                .or_else(|| mm.get_str("clip.vision.projector_type"))
-                .unwrap_or("");
-            if kind != "gemma3" {
-                if !explicit {
-                    return Ok(None);
-                }
-                return Err(Error::Unsupported(format!(
-                    "{}: vision projector {kind:?} (supported: gemma3)",
-                    path.display()
-                )));
-            }
-            let arch = lm.architecture()?;
-            let text_hidden = lm.require_usize(&format!("{arch}.embedding_length"))?;
+            let Some(mm) = open_mmproj(&path, explicit)? else {
+                return Ok(None);
+            };
             let bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
-            (gemma3::Dims::from_gguf(&mm, text_hidden)?, bytes)
+            (gemma3::Dims::from_gguf(&mm, text_width(lm)?)?, bytes)
         }
     };
     Ok(Some(VisionPlan {
