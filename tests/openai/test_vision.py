@@ -196,3 +196,63 @@ def test_image_urls_are_fetched_only_when_allowed(vlm):
         proc.terminate()
         proc.wait(timeout=30)
         web.shutdown()
+
+
+# Qwen2.5-VL (tests/fixtures/vision/qwen25vl_it, scripts/fixtures/make_qwen25_vl_it.py): each
+# image's placeholders as many as its merged patches, M-RoPE positions in the language model.
+QWEN = os.path.join(HERE, "..", "fixtures", "vision", "qwen25vl_it")
+QREF = json.load(open(os.path.join(QWEN, "reference.json")))
+QCASES = {c["name"]: c for c in QREF["cases"]}
+QPAD = QREF["special_ids"]["<|image_pad|>"]
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    proc, base, model = start(os.path.abspath(QWEN), "--ctx", "512", "--exact")
+    yield Server(proc, base, model)
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("name", ["one_image", "two_images", "second_turn"])
+def test_qwen25_vl_chat_gets_transformers_tokens(qwen, name):
+    case = QCASES[name]
+    msgs = openai_messages(case)
+    r = qwen.raw("POST", "/tokenize", json={"model": qwen.model, "messages": msgs})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == case["input_ids"]
+    want = detok(qwen, case["generated"])
+    c = qwen.client().chat.completions.create(model=qwen.model, messages=msgs, max_tokens=6,
+                                               temperature=0, extra_body={"ignore_eos": True})
+    assert c.choices[0].message.content == want
+    assert c.usage.prompt_tokens == len(case["input_ids"])
+    text = ""
+    for chunk in qwen.client().chat.completions.create(model=qwen.model, messages=msgs, max_tokens=6,
+                                                        temperature=0, stream=True,
+                                                        extra_body={"ignore_eos": True}):
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+    assert text == want
+
+
+def test_qwen25_vl_second_turn_finds_the_image_in_the_prefix_cache(qwen):
+    first = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64("rgb_300x200.png")}},
+        {"type": "text", "text": "What is in this picture?"}]}]
+    c1 = qwen.client().chat.completions.create(model=qwen.model, messages=first, max_tokens=4, temperature=0)
+    second = first + [{"role": "assistant", "content": c1.choices[0].message.content},
+                      {"role": "user", "content": "And now?"}]
+    ids = qwen.raw("POST", "/tokenize", json={"model": qwen.model, "messages": second}).json()["tokens"]
+    image_end = max(i for i, t in enumerate(ids) if t == QPAD) + 1
+    before = encoded(qwen)
+    c2 = qwen.client().chat.completions.create(model=qwen.model, messages=second, max_tokens=4, temperature=0)
+    assert c2.usage.prompt_tokens_details.cached_tokens >= image_end
+    # The image's keys and values were found: the vision tower did not run again.
+    assert encoded(qwen) == before
+
+
+def encoded(server):
+    r = server.raw("GET", "/metrics")
+    assert r.status_code == 200, r.text
+    line = next(l for l in r.text.splitlines() if l.startswith("ferrum_images_encoded_total"))
+    return float(line.split()[-1])

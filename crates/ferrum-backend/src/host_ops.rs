@@ -97,6 +97,47 @@ pub fn add_low_rank_row(out: &mut [f32], low: &[f32], bt: &[f32]) {
     }
 }
 
+/// One row of [`Backend::rope_axes`](crate::Backend::rope_axes): `heads` heads of
+/// `head_dim`, pair `i` rotated by `pos[pair_axis[i]] · inv_freq[i]`. The angle is an f32
+/// product and its cosine and sine are rounded from f64, as the CPU backend's `rope` takes
+/// them, so a row whose axes agree is rotated to the same bits as by `rope`.
+pub fn rope_axes_row(
+    row: &mut [f32],
+    heads: usize,
+    head_dim: usize,
+    pos: &[u32],
+    pair_axis: &[u8],
+    p: &crate::RopeParams,
+) {
+    let half = p.inv_freq.len();
+    let (cos, sin): (Vec<f32>, Vec<f32>) = p
+        .inv_freq
+        .iter()
+        .zip(pair_axis)
+        .map(|(&f, &a)| {
+            let angle = (pos[a as usize] as f32 * f) as f64;
+            (angle.cos() as f32 * p.factor, angle.sin() as f32 * p.factor)
+        })
+        .unzip();
+    for head in row.chunks_exact_mut(head_dim).take(heads) {
+        match p.layout {
+            crate::RopeLayout::Neox => {
+                let (a, b) = head[..2 * half].split_at_mut(half);
+                for (((x0, x1), &c), &s) in a.iter_mut().zip(b).zip(&cos).zip(&sin) {
+                    (*x0, *x1) = (*x0 * c - *x1 * s, *x1 * c + *x0 * s);
+                }
+            }
+            crate::RopeLayout::Interleaved => {
+                for ((pair, &c), &s) in head[..2 * half].chunks_exact_mut(2).zip(&cos).zip(&sin) {
+                    let (x0, x1) = (pair[0], pair[1]);
+                    pair[0] = x0 * c - x1 * s;
+                    pair[1] = x1 * c + x0 * s;
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -384,6 +384,36 @@ pub trait Backend: Send + Sync {
     /// Rotates every head of `xv` in place; row `t` is at position `positions[t]`.
     fn rope(&self, x: &mut Self::Buf, xv: Rows, positions: &[u32], p: RopeParams);
 
+    /// [`Self::rope`] where each row has `axes` positions (`positions[t * axes + a]`) and
+    /// rotated pair `i` takes its angle from axis `pair_axis[i]`: multimodal RoPE (Qwen VL's
+    /// time, height and width positions of image rows; a vision tower's rows and columns).
+    /// Image rows only, a small share of a pass, so the default body runs on the host
+    /// ([`host_ops::rope_axes_row`]).
+    fn rope_axes(
+        &self,
+        x: &mut Self::Buf,
+        xv: Rows,
+        positions: &[u32],
+        axes: usize,
+        pair_axis: &[u8],
+        p: RopeParams,
+    ) {
+        assert_eq!(positions.len(), xv.count * axes, "rope_axes: positions");
+        assert_eq!(pair_axis.len(), p.inv_freq.len(), "rope_axes: pair axes");
+        assert!(pair_axis.iter().all(|&a| (a as usize) < axes));
+        assert!(
+            2 * p.inv_freq.len() <= xv.head_dim,
+            "rope_axes: head too small"
+        );
+        let (heads, head_dim) = (xv.heads, xv.head_dim);
+        let mut t = 0;
+        on_host(self, x, xv, |row| {
+            let pos = &positions[t * axes..(t + 1) * axes];
+            host_ops::rope_axes_row(row, heads, head_dim, pos, pair_axis, &p);
+            t += 1;
+        });
+    }
+
     /// Copies rows between views of equal width.
     fn copy_rows(&self, src: &Self::Buf, sv: Rows, dst: &mut Self::Buf, dv: Rows);
 

@@ -403,6 +403,21 @@ fn norms_and_rope<B: Backend>(h: &mut Harness<B>, rng: &mut StdRng) {
                         read(be, &xb)
                     }
                 );
+                // Three axes a row (M-RoPE), pairs spread over them in sections.
+                let axes: Vec<u32> = (0..3 * n).map(|_| rng.gen_range(0..5000)).collect();
+                let pair_axis: Vec<u8> =
+                    (0..inv.len()).map(|i| (3 * i / inv.len()) as u8).collect();
+                case!(
+                    h,
+                    "rope_axes",
+                    tol,
+                    format!("{c} {layout:?} rot {rot} ×{factor}"),
+                    |be| {
+                        let mut xb = buf(be, &x);
+                        be.rope_axes(&mut xb, xv, &axes, 3, &pair_axis, p);
+                        read(be, &xb)
+                    }
+                );
             }
         }
     }
@@ -1085,4 +1100,62 @@ fn the_harness_tells_a_wrong_backend_from_a_right_one() {
     let out = conform(&fast, strict, 9);
     let over = out.iter().filter(|o| o.err > o.tol).count();
     assert!(over > 10, "the strict bounds caught {over} cases");
+}
+
+/// `rope_axes` against the rotation written out pair by pair in f64, and, where a row's axes
+/// agree, against `rope` to the bit (text rows of an M-RoPE model rotate as plain RoPE).
+#[test]
+fn rope_axes_rotates_each_pair_by_its_axis() {
+    let be = CpuBackend::new();
+    let mut rng = StdRng::seed_from_u64(7);
+    let (n, heads, hd) = (5usize, 3usize, 16usize);
+    let x = rand_vec(&mut rng, n * heads * hd, 2.0);
+    let xv = Rows::dense(n, heads * hd).split_heads(hd);
+    let inv: Vec<f32> = (0..hd / 2)
+        .map(|i| 10000f32.powf(-2.0 * i as f32 / hd as f32))
+        .collect();
+    let pair_axis: Vec<u8> = [0u8, 0, 1, 1, 1, 2, 2, 2].to_vec();
+    let axes: Vec<u32> = (0..3 * n).map(|_| rng.gen_range(0..300)).collect();
+    for layout in [RopeLayout::Neox, RopeLayout::Interleaved] {
+        let p = RopeParams {
+            layout,
+            inv_freq: &inv,
+            factor: 1.0,
+        };
+        let mut got = buf(&be, &x);
+        be.rope_axes(&mut got, xv, &axes, 3, &pair_axis, p);
+        let got = read(&be, &got);
+        for t in 0..n {
+            for h in 0..heads {
+                for i in 0..hd / 2 {
+                    let angle = axes[3 * t + pair_axis[i] as usize] as f64 * inv[i] as f64;
+                    let (a, b) = match layout {
+                        RopeLayout::Neox => (i, i + hd / 2),
+                        RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+                    };
+                    let base = (t * heads + h) * hd;
+                    let (x0, x1) = (x[base + a] as f64, x[base + b] as f64);
+                    let want = [
+                        x0 * angle.cos() - x1 * angle.sin(),
+                        x1 * angle.cos() + x0 * angle.sin(),
+                    ];
+                    for (k, w) in [a, b].into_iter().zip(want) {
+                        let d = (got[base + k] as f64 - w).abs();
+                        assert!(d < 1e-4, "{layout:?} row {t} head {h} pair {i}: {d}");
+                    }
+                }
+            }
+        }
+        let same: Vec<u32> = (0..n).flat_map(|t| [axes[3 * t]; 3]).collect();
+        let mut a = buf(&be, &x);
+        be.rope_axes(&mut a, xv, &same, 3, &pair_axis, p);
+        let mut b = buf(&be, &x);
+        let plain: Vec<u32> = (0..n).map(|t| axes[3 * t]).collect();
+        be.rope(&mut b, xv, &plain, p);
+        assert_eq!(
+            read(&be, &a),
+            read(&be, &b),
+            "{layout:?}: equal axes as rope"
+        );
+    }
 }

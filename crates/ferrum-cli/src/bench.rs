@@ -472,7 +472,20 @@ fn image_bench<B: MakeBackend>(
         bail!("--image: this model has no vision tower (a GGUF model needs its mmproj file)");
     };
     let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    let rows = vision.max_rows();
+    let process = |vision: &ferrum_models::vision::Vision<B>| -> Result<_> {
+        let img = ferrum_image::decode(&bytes, &ferrum_image::Limits::default())
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let px = vision
+            .processor
+            .process(&img)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Ok(((img.width, img.height), px))
+    };
+    // The image's rows: fixed (Gemma 3) or from its size (Qwen VL).
+    let rows = match vision.grid(&process(vision)?.1) {
+        Some((h, w)) => h * w,
+        None => vision.max_rows(),
+    };
     let t = &vision.tokens;
     let tokens: Vec<u32> = t
         .begin
@@ -486,21 +499,17 @@ fn image_bench<B: MakeBackend>(
     // The first run is a warm-up (page faults of the mapped weights).
     for rep in 0..=a.reps {
         let t0 = Instant::now();
-        let img = ferrum_image::decode(&bytes, &ferrum_image::Limits::default())
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        size = (img.width, img.height);
         let vision = model.vision.as_ref().expect("checked above");
-        let px = vision
-            .processor
-            .process(&img)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let (wh, px) = process(vision)?;
+        size = wh;
         let t1 = Instant::now();
         let embeds = vision.encode(model.decoder.backend(), &px)?;
+        let grid = vision.grid(&px);
         let t2 = Instant::now();
         model.forward_with_images(
             &mut kv,
             &tokens,
-            &[embeds],
+            &[(embeds, grid)],
             ferrum_models::decoder::Logits::Last,
         )?;
         let t3 = Instant::now();

@@ -1036,7 +1036,7 @@ pub(crate) fn render_with_images<B: Backend>(
         anyhow::bail!("this model does not take images (it has no vision encoder)");
     };
     let tok = session.tokenizer();
-    let (marker, expansion) = vision
+    let text = vision
         .prompt_texts(|id| tok.inner().id_to_token(id))
         .context("the vocabulary lacks the model's image tokens")?;
     let mut all = Vec::new();
@@ -1065,7 +1065,7 @@ pub(crate) fn render_with_images<B: Backend>(
         kwargs,
         ferrum_tokenizer::SpecialTokens::Text,
         false,
-        (&marker, &expansion),
+        (&text.marker, &text.expansions(&all)),
     )?;
     Ok((ids, all))
 }

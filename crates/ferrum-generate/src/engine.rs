@@ -17,7 +17,9 @@ use std::collections::VecDeque;
 
 use ferrum_backend::Backend;
 use ferrum_core::{Error, Result};
-use ferrum_models::{Decoder, Embeds, KvCache, KvGroups, Logits, Model, SeqChunk, NO_BLOCK};
+use ferrum_models::{
+    Decoder, Embeds, ImageGrid, KvCache, KvGroups, Logits, Model, SeqChunk, NO_BLOCK,
+};
 use ferrum_tokenizer::Tokenizer;
 
 use crate::block_pool::{BlockPool, PrefixStats};
@@ -250,6 +252,8 @@ pub struct EngineStats {
     pub drafts: u64,
     pub drafted_tokens: u64,
     pub accepted_tokens: u64,
+    /// Images run through the vision tower (one whose rows the prefix cache held is not).
+    pub images_encoded: u64,
 }
 
 struct Seq {
@@ -291,17 +295,23 @@ struct Seq {
     root: u64,
     /// Its images' rows (from the vision tower) and where they sit.
     images: Vec<ImageSpan>,
+    /// Its images' grids where the model has M-RoPE (their rows' rotary positions).
+    grids: Vec<ImageGrid>,
     /// What the prefix cache hashes instead of `tokens` when there are images: each image's
     /// placeholders carry its content hash (halves in turn), so an image's keys and values
     /// are found again only for the same image.
     keys: Option<Vec<u32>>,
 }
 
-/// An image's rows in a sequence: positions `start..start + len`.
+/// An image's rows in a sequence: positions `start..start + len`. Its pixels wait until a
+/// pass first needs its rows: a later turn whose prefix cache holds the image's keys and
+/// values never runs it through the tower again.
 struct ImageSpan {
     start: usize,
     len: usize,
+    /// Empty until encoded.
     rows: Vec<f32>,
+    pixels: Option<ferrum_image::Processed>,
     bidirectional: bool,
 }
 
@@ -600,7 +610,7 @@ impl<B: Backend> Engine<B> {
                 }
             },
         };
-        let (images, keys) = self.image_spans(&req.prompt, &req.images)?;
+        let (images, grids, keys) = self.image_spans(&req.prompt, &req.images)?;
         let mask = match &req.constraint {
             None => None,
             Some(c) => {
@@ -663,20 +673,23 @@ impl<B: Backend> Engine<B> {
             adapter: req.adapter,
             root,
             images,
+            grids,
             keys,
         });
         Ok(id)
     }
 
-    /// A request's images run through the vision tower and placed at their placeholders,
-    /// and the tokens the prefix cache hashes for them.
+    /// A request's images placed at their placeholders (each checked to fill its span; the
+    /// tower runs when a pass first needs it: [`Self::encode_images`]), their grids for
+    /// M-RoPE (none for other models), and the tokens the prefix cache hashes for them.
+    #[allow(clippy::type_complexity)]
     fn image_spans(
         &self,
         prompt: &[u32],
         images: &[ferrum_image::Processed],
-    ) -> Result<(Vec<ImageSpan>, Option<Vec<u32>>)> {
+    ) -> Result<(Vec<ImageSpan>, Vec<ImageGrid>, Option<Vec<u32>>)> {
         if images.is_empty() {
-            return Ok((Vec::new(), None));
+            return Ok((Vec::new(), Vec::new(), None));
         }
         let Some(v) = &self.model.vision else {
             return Err(Error::InvalidRequest(
@@ -691,12 +704,19 @@ impl<B: Backend> Engine<B> {
                 "an image of {len} tokens does not fit in a step of {step} tokens (max_batch_tokens)"
             )));
         }
-        let h = self.model.decoder.config.hidden_size;
         let mut keys = prompt.to_vec();
         let mut out = Vec::with_capacity(images.len());
+        let mut grids = Vec::new();
         for (&(start, len), img) in spans.iter().zip(images) {
-            let rows = v.encode(self.model.decoder.backend(), img)?;
-            ferrum_models::vision::Vision::<B>::check_rows(&rows, len, h)?;
+            if let Some((h, w)) = v.grid(img) {
+                grids.push(ImageGrid { start, h, w });
+            }
+            if v.rows(img) != len {
+                return Err(Error::InvalidRequest(format!(
+                    "an image of {} rows for {len} placeholders",
+                    v.rows(img)
+                )));
+            }
             let hash = content_hash(img);
             for (i, k) in keys[start..start + len].iter_mut().enumerate() {
                 *k = if i % 2 == 0 {
@@ -708,11 +728,38 @@ impl<B: Backend> Engine<B> {
             out.push(ImageSpan {
                 start,
                 len,
-                rows,
+                rows: Vec::new(),
+                pixels: Some(img.clone()),
                 bidirectional: v.tokens.bidirectional,
             });
         }
-        Ok((out, Some(keys)))
+        Ok((out, grids, Some(keys)))
+    }
+
+    /// Runs through the vision tower each image a planned pass reaches whose rows are not
+    /// there yet (the prefix cache held none of it, or not all).
+    fn encode_images(&mut self, plan: &[Work]) -> Result<()> {
+        let Some(v) = &self.model.vision else {
+            return Ok(());
+        };
+        let h = self.model.decoder.config.hidden_size;
+        for w in plan {
+            let s = &mut self.running[w.seq];
+            let (from, to) = (s.computed, s.computed + w.n - w.draft.len());
+            for im in &mut s.images {
+                if !im.rows.is_empty() || im.start >= to || im.start + im.len <= from {
+                    continue;
+                }
+                let Some(px) = im.pixels.take() else {
+                    continue;
+                };
+                let rows = v.encode(self.model.decoder.backend(), &px)?;
+                ferrum_models::vision::Vision::<B>::check_rows(&rows, im.len, h)?;
+                im.rows = rows;
+                self.stats.images_encoded += 1;
+            }
+        }
+        Ok(())
     }
 
     /// [`Engine::embed`] of several inputs: a decoder embedder's run together, their chunks
@@ -783,6 +830,7 @@ impl<B: Backend> Engine<B> {
         if plan.is_empty() {
             return Ok(out);
         }
+        self.encode_images(&plan)?;
         self.stats.steps += 1;
         let max_seq = self.max_sequence();
         let vocab = self.model.decoder.config.vocab_size;
@@ -829,6 +877,7 @@ impl<B: Backend> Engine<B> {
                         state: s.slot,
                         adapter: s.adapter,
                         embeds,
+                        grids: &s.grids,
                     }
                 })
                 .collect();

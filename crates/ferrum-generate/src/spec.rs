@@ -264,6 +264,7 @@ impl<B: Backend> DraftModel<B> {
                         state: 0,
                         adapter: 0,
                         embeds: &[],
+                        grids: &[],
                     }
                 })
                 .collect();
@@ -304,6 +305,7 @@ impl<B: Backend> DraftModel<B> {
                         state: 0,
                         adapter: 0,
                         embeds: &[],
+                        grids: &[],
                     })
                     .collect();
                 let rows = self.model.decoder.forward_batch_view(

@@ -101,7 +101,10 @@ fn argmax(v: &[f32]) -> u32 {
 fn greedy(m: &mut Model<CpuBackend>, prompt: &[u32], images: &[Processed], n: usize) -> Vec<u32> {
     let v = m.vision.as_ref().unwrap();
     let be = m.decoder.backend();
-    let rows: Vec<Vec<f32>> = images.iter().map(|p| v.encode(be, p).unwrap()).collect();
+    let rows: Vec<ferrum_models::vision::EncodedImage> = images
+        .iter()
+        .map(|p| (v.encode(be, p).unwrap(), v.grid(p)))
+        .collect();
     let mut ids = prompt.to_vec();
     let mut out = Vec::new();
     for _ in 0..n {
@@ -266,14 +269,25 @@ fn images_must_match_their_placeholders() {
 /// tokens are `model.generate`'s.
 #[test]
 fn chats_with_images_match_transformers_processor_and_generate() {
-    let dir = fixtures().join("vision/gemma3_it");
+    chat_matches("vision/gemma3_it");
+}
+
+/// The same on tests/fixtures/vision/qwen25vl_it (scripts/fixtures/make_qwen25_vl_it.py:
+/// Qwen2.5-VL's chat template, each image's `<|image_pad|>` expanded by its own size).
+#[test]
+fn qwen25_vl_chats_match_transformers_processor_and_generate() {
+    chat_matches("vision/qwen25vl_it");
+}
+
+fn chat_matches(fixture: &str) {
+    let dir = fixtures().join(fixture);
     let reference: Json =
         serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
     let file = ModelFile::open(&dir).unwrap();
     let m = Model::load(&file, CpuBackend::exact(), &LoadOptions::default()).unwrap();
     let tok = Tokenizer::from_hf_dir(&dir).unwrap();
     let v = m.vision.as_ref().unwrap();
-    let (marker, expansion) = v.prompt_texts(|id| tok.inner().id_to_token(id)).unwrap();
+    let text = v.prompt_texts(|id| tok.inner().id_to_token(id)).unwrap();
     let config = EngineConfig {
         block_size: 4,
         kv_blocks: 256,
@@ -298,24 +312,6 @@ fn chats_with_images_match_transformers_processor_and_generate() {
                 }
             }
         }
-        let ids = e
-            .tokenizer
-            .chat_prompt_with_images(
-                messages.as_array().unwrap(),
-                true,
-                &Default::default(),
-                ferrum_tokenizer::SpecialTokens::Text,
-                false,
-                (&marker, &expansion),
-            )
-            .unwrap();
-        let want: Vec<u32> = case["input_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
-        assert_eq!(ids, want, "{}: prompt ids", case["name"]);
         let images: Vec<Processed> = case["images"]
             .as_array()
             .unwrap()
@@ -332,6 +328,24 @@ fn chats_with_images_match_transformers_processor_and_generate() {
                     .unwrap()
             })
             .collect();
+        let ids = e
+            .tokenizer
+            .chat_prompt_with_images(
+                messages.as_array().unwrap(),
+                true,
+                &Default::default(),
+                ferrum_tokenizer::SpecialTokens::Text,
+                false,
+                (&text.marker, &text.expansions(&images)),
+            )
+            .unwrap();
+        let want: Vec<u32> = case["input_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(ids, want, "{}: prompt ids", case["name"]);
         let mut r = Request::new(ids, 6);
         r.ignore_eos = true;
         r.images = images;
@@ -344,5 +358,75 @@ fn chats_with_images_match_transformers_processor_and_generate() {
             .map(|v| v.as_u64().unwrap() as u32)
             .collect();
         assert_eq!(tokens, generated, "{}: greedy tokens", case["name"]);
+    }
+}
+
+/// Qwen2.5-VL through the engine (tests/fixtures/vision/qwen25vl,
+/// scripts/fixtures/make_qwen25_vl.py): its image rows attend causally, so a small step cuts
+/// the prompt inside an image; whatever the cuts, and after the prefix cache served the image
+/// again, the tokens are transformers' first and then the model's own greedy ones, decoded at
+/// the M-RoPE positions past the images.
+#[test]
+fn qwen25_vl_generates_through_the_engine_at_any_cut() {
+    let reference: Json = serde_json::from_slice(
+        &std::fs::read(fixtures().join("vision/qwen25vl/reference.json")).unwrap(),
+    )
+    .unwrap();
+    let load = || {
+        let file = ModelFile::open(fixtures().join("vision/qwen25vl")).unwrap();
+        Model::load(&file, CpuBackend::exact(), &LoadOptions::default()).unwrap()
+    };
+    let mut m = load();
+    for case in reference["cases"].as_array().unwrap() {
+        let prompt: Vec<u32> = case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let images: Vec<Processed> = case["images"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| image(&m, n.as_str().unwrap()))
+            .collect();
+        let logits = case["logits_f32"].as_array().unwrap();
+        let last: Vec<f32> = logits[logits.len() - 1]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        let want = greedy(&mut m, &prompt, &images, 6);
+        assert_eq!(
+            want[0],
+            argmax(&last),
+            "{}: transformers' first token",
+            case["name"]
+        );
+        for step in [7, 64] {
+            let config = EngineConfig {
+                block_size: 4,
+                kv_blocks: 256,
+                max_batch_tokens: step,
+                max_running: 4,
+                prefix_caching: true,
+                spec_tokens: 0,
+                state_snapshots: 4,
+            };
+            let tok = Tokenizer::from_hf_dir(&fixtures().join("tiny/qwen3")).unwrap();
+            let mut e = Engine::new(load(), tok, config).unwrap();
+            let first = e.add(request(prompt.clone(), images.clone(), 6)).unwrap();
+            let (tokens, _) = run_all(&mut e).remove(&first).unwrap();
+            assert_eq!(tokens, want, "{} in steps of {step}", case["name"]);
+            // Again: the image's blocks come from the prefix cache.
+            let again = e.add(request(prompt.clone(), images.clone(), 6)).unwrap();
+            let (tokens, usage) = run_all(&mut e).remove(&again).unwrap();
+            assert_eq!(tokens, want, "{} cached, steps of {step}", case["name"]);
+            assert!(usage.cached_tokens >= prompt.len() - 4, "{usage:?}");
+            // The images whose keys and values were found were not encoded again.
+            let images = images.len() as u64;
+            assert_eq!(e.stats().images_encoded, images, "{}", case["name"]);
+        }
     }
 }

@@ -315,6 +315,63 @@ pub struct ModelConfig {
     /// How many dimensions the local layers rotate where it differs from `rotary_dim`
     /// (Gemma 4: its local heads are smaller than the global ones).
     pub local_rotary_dim: Option<usize>,
+    /// Multimodal RoPE (Qwen VL): image rows rotate by time, height and width positions,
+    /// pairs split between them as [`MRope`] says. Text rows, their three positions equal,
+    /// rotate as plain RoPE.
+    pub mrope: Option<MRope>,
+}
+
+/// How M-RoPE gives each rotated pair one of the three position axes (time, height, width).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MRope {
+    /// `mrope_section`: pairs per axis.
+    pub sections: [usize; 3],
+    /// Qwen3-VL's layout: pairs take the axes in turn (t, h, w, t, …) while each axis has
+    /// pairs left, the rest time. Qwen2-VL and Qwen2.5-VL: the sections in order.
+    pub interleaved: bool,
+}
+
+impl MRope {
+    /// The axis of each of `pairs` rotated pairs (pairs past the sections: time).
+    pub fn pair_axes(&self, pairs: usize) -> Vec<u8> {
+        let [t, h, _] = self.sections;
+        (0..pairs)
+            .map(|i| {
+                if self.interleaved {
+                    match i % 3 {
+                        1 if i < 3 * self.sections[1] => 1,
+                        2 if i < 3 * self.sections[2] => 2,
+                        _ => 0,
+                    }
+                } else if i < t {
+                    0
+                } else if i < t + h {
+                    1
+                } else {
+                    2
+                }
+            })
+            .collect()
+    }
+
+    /// From a config's `mrope_section` (in `rope_parameters` or the older `rope_scaling`).
+    pub fn from_hf(j: &Json, interleaved: bool) -> Option<MRope> {
+        let s = ["rope_parameters", "rope_scaling"]
+            .iter()
+            .find_map(|k| j.get(*k)?.get("mrope_section")?.as_array().cloned())?;
+        let v: Vec<usize> = s
+            .iter()
+            .filter_map(Json::as_u64)
+            .map(|v| v as usize)
+            .collect();
+        match v[..] {
+            [t, h, w] => Some(MRope {
+                sections: [t, h, w],
+                interleaved,
+            }),
+            _ => None,
+        }
+    }
 }
 
 /// How the query and key projections are normalised before RoPE.
@@ -645,6 +702,7 @@ impl ModelConfig {
             layer_scalar: false,
             v_norm: false,
             local_rotary_dim: None,
+            mrope: None,
         }
     }
 
@@ -1053,7 +1111,8 @@ pub(crate) fn parse_hf_scaling(s: &Json) -> Result<Option<RopeScaling>> {
         .unwrap_or("default");
     let f = |k: &str, d: f64| s.get(k).and_then(Json::as_f64).unwrap_or(d) as f32;
     Ok(match ty {
-        "default" => None,
+        // Qwen2-VL's `{"type": "mrope", "mrope_section": ...}`: sections, not a scaling.
+        "default" | "mrope" => None,
         "linear" => Some(RopeScaling::Linear {
             factor: f("factor", 1.0),
         }),

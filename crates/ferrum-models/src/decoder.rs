@@ -103,6 +103,46 @@ pub struct SeqChunk<'a> {
     /// Rows whose input is given instead of their token's embedding (an image's rows from
     /// a vision tower), in order of `row`.
     pub embeds: &'a [Embeds<'a>],
+    /// The sequence's images (all of them, at their positions in the sequence) where the
+    /// model has M-RoPE: they set the rotary positions of its rows ([`mrope_position`]).
+    pub grids: &'a [ImageGrid],
+}
+
+/// An image's place in a sequence for M-RoPE (Qwen VL): its rows are positions `start..start
+/// + h · w` of the sequence, an `h × w` grid of merged patches in row-major order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImageGrid {
+    pub start: usize,
+    pub h: usize,
+    pub w: usize,
+}
+
+/// The (time, height, width) rotary positions of position `p` of a sequence whose images sit
+/// at `grids` (in order), as transformers' `get_rope_index` gives them: text counts on from
+/// the last position used, an image's rows all share its first position in time and count
+/// rows and columns from it in height and width, and the text after an image resumes one
+/// past its largest position.
+pub fn mrope_position(grids: &[ImageGrid], p: usize) -> [u32; 3] {
+    let mut delta: i64 = 0;
+    for g in grids {
+        let n = g.h * g.w;
+        if p < g.start {
+            break;
+        }
+        if p < g.start + n {
+            let base = g.start as i64 + delta;
+            let r = p - g.start;
+            let w = g.w.max(1);
+            return [
+                base as u32,
+                (base + (r / w) as i64) as u32,
+                (base + (r % w) as i64) as u32,
+            ];
+        }
+        delta += g.h.max(g.w) as i64 - n as i64;
+    }
+    let q = (p as i64 + delta) as u32;
+    [q; 3]
 }
 
 /// Rows `row..row + values.len() / hidden` of a chunk take `values` as their input (after
@@ -228,6 +268,8 @@ pub struct Decoder<B: Backend> {
     final_norm: B::Weight,
     layers: Vec<Layer<B>>,
     inv_freq: Vec<f32>,
+    /// M-RoPE's axis of each rotated pair.
+    pair_axis: Option<Vec<u8>>,
     /// Gemma 3's local layers' RoPE frequencies.
     local_inv_freq: Option<Vec<f32>>,
     per_layer: Option<PerLayerModel<B::Weight>>,
@@ -336,6 +378,9 @@ impl<B: Backend> Decoder<B> {
         let state = State::new(be, c, CHUNK);
         Ok(Decoder {
             inv_freq: config.rope_inv_freq(),
+            pair_axis: config
+                .mrope
+                .map(|m| m.pair_axes(config.rope_inv_freq().len())),
             local_inv_freq: config.local_inv_freq(),
             per_layer,
             kv_groups: KvGroups::new(&config.layers),
@@ -573,12 +618,14 @@ impl<B: Backend> Decoder<B> {
 
     /// [`forward`](Self::forward) of a fresh sequence (from position 0) whose rows `embeds`
     /// name take the given values: passes of up to [`Self::pass_capacity`] tokens, never
-    /// cutting a bidirectional span (a causal one may be cut).
+    /// cutting a bidirectional span (a causal one may be cut). `grids`: the images' places
+    /// for M-RoPE (empty for other models).
     pub fn forward_embedded(
         &mut self,
         kv: &mut KvCache<B>,
         tokens: &[u32],
         embeds: &[Embeds],
+        grids: &[ImageGrid],
         want: Logits,
     ) -> Result<Vec<f32>> {
         let h = self.config.hidden_size;
@@ -627,6 +674,7 @@ impl<B: Backend> Decoder<B> {
                 state: 0,
                 adapter: 0,
                 embeds: &chunk_embeds,
+                grids,
             };
             match self.forward_rows(kv, &[seq]) {
                 Ok(rows) => {
@@ -690,6 +738,7 @@ impl<B: Backend> Decoder<B> {
                 state: 0,
                 adapter,
                 embeds: &[],
+                grids: &[],
             };
             match self.forward_rows(kv, &[seq]) {
                 Ok(rows) => after(self, chunk, rows),
@@ -778,6 +827,7 @@ impl<B: Backend> Decoder<B> {
                     state: i,
                     adapter: 0,
                     embeds: &[],
+                    grids: &[],
                 });
                 owners.push((i, take));
                 budget -= take;
@@ -868,6 +918,9 @@ impl<B: Backend> Decoder<B> {
         }
         let mut tokens = Vec::with_capacity(n);
         let mut positions = Vec::with_capacity(n);
+        // Three rotary positions a row, kept where some sequence has images under M-RoPE.
+        let mut axes: Vec<u32> = Vec::new();
+        let mut any_image = false;
         let mut want_rows = Vec::new();
         for s in seqs {
             if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
@@ -936,7 +989,19 @@ impl<B: Backend> Decoder<B> {
                 Logits::All => want_rows.extend((row..row + m).map(|r| r as u32)),
             }
             tokens.extend_from_slice(s.tokens);
-            positions.extend((s.start..end).map(|p| p as u32));
+            if self.pair_axis.is_some() && !s.grids.is_empty() {
+                for p in s.start..end {
+                    let a = mrope_position(s.grids, p);
+                    positions.push(a[0]);
+                    axes.extend_from_slice(&a);
+                }
+                any_image = true;
+            } else {
+                positions.extend((s.start..end).map(|p| p as u32));
+                if self.pair_axis.is_some() {
+                    axes.extend((s.start..end).flat_map(|p| [p as u32; 3]));
+                }
+            }
         }
         if n == 0 {
             return Ok(0);
@@ -951,7 +1016,8 @@ impl<B: Backend> Decoder<B> {
                 ));
             }
         }
-        self.run_layers(kv, &tokens, &positions, seqs)?;
+        let axes = any_image.then_some(&axes[..]);
+        self.run_layers(kv, &tokens, &positions, axes, seqs)?;
         self.head(n, &want_rows);
         // A device runs the pass here; its fault (out of memory, lost) fails the pass.
         self.backend.sync()?;
@@ -963,6 +1029,7 @@ impl<B: Backend> Decoder<B> {
         kv: &mut KvCache<B>,
         tokens: &[u32],
         positions: &[u32],
+        axes: Option<&[u32]>,
         seqs: &[SeqChunk],
     ) -> Result<()> {
         let c = &self.config;
@@ -1086,6 +1153,7 @@ impl<B: Backend> Decoder<B> {
                         positions,
                         seqs: &attn_seqs[group],
                         rope,
+                        axes: axes.zip(self.pair_axis.as_deref()),
                         params: AttentionParams {
                             n_kv_heads: attn.kv_heads,
                             scale: c.attn_scale,
@@ -1120,6 +1188,7 @@ impl<B: Backend> Decoder<B> {
                         positions,
                         seqs: &attn_seqs[group],
                         rope,
+                        axes: None,
                         params: AttentionParams {
                             n_kv_heads: 1,
                             scale: c.attn_scale,

@@ -584,6 +584,9 @@ pub struct AttnInputs<'a> {
     pub seqs: &'a [AttnSeq<'a>],
     /// `None`: this layer does not rotate.
     pub rope: Option<RopeParams<'a>>,
+    /// M-RoPE where the pass has image rows: three positions a row (time, height, width)
+    /// and the axis of each rotated pair; `positions` is then the time axis.
+    pub axes: Option<(&'a [u32], &'a [u8])>,
     pub params: AttentionParams<'a>,
     /// The query temperature's `(beta, floor)` (see [`ModelConfig::attn_temp`]).
     pub temp: Option<(f32, usize)>,
@@ -708,11 +711,20 @@ impl<B: Backend> Attention<B> {
         if let Some(vn) = self.v_norm.as_ref().filter(|_| writes_kv) {
             be.rms_norm_inplace(qkv, v_view.split_heads(hd), vn, c.rms_eps);
         }
-        if let Some(rope) = a.rope {
-            be.rope(qkv, q_view, a.positions, rope);
-            if writes_kv {
-                be.rope(qkv, k_view, a.positions, rope);
+        match (a.rope, a.axes) {
+            (Some(rope), Some((axes, pair_axis))) => {
+                be.rope_axes(qkv, q_view, axes, 3, pair_axis, rope);
+                if writes_kv {
+                    be.rope_axes(qkv, k_view, axes, 3, pair_axis, rope);
+                }
             }
+            (Some(rope), None) => {
+                be.rope(qkv, q_view, a.positions, rope);
+                if writes_kv {
+                    be.rope(qkv, k_view, a.positions, rope);
+                }
+            }
+            (None, _) => {}
         }
         if let Some(f) = a.temperature() {
             be.scale_rows(qkv, q_cols, &f);

@@ -25,7 +25,10 @@ use ferrum_core::{DType, Error, Result};
 use ferrum_loader::ModelFile;
 
 pub use config::{Arch, ModelConfig, MoeConfig};
-pub use decoder::{Decoder, Embeds, KvCache, KvGroups, Logits, SeqChunk, WeightSource, NO_BLOCK};
+pub use decoder::{
+    mrope_position, Decoder, Embeds, ImageGrid, KvCache, KvGroups, Logits, SeqChunk, WeightSource,
+    NO_BLOCK,
+};
 
 /// Which architecture a file holds: GGUF `general.architecture`, or a Hugging Face
 /// `architectures` class / `model_type`.
@@ -235,13 +238,13 @@ impl<B: Backend> Model<B> {
     }
 
     /// Logits of `tokens` (from position 0 of `kv`) whose image placeholders take `images`'
-    /// rows, in order ([`vision::Vision::encode`]'s output, one entry an image): scoring
-    /// and tests; the engine splices them itself.
+    /// rows, in order ([`vision::Vision::encode`]'s output and [`vision::Vision::grid`]'s,
+    /// one entry an image): scoring and tests; the engine splices them itself.
     pub fn forward_with_images(
         &mut self,
         kv: &mut KvCache<B>,
         tokens: &[u32],
-        images: &[Vec<f32>],
+        images: &[vision::EncodedImage],
         want: Logits,
     ) -> Result<Vec<f32>> {
         let Some(v) = &self.vision else {
@@ -255,15 +258,24 @@ impl<B: Backend> Model<B> {
         let spans = v.place(tokens, images.len())?;
         let h = self.decoder.config.hidden_size;
         let mut embeds = Vec::with_capacity(spans.len());
-        for (&(row, len), rows) in spans.iter().zip(images) {
+        let mut grids = Vec::new();
+        for (&(row, len), (rows, grid)) in spans.iter().zip(images) {
             vision::Vision::<B>::check_rows(rows, len, h)?;
             embeds.push(decoder::Embeds {
                 row,
                 values: rows,
                 bidirectional: v.tokens.bidirectional,
             });
+            if let Some((gh, gw)) = *grid {
+                grids.push(decoder::ImageGrid {
+                    start: row,
+                    h: gh,
+                    w: gw,
+                });
+            }
         }
-        self.decoder.forward_embedded(kv, tokens, &embeds, want)
+        self.decoder
+            .forward_embedded(kv, tokens, &embeds, &grids, want)
     }
 
     pub fn open(path: impl AsRef<Path>, backend: B, opts: &LoadOptions) -> Result<Model<B>> {

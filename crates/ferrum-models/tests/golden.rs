@@ -271,6 +271,7 @@ fn batch_logits_read_in_place_equal_the_copied_ones() {
                 state: 0,
                 adapter: 0,
                 embeds: &[],
+                grids: &[],
             },
             SeqChunk {
                 tokens: sb,
@@ -280,6 +281,7 @@ fn batch_logits_read_in_place_equal_the_copied_ones() {
                 state: 0,
                 adapter: 0,
                 embeds: &[],
+                grids: &[],
             },
         ];
         let copied = m.decoder.forward_batch(&mut copied_kv, &seqs).unwrap();

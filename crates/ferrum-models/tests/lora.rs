@@ -91,6 +91,7 @@ fn run(be: CpuBackend, base: &Path, adapter: &Path, tokens: &[u32]) -> Vec<Vec<f
         state: 0,
         adapter: id,
         embeds: &[],
+        grids: &[],
     };
     let v = m.decoder.config.vocab_size;
     let all = m.decoder.forward_batch(&mut kv, &[chunk]).unwrap();
@@ -221,6 +222,7 @@ fn a_batch_of_adapters_gives_each_row_its_own_logits() {
                 state: 0,
                 adapter: ids[k],
                 embeds: &[],
+                grids: &[],
             };
             rows.push(m.decoder.forward_batch(&mut kv, &[c]).unwrap());
         }
@@ -239,6 +241,7 @@ fn a_batch_of_adapters_gives_each_row_its_own_logits() {
                 state: 0,
                 adapter: ids[k],
                 embeds: &[],
+                grids: &[],
             })
             .collect();
         let out = m.decoder.forward_batch(&mut kv, &chunks).unwrap();

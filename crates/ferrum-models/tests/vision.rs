@@ -1,6 +1,7 @@
 //! Vision-language models against transformers (issue 45): tests/fixtures/vision/gemma3 is a
 //! tiny random-weight Gemma3ForConditionalGeneration with transformers' image features and
-//! logits (scripts/fixtures/make_gemma3_vision.py).
+//! logits (scripts/fixtures/make_gemma3_vision.py); tests/fixtures/vision/qwen25vl a
+//! Qwen2_5_VLForConditionalGeneration (scripts/fixtures/make_qwen25_vl.py).
 
 use std::path::PathBuf;
 
@@ -17,8 +18,45 @@ fn fixture(rel: &str) -> PathBuf {
 }
 
 fn reference() -> Json {
-    serde_json::from_slice(&std::fs::read(fixture("vision/gemma3/reference.json")).unwrap())
+    reference_of("gemma3")
+}
+
+fn reference_of(dir: &str) -> Json {
+    serde_json::from_slice(
+        &std::fs::read(fixture(&format!("vision/{dir}/reference.json"))).unwrap(),
+    )
+    .unwrap()
+}
+
+/// The fixture images named by `names` processed by `vision`'s processor.
+fn processed<B: ferrum_backend::Backend>(
+    vision: &Vision<B>,
+    names: &Json,
+) -> Vec<ferrum_image::Processed> {
+    names
+        .as_array()
         .unwrap()
+        .iter()
+        .map(|n| {
+            let bytes = std::fs::read(fixture(&format!(
+                "vision/processor/{}",
+                n.as_str().unwrap()
+            )))
+            .unwrap();
+            let img = decode(&bytes, &Limits::default()).unwrap();
+            vision.processor.process(&img).unwrap()
+        })
+        .collect()
+}
+
+/// Each image's rows from the tower and its grid, as `forward_with_images` takes them.
+type Encoded = Vec<ferrum_models::vision::EncodedImage>;
+
+fn encoded<B: ferrum_backend::Backend>(vision: &Vision<B>, be: &B, names: &Json) -> Encoded {
+    processed(vision, names)
+        .iter()
+        .map(|p| (vision.encode(be, p).unwrap(), vision.grid(p)))
+        .collect()
 }
 
 fn floats(v: &Json) -> Vec<f32> {
@@ -87,23 +125,7 @@ fn gemma3_logits_with_images_match_transformers() {
                 .map(|v| v.as_u64().unwrap() as u32)
                 .collect();
             let vision = model.vision.as_ref().unwrap();
-            let be = model.decoder.backend();
-            let images: Vec<Vec<f32>> = case["images"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|name| {
-                    let bytes = std::fs::read(fixture(&format!(
-                        "vision/processor/{}",
-                        name.as_str().unwrap()
-                    )))
-                    .unwrap();
-                    let img = decode(&bytes, &Limits::default()).unwrap();
-                    vision
-                        .encode(be, &vision.processor.process(&img).unwrap())
-                        .unwrap()
-                })
-                .collect();
+            let images = encoded(vision, model.decoder.backend(), &case["images"]);
             let mut kv = model.decoder.alloc_kv_tokens(ids.len());
             let got = model
                 .forward_with_images(&mut kv, &ids, &images, Logits::All)
@@ -142,7 +164,7 @@ fn mismatched_images_are_refused() {
         .unwrap_err();
     assert!(e.to_string().contains("0 images for 1"), "{e}");
     let e = model
-        .forward_with_images(&mut kv, &ids, &[vec![0.0; 64]], Logits::Last)
+        .forward_with_images(&mut kv, &ids, &[(vec![0.0; 64], None)], Logits::Last)
         .unwrap_err();
     assert!(e.to_string().contains("1 rows for 4"), "{e}");
 }
@@ -164,7 +186,7 @@ fn gemma3_from_gguf_with_mmproj_matches_transformers() {
     // No --mmproj: the file beside the model is found.
     let mut model = Model::load(&file, CpuBackend::exact(), &LoadOptions::default()).unwrap();
     let v = model.vision.as_ref().expect("the mmproj beside the model");
-    let (marker, expansion) = v.prompt_texts(|id| tok.inner().id_to_token(id)).unwrap();
+    let text = v.prompt_texts(|id| tok.inner().id_to_token(id)).unwrap();
     let reference: Json =
         serde_json::from_slice(&std::fs::read(fixture("vision/gemma3_it/reference.json")).unwrap())
             .unwrap();
@@ -177,6 +199,8 @@ fn gemma3_from_gguf_with_mmproj_matches_transformers() {
                 }
             }
         }
+        let v = model.vision.as_ref().unwrap();
+        let pixels = processed(v, &case["images"]);
         let ids = tok
             .chat_prompt_with_images(
                 messages.as_array().unwrap(),
@@ -184,7 +208,7 @@ fn gemma3_from_gguf_with_mmproj_matches_transformers() {
                 &Default::default(),
                 ferrum_tokenizer::SpecialTokens::Text,
                 false,
-                (&marker, &expansion),
+                (&text.marker, &text.expansions(&pixels)),
             )
             .unwrap();
         let want: Vec<u32> = case["input_ids"]
@@ -195,21 +219,7 @@ fn gemma3_from_gguf_with_mmproj_matches_transformers() {
             .collect();
         assert_eq!(ids, want, "{}: prompt ids", case["name"]);
         let v = model.vision.as_ref().unwrap();
-        let be = model.decoder.backend();
-        let images: Vec<Vec<f32>> = case["images"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|n| {
-                let bytes = std::fs::read(fixture(&format!(
-                    "vision/processor/{}",
-                    n.as_str().unwrap()
-                )))
-                .unwrap();
-                let img = decode(&bytes, &Limits::default()).unwrap();
-                v.encode(be, &v.processor.process(&img).unwrap()).unwrap()
-            })
-            .collect();
+        let images = encoded(v, model.decoder.backend(), &case["images"]);
         let mut kv = model.decoder.alloc_kv_tokens(ids.len());
         let got = model
             .forward_with_images(&mut kv, &ids, &images, Logits::Last)
@@ -225,5 +235,242 @@ fn gemma3_from_gguf_with_mmproj_matches_transformers() {
         println!("gguf {}: last logits max |diff| {d:.3e}", case["name"]);
         assert!(d < 2e-3, "{}: {d}", case["name"]);
         assert_eq!(argmax(&got), argmax(&want), "{}", case["name"]);
+    }
+}
+
+fn ids_of(case: &Json) -> Vec<u32> {
+    case["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[test]
+fn qwen25_vl_image_features_match_transformers() {
+    let file = ModelFile::open(fixture("vision/qwen25vl")).unwrap();
+    let be = CpuBackend::exact();
+    let vision = Vision::load(&file, None, &be)
+        .unwrap()
+        .expect("a vision tower");
+    for case in reference_of("qwen25vl")["cases"].as_array().unwrap() {
+        let pixels = processed(&vision, &case["images"]);
+        for ((p, want), grid) in pixels
+            .iter()
+            .zip(case["features"].as_array().unwrap())
+            .zip(case["grids"].as_array().unwrap())
+        {
+            let want_grid: Vec<usize> = grid
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as usize)
+                .collect();
+            assert_eq!(p.grid.map(|g| g.to_vec()), Some(want_grid));
+            let got = vision.encode(&be, p).unwrap();
+            let d = worst(&got, &floats(want));
+            println!("{}: features max |diff| {d:.3e}", case["name"]);
+            assert!(d < 1e-5, "{}: {d}", case["name"]);
+        }
+    }
+}
+
+/// The M-RoPE positions of every token are transformers' `get_rope_index`.
+#[test]
+fn qwen25_vl_rope_positions_match_transformers() {
+    use ferrum_models::{mrope_position, ImageGrid};
+    for case in reference_of("qwen25vl")["cases"].as_array().unwrap() {
+        let ids = ids_of(case);
+        let mut grids = Vec::new();
+        let mut at = 0;
+        for g in case["grids"].as_array().unwrap() {
+            let g: Vec<usize> = floats(g).iter().map(|&v| v as usize).collect();
+            let start = at + ids[at..].iter().position(|&t| t == 310).unwrap();
+            let (h, w) = (g[1] / 2, g[2] / 2);
+            grids.push(ImageGrid { start, h, w });
+            at = start + h * w;
+        }
+        let want = case["positions"].as_array().unwrap();
+        for p in 0..ids.len() {
+            let got = mrope_position(&grids, p);
+            for (axis, row) in want.iter().enumerate() {
+                assert_eq!(
+                    got[axis] as u64,
+                    row[p].as_u64().unwrap(),
+                    "{} at {p}",
+                    case["name"]
+                );
+            }
+        }
+    }
+}
+
+/// The logits of every position with one and with two images (M-RoPE positions, windowed
+/// tower): the exact path within 1e-5 of transformers' f32, the default path within
+/// transformers' own bf16 error.
+#[test]
+fn qwen25_vl_logits_with_images_match_transformers() {
+    use ferrum_models::{LoadOptions, Logits, Model};
+    for (exact, label) in [(true, "exact"), (false, "default")] {
+        let be = if exact {
+            CpuBackend::exact()
+        } else {
+            CpuBackend::new()
+        };
+        let mut model =
+            Model::open(fixture("vision/qwen25vl"), be, &LoadOptions::default()).unwrap();
+        for case in reference_of("qwen25vl")["cases"].as_array().unwrap() {
+            let ids = ids_of(case);
+            let vision = model.vision.as_ref().unwrap();
+            let images = encoded(vision, model.decoder.backend(), &case["images"]);
+            let mut kv = model.decoder.alloc_kv_tokens(ids.len());
+            let got = model
+                .forward_with_images(&mut kv, &ids, &images, Logits::All)
+                .unwrap();
+            let f32_ref = floats(&case["logits_f32"]);
+            let bf16 = worst(&floats(&case["logits_bf16"]), &f32_ref);
+            let d = worst(&got, &f32_ref);
+            println!(
+                "{label} {}: max |diff| {d:.3e} (transformers bf16: {bf16:.3e}; plain positions would be {})",
+                case["name"], case["max_diff_if_plain_positions"]
+            );
+            if exact {
+                assert!(d < 1e-5, "{}: {d}", case["name"]);
+            } else {
+                assert!(d <= bf16, "{}: {d} > {bf16}", case["name"]);
+            }
+        }
+    }
+}
+
+/// Qwen2.5-VL from GGUF: llama.cpp's conversion of tests/fixtures/vision/qwen25vl_it (its
+/// `qwen2vl` language model with rope sections, the `qwen2.5vl_merger` mmproj beside it;
+/// scripts/fixtures/make_qwen25_vl_gguf.py). With the checkpoint's own processor (the GGUF
+/// path's default is llama.cpp's 8 to 4096 image tokens), the GGUF's tokenizer and template
+/// give transformers' processor's ids and the last logits are transformers'.
+#[test]
+fn qwen25_vl_from_gguf_with_mmproj_matches_transformers() {
+    use ferrum_models::{LoadOptions, Logits, Model};
+    let file = ModelFile::open(fixture("vision/qwen25vl_it_gguf/model-f32.gguf")).unwrap();
+    let ModelFile::Gguf(g) = &file else {
+        unreachable!()
+    };
+    let tok = ferrum_tokenizer::Tokenizer::from_gguf(g).unwrap();
+    let mut model = Model::load(&file, CpuBackend::exact(), &LoadOptions::default()).unwrap();
+    let hf = Vision::load(
+        &ModelFile::open(fixture("vision/qwen25vl_it")).unwrap(),
+        None,
+        &CpuBackend::exact(),
+    )
+    .unwrap()
+    .unwrap();
+    let v = model.vision.as_mut().expect("the mmproj beside the model");
+    assert!(matches!(
+        v.processor,
+        ferrum_image::Processor::QwenVl {
+            min_pixels: 6272,
+            max_pixels: 3211264,
+            ..
+        }
+    ));
+    v.processor = hf.processor.clone();
+    let text = v.prompt_texts(|id| tok.inner().id_to_token(id)).unwrap();
+    for case in reference_of("qwen25vl_it")["cases"].as_array().unwrap() {
+        let mut messages = case["messages"].clone();
+        for m in messages.as_array_mut().unwrap() {
+            if let Some(parts) = m["content"].as_array_mut() {
+                for p in parts.iter_mut().filter(|p| p["type"] == "image") {
+                    *p = serde_json::json!({"type": "image"});
+                }
+            }
+        }
+        let v = model.vision.as_ref().unwrap();
+        let pixels = processed(v, &case["images"]);
+        let ids = tok
+            .chat_prompt_with_images(
+                messages.as_array().unwrap(),
+                true,
+                &Default::default(),
+                ferrum_tokenizer::SpecialTokens::Text,
+                false,
+                (&text.marker, &text.expansions(&pixels)),
+            )
+            .unwrap();
+        let want: Vec<u32> = case["input_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(ids, want, "{}: prompt ids", case["name"]);
+        let images = encoded(v, model.decoder.backend(), &case["images"]);
+        let mut kv = model.decoder.alloc_kv_tokens(ids.len());
+        let got = model
+            .forward_with_images(&mut kv, &ids, &images, Logits::Last)
+            .unwrap();
+        let d = worst(&got, &floats(&case["last_logits"]));
+        println!("gguf {}: last logits max |diff| {d:.3e}", case["name"]);
+        assert!(d < 1e-4, "{}: {d}", case["name"]);
+    }
+}
+
+/// The GGUF pair against llama.cpp's `mtmd` itself (scripts/fixtures/qwen25_vl_llamacpp_reference.py):
+/// on images already at the size both engines resize to, the chat template, the image's
+/// placeholders, the tower, the M-RoPE positions and greedy decoding give the answer
+/// llama-mtmd-cli printed, byte for byte (compared as text, invalid UTF-8 replaced alike).
+#[test]
+fn qwen25_vl_gguf_answers_as_llama_cpp_mtmd() {
+    use ferrum_models::{LoadOptions, Logits, Model};
+    let dir = fixture("vision/qwen25vl_it_gguf");
+    let file = ModelFile::open(dir.join("model-f32.gguf")).unwrap();
+    let ModelFile::Gguf(g) = &file else {
+        unreachable!()
+    };
+    let tok = ferrum_tokenizer::Tokenizer::from_gguf(g).unwrap();
+    let mut model = Model::load(&file, CpuBackend::exact(), &LoadOptions::default()).unwrap();
+    let reference: Json =
+        serde_json::from_slice(&std::fs::read(dir.join("llamacpp.json")).unwrap()).unwrap();
+    for case in reference["cases"].as_array().unwrap() {
+        let v = model.vision.as_ref().unwrap();
+        let text = v.prompt_texts(|id| tok.inner().id_to_token(id)).unwrap();
+        let bytes = std::fs::read(dir.join(case["image"].as_str().unwrap())).unwrap();
+        let px = v
+            .processor
+            .process(&decode(&bytes, &Limits::default()).unwrap())
+            .unwrap();
+        let messages = [serde_json::json!({"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": case["prompt"]}]})];
+        let mut ids = tok
+            .chat_prompt_with_images(
+                &messages,
+                true,
+                &Default::default(),
+                ferrum_tokenizer::SpecialTokens::Text,
+                false,
+                (&text.marker, &text.expansions(std::slice::from_ref(&px))),
+            )
+            .unwrap();
+        let images = [(v.encode(model.decoder.backend(), &px).unwrap(), v.grid(&px))];
+        let prompt = ids.len();
+        for _ in 0..case["tokens"].as_u64().unwrap() {
+            let mut kv = model.decoder.alloc_kv_tokens(ids.len());
+            let l = model
+                .forward_with_images(&mut kv, &ids, &images, Logits::Last)
+                .unwrap();
+            let next = l
+                .iter()
+                .enumerate()
+                .fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b })
+                .0;
+            ids.push(next as u32);
+        }
+        let got = tok.decode(&ids[prompt..], true).unwrap();
+        let hex = case["answer_hex"].as_str().unwrap();
+        let want: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+            .collect();
+        assert_eq!(got, String::from_utf8_lossy(&want), "{}", case["image"]);
     }
 }

@@ -166,6 +166,12 @@ impl Metrics {
             s.accepted_tokens as f64,
         );
         gauge(
+            "ferrum_images_encoded_total",
+            "Images run through the vision tower (an image the prefix cache held is not).",
+            "counter",
+            s.images_encoded as f64,
+        );
+        gauge(
             "ferrum_spec_acceptance_ratio",
             "Share of drafted tokens kept, since start (0 before any draft).",
             "gauge",

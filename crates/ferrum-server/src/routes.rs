@@ -651,7 +651,8 @@ pub(crate) async fn render_prompt_images(
                     .map_err(|e| ApiError::param("messages", format!("image {}: {e}", i + 1)))
             })
             .collect::<Result<Vec<_>, ApiError>>()?;
-        let expand = (vision.marker.as_str(), vision.expansion.as_str());
+        let expansions = vision.text.expansions(&processed);
+        let expand = (vision.text.marker.as_str(), &expansions[..]);
         let escaped = st.content_special == SpecialTokens::Text;
         let ids = st.tokenizer.chat_prompt_with_images(
             &messages,

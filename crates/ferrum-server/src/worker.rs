@@ -143,14 +143,12 @@ pub struct ModelCard {
 }
 
 /// How a vision model's images enter a chat: the processor that prepares them, and the
-/// text the chat template writes for each (`marker`) with what it becomes before the prompt
-/// is tokenized (`expansion`: the model's placeholder tokens, as its Hugging Face processor
-/// expands them).
+/// text the chat template writes for each with what it becomes before the prompt is
+/// tokenized (the model's placeholder tokens, as its Hugging Face processor expands them).
 #[derive(Debug, Clone)]
 pub struct VisionCard {
     pub processor: ferrum_image::Processor,
-    pub marker: String,
-    pub expansion: String,
+    pub text: ferrum_models::vision::ImageText,
 }
 
 /// State the handlers read without asking the worker.
@@ -340,11 +338,9 @@ pub fn spawn<B: Backend + 'static>(
                 adapter: 0,
                 vision: engine.model.vision.as_ref().and_then(|v| {
                     let text = |id| engine.tokenizer.inner().id_to_token(id);
-                    let (marker, expansion) = v.prompt_texts(text)?;
                     Some(std::sync::Arc::new(VisionCard {
                         processor: v.processor.clone(),
-                        marker,
-                        expansion,
+                        text: v.prompt_texts(text)?,
                     }))
                 }),
             });

@@ -223,10 +223,11 @@ impl Tokenizer {
     }
 
     /// [`Tokenizer::chat_prompt`] (`escaped`: [`Tokenizer::chat_prompt_escaped`]) of a
-    /// conversation with images: each `marker` the template writes (an image's place) is
-    /// replaced by `expansion` in the rendered text before it is tokenized, as a vision
-    /// model's Hugging Face processor expands it. Markers in the request's own strings were
-    /// escaped with them ([`SpecialTokens::Text`]) and stay text.
+    /// conversation with images: the k-th `marker` the template writes (an image's place)
+    /// is replaced by `expansions[k]` in the rendered text before it is tokenized, as a
+    /// vision model's Hugging Face processor expands it (markers past the last expansion stay
+    /// as written). Markers in the request's own strings were escaped with them
+    /// ([`SpecialTokens::Text`]) and stay text.
     pub fn chat_prompt_with_images<M: serde::Serialize>(
         &self,
         messages: &[M],
@@ -234,7 +235,7 @@ impl Tokenizer {
         kwargs: &serde_json::Map<String, serde_json::Value>,
         special: SpecialTokens,
         escaped: bool,
-        (marker, expansion): (&str, &str),
+        (marker, expansions): (&str, &[String]),
     ) -> Result<Vec<u32>> {
         self.chat_prompt_inner(
             messages,
@@ -242,7 +243,7 @@ impl Tokenizer {
             kwargs,
             special,
             escaped,
-            Some((marker, expansion)),
+            Some((marker, expansions)),
         )
     }
 
@@ -290,7 +291,7 @@ impl Tokenizer {
         kwargs: &serde_json::Map<String, serde_json::Value>,
         special: SpecialTokens,
         escaped: bool,
-        expand: Option<(&str, &str)>,
+        expand: Option<(&str, &[String])>,
     ) -> Result<Vec<u32>> {
         let as_text = special == SpecialTokens::Text;
         let to_json = |v| {
@@ -344,7 +345,18 @@ impl Tokenizer {
             None => harmony::render(messages, &kwargs, &chat::today())?,
         };
         let text = match expand {
-            Some((marker, expansion)) if !marker.is_empty() => text.replace(marker, expansion),
+            Some((marker, expansions)) if !marker.is_empty() => {
+                let mut out = String::with_capacity(text.len());
+                let mut rest = text.as_str();
+                let mut each = expansions.iter();
+                while let Some(at) = rest.find(marker) {
+                    out.push_str(&rest[..at]);
+                    out.push_str(each.next().map_or(marker, String::as_str));
+                    rest = &rest[at + marker.len()..];
+                }
+                out.push_str(rest);
+                out
+            }
             _ => text,
         };
         if as_text {

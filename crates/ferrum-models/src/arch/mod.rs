@@ -27,6 +27,8 @@ use crate::config::ModelConfig;
 pub enum Arch {
     Llama,
     Qwen2,
+    /// Qwen2-VL / Qwen2.5-VL's language model: Qwen2 with M-RoPE.
+    Qwen2Vl,
     Qwen3,
     /// Qwen3 attention with a mixture-of-experts FFN.
     Qwen3Moe,
@@ -74,6 +76,7 @@ pub struct ArchInfo {
 pub const ARCHS: &[ArchInfo] = &[
     llama::INFO,
     qwen::QWEN2,
+    qwen::QWEN2_VL,
     qwen::QWEN3,
     qwen::QWEN3_MOE,
     gemma3::INFO,
@@ -140,6 +143,7 @@ mod tests {
         for a in [
             Arch::Llama,
             Arch::Qwen2,
+            Arch::Qwen2Vl,
             Arch::Qwen3,
             Arch::Qwen3Moe,
             Arch::Gemma3,

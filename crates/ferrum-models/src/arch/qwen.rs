@@ -6,7 +6,9 @@ use ferrum_loader::GgufFile;
 use serde_json::Value as Json;
 
 use super::{Arch, ArchInfo};
-use crate::config::{hf_opt_usize, hf_usize, ModelConfig, MoeConfig, MoeStyle, QkNorm, Routing};
+use crate::config::{
+    hf_opt_usize, hf_usize, MRope, ModelConfig, MoeConfig, MoeStyle, QkNorm, Routing,
+};
 
 pub const QWEN2: ArchInfo = ArchInfo {
     arch: Arch::Qwen2,
@@ -26,6 +28,53 @@ pub const QWEN2: ArchInfo = ArchInfo {
     },
     names: &[],
 };
+
+/// Qwen2-VL and Qwen2.5-VL's language model: Qwen2 with M-RoPE (`mrope_section`, in the
+/// checkpoint's `text_config` or, in older files, beside it; llama.cpp's
+/// `qwen2vl.rope.dimension_sections`).
+pub const QWEN2_VL: ArchInfo = ArchInfo {
+    arch: Arch::Qwen2Vl,
+    name: "qwen2vl",
+    gguf_aliases: &[],
+    hf_classes: &[
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen2VLForConditionalGeneration",
+    ],
+    model_types: &["qwen2_5_vl", "qwen2_vl"],
+    from_hf: |j| {
+        let t = j.get("text_config").filter(|t| t.is_object()).unwrap_or(j);
+        let mut c = ModelConfig::hf_base(Arch::Qwen2Vl, t)?;
+        c.qkv_bias = true;
+        c.mrope = MRope::from_hf(t, false).or_else(|| MRope::from_hf(j, false));
+        c.check("config.json")
+    },
+    from_gguf: |g, vocab, tied| {
+        let mut c = ModelConfig::gguf_base(Arch::Qwen2Vl, g, vocab, tied)?;
+        c.qkv_bias = true;
+        c.mrope = gguf_sections(g, false)?;
+        c.check(&g.path.display().to_string())
+    },
+    names: &[],
+};
+
+/// llama.cpp's `{arch}.rope.dimension_sections` (four values, the fourth unused here).
+pub(crate) fn gguf_sections(g: &GgufFile, interleaved: bool) -> Result<Option<MRope>> {
+    let key = format!("{}.rope.dimension_sections", g.architecture()?);
+    let Some(v) = g.get_i64_array(&key) else {
+        return Ok(None);
+    };
+    match v[..] {
+        [t, h, w, ..] if t >= 0 && h >= 0 && w >= 0 => Ok(Some(MRope {
+            sections: [t as usize, h as usize, w as usize],
+            interleaved,
+        })),
+        _ => Err(Error::Weights(format!(
+            "{}: {key} has {} values",
+            g.path.display(),
+            v.len()
+        ))),
+    }
+}
 
 pub const QWEN3: ArchInfo = ArchInfo {
     arch: Arch::Qwen3,

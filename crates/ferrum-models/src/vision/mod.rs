@@ -1,6 +1,7 @@
 //! Vision towers (issue 45): what turns a processed image ([`ferrum_image::Processed`]) into
 //! rows of the language model's embedding width, and how those rows sit in the prompt. One
-//! file a family: `gemma3.rs` (SigLIP, average pooling, Gemma 3's projector).
+//! file a family: `gemma3.rs` (SigLIP, average pooling, Gemma 3's projector), `qwen25vl.rs`
+//! (Qwen2.5-VL's windowed ViT with 2D rotary positions and its patch merger).
 //!
 //! A tower runs on the language model's backend, whole images a pass: patch embedding as a
 //! matmul over the flattened patches, pre-LayerNorm blocks with attention over every patch
@@ -9,6 +10,7 @@
 //! image's placeholder tokens ([`crate::decoder::Embeds`]).
 
 pub mod gemma3;
+pub mod qwen25vl;
 
 use ferrum_backend::{AttentionParams, AttnSeq, Backend, KvShape, KvTable, Rows};
 use ferrum_core::{DType, Error, Result};
@@ -31,6 +33,9 @@ pub struct ImageTokens {
     pub bidirectional: bool,
 }
 
+/// An image's rows from [`Vision::encode`] and its grid from [`Vision::grid`].
+pub type EncodedImage = (Vec<f32>, Option<(usize, usize)>);
+
 /// A vision tower with its processor and prompt layout.
 pub struct Vision<B: Backend> {
     pub processor: Processor,
@@ -40,6 +45,48 @@ pub struct Vision<B: Backend> {
 
 enum Tower<B: Backend> {
     Gemma3(gemma3::Gemma3Vision<B>),
+    Qwen25(qwen25vl::Qwen25Vision<B>),
+}
+
+/// What a chat template writes for an image (`marker`) and what each image's marker becomes
+/// before the prompt is tokenized, as the model's Hugging Face processor expands it: Gemma 3's
+/// `<start_of_image>` its fixed block of soft tokens between blank lines, Qwen VL's
+/// `<|image_pad|>` one placeholder per merged patch of that image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageText {
+    pub marker: String,
+    before: String,
+    placeholder: String,
+    after: String,
+    /// Every image's rows (Gemma 3); `None`: its grid's merged units (`merge²` patches each).
+    fixed: Option<usize>,
+    merge: usize,
+}
+
+impl ImageText {
+    /// The rows (placeholders) the processed image `p` takes.
+    pub fn rows(&self, p: &Processed) -> usize {
+        match (self.fixed, p.grid) {
+            (Some(n), _) => n,
+            (None, Some([t, h, w])) => t * h * w / (self.merge * self.merge).max(1),
+            (None, None) => 0,
+        }
+    }
+
+    /// The text `p`'s marker becomes.
+    pub fn expansion(&self, p: &Processed) -> String {
+        format!(
+            "{}{}{}",
+            self.before,
+            self.placeholder.repeat(self.rows(p)),
+            self.after
+        )
+    }
+
+    /// [`Self::expansion`] of each image, in order.
+    pub fn expansions(&self, images: &[Processed]) -> Vec<String> {
+        images.iter().map(|p| self.expansion(p)).collect()
+    }
 }
 
 impl<B: Backend> Vision<B> {
@@ -55,29 +102,24 @@ impl<B: Backend> Vision<B> {
             return Ok(None);
         }
         let model_type = h.config.get("model_type").and_then(Json::as_str);
-        if model_type != Some("gemma3") {
-            // A tower of a family not built here (Gemma 4's, the Qwen VL line's): the
-            // checkpoint runs as the text model it also is, and images to it are refused.
+        if !matches!(model_type, Some("gemma3" | "qwen2_5_vl")) {
+            // A tower of a family not built here (Gemma 4's, Qwen3-VL's): the checkpoint
+            // runs as the text model it also is, and images to it are refused.
             return Ok(None);
         }
-        let pre = h.dir.join("preprocessor_config.json");
-        let pj: Json = match std::fs::read(&pre) {
-            Ok(b) => serde_json::from_slice(&b)
-                .map_err(|e| Error::Weights(format!("{}: {e}", pre.display())))?,
-            Err(_) => {
-                return Err(Error::Weights(format!(
-                    "{}: the checkpoint has a vision tower but no preprocessor_config.json",
-                    h.dir.display()
-                )))
-            }
-        };
-        let processor = Processor::from_json(&pj).map_err(Error::Weights)?;
+        let processor = read_processor(&h.dir)?;
         let store = file.tensors();
-        let (tower, tokens) = gemma3::Gemma3Vision::load(&h.config, &store, be)?;
+        let (tower, tokens) = if model_type == Some("qwen2_5_vl") {
+            let (t, tokens) = qwen25vl::Qwen25Vision::load(&h.config, &store, be)?;
+            (Tower::Qwen25(t), tokens)
+        } else {
+            let (t, tokens) = gemma3::Gemma3Vision::load(&h.config, &store, be)?;
+            (Tower::Gemma3(t), tokens)
+        };
         Ok(Some(Vision {
             processor,
             tokens,
-            tower: Tower::Gemma3(tower),
+            tower,
         }))
     }
 
@@ -106,8 +148,6 @@ impl<B: Backend> Vision<B> {
         let vocab = lm
             .get_str_array("tokenizer.ggml.tokens")
             .unwrap_or_default();
-        let (tower, tokens) = gemma3::Gemma3Vision::load_gguf(&mm, text_hidden, &vocab, be)?;
-        let size = mm.require_usize("clip.vision.image_size")?;
         let triple = |k: &str| -> Result<[f32; 3]> {
             match mm.get_f32_array(k).as_deref() {
                 Some(&[a, b, c]) => Ok([a, b, c]),
@@ -118,6 +158,38 @@ impl<B: Backend> Vision<B> {
                 ))),
             }
         };
+        let norm = ferrum_image::processor::Normalize {
+            rescale: Some(1.0 / 255.0),
+            mean_std: Some((
+                triple("clip.vision.image_mean")?,
+                triple("clip.vision.image_std")?,
+            )),
+        };
+        if projector_kind(&mm) == QWEN25_PROJECTOR {
+            let (tower, tokens) = qwen25vl::Qwen25Vision::load_gguf(&mm, text_hidden, &vocab, be)?;
+            let patch = mm.require_usize("clip.vision.patch_size")?;
+            let merge = mm
+                .get_u64("clip.vision.spatial_merge_size")
+                .map_or(2, |v| v as usize);
+            let unit = (patch * merge).pow(2);
+            // llama.cpp's limits for the Qwen VL line: 8 to 4096 image tokens.
+            let processor = Processor::QwenVl {
+                patch,
+                temporal: 2,
+                merge,
+                min_pixels: 8 * unit,
+                max_pixels: 4096 * unit,
+                filter: ferrum_image::Filter::Bicubic,
+                norm,
+            };
+            return Ok(Some(Vision {
+                processor,
+                tokens,
+                tower: Tower::Qwen25(tower),
+            }));
+        }
+        let (tower, tokens) = gemma3::Gemma3Vision::load_gguf(&mm, text_hidden, &vocab, be)?;
+        let size = mm.require_usize("clip.vision.image_size")?;
         let processor = Processor::Gemma3 {
             height: size,
             width: size,
@@ -140,8 +212,36 @@ impl<B: Backend> Vision<B> {
 
     /// The most rows one image takes.
     pub fn max_rows(&self) -> usize {
+        match (&self.tower, &self.processor) {
+            (Tower::Gemma3(t), _) => t.tokens_per_image,
+            (
+                Tower::Qwen25(_),
+                Processor::QwenVl {
+                    patch,
+                    merge,
+                    max_pixels,
+                    ..
+                },
+            ) => max_pixels / (patch * merge).pow(2).max(1),
+            (Tower::Qwen25(_), _) => 0,
+        }
+    }
+
+    /// The language model's grid of the image's rows where its rows take M-RoPE positions
+    /// (Qwen VL: merged units, rows and columns); `None` for other families.
+    pub fn grid(&self, p: &Processed) -> Option<(usize, usize)> {
         match &self.tower {
-            Tower::Gemma3(t) => t.tokens_per_image,
+            Tower::Gemma3(_) => None,
+            Tower::Qwen25(t) => t.grid(p),
+        }
+    }
+
+    /// The rows (placeholders) the processed image `p` takes: Gemma 3's fixed count for the
+    /// image and each pan-and-scan crop, Qwen VL's merged units.
+    pub fn rows(&self, p: &Processed) -> usize {
+        match &self.tower {
+            Tower::Gemma3(t) => t.tokens_per_image * p.shape.first().copied().unwrap_or(1),
+            Tower::Qwen25(t) => t.grid(p).map_or(0, |(h, w)| h * w),
         }
     }
 
@@ -189,23 +289,62 @@ impl<B: Backend> Vision<B> {
 
     /// The text a chat template writes for an image and what it becomes before the prompt
     /// is tokenized, given each token's text: Gemma 3's processor turns `<start_of_image>`
-    /// into the image's whole sequence with a blank line either side. `None` where a token
-    /// has no text.
-    pub fn prompt_texts(&self, text: impl Fn(u32) -> Option<String>) -> Option<(String, String)> {
+    /// into the image's whole sequence with a blank line either side; Qwen VL's turns the
+    /// `<|image_pad|>` between `<|vision_start|>` and `<|vision_end|>` into one a row.
+    /// `None` where a token has no text.
+    pub fn prompt_texts(&self, text: impl Fn(u32) -> Option<String>) -> Option<ImageText> {
         let t = &self.tokens;
-        let begin = text(t.begin?)?;
         let placeholder = text(t.placeholder)?;
-        let end = t.end.map_or(Some(String::new()), &text)?;
-        let rows = placeholder.repeat(self.max_rows());
-        Some((begin.clone(), format!("\n\n{begin}{rows}{end}\n\n")))
+        match &self.tower {
+            Tower::Gemma3(g) => {
+                let begin = text(t.begin?)?;
+                let end = t.end.map_or(Some(String::new()), &text)?;
+                Some(ImageText {
+                    marker: begin.clone(),
+                    before: format!("\n\n{begin}"),
+                    placeholder,
+                    after: format!("{end}\n\n"),
+                    fixed: Some(g.tokens_per_image),
+                    merge: 1,
+                })
+            }
+            Tower::Qwen25(_) => Some(ImageText {
+                marker: placeholder.clone(),
+                before: String::new(),
+                placeholder,
+                after: String::new(),
+                fixed: None,
+                merge: match self.processor {
+                    Processor::QwenVl { merge, .. } => merge,
+                    Processor::Gemma3 { .. } => 1,
+                },
+            }),
+        }
     }
 
-    /// The image's rows for the language model, `[max_rows, text width]` row-major.
+    /// The image's rows for the language model, `[rows, text width]` row-major.
     pub fn encode(&self, be: &B, processed: &Processed) -> Result<Vec<f32>> {
         match &self.tower {
             Tower::Gemma3(t) => t.encode(be, processed),
+            Tower::Qwen25(t) => t.encode(be, processed),
         }
     }
+}
+
+/// The image processor of a Hugging Face checkpoint with a vision tower.
+fn read_processor(dir: &Path) -> Result<Processor> {
+    let pre = dir.join("preprocessor_config.json");
+    let pj: Json = match std::fs::read(&pre) {
+        Ok(b) => serde_json::from_slice(&b)
+            .map_err(|e| Error::Weights(format!("{}: {e}", pre.display())))?,
+        Err(_) => {
+            return Err(Error::Weights(format!(
+                "{}: the checkpoint has a vision tower but no preprocessor_config.json",
+                dir.display()
+            )))
+        }
+    };
+    Processor::from_json(&pj).map_err(Error::Weights)
 }
 
 /// The mmproj file a GGUF language model goes with, and whether it was named: `mmproj`,
@@ -215,7 +354,7 @@ fn mmproj_of(lm: &GgufFile, mmproj: Option<&Path>) -> Option<(std::path::PathBuf
     if let Some(p) = mmproj {
         return Some((p.to_path_buf(), true));
     }
-    (lm.architecture().unwrap_or("") == "gemma3")
+    matches!(lm.architecture().unwrap_or(""), "gemma3" | "qwen2vl")
         .then(|| beside(&lm.path))
         .flatten()
         .map(|p| (p, false))
@@ -226,21 +365,26 @@ fn mmproj_of(lm: &GgufFile, mmproj: Option<&Path>) -> Option<(std::path::PathBuf
 /// is) and an error when it was named.
 fn open_mmproj(path: &Path, explicit: bool) -> Result<Option<GgufFile>> {
     let mm = GgufFile::open(path)?;
-    let kind = mm
-        .get_str("clip.projector_type")
-        .or_else(|| mm.get_str("clip.vision.projector_type"))
-        .unwrap_or("")
-        .to_string();
-    if kind == "gemma3" {
+    let kind = projector_kind(&mm).to_string();
+    if kind == "gemma3" || kind == QWEN25_PROJECTOR {
         return Ok(Some(mm));
     }
     if !explicit {
         return Ok(None);
     }
     Err(Error::Unsupported(format!(
-        "{}: vision projector {kind:?} (supported: gemma3)",
+        "{}: vision projector {kind:?} (supported: gemma3, {QWEN25_PROJECTOR})",
         path.display()
     )))
+}
+
+/// llama.cpp's name of Qwen2.5-VL's projector.
+const QWEN25_PROJECTOR: &str = "qwen2.5vl_merger";
+
+fn projector_kind(mm: &GgufFile) -> &str {
+    mm.get_str("clip.projector_type")
+        .or_else(|| mm.get_str("clip.vision.projector_type"))
+        .unwrap_or("")
 }
 
 /// The language model's width, which the projector's rows must have.
@@ -269,9 +413,27 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
             if h.config.get("vision_config").is_none_or(Json::is_null) {
                 return Ok(None);
             }
-            if h.config.get("model_type").and_then(Json::as_str) != Some("gemma3") {
+            match h.config.get("model_type").and_then(Json::as_str) {
+                Some("gemma3") => {}
+                Some("qwen2_5_vl") => {
+                    let d = qwen25vl::Dims::from_hf(&h.config)?;
+                    let Processor::QwenVl {
+                        patch, max_pixels, ..
+                    } = read_processor(&h.dir)?
+                    else {
+                        return Err(Error::Weights(
+                            "a Qwen VL checkpoint with another family's processor".into(),
+                        ));
+                    };
+                    let patches = max_pixels / (patch * patch).max(1);
+                    return Ok(Some(VisionPlan {
+                        file_bytes: 0,
+                        activation_bytes: d.activation_bytes(patches),
+                        max_rows: patches / (d.merge * d.merge).max(1),
+                    }));
+                }
                 // Loaded as a text model (see `Vision::load`).
-                return Ok(None);
+                _ => return Ok(None),
             }
             (gemma3::Dims::from_hf(&h.config)?, 0)
         }
@@ -283,6 +445,15 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
                 return Ok(None);
             };
             let bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
+            if projector_kind(&mm) == QWEN25_PROJECTOR {
+                let d = qwen25vl::Dims::from_gguf(&mm, text_width(lm)?)?;
+                let patches = 4096 * d.merge * d.merge;
+                return Ok(Some(VisionPlan {
+                    file_bytes: bytes,
+                    activation_bytes: d.activation_bytes(patches),
+                    max_rows: 4096,
+                }));
+            }
             (gemma3::Dims::from_gguf(&mm, text_width(lm)?)?, bytes)
         }
     };

@@ -1,0 +1,671 @@
+//! Qwen2.5-VL's vision: a ViT over the image's patches at their own resolution (the
+//! processor's grid), each patch a `temporal × patch × patch` cube embedded by a matmul, with
+//! 2D rotary positions (half of each head's pairs rotate by the patch's row, half by its
+//! column), RMSNorm blocks with SwiGLU MLPs, attention within windows of
+//! `window_size / patch / merge` merged units a side except in the `fullatt_block_indexes`
+//! blocks, and the merger: RMSNorm, every 2×2 patches as one row, an MLP with GELU to the
+//! language model's width. Each image's rows sit between `<|vision_start|>` and
+//! `<|vision_end|>`, attend causally, and take M-RoPE positions in the language model.
+
+use ferrum_backend::{
+    Activation, AttentionParams, AttnSeq, Backend, KvShape, KvTable, MatmulPart, RopeLayout,
+    RopeParams, Rows,
+};
+use ferrum_core::{Error, Result};
+use ferrum_image::Processed;
+use ferrum_loader::{GgufFile, RawTensor, TensorStore};
+use serde_json::Value as Json;
+
+use super::{find, host_f32, matrix, weight_from, ImageTokens};
+
+/// llama.cpp's window when its mmproj records none (Qwen2.5-VL's `window_size`).
+const GGUF_WINDOW: usize = 112;
+
+struct Block<B: Backend> {
+    norm1: B::Weight,
+    norm2: B::Weight,
+    /// Queries, keys and values, each `[hidden, hidden]` with its bias.
+    qkv: [(B::Weight, B::Weight); 3],
+    proj: (B::Weight, B::Weight),
+    gate: (B::Weight, B::Weight),
+    up: (B::Weight, B::Weight),
+    down: (B::Weight, B::Weight),
+    /// Attends over the whole image rather than its windows.
+    full: bool,
+}
+
+pub struct Qwen25Vision<B: Backend> {
+    hidden: usize,
+    heads: usize,
+    intermediate: usize,
+    /// Merged units a window's side.
+    window: usize,
+    merge: usize,
+    /// Values a patch: `3 · temporal · patch²`.
+    patch_dim: usize,
+    pub(super) text_hidden: usize,
+    patch_embed: B::Weight,
+    blocks: Vec<Block<B>>,
+    ln_q: B::Weight,
+    fc1: (B::Weight, B::Weight),
+    fc2: (B::Weight, B::Weight),
+    /// The axial rotary frequencies, twice over (rows, then columns): one per rotated pair.
+    inv_freq: Vec<f32>,
+    pair_axis: Vec<u8>,
+}
+
+/// The tower's sizes.
+pub(super) struct Dims {
+    hidden: usize,
+    heads: usize,
+    intermediate: usize,
+    layers: usize,
+    patch: usize,
+    temporal: usize,
+    pub(super) merge: usize,
+    window_size: usize,
+    full: Vec<usize>,
+    theta: f32,
+    pub(super) text_hidden: usize,
+}
+
+fn usize_at(j: &Json, k: &str) -> Result<usize> {
+    j.get(k)
+        .and_then(Json::as_u64)
+        .map(|v| v as usize)
+        .ok_or_else(|| Error::Weights(format!("config.json: vision {k} is missing")))
+}
+
+impl Dims {
+    pub(super) fn from_hf(config: &Json) -> Result<Dims> {
+        let v = &config["vision_config"];
+        match v.get("hidden_act").and_then(Json::as_str) {
+            None | Some("silu") => {}
+            Some(other) => {
+                return Err(Error::Unsupported(format!(
+                    "config.json: Qwen2.5-VL vision activation {other:?}"
+                )))
+            }
+        }
+        let text_hidden = v
+            .get("out_hidden_size")
+            .and_then(Json::as_u64)
+            .ok_or_else(|| Error::Weights("config.json: vision out_hidden_size".into()))?
+            as usize;
+        Ok(Dims {
+            hidden: usize_at(v, "hidden_size")?,
+            heads: usize_at(v, "num_heads")?,
+            intermediate: usize_at(v, "intermediate_size")?,
+            layers: usize_at(v, "depth")?,
+            patch: usize_at(v, "patch_size")?,
+            temporal: v
+                .get("temporal_patch_size")
+                .and_then(Json::as_u64)
+                .unwrap_or(2) as usize,
+            merge: v
+                .get("spatial_merge_size")
+                .and_then(Json::as_u64)
+                .unwrap_or(2) as usize,
+            window_size: usize_at(v, "window_size")?,
+            full: v
+                .get("fullatt_block_indexes")
+                .and_then(Json::as_array)
+                .map(|a| {
+                    a.iter()
+                        .filter_map(Json::as_u64)
+                        .map(|x| x as usize)
+                        .collect()
+                })
+                .unwrap_or_default(),
+            theta: v
+                .get("rope_parameters")
+                .and_then(|r| r.get("rope_theta"))
+                .and_then(Json::as_f64)
+                .unwrap_or(10_000.0) as f32,
+            text_hidden,
+        })
+    }
+
+    /// The bytes one image of `patches` patches allocates in the tower (all f32): the
+    /// patches twice (host, backend), the residual stream and its companions, QKV, the MLP's
+    /// gate and up and product, the scratch keys and values, then the merger's rows.
+    pub(super) fn activation_bytes(&self, patches: usize) -> u64 {
+        let (h, f) = (self.hidden, self.intermediate);
+        let pd = 3 * self.temporal * self.patch * self.patch;
+        let per_patch = 2 * pd + 3 * h + 3 * h + h + 3 * f + 2 * h;
+        let units = patches / (self.merge * self.merge).max(1);
+        let m = h * self.merge * self.merge;
+        4 * (patches * per_patch + units * (2 * m + self.text_hidden)) as u64
+    }
+}
+
+fn token_at(j: &Json, k: &str) -> Option<u32> {
+    j.get(k).and_then(Json::as_u64).map(|v| v as u32)
+}
+
+impl Dims {
+    /// From llama.cpp's mmproj keys (projector `qwen2.5vl_merger`): full attention in every
+    /// `n_wa_pattern`-th block, windows of `window_size` pixels (112 when not recorded).
+    pub(super) fn from_gguf(mm: &GgufFile, text_hidden: usize) -> Result<Dims> {
+        let key = |k: &str| mm.require_usize(&format!("clip.vision.{k}"));
+        let opt = |k: &str| mm.get_u64(&format!("clip.vision.{k}")).map(|v| v as usize);
+        let layers = key("block_count")?;
+        let pattern = opt("n_wa_pattern").unwrap_or(0);
+        Ok(Dims {
+            hidden: key("embedding_length")?,
+            heads: key("attention.head_count")?,
+            intermediate: key("feed_forward_length")?,
+            layers,
+            patch: key("patch_size")?,
+            temporal: 2,
+            merge: opt("spatial_merge_size").unwrap_or(2),
+            window_size: opt("window_size").unwrap_or(GGUF_WINDOW),
+            full: (0..layers)
+                .filter(|i| pattern == 0 || (i + 1) % pattern == 0)
+                .collect(),
+            theta: 10_000.0,
+            text_hidden,
+        })
+    }
+}
+
+/// llama.cpp's mmproj name of a tensor named as in transformers' Qwen2.5-VL (below
+/// `visual.`); the fused QKV and the 3D patch kernel are read in parts (see `build`).
+fn gguf_name(rest: &str) -> String {
+    if let Some(r) = rest.strip_prefix("blocks.") {
+        let (i, tail) = r.split_once('.').unwrap_or((r, ""));
+        let (part, what) = tail.rsplit_once('.').unwrap_or((tail, ""));
+        let part = match part {
+            "norm1" => "ln1",
+            "norm2" => "ln2",
+            "attn.proj" => "attn_out",
+            "mlp.gate_proj" => "ffn_gate",
+            "mlp.up_proj" => "ffn_up",
+            "mlp.down_proj" => "ffn_down",
+            other => other,
+        };
+        return format!("v.blk.{i}.{part}.{what}");
+    }
+    match rest {
+        "merger.ln_q.weight" => "v.post_ln.weight".into(),
+        "merger.mlp.0.weight" => "mm.0.weight".into(),
+        "merger.mlp.0.bias" => "mm.0.bias".into(),
+        "merger.mlp.2.weight" => "mm.2.weight".into(),
+        "merger.mlp.2.bias" => "mm.2.bias".into(),
+        other => other.into(),
+    }
+}
+
+impl<B: Backend> Qwen25Vision<B> {
+    /// From llama.cpp's `mmproj` GGUF (projector `qwen2.5vl_merger`), for a language model
+    /// of `text_hidden` whose vocabulary gives the image tokens.
+    pub fn load_gguf(
+        mm: &GgufFile,
+        text_hidden: usize,
+        vocab: &[&str],
+        be: &B,
+    ) -> Result<(Self, ImageTokens)> {
+        let dims = Dims::from_gguf(mm, text_hidden)?;
+        let id = |t: &str| vocab.iter().position(|v| *v == t).map(|i| i as u32);
+        let placeholder = id("<|image_pad|>")
+            .ok_or_else(|| Error::Weights("the model's vocabulary has no <|image_pad|>".into()))?;
+        let tokens = ImageTokens {
+            begin: id("<|vision_start|>"),
+            placeholder,
+            end: id("<|vision_end|>"),
+            bidirectional: false,
+        };
+        Ok((Self::build(dims, &mm.tensors(), be, true)?, tokens))
+    }
+
+    /// From a Hugging Face checkpoint (its config.json and tensors).
+    pub fn load(config: &Json, store: &TensorStore, be: &B) -> Result<(Self, ImageTokens)> {
+        let dims = Dims::from_hf(config)?;
+        let placeholder = token_at(config, "image_token_id")
+            .ok_or_else(|| Error::Weights("config.json: image_token_id".into()))?;
+        let tokens = ImageTokens {
+            begin: token_at(config, "vision_start_token_id"),
+            placeholder,
+            end: token_at(config, "vision_end_token_id"),
+            bidirectional: false,
+        };
+        Ok((Self::build(dims, store, be, false)?, tokens))
+    }
+
+    fn build(d: Dims, store: &TensorStore, be: &B, gguf: bool) -> Result<Self> {
+        let Dims {
+            hidden,
+            heads,
+            intermediate,
+            layers,
+            patch,
+            temporal,
+            merge,
+            window_size,
+            full,
+            theta,
+            text_hidden,
+        } = d;
+        let hd = hidden / heads.max(1);
+        let window = window_size / patch.max(1) / merge.max(1);
+        if heads == 0 || hidden % heads != 0 || hd % 4 != 0 || merge == 0 || window == 0 {
+            return Err(Error::Weights(format!(
+                "vision tower: {hidden} is not {heads} heads of a multiple of 4, or a window \
+                 of {window_size} pixels holds no {merge}x{merge} unit of {patch}-pixel patches"
+            )));
+        }
+        let names = |rest: &str| -> Vec<String> {
+            if gguf {
+                return vec![gguf_name(rest)];
+            }
+            ["visual.", "model.visual."]
+                .iter()
+                .map(|p| format!("{p}{rest}"))
+                .collect()
+        };
+        let get = |rest: &str, rows: usize, cols: usize| -> Result<B::Weight> {
+            matrix(be, find(store, &names(rest))?, rows, cols)
+        };
+        let vector = |rest: &str, len: usize| -> Result<B::Weight> {
+            let v = host_f32(find(store, &names(rest))?, len)?;
+            weight_from(be, rest, vec![len], &v)
+        };
+        let linear = |pre: &str, rows: usize, cols: usize| -> Result<(B::Weight, B::Weight)> {
+            Ok((
+                get(&format!("{pre}.weight"), rows, cols)?,
+                get(&format!("{pre}.bias"), 1, rows)?,
+            ))
+        };
+        let qkv = |i: usize| -> Result<[(B::Weight, B::Weight); 3]> {
+            if gguf {
+                let part = |x: &str| {
+                    let w = matrix(
+                        be,
+                        find(store, &[format!("v.blk.{i}.attn_{x}.weight")])?,
+                        hidden,
+                        hidden,
+                    )?;
+                    let b = matrix(
+                        be,
+                        find(store, &[format!("v.blk.{i}.attn_{x}.bias")])?,
+                        1,
+                        hidden,
+                    )?;
+                    Ok((w, b))
+                };
+                return Ok([part("q")?, part("k")?, part("v")?]);
+            }
+            // transformers' one `[3 · hidden, hidden]` projection, cut into its three.
+            let w = find(store, &names(&format!("blocks.{i}.attn.qkv.weight")))?;
+            let b = host_f32(
+                find(store, &names(&format!("blocks.{i}.attn.qkv.bias")))?,
+                3 * hidden,
+            )?;
+            if w.numel() != 3 * hidden * hidden {
+                return Err(Error::Weights(format!(
+                    "tensor {:?} has shape {:?}, expected [{}, {hidden}]",
+                    w.name,
+                    w.shape,
+                    3 * hidden
+                )));
+            }
+            let row = w.bytes().len() / (3 * hidden);
+            let part = |k: usize| -> Result<(B::Weight, B::Weight)> {
+                let bytes = w.bytes()[k * hidden * row..(k + 1) * hidden * row].to_vec();
+                let t = RawTensor::from_bytes(&w.name, w.dtype, vec![hidden, hidden], bytes)
+                    .ok_or_else(|| Error::Weights(format!("tensor {:?}: bad size", w.name)))?;
+                Ok((
+                    be.load_weight(&t)?,
+                    weight_from(
+                        be,
+                        "qkv bias",
+                        vec![hidden],
+                        &b[k * hidden..(k + 1) * hidden],
+                    )?,
+                ))
+            };
+            Ok([part(0)?, part(1)?, part(2)?])
+        };
+        let blocks = (0..layers)
+            .map(|i| {
+                let p = format!("blocks.{i}");
+                Ok(Block {
+                    norm1: vector(&format!("{p}.norm1.weight"), hidden)?,
+                    norm2: vector(&format!("{p}.norm2.weight"), hidden)?,
+                    qkv: qkv(i)?,
+                    proj: linear(&format!("{p}.attn.proj"), hidden, hidden)?,
+                    gate: linear(&format!("{p}.mlp.gate_proj"), intermediate, hidden)?,
+                    up: linear(&format!("{p}.mlp.up_proj"), intermediate, hidden)?,
+                    down: linear(&format!("{p}.mlp.down_proj"), hidden, intermediate)?,
+                    full: full.contains(&i),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let patch_dim = 3 * temporal * patch * patch;
+        let m = hidden * merge * merge;
+        // Axial RoPE: a quarter of the head's dimensions' frequencies, once for rows and
+        // once for columns.
+        let quarter = hd / 4;
+        let base: Vec<f32> = (0..quarter)
+            .map(|j| 1.0 / theta.powf((2 * j) as f32 / (hd / 2) as f32))
+            .collect();
+        let inv_freq = [base.clone(), base].concat();
+        let pair_axis = (0..2 * quarter).map(|i| (i >= quarter) as u8).collect();
+        Ok(Qwen25Vision {
+            hidden,
+            heads,
+            intermediate,
+            window,
+            merge,
+            patch_dim,
+            text_hidden,
+            patch_embed: if gguf {
+                patch_kernel_from_gguf(be, store, hidden, temporal, patch)?
+            } else {
+                get("patch_embed.proj.weight", hidden, patch_dim)?
+            },
+            blocks,
+            ln_q: vector("merger.ln_q.weight", hidden)?,
+            fc1: linear("merger.mlp.0", m, m)?,
+            fc2: linear("merger.mlp.2", text_hidden, m)?,
+            inv_freq,
+            pair_axis,
+        })
+    }
+
+    /// The image's rows for the language model: `[units, text width]`, one a merged 2×2
+    /// patch, in row-major order of the merged grid.
+    pub fn encode(&self, be: &B, processed: &Processed) -> Result<Vec<f32>> {
+        let Some([t, gh, gw]) = processed.grid else {
+            return Err(Error::InvalidRequest(
+                "pixel values without a patch grid for a Qwen VL tower".into(),
+            ));
+        };
+        let n = t * gh * gw;
+        let m = self.merge;
+        if processed.values.len() != n * self.patch_dim || gh % m != 0 || gw % m != 0 || n == 0 {
+            return Err(Error::InvalidRequest(format!(
+                "pixel values of shape {:?} for a grid of {t}x{gh}x{gw} patches of {}",
+                processed.shape, self.patch_dim
+            )));
+        }
+        let (lh, lw) = (gh / m, gw / m);
+        let unit = m * m;
+        let units = n / unit;
+        // Each patch's (row, column) in the processor's order: merged units row-major, the
+        // patches of a unit row-major inside it; frames repeat the grid.
+        let mut pos = Vec::with_capacity(2 * n);
+        for _ in 0..t {
+            for u in 0..lh * lw {
+                for k in 0..unit {
+                    pos.push(((u / lw) * m + k / m) as u32);
+                    pos.push(((u % lw) * m + k % m) as u32);
+                }
+            }
+        }
+        // Units in window order (windows row-major, units row-major inside each), and each
+        // window's first unit and size.
+        let (order, windows) = window_order(t, lh, lw, self.window);
+        let mut patches = vec![0f32; n * self.patch_dim];
+        let mut rope_pos = vec![0u32; 2 * n];
+        for (new, &old) in order.iter().enumerate() {
+            let (a, b) = (new * unit, old * unit);
+            patches[a * self.patch_dim..(a + unit) * self.patch_dim].copy_from_slice(
+                &processed.values[b * self.patch_dim..(b + unit) * self.patch_dim],
+            );
+            rope_pos[2 * a..2 * (a + unit)].copy_from_slice(&pos[2 * b..2 * (b + unit)]);
+        }
+        // A frame's patches attend to each other in the blocks without windows.
+        let frames: Vec<(usize, usize)> = (0..t).map(|f| (f * lh * lw, lh * lw)).collect();
+        let rows = self.run(be, &patches, &rope_pos, (&windows, &frames), units)?;
+        // Back to the processor's order of units.
+        let th = self.text_hidden;
+        let mut out = vec![0f32; units * th];
+        for (new, &old) in order.iter().enumerate() {
+            out[old * th..(old + 1) * th].copy_from_slice(&rows[new * th..(new + 1) * th]);
+        }
+        Ok(out)
+    }
+
+    fn run(
+        &self,
+        be: &B,
+        patches: &[f32],
+        rope_pos: &[u32],
+        (windows, frames): (&[Span], &[Span]),
+        units: usize,
+    ) -> Result<Vec<f32>> {
+        let (h, f) = (self.hidden, self.intermediate);
+        let unit = self.merge * self.merge;
+        let n = units * unit;
+        let hd = h / self.heads;
+        let hidden = Rows::dense(n, h);
+        let mut input = be.alloc(n * self.patch_dim);
+        be.write(&mut input, 0, patches);
+        let mut x = be.alloc(n * h);
+        let mut y = be.alloc(n * h);
+        let mut tmp = be.alloc(n * h);
+        let mut qkv = be.alloc(n * 3 * h);
+        let mut attn = be.alloc(n * h);
+        let mut gu = be.alloc(n * 2 * f);
+        let mut act = be.alloc(n * f);
+        be.matmul(
+            &input,
+            Rows::dense(n, self.patch_dim),
+            &self.patch_embed,
+            None,
+            &mut x,
+            hidden,
+        );
+        // A window's patches as `(first patch, patches)`.
+        let spans = |w: &[(usize, usize)]| -> Vec<(usize, usize)> {
+            w.iter().map(|&(a, len)| (a * unit, len * unit)).collect()
+        };
+        let (window_spans, full_spans) = (spans(windows), spans(frames));
+        let blocks: usize = window_spans
+            .iter()
+            .map(|s| s.1.div_ceil(BLOCK))
+            .sum::<usize>()
+            .max(full_spans.iter().map(|s| s.1.div_ceil(BLOCK)).sum());
+        let shape = KvShape {
+            blocks,
+            block_size: BLOCK,
+            heads: self.heads,
+            head_dim: hd,
+        };
+        let mut cache = (be.alloc_kv(shape), be.alloc_kv(shape));
+        let rope = RopeParams {
+            layout: RopeLayout::Neox,
+            inv_freq: &self.inv_freq,
+            factor: 1.0,
+        };
+        let q_view = Rows::columns(n, 3 * h, 0, h).split_heads(hd);
+        let k_view = Rows::columns(n, 3 * h, h, h).split_heads(hd);
+        for b in &self.blocks {
+            be.rms_norm(&x, hidden, &b.norm1, 1e-6, &mut y, hidden);
+            let parts: Vec<MatmulPart<B::Weight>> = b
+                .qkv
+                .iter()
+                .enumerate()
+                .map(|(i, (w, bias))| MatmulPart {
+                    weight: w,
+                    bias: Some(bias),
+                    out: Rows::columns(n, 3 * h, i * h, h),
+                })
+                .collect();
+            be.matmul_many(&y, hidden, &parts, &mut qkv);
+            be.rope_axes(&mut qkv, q_view, rope_pos, 2, &self.pair_axis, rope);
+            be.rope_axes(&mut qkv, k_view, rope_pos, 2, &self.pair_axis, rope);
+            let spans = if b.full { &full_spans } else { &window_spans };
+            attend_spans(be, &qkv, n, self.heads, hd, spans, &mut attn, &mut cache);
+            be.matmul(&attn, hidden, &b.proj.0, Some(&b.proj.1), &mut tmp, hidden);
+            be.add_inplace(&mut x, hidden, &tmp, hidden);
+            be.rms_norm(&x, hidden, &b.norm2, 1e-6, &mut y, hidden);
+            let gv = Rows::dense(n, 2 * f);
+            let parts = [
+                MatmulPart {
+                    weight: &b.gate.0,
+                    bias: Some(&b.gate.1),
+                    out: Rows::columns(n, 2 * f, 0, f),
+                },
+                MatmulPart {
+                    weight: &b.up.0,
+                    bias: Some(&b.up.1),
+                    out: Rows::columns(n, 2 * f, f, f),
+                },
+            ];
+            be.matmul_many(&y, hidden, &parts, &mut gu);
+            let av = Rows::dense(n, f);
+            be.glu(&gu, gv, &mut act, av, Activation::Silu);
+            be.matmul(&act, av, &b.down.0, Some(&b.down.1), &mut tmp, hidden);
+            be.add_inplace(&mut x, hidden, &tmp, hidden);
+        }
+        // The merger: RMSNorm a patch, then a unit's patches side by side as one row.
+        be.rms_norm(&x, hidden, &self.ln_q, 1e-6, &mut y, hidden);
+        let mw = h * unit;
+        let uv = Rows::dense(units, mw);
+        let mut mid = be.alloc(units * mw);
+        be.matmul(&y, uv, &self.fc1.0, Some(&self.fc1.1), &mut mid, uv);
+        be.gelu(&mut mid, uv);
+        let ov = Rows::dense(units, self.text_hidden);
+        let mut rows = be.alloc(units * self.text_hidden);
+        be.matmul(&mid, uv, &self.fc2.0, Some(&self.fc2.1), &mut rows, ov);
+        be.sync()?;
+        let mut host = vec![0f32; units * self.text_hidden];
+        be.read(&rows, 0, &mut host);
+        Ok(host)
+    }
+
+    /// `(t, h, w)` patches as the language model's grid of merged units: `(t · h / merge,
+    /// w / merge)` rows and columns (an image is one frame).
+    pub fn grid(&self, processed: &Processed) -> Option<(usize, usize)> {
+        let [t, h, w] = processed.grid?;
+        Some((t * h / self.merge, w / self.merge))
+    }
+}
+
+const BLOCK: usize = 16;
+
+/// Consecutive rows (or units) `(first, count)`.
+type Span = (usize, usize);
+
+/// llama.cpp stores the 3D patch kernel as one 2D kernel a frame (`v.patch_embd.weight`,
+/// `v.patch_embd.weight.1`); the matmul takes them as transformers' `[hidden, 3, temporal,
+/// patch, patch]` flattened.
+fn patch_kernel_from_gguf<B: Backend>(
+    be: &B,
+    store: &TensorStore,
+    hidden: usize,
+    temporal: usize,
+    patch: usize,
+) -> Result<B::Weight> {
+    let plane = patch * patch;
+    let frames = (0..temporal)
+        .map(|t| {
+            let name = match t {
+                0 => "v.patch_embd.weight".to_string(),
+                t => format!("v.patch_embd.weight.{t}"),
+            };
+            host_f32(find(store, &[name])?, hidden * 3 * plane)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut w = vec![0f32; hidden * 3 * temporal * plane];
+    for o in 0..hidden {
+        for c in 0..3 {
+            for (t, k) in frames.iter().enumerate() {
+                let src = &k[(o * 3 + c) * plane..][..plane];
+                w[((o * 3 + c) * temporal + t) * plane..][..plane].copy_from_slice(src);
+            }
+        }
+    }
+    weight_from(be, "v.patch_embd", vec![hidden, 3 * temporal * plane], &w)
+}
+
+/// The units of a `t × lh × lw` grid of merged units in window order — windows of `side ×
+/// side` units row-major over each frame (the last row and column of windows cut short),
+/// units row-major inside a window — and each window's `(first unit, units)` in that order.
+fn window_order(t: usize, lh: usize, lw: usize, side: usize) -> (Vec<usize>, Vec<(usize, usize)>) {
+    let mut order = Vec::with_capacity(t * lh * lw);
+    let mut windows = Vec::new();
+    for f in 0..t {
+        for wy in (0..lh).step_by(side) {
+            for wx in (0..lw).step_by(side) {
+                let first = order.len();
+                for y in wy..(wy + side).min(lh) {
+                    for x in wx..(wx + side).min(lw) {
+                        order.push(f * lh * lw + y * lw + x);
+                    }
+                }
+                windows.push((first, order.len() - first));
+            }
+        }
+    }
+    (order, windows)
+}
+
+/// Attention within each span of rows (every row of a span sees the whole span and nothing
+/// else), through the backend's paged attention: each span's keys and values in blocks of
+/// their own in the scratch cache, each query row a one-row sequence at its span's last
+/// position.
+#[allow(clippy::too_many_arguments)]
+fn attend_spans<B: Backend>(
+    be: &B,
+    qkv: &B::Buf,
+    n: usize,
+    heads: usize,
+    head_dim: usize,
+    spans: &[(usize, usize)],
+    out: &mut B::Buf,
+    cache: &mut (B::KvBuf, B::KvBuf),
+) {
+    let w = heads * head_dim;
+    let mut tables: Vec<Vec<u32>> = Vec::with_capacity(spans.len());
+    let mut next = 0u32;
+    for &(_, len) in spans {
+        let count = len.div_ceil(BLOCK) as u32;
+        tables.push((next..next + count).collect());
+        next += count;
+    }
+    for (&(first, len), blocks) in spans.iter().zip(&tables) {
+        let table = KvTable {
+            blocks,
+            block_size: BLOCK,
+        };
+        let k = Rows::columns(n, 3 * w, w, w).slice(first, len);
+        let v = Rows::columns(n, 3 * w, 2 * w, w).slice(first, len);
+        be.write_kv(qkv, k.split_heads(head_dim), &mut cache.0, table, 0);
+        be.write_kv(qkv, v, &mut cache.1, table, 0);
+    }
+    let seqs: Vec<AttnSeq> = spans
+        .iter()
+        .zip(&tables)
+        .flat_map(|(&(_, len), blocks)| {
+            (0..len).map(move |_| AttnSeq {
+                rows: 1,
+                first_pos: len - 1,
+                table: KvTable {
+                    blocks,
+                    block_size: BLOCK,
+                },
+            })
+        })
+        .collect();
+    let params = AttentionParams {
+        n_kv_heads: heads,
+        scale: (head_dim as f32).powf(-0.5),
+        window: None,
+        softcap: None,
+        sinks: None,
+    };
+    let q = Rows::columns(n, 3 * w, 0, w).split_heads(head_dim);
+    be.attention(
+        qkv,
+        q,
+        &cache.0,
+        &cache.1,
+        &seqs,
+        out,
+        Rows::dense(n, w).split_heads(head_dim),
+        params,
+    );
+}
