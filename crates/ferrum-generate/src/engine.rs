@@ -313,6 +313,8 @@ struct ImageSpan {
     rows: Vec<f32>,
     pixels: Option<ferrum_image::Processed>,
     bidirectional: bool,
+    /// DeepStack rows after each row (see [`Embeds::deep`]).
+    deep: usize,
 }
 
 impl Seq {
@@ -327,10 +329,12 @@ impl Seq {
             .iter()
             .filter_map(|im| {
                 let (a, b) = (im.start.max(from), (im.start + im.len).min(to));
+                let w = (1 + im.deep) * hidden;
                 (a < b).then(|| Embeds {
                     row: a - from,
-                    values: &im.rows[(a - im.start) * hidden..(b - im.start) * hidden],
+                    values: &im.rows[(a - im.start) * w..(b - im.start) * w],
                     bidirectional: im.bidirectional,
+                    deep: im.deep,
                 })
             })
             .collect()
@@ -731,6 +735,7 @@ impl<B: Backend> Engine<B> {
                 rows: Vec::new(),
                 pixels: Some(img.clone()),
                 bidirectional: v.tokens.bidirectional,
+                deep: v.deep_layers(),
             });
         }
         Ok((out, grids, Some(keys)))
@@ -754,7 +759,8 @@ impl<B: Backend> Engine<B> {
                     continue;
                 };
                 let rows = v.encode(self.model.decoder.backend(), &px)?;
-                ferrum_models::vision::Vision::<B>::check_rows(&rows, im.len, h)?;
+                let width = (1 + im.deep) * h;
+                ferrum_models::vision::Vision::<B>::check_rows(&rows, im.len, width)?;
                 im.rows = rows;
                 self.stats.images_encoded += 1;
             }

@@ -368,12 +368,23 @@ fn chat_matches(fixture: &str) {
 /// the M-RoPE positions past the images.
 #[test]
 fn qwen25_vl_generates_through_the_engine_at_any_cut() {
+    generates_at_any_cut("vision/qwen25vl");
+}
+
+/// The same for Qwen3-VL (tests/fixtures/vision/qwen3vl, scripts/fixtures/make_qwen3_vl.py),
+/// whose image rows carry DeepStack rows a cut must split with them.
+#[test]
+fn qwen3_vl_generates_through_the_engine_at_any_cut() {
+    generates_at_any_cut("vision/qwen3vl");
+}
+
+fn generates_at_any_cut(dir: &str) {
     let reference: Json = serde_json::from_slice(
-        &std::fs::read(fixtures().join("vision/qwen25vl/reference.json")).unwrap(),
+        &std::fs::read(fixtures().join(dir).join("reference.json")).unwrap(),
     )
     .unwrap();
     let load = || {
-        let file = ModelFile::open(fixtures().join("vision/qwen25vl")).unwrap();
+        let file = ModelFile::open(fixtures().join(dir)).unwrap();
         Model::load(&file, CpuBackend::exact(), &LoadOptions::default()).unwrap()
     };
     let mut m = load();

@@ -145,15 +145,29 @@ pub fn mrope_position(grids: &[ImageGrid], p: usize) -> [u32; 3] {
     [q; 3]
 }
 
-/// Rows `row..row + values.len() / hidden` of a chunk take `values` as their input (after
-/// the embedding's scale, which they do not get). `bidirectional`: the rows attend to each
-/// other both ways (Gemma 3's image rows; the others attend causally as ever, a window
-/// reaching back as far from the last of them as it does from each).
+/// Rows `row..row + rows()` of a chunk take `values` as their input (after the embedding's
+/// scale, which they do not get). `bidirectional`: the rows attend to each other both ways
+/// (Gemma 3's image rows; the others attend causally as ever, a window reaching back as far
+/// from the last of them as it does from each). `deep`: each row of `values` is followed by
+/// that many more of the model's width, added to the row's residual stream after the first
+/// `deep` layers (Qwen3-VL's DeepStack features).
 #[derive(Debug, Clone, Copy)]
 pub struct Embeds<'a> {
     pub row: usize,
     pub values: &'a [f32],
     pub bidirectional: bool,
+    pub deep: usize,
+}
+
+impl Embeds<'_> {
+    /// Values a row takes in `values` (its input and its DeepStack rows).
+    pub fn width(&self, hidden: usize) -> usize {
+        (1 + self.deep) * hidden
+    }
+
+    pub fn rows(&self, hidden: usize) -> usize {
+        self.values.len() / self.width(hidden).max(1)
+    }
 }
 
 /// Activation buffers for one pass of at most [`CHUNK`] tokens. Allocated once at load.
@@ -637,7 +651,7 @@ impl<B: Backend> Decoder<B> {
             let mut end = (pos + self.pass).min(tokens.len());
             // Back off to the start of a bidirectional span the cut would fall inside.
             for e in embeds.iter().filter(|e| e.bidirectional) {
-                let rows = e.values.len() / h;
+                let rows = e.rows(h);
                 if e.row < end && end < e.row + rows {
                     end = e.row;
                 }
@@ -653,12 +667,13 @@ impl<B: Backend> Decoder<B> {
             let chunk_embeds: Vec<Embeds> = embeds
                 .iter()
                 .filter_map(|e| {
-                    let rows = e.values.len() / h;
+                    let (rows, w) = (e.rows(h), e.width(h));
                     let (a, b) = (e.row.max(pos), (e.row + rows).min(end));
                     (a < b).then(|| Embeds {
                         row: a - pos,
-                        values: &e.values[(a - e.row) * h..(b - e.row) * h],
+                        values: &e.values[(a - e.row) * w..(b - e.row) * w],
                         bidirectional: e.bidirectional,
+                        deep: e.deep,
                     })
                 })
                 .collect();
@@ -956,8 +971,9 @@ impl<B: Backend> Decoder<B> {
             let h = self.config.hidden_size;
             let mut next = 0;
             for e in s.embeds {
-                let rows = e.values.len() / h;
-                if e.values.len() % h != 0 || e.row < next || e.row + rows > s.tokens.len() {
+                let rows = e.rows(h);
+                if e.values.len() % e.width(h) != 0 || e.row < next || e.row + rows > s.tokens.len()
+                {
                     return Err(Error::InvalidRequest(format!(
                         "embedded rows {}..{} (of width {}) do not fit a chunk of {} tokens in order",
                         e.row,
@@ -1097,7 +1113,14 @@ impl<B: Backend> Decoder<B> {
         let mut row = 0;
         for q in seqs {
             for e in q.embeds {
-                be.write(&mut s.x, (row + e.row) * c.hidden_size, e.values);
+                let h = c.hidden_size;
+                if e.deep == 0 {
+                    be.write(&mut s.x, (row + e.row) * h, e.values);
+                } else {
+                    for (r, v) in e.values.chunks_exact(e.width(h)).enumerate() {
+                        be.write(&mut s.x, (row + e.row + r) * h, &v[..h]);
+                    }
+                }
             }
             row += q.tokens.len();
         }
@@ -1296,7 +1319,8 @@ impl<B: Backend> Decoder<B> {
                 .layers
                 .get(li + 1)
                 .and_then(|l| l.norms.attn_in.as_ref());
-            let more = layer.per_layer_input.is_some() || layer.scalar.is_some();
+            let deep = seqs.iter().any(|q| q.embeds.iter().any(|e| li < e.deep));
+            let more = layer.per_layer_input.is_some() || layer.scalar.is_some() || deep;
             residual(
                 be,
                 c,
@@ -1311,6 +1335,9 @@ impl<B: Backend> Decoder<B> {
                 }
                 if let Some(k) = layer.scalar {
                     be.scale_inplace(&mut s.x, hidden, k);
+                }
+                if deep {
+                    deepstack(be, c.hidden_size, seqs, li, &mut s.x, &mut s.tmp);
                 }
                 if let Some(w) = next_in {
                     be.rms_norm(&s.x, hidden, w, c.rms_eps, &mut s.xn, hidden);
@@ -1390,7 +1417,7 @@ fn attend_groups<'a>(seqs: &[SeqChunk], group: &[AttnSeq<'a>], hidden: usize) ->
         };
         let mut at = 0;
         for e in q.embeds.iter().filter(|e| e.bidirectional) {
-            let len = e.values.len() / hidden;
+            let len = e.rows(hidden);
             if e.row > at {
                 push(run(at, e.row), 0);
             }
@@ -1410,6 +1437,35 @@ fn attend_groups<'a>(seqs: &[SeqChunk], group: &[AttnSeq<'a>], hidden: usize) ->
         }
     }
     out
+}
+
+/// Adds layer `layer`'s DeepStack rows of every image in the pass to those rows of the
+/// residual stream `x` (through `tmp`, at the same rows).
+fn deepstack<B: Backend>(
+    be: &B,
+    h: usize,
+    seqs: &[SeqChunk],
+    layer: usize,
+    x: &mut B::Buf,
+    tmp: &mut B::Buf,
+) {
+    let mut row = 0;
+    for q in seqs {
+        for e in q.embeds.iter().filter(|e| layer < e.deep) {
+            let w = e.width(h);
+            let at = (1 + layer) * h;
+            let rows: Vec<f32> = e
+                .values
+                .chunks_exact(w)
+                .flat_map(|v| v[at..at + h].iter().copied())
+                .collect();
+            let n = rows.len() / h;
+            be.write(tmp, (row + e.row) * h, &rows);
+            let view = Rows::dense(row + e.row + n, h).slice(row + e.row, n);
+            be.add_inplace(x, view, tmp, view);
+        }
+        row += q.tokens.len();
+    }
 }
 
 fn residual<B: Backend>(

@@ -260,11 +260,12 @@ impl<B: Backend> Model<B> {
         let mut embeds = Vec::with_capacity(spans.len());
         let mut grids = Vec::new();
         for (&(row, len), (rows, grid)) in spans.iter().zip(images) {
-            vision::Vision::<B>::check_rows(rows, len, h)?;
+            vision::Vision::<B>::check_rows(rows, len, (1 + v.deep_layers()) * h)?;
             embeds.push(decoder::Embeds {
                 row,
                 values: rows,
                 bidirectional: v.tokens.bidirectional,
+                deep: v.deep_layers(),
             });
             if let Some((gh, gw)) = *grid {
                 grids.push(decoder::ImageGrid {

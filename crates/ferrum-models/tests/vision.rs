@@ -474,3 +474,81 @@ fn qwen25_vl_gguf_answers_as_llama_cpp_mtmd() {
         assert_eq!(got, String::from_utf8_lossy(&want), "{}", case["image"]);
     }
 }
+
+#[test]
+fn qwen3_vl_image_features_match_transformers() {
+    let file = ModelFile::open(fixture("vision/qwen3vl")).unwrap();
+    let be = CpuBackend::exact();
+    let vision = Vision::load(&file, None, &be)
+        .unwrap()
+        .expect("a vision tower");
+    assert_eq!(vision.deep_layers(), 2);
+    let th = 64;
+    for case in reference_of("qwen3vl")["cases"].as_array().unwrap() {
+        let pixels = processed(&vision, &case["images"]);
+        for (k, (p, want)) in pixels
+            .iter()
+            .zip(case["features"].as_array().unwrap())
+            .enumerate()
+        {
+            let got = vision.encode(&be, p).unwrap();
+            let main: Vec<f32> = got
+                .chunks_exact(3 * th)
+                .flat_map(|r| r[..th].to_vec())
+                .collect();
+            let d = worst(&main, &floats(want));
+            println!("{} image {k}: features max |diff| {d:.3e}", case["name"]);
+            assert!(d < 1e-5, "{}: {d}", case["name"]);
+            for (layer, deep) in case["deepstack"].as_array().unwrap().iter().enumerate() {
+                let got: Vec<f32> = got
+                    .chunks_exact(3 * th)
+                    .flat_map(|r| r[(1 + layer) * th..(2 + layer) * th].to_vec())
+                    .collect();
+                let d = worst(&got, &floats(&deep[k]));
+                println!(
+                    "{} image {k}: DeepStack {layer} max |diff| {d:.3e}",
+                    case["name"]
+                );
+                assert!(d < 1e-5, "{} DeepStack {layer}: {d}", case["name"]);
+            }
+        }
+    }
+}
+
+/// Interleaved M-RoPE and the DeepStack rows added to the first layers: the logits of every
+/// position with one and with two images, exact within 1e-5 of transformers' f32, default
+/// within transformers' own bf16 error.
+#[test]
+fn qwen3_vl_logits_with_images_match_transformers() {
+    use ferrum_models::{LoadOptions, Logits, Model};
+    for (exact, label) in [(true, "exact"), (false, "default")] {
+        let be = if exact {
+            CpuBackend::exact()
+        } else {
+            CpuBackend::new()
+        };
+        let mut model =
+            Model::open(fixture("vision/qwen3vl"), be, &LoadOptions::default()).unwrap();
+        for case in reference_of("qwen3vl")["cases"].as_array().unwrap() {
+            let ids = ids_of(case);
+            let vision = model.vision.as_ref().unwrap();
+            let images = encoded(vision, model.decoder.backend(), &case["images"]);
+            let mut kv = model.decoder.alloc_kv_tokens(ids.len());
+            let got = model
+                .forward_with_images(&mut kv, &ids, &images, Logits::All)
+                .unwrap();
+            let f32_ref = floats(&case["logits_f32"]);
+            let bf16 = worst(&floats(&case["logits_bf16"]), &f32_ref);
+            let d = worst(&got, &f32_ref);
+            println!(
+                "{label} {}: max |diff| {d:.3e} (transformers bf16: {bf16:.3e})",
+                case["name"]
+            );
+            if exact {
+                assert!(d < 1e-5, "{}: {d}", case["name"]);
+            } else {
+                assert!(d <= bf16, "{}: {d} > {bf16}", case["name"]);
+            }
+        }
+    }
+}

@@ -30,6 +30,8 @@ pub enum Arch {
     /// Qwen2-VL / Qwen2.5-VL's language model: Qwen2 with M-RoPE.
     Qwen2Vl,
     Qwen3,
+    /// Qwen3-VL's language model: Qwen3 with interleaved M-RoPE and DeepStack rows.
+    Qwen3Vl,
     /// Qwen3 attention with a mixture-of-experts FFN.
     Qwen3Moe,
     Gemma3,
@@ -77,6 +79,7 @@ pub const ARCHS: &[ArchInfo] = &[
     llama::INFO,
     qwen::QWEN2,
     qwen::QWEN2_VL,
+    qwen::QWEN3_VL,
     qwen::QWEN3,
     qwen::QWEN3_MOE,
     gemma3::INFO,
@@ -145,6 +148,7 @@ mod tests {
             Arch::Qwen2,
             Arch::Qwen2Vl,
             Arch::Qwen3,
+            Arch::Qwen3Vl,
             Arch::Qwen3Moe,
             Arch::Gemma3,
             Arch::Phi3,

@@ -76,6 +76,34 @@ pub(crate) fn gguf_sections(g: &GgufFile, interleaved: bool) -> Result<Option<MR
     }
 }
 
+/// Qwen3-VL's language model: Qwen3 with interleaved M-RoPE (`mrope_section` in its
+/// `text_config`; llama.cpp's `qwen3vl.rope.dimension_sections`). Its first layers also take
+/// the vision tower's DeepStack rows ([`crate::decoder::Embeds::deep`]).
+pub const QWEN3_VL: ArchInfo = ArchInfo {
+    arch: Arch::Qwen3Vl,
+    name: "qwen3vl",
+    gguf_aliases: &[],
+    hf_classes: &["Qwen3VLForConditionalGeneration"],
+    model_types: &["qwen3_vl"],
+    from_hf: |j| {
+        let t = j.get("text_config").filter(|t| t.is_object()).unwrap_or(j);
+        let mut c = ModelConfig::hf_base(Arch::Qwen3Vl, t)?;
+        c.qk_norm = QkNorm::PerHead;
+        c.mrope = Some(MRope::from_hf(t, true).unwrap_or(MRope {
+            sections: [24, 20, 20],
+            interleaved: true,
+        }));
+        c.check("config.json")
+    },
+    from_gguf: |g, vocab, tied| {
+        let mut c = ModelConfig::gguf_base(Arch::Qwen3Vl, g, vocab, tied)?;
+        c.qk_norm = QkNorm::PerHead;
+        c.mrope = gguf_sections(g, true)?;
+        c.check(&g.path.display().to_string())
+    },
+    names: &[],
+};
+
 pub const QWEN3: ArchInfo = ArchInfo {
     arch: Arch::Qwen3,
     name: "qwen3",

@@ -11,6 +11,7 @@
 
 pub mod gemma3;
 pub mod qwen25vl;
+pub mod qwen3vl;
 
 use ferrum_backend::{AttentionParams, AttnSeq, Backend, KvShape, KvTable, Rows};
 use ferrum_core::{DType, Error, Result};
@@ -46,6 +47,7 @@ pub struct Vision<B: Backend> {
 enum Tower<B: Backend> {
     Gemma3(gemma3::Gemma3Vision<B>),
     Qwen25(qwen25vl::Qwen25Vision<B>),
+    Qwen3(qwen3vl::Qwen3Vision<B>),
 }
 
 /// What a chat template writes for an image (`marker`) and what each image's marker becomes
@@ -102,9 +104,9 @@ impl<B: Backend> Vision<B> {
             return Ok(None);
         }
         let model_type = h.config.get("model_type").and_then(Json::as_str);
-        if !matches!(model_type, Some("gemma3" | "qwen2_5_vl")) {
-            // A tower of a family not built here (Gemma 4's, Qwen3-VL's): the checkpoint
-            // runs as the text model it also is, and images to it are refused.
+        if !matches!(model_type, Some("gemma3" | "qwen2_5_vl" | "qwen3_vl")) {
+            // A tower of a family not built here (Gemma 4's, Qwen3.5's): the checkpoint runs
+            // as the text model it also is, and images to it are refused.
             return Ok(None);
         }
         let processor = read_processor(&h.dir)?;
@@ -112,6 +114,9 @@ impl<B: Backend> Vision<B> {
         let (tower, tokens) = if model_type == Some("qwen2_5_vl") {
             let (t, tokens) = qwen25vl::Qwen25Vision::load(&h.config, &store, be)?;
             (Tower::Qwen25(t), tokens)
+        } else if model_type == Some("qwen3_vl") {
+            let (t, tokens) = qwen3vl::Qwen3Vision::load(&h.config, &store, be)?;
+            (Tower::Qwen3(t), tokens)
         } else {
             let (t, tokens) = gemma3::Gemma3Vision::load(&h.config, &store, be)?;
             (Tower::Gemma3(t), tokens)
@@ -215,7 +220,7 @@ impl<B: Backend> Vision<B> {
         match (&self.tower, &self.processor) {
             (Tower::Gemma3(t), _) => t.tokens_per_image,
             (
-                Tower::Qwen25(_),
+                Tower::Qwen25(_) | Tower::Qwen3(_),
                 Processor::QwenVl {
                     patch,
                     merge,
@@ -223,7 +228,7 @@ impl<B: Backend> Vision<B> {
                     ..
                 },
             ) => max_pixels / (patch * merge).pow(2).max(1),
-            (Tower::Qwen25(_), _) => 0,
+            (Tower::Qwen25(_) | Tower::Qwen3(_), _) => 0,
         }
     }
 
@@ -233,6 +238,7 @@ impl<B: Backend> Vision<B> {
         match &self.tower {
             Tower::Gemma3(_) => None,
             Tower::Qwen25(t) => t.grid(p),
+            Tower::Qwen3(t) => t.grid(p),
         }
     }
 
@@ -242,6 +248,7 @@ impl<B: Backend> Vision<B> {
         match &self.tower {
             Tower::Gemma3(t) => t.tokens_per_image * p.shape.first().copied().unwrap_or(1),
             Tower::Qwen25(t) => t.grid(p).map_or(0, |(h, w)| h * w),
+            Tower::Qwen3(t) => t.grid(p).map_or(0, |(h, w)| h * w),
         }
     }
 
@@ -276,15 +283,26 @@ impl<B: Backend> Vision<B> {
         Ok(spans)
     }
 
-    /// Checks that an image's `rows` (of `hidden` values each) fill its `len` placeholders.
-    pub fn check_rows(rows: &[f32], len: usize, hidden: usize) -> Result<()> {
-        if rows.len() != len * hidden {
+    /// Checks that an image's `rows` (of `width` values each: the model's width, times one
+    /// plus [`Self::deep_layers`]) fill its `len` placeholders.
+    pub fn check_rows(rows: &[f32], len: usize, width: usize) -> Result<()> {
+        if rows.len() != len * width {
             return Err(Error::InvalidRequest(format!(
                 "an image of {} rows for {len} placeholders",
-                rows.len() / hidden.max(1)
+                rows.len() / width.max(1)
             )));
         }
         Ok(())
+    }
+
+    /// How many DeepStack rows follow each image row in [`Self::encode`]'s output, each added
+    /// to the row's residual stream after one of the language model's first layers
+    /// (Qwen3-VL); 0 for other families.
+    pub fn deep_layers(&self) -> usize {
+        match &self.tower {
+            Tower::Gemma3(_) | Tower::Qwen25(_) => 0,
+            Tower::Qwen3(t) => t.deep_layers(),
+        }
     }
 
     /// The text a chat template writes for an image and what it becomes before the prompt
@@ -308,7 +326,7 @@ impl<B: Backend> Vision<B> {
                     merge: 1,
                 })
             }
-            Tower::Qwen25(_) => Some(ImageText {
+            Tower::Qwen25(_) | Tower::Qwen3(_) => Some(ImageText {
                 marker: placeholder.clone(),
                 before: String::new(),
                 placeholder,
@@ -327,6 +345,7 @@ impl<B: Backend> Vision<B> {
         match &self.tower {
             Tower::Gemma3(t) => t.encode(be, processed),
             Tower::Qwen25(t) => t.encode(be, processed),
+            Tower::Qwen3(t) => t.encode(be, processed),
         }
     }
 }
@@ -415,6 +434,23 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
             }
             match h.config.get("model_type").and_then(Json::as_str) {
                 Some("gemma3") => {}
+                Some("qwen3_vl") => {
+                    let d = qwen3vl::Dims::from_hf(&h.config)?;
+                    let Processor::QwenVl {
+                        patch, max_pixels, ..
+                    } = read_processor(&h.dir)?
+                    else {
+                        return Err(Error::Weights(
+                            "a Qwen VL checkpoint with another family's processor".into(),
+                        ));
+                    };
+                    let patches = max_pixels / (patch * patch).max(1);
+                    return Ok(Some(VisionPlan {
+                        file_bytes: 0,
+                        activation_bytes: d.activation_bytes(patches),
+                        max_rows: patches / (d.merge * d.merge).max(1),
+                    }));
+                }
                 Some("qwen2_5_vl") => {
                     let d = qwen25vl::Dims::from_hf(&h.config)?;
                     let Processor::QwenVl {

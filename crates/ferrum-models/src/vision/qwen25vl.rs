@@ -295,36 +295,15 @@ impl<B: Backend> Qwen25Vision<B> {
                 };
                 return Ok([part("q")?, part("k")?, part("v")?]);
             }
-            // transformers' one `[3 · hidden, hidden]` projection, cut into its three.
-            let w = find(store, &names(&format!("blocks.{i}.attn.qkv.weight")))?;
-            let b = host_f32(
-                find(store, &names(&format!("blocks.{i}.attn.qkv.bias")))?,
-                3 * hidden,
-            )?;
-            if w.numel() != 3 * hidden * hidden {
-                return Err(Error::Weights(format!(
-                    "tensor {:?} has shape {:?}, expected [{}, {hidden}]",
-                    w.name,
-                    w.shape,
-                    3 * hidden
-                )));
-            }
-            let row = w.bytes().len() / (3 * hidden);
-            let part = |k: usize| -> Result<(B::Weight, B::Weight)> {
-                let bytes = w.bytes()[k * hidden * row..(k + 1) * hidden * row].to_vec();
-                let t = RawTensor::from_bytes(&w.name, w.dtype, vec![hidden, hidden], bytes)
-                    .ok_or_else(|| Error::Weights(format!("tensor {:?}: bad size", w.name)))?;
-                Ok((
-                    be.load_weight(&t)?,
-                    weight_from(
-                        be,
-                        "qkv bias",
-                        vec![hidden],
-                        &b[k * hidden..(k + 1) * hidden],
-                    )?,
-                ))
-            };
-            Ok([part(0)?, part(1)?, part(2)?])
+            split_qkv(
+                be,
+                find(store, &names(&format!("blocks.{i}.attn.qkv.weight")))?,
+                &host_f32(
+                    find(store, &names(&format!("blocks.{i}.attn.qkv.bias")))?,
+                    3 * hidden,
+                )?,
+                hidden,
+            )
         };
         let blocks = (0..layers)
             .map(|i| {
@@ -343,14 +322,7 @@ impl<B: Backend> Qwen25Vision<B> {
             .collect::<Result<Vec<_>>>()?;
         let patch_dim = 3 * temporal * patch * patch;
         let m = hidden * merge * merge;
-        // Axial RoPE: a quarter of the head's dimensions' frequencies, once for rows and
-        // once for columns.
-        let quarter = hd / 4;
-        let base: Vec<f32> = (0..quarter)
-            .map(|j| 1.0 / theta.powf((2 * j) as f32 / (hd / 2) as f32))
-            .collect();
-        let inv_freq = [base.clone(), base].concat();
-        let pair_axis = (0..2 * quarter).map(|i| (i >= quarter) as u8).collect();
+        let (inv_freq, pair_axis) = axial_rope(hd, theta);
         Ok(Qwen25Vision {
             hidden,
             heads,
@@ -392,17 +364,7 @@ impl<B: Backend> Qwen25Vision<B> {
         let (lh, lw) = (gh / m, gw / m);
         let unit = m * m;
         let units = n / unit;
-        // Each patch's (row, column) in the processor's order: merged units row-major, the
-        // patches of a unit row-major inside it; frames repeat the grid.
-        let mut pos = Vec::with_capacity(2 * n);
-        for _ in 0..t {
-            for u in 0..lh * lw {
-                for k in 0..unit {
-                    pos.push(((u / lw) * m + k / m) as u32);
-                    pos.push(((u % lw) * m + k % m) as u32);
-                }
-            }
-        }
+        let pos = patch_positions(t, lh, lw, m);
         // Units in window order (windows row-major, units row-major inside each), and each
         // window's first unit and size.
         let (order, windows) = window_order(t, lh, lw, self.window);
@@ -544,10 +506,72 @@ impl<B: Backend> Qwen25Vision<B> {
     }
 }
 
-const BLOCK: usize = 16;
+pub(super) const BLOCK: usize = 16;
+
+/// transformers' one `[3 · hidden, hidden]` attention projection and its bias, cut into the
+/// query, key and value weights (each in the tensor's own format).
+pub(super) fn split_qkv<B: Backend>(
+    be: &B,
+    w: &RawTensor,
+    bias: &[f32],
+    hidden: usize,
+) -> Result<[(B::Weight, B::Weight); 3]> {
+    if w.numel() != 3 * hidden * hidden || bias.len() != 3 * hidden {
+        return Err(Error::Weights(format!(
+            "tensor {:?} has shape {:?}, expected [{}, {hidden}]",
+            w.name,
+            w.shape,
+            3 * hidden
+        )));
+    }
+    let row = w.bytes().len() / (3 * hidden);
+    let part = |k: usize| -> Result<(B::Weight, B::Weight)> {
+        let bytes = w.bytes()[k * hidden * row..(k + 1) * hidden * row].to_vec();
+        let t = RawTensor::from_bytes(&w.name, w.dtype, vec![hidden, hidden], bytes)
+            .ok_or_else(|| Error::Weights(format!("tensor {:?}: bad size", w.name)))?;
+        Ok((
+            be.load_weight(&t)?,
+            weight_from(
+                be,
+                "qkv bias",
+                vec![hidden],
+                &bias[k * hidden..(k + 1) * hidden],
+            )?,
+        ))
+    };
+    Ok([part(0)?, part(1)?, part(2)?])
+}
+
+/// Each patch's (row, column), two values a patch, in the processor's order: merged units
+/// row-major over the `lh × lw` grid of units, the `merge × merge` patches of a unit row-major
+/// inside it; frames repeat the grid.
+pub(super) fn patch_positions(t: usize, lh: usize, lw: usize, merge: usize) -> Vec<u32> {
+    let unit = merge * merge;
+    let mut pos = Vec::with_capacity(2 * t * lh * lw * unit);
+    for _ in 0..t {
+        for u in 0..lh * lw {
+            for k in 0..unit {
+                pos.push(((u / lw) * merge + k / merge) as u32);
+                pos.push(((u % lw) * merge + k % merge) as u32);
+            }
+        }
+    }
+    pos
+}
+
+/// The axial RoPE of a head of `head_dim`: a quarter of its dimensions' frequencies, once for
+/// rows and once for columns, and each rotated pair's axis (0: row, 1: column).
+pub(super) fn axial_rope(head_dim: usize, theta: f32) -> (Vec<f32>, Vec<u8>) {
+    let quarter = head_dim / 4;
+    let base: Vec<f32> = (0..quarter)
+        .map(|j| 1.0 / theta.powf((2 * j) as f32 / (head_dim / 2) as f32))
+        .collect();
+    let pair_axis = (0..2 * quarter).map(|i| (i >= quarter) as u8).collect();
+    ([base.clone(), base].concat(), pair_axis)
+}
 
 /// Consecutive rows (or units) `(first, count)`.
-type Span = (usize, usize);
+pub(super) type Span = (usize, usize);
 
 /// llama.cpp stores the 3D patch kernel as one 2D kernel a frame (`v.patch_embd.weight`,
 /// `v.patch_embd.weight.1`); the matmul takes them as transformers' `[hidden, 3, temporal,
@@ -608,7 +632,7 @@ fn window_order(t: usize, lh: usize, lw: usize, side: usize) -> (Vec<usize>, Vec
 /// their own in the scratch cache, each query row a one-row sequence at its span's last
 /// position.
 #[allow(clippy::too_many_arguments)]
-fn attend_spans<B: Backend>(
+pub(super) fn attend_spans<B: Backend>(
     be: &B,
     qkv: &B::Buf,
     n: usize,
