@@ -198,7 +198,7 @@ def test_image_urls_are_fetched_only_when_allowed(vlm):
         web.shutdown()
 
 
-# Qwen2.5-VL (tests/fixtures/vision/qwen25vl_it, scripts/fixtures/make_qwen25_vl_it.py): each
+# Qwen2.5-VL (tests/fixtures/vision/qwen25vl_it, scripts/fixtures/make_qwen_vl_it.py qwen25vl): each
 # image's placeholders as many as its merged patches, M-RoPE positions in the language model.
 QWEN = os.path.join(HERE, "..", "fixtures", "vision", "qwen25vl_it")
 QREF = json.load(open(os.path.join(QWEN, "reference.json")))

@@ -272,11 +272,17 @@ fn chats_with_images_match_transformers_processor_and_generate() {
     chat_matches("vision/gemma3_it");
 }
 
-/// The same on tests/fixtures/vision/qwen25vl_it (scripts/fixtures/make_qwen25_vl_it.py:
+/// The same on tests/fixtures/vision/qwen25vl_it (scripts/fixtures/make_qwen_vl_it.py qwen25vl:
 /// Qwen2.5-VL's chat template, each image's `<|image_pad|>` expanded by its own size).
 #[test]
 fn qwen25_vl_chats_match_transformers_processor_and_generate() {
     chat_matches("vision/qwen25vl_it");
+}
+
+/// And on tests/fixtures/vision/qwen3vl_it (the same script, `qwen3vl`).
+#[test]
+fn qwen3_vl_chats_match_transformers_processor_and_generate() {
+    chat_matches("vision/qwen3vl_it");
 }
 
 fn chat_matches(fixture: &str) {

@@ -346,37 +346,56 @@ fn qwen25_vl_logits_with_images_match_transformers() {
 
 /// Qwen2.5-VL from GGUF: llama.cpp's conversion of tests/fixtures/vision/qwen25vl_it (its
 /// `qwen2vl` language model with rope sections, the `qwen2.5vl_merger` mmproj beside it;
-/// scripts/fixtures/make_qwen25_vl_gguf.py). With the checkpoint's own processor (the GGUF
+/// scripts/fixtures/make_qwen_vl_gguf.py). With the checkpoint's own processor (the GGUF
 /// path's default is llama.cpp's 8 to 4096 image tokens), the GGUF's tokenizer and template
 /// give transformers' processor's ids and the last logits are transformers'.
 #[test]
 fn qwen25_vl_from_gguf_with_mmproj_matches_transformers() {
+    gguf_matches_transformers("qwen25vl", 28);
+}
+
+/// The same for Qwen3-VL (`qwen3vl` with its DeepStack layers, the `qwen3vl_merger` mmproj).
+#[test]
+fn qwen3_vl_from_gguf_with_mmproj_matches_transformers() {
+    gguf_matches_transformers("qwen3vl", 32);
+}
+
+/// `unit`: the pixels of a side of a merged unit (2x2 patches).
+fn gguf_matches_transformers(family: &str, unit: usize) {
     use ferrum_models::{LoadOptions, Logits, Model};
-    let file = ModelFile::open(fixture("vision/qwen25vl_it_gguf/model-f32.gguf")).unwrap();
+    let file =
+        ModelFile::open(fixture(&format!("vision/{family}_it_gguf/model-f32.gguf"))).unwrap();
     let ModelFile::Gguf(g) = &file else {
         unreachable!()
     };
     let tok = ferrum_tokenizer::Tokenizer::from_gguf(g).unwrap();
     let mut model = Model::load(&file, CpuBackend::exact(), &LoadOptions::default()).unwrap();
     let hf = Vision::load(
-        &ModelFile::open(fixture("vision/qwen25vl_it")).unwrap(),
+        &ModelFile::open(fixture(&format!("vision/{family}_it"))).unwrap(),
         None,
         &CpuBackend::exact(),
     )
     .unwrap()
     .unwrap();
     let v = model.vision.as_mut().expect("the mmproj beside the model");
-    assert!(matches!(
-        v.processor,
-        ferrum_image::Processor::QwenVl {
-            min_pixels: 6272,
-            max_pixels: 3211264,
-            ..
-        }
-    ));
+    let ferrum_image::Processor::QwenVl {
+        min_pixels,
+        max_pixels,
+        ..
+    } = v.processor
+    else {
+        panic!("{:?}", v.processor)
+    };
+    assert_eq!(
+        (min_pixels, max_pixels),
+        (8 * unit * unit, 4096 * unit * unit)
+    );
     v.processor = hf.processor.clone();
     let text = v.prompt_texts(|id| tok.inner().id_to_token(id)).unwrap();
-    for case in reference_of("qwen25vl_it")["cases"].as_array().unwrap() {
+    for case in reference_of(&format!("{family}_it"))["cases"]
+        .as_array()
+        .unwrap()
+    {
         let mut messages = case["messages"].clone();
         for m in messages.as_array_mut().unwrap() {
             if let Some(parts) = m["content"].as_array_mut() {
@@ -415,14 +434,23 @@ fn qwen25_vl_from_gguf_with_mmproj_matches_transformers() {
     }
 }
 
-/// The GGUF pair against llama.cpp's `mtmd` itself (scripts/fixtures/qwen25_vl_llamacpp_reference.py):
+/// The GGUF pair against llama.cpp's `mtmd` itself (scripts/fixtures/qwen_vl_llamacpp_reference.py):
 /// on images already at the size both engines resize to, the chat template, the image's
 /// placeholders, the tower, the M-RoPE positions and greedy decoding give the answer
 /// llama-mtmd-cli printed, byte for byte (compared as text, invalid UTF-8 replaced alike).
 #[test]
 fn qwen25_vl_gguf_answers_as_llama_cpp_mtmd() {
+    answers_as_mtmd("qwen25vl");
+}
+
+#[test]
+fn qwen3_vl_gguf_answers_as_llama_cpp_mtmd() {
+    answers_as_mtmd("qwen3vl");
+}
+
+fn answers_as_mtmd(family: &str) {
     use ferrum_models::{LoadOptions, Logits, Model};
-    let dir = fixture("vision/qwen25vl_it_gguf");
+    let dir = fixture(&format!("vision/{family}_it_gguf"));
     let file = ModelFile::open(dir.join("model-f32.gguf")).unwrap();
     let ModelFile::Gguf(g) = &file else {
         unreachable!()

@@ -170,8 +170,15 @@ impl<B: Backend> Vision<B> {
                 triple("clip.vision.image_std")?,
             )),
         };
-        if projector_kind(&mm) == QWEN25_PROJECTOR {
-            let (tower, tokens) = qwen25vl::Qwen25Vision::load_gguf(&mm, text_hidden, &vocab, be)?;
+        let kind = projector_kind(&mm);
+        if kind == QWEN25_PROJECTOR || kind == QWEN3_PROJECTOR {
+            let (tower, tokens) = if kind == QWEN3_PROJECTOR {
+                let (t, tokens) = qwen3vl::Qwen3Vision::load_gguf(&mm, text_hidden, &vocab, be)?;
+                (Tower::Qwen3(t), tokens)
+            } else {
+                let (t, tokens) = qwen25vl::Qwen25Vision::load_gguf(&mm, text_hidden, &vocab, be)?;
+                (Tower::Qwen25(t), tokens)
+            };
             let patch = mm.require_usize("clip.vision.patch_size")?;
             let merge = mm
                 .get_u64("clip.vision.spatial_merge_size")
@@ -190,7 +197,7 @@ impl<B: Backend> Vision<B> {
             return Ok(Some(Vision {
                 processor,
                 tokens,
-                tower: Tower::Qwen25(tower),
+                tower,
             }));
         }
         let (tower, tokens) = gemma3::Gemma3Vision::load_gguf(&mm, text_hidden, &vocab, be)?;
@@ -373,10 +380,13 @@ fn mmproj_of(lm: &GgufFile, mmproj: Option<&Path>) -> Option<(std::path::PathBuf
     if let Some(p) = mmproj {
         return Some((p.to_path_buf(), true));
     }
-    matches!(lm.architecture().unwrap_or(""), "gemma3" | "qwen2vl")
-        .then(|| beside(&lm.path))
-        .flatten()
-        .map(|p| (p, false))
+    matches!(
+        lm.architecture().unwrap_or(""),
+        "gemma3" | "qwen2vl" | "qwen3vl"
+    )
+    .then(|| beside(&lm.path))
+    .flatten()
+    .map(|p| (p, false))
 }
 
 /// The mmproj file at `path` where its projector is one built here; another family's is
@@ -385,20 +395,21 @@ fn mmproj_of(lm: &GgufFile, mmproj: Option<&Path>) -> Option<(std::path::PathBuf
 fn open_mmproj(path: &Path, explicit: bool) -> Result<Option<GgufFile>> {
     let mm = GgufFile::open(path)?;
     let kind = projector_kind(&mm).to_string();
-    if kind == "gemma3" || kind == QWEN25_PROJECTOR {
+    if kind == "gemma3" || kind == QWEN25_PROJECTOR || kind == QWEN3_PROJECTOR {
         return Ok(Some(mm));
     }
     if !explicit {
         return Ok(None);
     }
     Err(Error::Unsupported(format!(
-        "{}: vision projector {kind:?} (supported: gemma3, {QWEN25_PROJECTOR})",
+        "{}: vision projector {kind:?} (supported: gemma3, {QWEN25_PROJECTOR}, {QWEN3_PROJECTOR})",
         path.display()
     )))
 }
 
-/// llama.cpp's name of Qwen2.5-VL's projector.
+/// llama.cpp's names of Qwen2.5-VL's and Qwen3-VL's projectors.
 const QWEN25_PROJECTOR: &str = "qwen2.5vl_merger";
+const QWEN3_PROJECTOR: &str = "qwen3vl_merger";
 
 fn projector_kind(mm: &GgufFile) -> &str {
     mm.get_str("clip.projector_type")
@@ -481,8 +492,18 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
                 return Ok(None);
             };
             let bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
+            // llama.cpp's limit for the Qwen VL line: 4096 image tokens.
             if projector_kind(&mm) == QWEN25_PROJECTOR {
                 let d = qwen25vl::Dims::from_gguf(&mm, text_width(lm)?)?;
+                let patches = 4096 * d.merge * d.merge;
+                return Ok(Some(VisionPlan {
+                    file_bytes: bytes,
+                    activation_bytes: d.activation_bytes(patches),
+                    max_rows: 4096,
+                }));
+            }
+            if projector_kind(&mm) == QWEN3_PROJECTOR {
+                let d = qwen3vl::Dims::from_gguf(&mm, text_width(lm)?)?;
                 let patches = 4096 * d.merge * d.merge;
                 return Ok(Some(VisionPlan {
                     file_bytes: bytes,

@@ -576,7 +576,7 @@ pub(super) type Span = (usize, usize);
 /// llama.cpp stores the 3D patch kernel as one 2D kernel a frame (`v.patch_embd.weight`,
 /// `v.patch_embd.weight.1`); the matmul takes them as transformers' `[hidden, 3, temporal,
 /// patch, patch]` flattened.
-fn patch_kernel_from_gguf<B: Backend>(
+pub(super) fn patch_kernel_from_gguf<B: Backend>(
     be: &B,
     store: &TensorStore,
     hidden: usize,

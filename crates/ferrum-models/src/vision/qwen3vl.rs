@@ -10,10 +10,12 @@
 use ferrum_backend::{Backend, KvShape, MatmulPart, RopeLayout, RopeParams, Rows};
 use ferrum_core::{Error, Result};
 use ferrum_image::Processed;
-use ferrum_loader::TensorStore;
+use ferrum_loader::{GgufFile, TensorStore};
 use serde_json::Value as Json;
 
-use super::qwen25vl::{attend_spans, axial_rope, patch_positions, Span, BLOCK};
+use super::qwen25vl::{
+    attend_spans, axial_rope, patch_kernel_from_gguf, patch_positions, Span, BLOCK,
+};
 use super::{find, host_f32, matrix, ImageTokens};
 
 struct Block<B: Backend> {
@@ -115,6 +117,35 @@ impl Dims {
         })
     }
 
+    /// From llama.cpp's mmproj keys (projector `qwen3vl_merger`): the learned positions'
+    /// square from `image_size / patch_size`, DeepStack blocks from `is_deepstack_layers`.
+    pub(super) fn from_gguf(mm: &GgufFile, text_hidden: usize) -> Result<Dims> {
+        let key = |k: &str| mm.require_usize(&format!("clip.vision.{k}"));
+        let patch = key("patch_size")?;
+        let side = key("image_size")? / patch.max(1);
+        Ok(Dims {
+            hidden: key("embedding_length")?,
+            heads: key("attention.head_count")?,
+            intermediate: key("feed_forward_length")?,
+            layers: key("block_count")?,
+            patch,
+            temporal: 2,
+            merge: mm
+                .get_u64("clip.vision.spatial_merge_size")
+                .map_or(2, |v| v as usize),
+            positions: side * side,
+            deep: mm
+                .get_bool_array("clip.vision.is_deepstack_layers")
+                .unwrap_or_default()
+                .iter()
+                .enumerate()
+                .filter_map(|(i, &d)| d.then_some(i))
+                .collect(),
+            theta: 10_000.0,
+            text_hidden,
+        })
+    }
+
     /// The bytes one image of `patches` patches allocates in the tower (all f32): the
     /// patches twice, the residual stream and its companions, QKV, the MLP's rows, the
     /// scratch keys and values; then each merger's rows and the output with its DeepStack rows.
@@ -126,6 +157,44 @@ impl Dims {
         let m = h * self.merge * self.merge;
         let out = (1 + self.deep.len()) * self.text_hidden;
         4 * (patches * per_patch + units * (2 * m + self.text_hidden + out)) as u64
+    }
+}
+
+/// llama.cpp's mmproj name of a tensor named as in transformers' Qwen3-VL (below `visual.`);
+/// `deep`: the DeepStack mergers' blocks (llama.cpp names a merger by its block).
+fn gguf_name(rest: &str, deep: &[usize]) -> String {
+    if let Some(r) = rest.strip_prefix("blocks.") {
+        let (i, tail) = r.split_once('.').unwrap_or((r, ""));
+        let (part, what) = tail.rsplit_once('.').unwrap_or((tail, ""));
+        let part = match part {
+            "norm1" => "ln1",
+            "norm2" => "ln2",
+            "attn.qkv" => "attn_qkv",
+            "attn.proj" => "attn_out",
+            "mlp.linear_fc1" => "ffn_up",
+            "mlp.linear_fc2" => "ffn_down",
+            other => other,
+        };
+        return format!("v.blk.{i}.{part}.{what}");
+    }
+    if let Some(r) = rest.strip_prefix("deepstack_merger_list.") {
+        let (k, tail) = r.split_once('.').unwrap_or((r, ""));
+        let block = k.parse::<usize>().ok().and_then(|k| deep.get(k)).copied();
+        let tail = tail
+            .replace("linear_fc1", "fc1")
+            .replace("linear_fc2", "fc2");
+        return format!("v.deepstack.{}.{tail}", block.unwrap_or(usize::MAX));
+    }
+    match rest {
+        "merger.norm.weight" => "v.post_ln.weight".into(),
+        "merger.norm.bias" => "v.post_ln.bias".into(),
+        "merger.linear_fc1.weight" => "mm.0.weight".into(),
+        "merger.linear_fc1.bias" => "mm.0.bias".into(),
+        "merger.linear_fc2.weight" => "mm.2.weight".into(),
+        "merger.linear_fc2.bias" => "mm.2.bias".into(),
+        "patch_embed.proj.bias" => "v.patch_embd.bias".into(),
+        "pos_embed.weight" => "v.position_embd.weight".into(),
+        other => other.into(),
     }
 }
 
@@ -145,6 +214,31 @@ impl<B: Backend> Qwen3Vision<B> {
             end: token_at(config, "vision_end_token_id"),
             bidirectional: false,
         };
+        Ok((Self::build(d, store, be, false)?, tokens))
+    }
+
+    /// From llama.cpp's `mmproj` GGUF (projector `qwen3vl_merger`), for a language model of
+    /// `text_hidden` whose vocabulary gives the image tokens.
+    pub fn load_gguf(
+        mm: &GgufFile,
+        text_hidden: usize,
+        vocab: &[&str],
+        be: &B,
+    ) -> Result<(Self, ImageTokens)> {
+        let dims = Dims::from_gguf(mm, text_hidden)?;
+        let id = |t: &str| vocab.iter().position(|v| *v == t).map(|i| i as u32);
+        let placeholder = id("<|image_pad|>")
+            .ok_or_else(|| Error::Weights("the model's vocabulary has no <|image_pad|>".into()))?;
+        let tokens = ImageTokens {
+            begin: id("<|vision_start|>"),
+            placeholder,
+            end: id("<|vision_end|>"),
+            bidirectional: false,
+        };
+        Ok((Self::build(dims, &mm.tensors(), be, true)?, tokens))
+    }
+
+    fn build(d: Dims, store: &TensorStore, be: &B, gguf: bool) -> Result<Self> {
         let Dims {
             hidden,
             heads,
@@ -177,6 +271,9 @@ impl<B: Backend> Qwen3Vision<B> {
             )));
         }
         let names = |rest: &str| -> Vec<String> {
+            if gguf {
+                return vec![gguf_name(rest, &deep)];
+            }
             ["model.visual.", "visual."]
                 .iter()
                 .map(|p| format!("{p}{rest}"))
@@ -237,6 +334,14 @@ impl<B: Backend> Qwen3Vision<B> {
             .enumerate()
             .map(|(k, &b)| Ok((b, merger(&format!("deepstack_merger_list.{k}"), true)?)))
             .collect::<Result<Vec<_>>>()?;
+        let patch_embed = if gguf {
+            (
+                patch_kernel_from_gguf(be, store, hidden, temporal, patch)?,
+                get("patch_embed.proj.bias", 1, hidden)?,
+            )
+        } else {
+            linear("patch_embed.proj", hidden, patch_dim)?
+        };
         let tower = Qwen3Vision {
             hidden,
             heads,
@@ -244,7 +349,7 @@ impl<B: Backend> Qwen3Vision<B> {
             merge,
             patch_dim,
             text_hidden,
-            patch_embed: linear("patch_embed.proj", hidden, patch_dim)?,
+            patch_embed,
             positions: host("pos_embed.weight", positions * hidden)?,
             side,
             blocks,
@@ -253,7 +358,7 @@ impl<B: Backend> Qwen3Vision<B> {
             inv_freq,
             pair_axis,
         };
-        Ok((tower, tokens))
+        Ok(tower)
     }
 
     /// `(t, h, w)` patches as the language model's grid of merged units.
