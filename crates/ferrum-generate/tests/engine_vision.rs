@@ -384,6 +384,14 @@ fn qwen3_vl_generates_through_the_engine_at_any_cut() {
     generates_at_any_cut("vision/qwen3vl");
 }
 
+/// And Qwen3.5 (tests/fixtures/vision/qwen35vl, scripts/fixtures/make_qwen35_vl.py): the
+/// hybrid model's recurrent state runs through image rows cut anywhere, and its prefix cache
+/// (state snapshots) serves the image again.
+#[test]
+fn qwen35_generates_with_images_through_the_engine_at_any_cut() {
+    generates_at_any_cut("vision/qwen35vl");
+}
+
 fn generates_at_any_cut(dir: &str) {
     let reference: Json = serde_json::from_slice(
         &std::fs::read(fixtures().join(dir).join("reference.json")).unwrap(),

@@ -7,8 +7,9 @@
 //! - zero-centred `(1 + w)` RMSNorms (the GGUF converter stores `1 + w`), except the
 //!   DeltaNet's gated output norm, which multiplies by `w`.
 //!
-//! Qwen3.5's multimodal RoPE (`mrope_section`) gives text — every position id the same in
-//! its three sections — the plain rotation. The MoE layers route like Qwen3-MoE (softmax,
+//! Qwen3.5's multimodal RoPE (`mrope_section`, interleaved) gives text — every position id
+//! the same in its three sections — the plain rotation, and image rows (Qwen3-VL's tower,
+//! without DeepStack) their time, height and width positions. The MoE layers route like Qwen3-MoE (softmax,
 //! top-k, renormalised) and add a shared expert scaled by `sigmoid(gate · x)`.
 
 use ferrum_core::{Error, Result};
@@ -17,7 +18,7 @@ use serde_json::Value as Json;
 
 use super::{Arch, ArchInfo};
 use crate::config::{
-    hf_opt_usize, hf_usize, LinearAttn, ModelConfig, MoeConfig, MoeStyle, QkNorm, Routing,
+    hf_opt_usize, hf_usize, LinearAttn, MRope, ModelConfig, MoeConfig, MoeStyle, QkNorm, Routing,
 };
 
 const NAMES: &[(&str, &str)] = &[
@@ -145,6 +146,12 @@ fn from_hf(arch: Arch, j: &Json) -> Result<ModelConfig> {
         c.rotary_dim = (c.head_dim / 4) & !1;
     }
     c.norm_offset = 1.0;
+    // Image rows' positions (text rotates as plain RoPE): interleaved sections over the
+    // rotated pairs, transformers' [11, 11, 10] when the config leaves them out.
+    c.mrope = Some(MRope::from_hf(j, true).unwrap_or(MRope {
+        sections: [11, 11, 10],
+        interleaved: true,
+    }));
     let n = c.n_layers;
     let types = match j.get("layer_types").and_then(Json::as_array) {
         Some(a) => Some(
@@ -200,6 +207,7 @@ fn from_gguf(arch: Arch, g: &GgufFile, vocab: usize, tied: bool) -> Result<Model
     let key = |k: &str| format!("{name}.{k}");
     let source = g.path.display().to_string();
     let mut c = ModelConfig::gguf_base(arch, g, vocab, tied)?;
+    c.mrope = super::qwen::gguf_sections(g, true)?;
     let n = c.n_layers;
     let interval = g
         .get_u64(&key("full_attention_interval"))

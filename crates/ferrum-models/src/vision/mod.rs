@@ -104,9 +104,12 @@ impl<B: Backend> Vision<B> {
             return Ok(None);
         }
         let model_type = h.config.get("model_type").and_then(Json::as_str);
-        if !matches!(model_type, Some("gemma3" | "qwen2_5_vl" | "qwen3_vl")) {
-            // A tower of a family not built here (Gemma 4's, Qwen3.5's): the checkpoint runs
-            // as the text model it also is, and images to it are refused.
+        if !matches!(
+            model_type,
+            Some("gemma3" | "qwen2_5_vl" | "qwen3_vl" | "qwen3_5" | "qwen3_5_moe")
+        ) {
+            // A tower of a family not built here (Gemma 4's): the checkpoint runs as the text
+            // model it also is, and images to it are refused.
             return Ok(None);
         }
         let processor = read_processor(&h.dir)?;
@@ -114,7 +117,8 @@ impl<B: Backend> Vision<B> {
         let (tower, tokens) = if model_type == Some("qwen2_5_vl") {
             let (t, tokens) = qwen25vl::Qwen25Vision::load(&h.config, &store, be)?;
             (Tower::Qwen25(t), tokens)
-        } else if model_type == Some("qwen3_vl") {
+        } else if matches!(model_type, Some("qwen3_vl" | "qwen3_5" | "qwen3_5_moe")) {
+            // Qwen3.5's tower is Qwen3-VL's without DeepStack.
             let (t, tokens) = qwen3vl::Qwen3Vision::load(&h.config, &store, be)?;
             (Tower::Qwen3(t), tokens)
         } else {
@@ -445,7 +449,7 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
             }
             match h.config.get("model_type").and_then(Json::as_str) {
                 Some("gemma3") => {}
-                Some("qwen3_vl") => {
+                Some("qwen3_vl" | "qwen3_5" | "qwen3_5_moe") => {
                     let d = qwen3vl::Dims::from_hf(&h.config)?;
                     let Processor::QwenVl {
                         patch, max_pixels, ..
