@@ -198,25 +198,32 @@ def test_image_urls_are_fetched_only_when_allowed(vlm):
         web.shutdown()
 
 
-# Qwen2.5-VL (tests/fixtures/vision/qwen25vl_it, scripts/fixtures/make_qwen_vl_it.py qwen25vl): each
-# image's placeholders as many as its merged patches, M-RoPE positions in the language model.
-QWEN = os.path.join(HERE, "..", "fixtures", "vision", "qwen25vl_it")
-QREF = json.load(open(os.path.join(QWEN, "reference.json")))
-QCASES = {c["name"]: c for c in QREF["cases"]}
-QPAD = QREF["special_ids"]["<|image_pad|>"]
+# Qwen2.5-VL and Qwen3-VL (tests/fixtures/vision/{qwen25vl,qwen3vl}_it,
+# scripts/fixtures/make_qwen_vl_it.py): each image's placeholders as many as its merged patches,
+# M-RoPE positions in the language model, Qwen3-VL's DeepStack rows.
+def qwen_fixture(family):
+    d = os.path.join(HERE, "..", "fixtures", "vision", family + "_it")
+    ref = json.load(open(os.path.join(d, "reference.json")))
+    return d, {c["name"]: c for c in ref["cases"]}, ref["special_ids"]["<|image_pad|>"]
 
 
-@pytest.fixture(scope="module")
-def qwen():
-    proc, base, model = start(os.path.abspath(QWEN), "--ctx", "512", "--exact")
-    yield Server(proc, base, model)
+QPAD = qwen_fixture("qwen25vl")[2]
+
+
+@pytest.fixture(scope="module", params=["qwen25vl", "qwen3vl"])
+def qwen(request):
+    d, cases, _ = qwen_fixture(request.param)
+    proc, base, model = start(os.path.abspath(d), "--ctx", "512", "--exact")
+    s = Server(proc, base, model)
+    s.cases = cases
+    yield s
     proc.terminate()
     proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize("name", ["one_image", "two_images", "second_turn"])
-def test_qwen25_vl_chat_gets_transformers_tokens(qwen, name):
-    case = QCASES[name]
+def test_qwen_vl_chat_gets_transformers_tokens(qwen, name):
+    case = qwen.cases[name]
     msgs = openai_messages(case)
     r = qwen.raw("POST", "/tokenize", json={"model": qwen.model, "messages": msgs})
     assert r.status_code == 200, r.text
@@ -235,7 +242,7 @@ def test_qwen25_vl_chat_gets_transformers_tokens(qwen, name):
     assert text == want
 
 
-def test_qwen25_vl_second_turn_finds_the_image_in_the_prefix_cache(qwen):
+def test_qwen_vl_second_turn_finds_the_image_in_the_prefix_cache(qwen):
     first = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64("rgb_300x200.png")}},
         {"type": "text", "text": "What is in this picture?"}]}]
