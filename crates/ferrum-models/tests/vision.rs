@@ -632,3 +632,41 @@ fn qwen35_images_match_transformers() {
         }
     }
 }
+
+/// The vision towers and the image prefill on the Vulkan backend (lavapipe here and in CI):
+/// Gemma 3 (rows attending both ways), Qwen2.5-VL (windows, M-RoPE) and Qwen3-VL (DeepStack)
+/// give transformers' f32 logits at every position within 1e-4 of the largest logit, as
+/// vulkan_golden.rs holds the text models (the device adds only another order of additions).
+/// Without a device the test says so and passes, unless `FERRUM_REQUIRE_VULKAN=1`.
+#[test]
+fn vision_models_run_on_vulkan() {
+    use ferrum_models::{LoadOptions, Logits, Model};
+    for dir in ["gemma3", "qwen25vl", "qwen3vl"] {
+        let Some(be) = ferrum_backend::vulkan::test_device() else {
+            return;
+        };
+        let mut model = Model::open(
+            fixture(&format!("vision/{dir}")),
+            be,
+            &LoadOptions::default(),
+        )
+        .unwrap();
+        for case in reference_of(dir)["cases"].as_array().unwrap() {
+            let ids = ids_of(case);
+            let vision = model.vision.as_ref().unwrap();
+            let images = encoded(vision, model.decoder.backend(), &case["images"]);
+            let mut kv = model.decoder.alloc_kv_tokens(ids.len());
+            let got = model
+                .forward_with_images(&mut kv, &ids, &images, Logits::All)
+                .unwrap();
+            let want = floats(&case["logits_f32"]);
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = worst(&got, &want);
+            println!(
+                "vulkan {dir} {}: max |diff| {d:.3e} of {scale:.2}",
+                case["name"]
+            );
+            assert!(d <= 1e-4 * scale, "{dir} {}: {d}", case["name"]);
+        }
+    }
+}
