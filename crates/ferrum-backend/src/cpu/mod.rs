@@ -99,6 +99,10 @@ impl RopeCache {
     }
 }
 
+/// The bytes of token rows a float matmul keeps in L2 while every weight row of its task
+/// passes over them (half of a 1 MB L2, leaving room for the weights).
+const L2_TOKEN_BYTES: usize = 512 * 1024;
+
 impl Default for CpuBackend {
     fn default() -> Self {
         CpuBackend::new()
@@ -960,47 +964,56 @@ impl Backend for CpuBackend {
             // L2 in a prefill (64 tokens of a 1536-wide input are 393 KB), are then fetched
             // from L2 once for four weight rows and stay in L1 for the other three. Each (row,
             // token) pair still gets `dot_f32`'s arithmetic, so the grouping changes no bit.
+            // Many tokens (a vision tower's thousands of patches) are taken a stretch at a
+            // time that fits L2, all of the task's rows over each stretch: streaming every
+            // token past each group of four rows would read them from memory each time.
+            let stretch = (L2_TOKEN_BYTES / (4 * k.max(1))).max(3) / 3 * 3;
             ROW_SCRATCH.with(|s| {
                 let mut scratch = s.borrow_mut();
                 let [s0, s1, s2, s3] = &mut *scratch;
-                let mut j = rows.start;
-                while j < rows.end {
-                    let r = (rows.end - j).min(4);
-                    (j..j + r).for_each(|j| w.prefetch_ahead(j));
-                    let ws = [
-                        w.row(j, s0),
-                        if r > 1 { w.row(j + 1, s1) } else { &[] },
-                        if r > 2 { w.row(j + 2, s2) } else { &[] },
-                        if r > 3 { w.row(j + 3, s3) } else { &[] },
-                    ];
-                    let b = |i: usize| bias.map_or(0.0, |b| b[j + i]);
-                    let mut t = 0;
-                    while t + 3 <= n {
-                        let xs = [x_t(t), x_t(t + 1), x_t(t + 2)];
-                        if r == 4 {
-                            let v = simd::dot_f32_4x3(ws, xs);
-                            for (i, v) in v.iter().enumerate() {
+                let mut from = 0;
+                while from < n {
+                    let to = (from + stretch).min(n);
+                    let mut j = rows.start;
+                    while j < rows.end {
+                        let r = (rows.end - j).min(4);
+                        (j..j + r).for_each(|j| w.prefetch_ahead(j));
+                        let ws = [
+                            w.row(j, s0),
+                            if r > 1 { w.row(j + 1, s1) } else { &[] },
+                            if r > 2 { w.row(j + 2, s2) } else { &[] },
+                            if r > 3 { w.row(j + 3, s3) } else { &[] },
+                        ];
+                        let b = |i: usize| bias.map_or(0.0, |b| b[j + i]);
+                        let mut t = from;
+                        while t + 3 <= to {
+                            let xs = [x_t(t), x_t(t + 1), x_t(t + 2)];
+                            if r == 4 {
+                                let v = simd::dot_f32_4x3(ws, xs);
+                                for (i, v) in v.iter().enumerate() {
+                                    for (d, v) in v.iter().enumerate() {
+                                        write(t + d, j + i, v + b(i));
+                                    }
+                                }
+                                t += 3;
+                                continue;
+                            }
+                            for (i, wr) in ws[..r].iter().enumerate() {
+                                let v = simd::dot_f32_x3(wr, xs);
                                 for (d, v) in v.iter().enumerate() {
                                     write(t + d, j + i, v + b(i));
                                 }
                             }
                             t += 3;
-                            continue;
                         }
-                        for (i, wr) in ws[..r].iter().enumerate() {
-                            let v = simd::dot_f32_x3(wr, xs);
-                            for (d, v) in v.iter().enumerate() {
-                                write(t + d, j + i, v + b(i));
+                        for t in t..to {
+                            for (i, wr) in ws[..r].iter().enumerate() {
+                                write(t, j + i, simd::dot_f32(x_t(t), wr) + b(i));
                             }
                         }
-                        t += 3;
+                        j += r;
                     }
-                    for t in t..n {
-                        for (i, wr) in ws[..r].iter().enumerate() {
-                            write(t, j + i, simd::dot_f32(x_t(t), wr) + b(i));
-                        }
-                    }
-                    j += r;
+                    from = to;
                 }
             })
         });

@@ -788,3 +788,44 @@ fn compute_weights_are_q8_0_on_the_fast_path_only() {
         run(&exact, &exact.load_weight(&t).unwrap())
     );
 }
+
+/// A float matmul over more tokens than fit L2 at once takes them a stretch at a time (a
+/// vision tower's thousands of patches): every (token, row) still gets `dot_f32`'s bits, the
+/// stretches' edges (not multiples of the stretch, a tail of tokens past the last three)
+/// included, for f32 and f16 weights.
+#[test]
+fn float_matmul_over_many_tokens_is_dot_f32_in_stretches() {
+    let mut r = rng();
+    // 6000 columns: a stretch is 21 tokens, so 100 tokens take five stretches and a tail.
+    let (n, k, m) = (100, 6000, 9);
+    let x = rand_vec(&mut r, n * k);
+    let w = rand_vec(&mut r, m * k);
+    let bias = rand_vec(&mut r, m);
+    let half: Vec<u8> = w
+        .iter()
+        .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+        .collect();
+    let f16 = RawTensor::from_bytes("w16", DType::F16, vec![m, k], half).unwrap();
+    let w16: Vec<f32> = w.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect();
+    for be in [CpuBackend::new(), CpuBackend::exact()] {
+        for (t, rows) in [(f32_tensor("w", vec![m, k], &w), &w), (f16.clone(), &w16)] {
+            let wt = be.load_weight(&t).unwrap();
+            let bt = be.load_weight(&f32_tensor("b", vec![m], &bias)).unwrap();
+            let mut out = vec![0.0; n * m];
+            be.matmul(
+                &x,
+                Rows::dense(n, k),
+                &wt,
+                Some(&bt),
+                &mut out,
+                Rows::dense(n, m),
+            );
+            for t in 0..n {
+                for j in 0..m {
+                    let want = simd::dot_f32(&x[t * k..][..k], &rows[j * k..][..k]) + bias[j];
+                    assert_eq!(out[t * m + j].to_bits(), want.to_bits(), "{t},{j}");
+                }
+            }
+        }
+    }
+}

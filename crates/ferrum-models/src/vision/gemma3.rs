@@ -10,7 +10,9 @@ use ferrum_image::Processed;
 use ferrum_loader::{GgufFile, TensorStore};
 use serde_json::Value as Json;
 
-use super::{attend_all, find, host_f32, matrix, scratch_cache, weight_from, ImageTokens};
+use super::{
+    attend_spans, find, host_f32, matrix, scratch_cache, span_blocks, weight_from, ImageTokens,
+};
 
 struct Block<B: Backend> {
     ln1: (Vec<f32>, Vec<f32>),
@@ -389,7 +391,8 @@ impl<B: Backend> Gemma3Vision<B> {
         let mut qkv = be.alloc(n * 3 * h);
         let mut attn = be.alloc(n * h);
         let mut mlp = be.alloc(n * f);
-        let (mut cache, blocks) = scratch_cache(be, n, self.heads, hd);
+        let whole = [(0, n)];
+        let mut cache = scratch_cache(be, span_blocks(&whole), self.heads, hd);
         be.matmul(
             &input,
             Rows::dense(n, pd),
@@ -415,7 +418,7 @@ impl<B: Backend> Gemma3Vision<B> {
                 })
                 .collect();
             be.matmul_many(&y, hidden, &parts, &mut qkv);
-            attend_all(be, &qkv, n, self.heads, hd, &mut attn, &mut cache, &blocks);
+            attend_spans(be, &qkv, n, self.heads, hd, &whole, &mut attn, &mut cache);
             be.matmul(&attn, hidden, &b.out.0, Some(&b.out.1), &mut tmp, hidden);
             be.add_inplace(&mut x, hidden, &tmp, hidden);
             be.copy_rows(&x, hidden, &mut y, hidden);

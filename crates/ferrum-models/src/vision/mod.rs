@@ -597,36 +597,80 @@ fn matrix<B: Backend>(be: &B, t: &RawTensor, rows: usize, cols: usize) -> Result
     be.load_weight(&r)
 }
 
-/// Full attention among `n` rows (every row sees every key) through the backend's paged
-/// attention: keys and values into a scratch cache, each query row a one-row sequence at the
-/// last position.
+/// Query rows attended together as the query heads of one KV head: the backend's kernels
+/// read each key and value once for the group (as for grouped-query attention), and each
+/// row's arithmetic is what it gets alone.
+const ROW_GROUP: usize = 3;
+
+/// Attention within each span of rows — every row of a span sees the whole span and nothing
+/// else: an image's patches, or a window of them — through the backend's paged attention.
+/// Each span's keys and values go in blocks of their own in the scratch `cache` (at least
+/// [`span_blocks`] of them); each `ROW_GROUP` rows of a span are one one-row sequence at the
+/// span's last position whose query heads are those rows' heads, laid out head by head
+/// (`h · ROW_GROUP + g`) so that each KV head serves its own heads of every row of the group.
 #[allow(clippy::too_many_arguments)]
-fn attend_all<B: Backend>(
+fn attend_spans<B: Backend>(
     be: &B,
     qkv: &B::Buf,
     n: usize,
     heads: usize,
     head_dim: usize,
+    spans: &[(usize, usize)],
     out: &mut B::Buf,
     cache: &mut (B::KvBuf, B::KvBuf),
-    blocks: &[u32],
 ) {
-    const BLOCK: usize = 16;
+    const BLOCK: usize = SCRATCH_BLOCK;
     let w = heads * head_dim;
-    let table = KvTable {
-        blocks,
-        block_size: BLOCK,
-    };
-    let q = Rows::columns(n, 3 * w, 0, w).split_heads(head_dim);
-    let k = Rows::columns(n, 3 * w, w, w).split_heads(head_dim);
-    let v = Rows::columns(n, 3 * w, 2 * w, w);
-    be.write_kv(qkv, k, &mut cache.0, table, 0);
-    be.write_kv(qkv, v, &mut cache.1, table, 0);
-    let seqs: Vec<AttnSeq> = (0..n)
-        .map(|_| AttnSeq {
+    let mut tables: Vec<Vec<u32>> = Vec::with_capacity(spans.len());
+    let mut next = 0u32;
+    for &(_, len) in spans {
+        let count = len.div_ceil(BLOCK) as u32;
+        tables.push((next..next + count).collect());
+        next += count;
+    }
+    for (&(first, len), blocks) in spans.iter().zip(&tables) {
+        let table = KvTable {
+            blocks,
+            block_size: BLOCK,
+        };
+        let k = Rows::columns(n, 3 * w, w, w).slice(first, len);
+        let v = Rows::columns(n, 3 * w, 2 * w, w).slice(first, len);
+        be.write_kv(qkv, k.split_heads(head_dim), &mut cache.0, table, 0);
+        be.write_kv(qkv, v, &mut cache.1, table, 0);
+    }
+    // Each group's rows (the last group of a span filled out with its last row).
+    let mut groups: Vec<([usize; ROW_GROUP], usize)> = Vec::new();
+    for (si, &(first, len)) in spans.iter().enumerate() {
+        for g in (0..len).step_by(ROW_GROUP) {
+            let rows = std::array::from_fn(|i| first + (g + i).min(len - 1));
+            groups.push((rows, si));
+        }
+    }
+    let vn = groups.len();
+    let gw = ROW_GROUP * w;
+    let mut host = vec![0f32; n * 3 * w];
+    be.read(qkv, 0, &mut host);
+    let mut grouped = vec![0f32; vn * gw];
+    for ((rows, _), dst) in groups.iter().zip(grouped.chunks_exact_mut(gw)) {
+        for h in 0..heads {
+            for (g, &r) in rows.iter().enumerate() {
+                let src = &host[r * 3 * w + h * head_dim..][..head_dim];
+                dst[(h * ROW_GROUP + g) * head_dim..][..head_dim].copy_from_slice(src);
+            }
+        }
+    }
+    let mut q = be.alloc(vn * gw);
+    be.write(&mut q, 0, &grouped);
+    let mut o = be.alloc(vn * gw);
+    let seqs: Vec<AttnSeq> = groups
+        .iter()
+        .map(|&(_, si)| AttnSeq {
             rows: 1,
-            first_pos: n - 1,
-            table,
+            first_pos: spans[si].1 - 1,
+            table: KvTable {
+                blocks: &tables[si],
+                block_size: BLOCK,
+            },
         })
         .collect();
     let params = AttentionParams {
@@ -636,34 +680,42 @@ fn attend_all<B: Backend>(
         softcap: None,
         sinks: None,
     };
-    be.attention(
-        qkv,
-        q,
-        &cache.0,
-        &cache.1,
-        &seqs,
-        out,
-        Rows::dense(n, w).split_heads(head_dim),
-        params,
-    );
+    let view = Rows::dense(vn, gw).split_heads(head_dim);
+    be.attention(&q, view, &cache.0, &cache.1, &seqs, &mut o, view, params);
+    be.read(&o, 0, &mut grouped);
+    let mut rows_out = vec![0f32; n * w];
+    for ((rows, _), src) in groups.iter().zip(grouped.chunks_exact(gw)) {
+        for h in 0..heads {
+            for (g, &r) in rows.iter().enumerate() {
+                let at = (h * ROW_GROUP + g) * head_dim;
+                rows_out[r * w + h * head_dim..][..head_dim]
+                    .copy_from_slice(&src[at..at + head_dim]);
+            }
+        }
+    }
+    be.write(out, 0, &rows_out);
 }
 
-/// A scratch KV cache for full attention over `n` rows: its buffers and block table.
+/// The scratch cache's block size.
+const SCRATCH_BLOCK: usize = 16;
+
+/// Blocks the scratch cache needs for `spans` (each in blocks of its own).
+fn span_blocks(spans: &[(usize, usize)]) -> usize {
+    spans.iter().map(|s| s.1.div_ceil(SCRATCH_BLOCK)).sum()
+}
+
+/// A scratch KV cache of `blocks` blocks for a tower's attention.
 fn scratch_cache<B: Backend>(
     be: &B,
-    n: usize,
+    blocks: usize,
     heads: usize,
     head_dim: usize,
-) -> ((B::KvBuf, B::KvBuf), Vec<u32>) {
-    let blocks = n.div_ceil(16);
+) -> (B::KvBuf, B::KvBuf) {
     let shape = KvShape {
         blocks,
-        block_size: 16,
+        block_size: SCRATCH_BLOCK,
         heads,
         head_dim,
     };
-    (
-        (be.alloc_kv(shape), be.alloc_kv(shape)),
-        (0..blocks as u32).collect(),
-    )
+    (be.alloc_kv(shape), be.alloc_kv(shape))
 }

@@ -7,16 +7,15 @@
 //! language model's width. Each image's rows sit between `<|vision_start|>` and
 //! `<|vision_end|>`, attend causally, and take M-RoPE positions in the language model.
 
-use ferrum_backend::{
-    Activation, AttentionParams, AttnSeq, Backend, KvShape, KvTable, MatmulPart, RopeLayout,
-    RopeParams, Rows,
-};
+use ferrum_backend::{Activation, Backend, MatmulPart, RopeLayout, RopeParams, Rows};
 use ferrum_core::{Error, Result};
 use ferrum_image::Processed;
 use ferrum_loader::{GgufFile, RawTensor, TensorStore};
 use serde_json::Value as Json;
 
-use super::{find, host_f32, matrix, weight_from, ImageTokens};
+use super::{
+    attend_spans, find, host_f32, matrix, scratch_cache, span_blocks, weight_from, ImageTokens,
+};
 
 /// llama.cpp's window when its mmproj records none (Qwen2.5-VL's `window_size`).
 const GGUF_WINDOW: usize = 112;
@@ -424,18 +423,8 @@ impl<B: Backend> Qwen25Vision<B> {
             w.iter().map(|&(a, len)| (a * unit, len * unit)).collect()
         };
         let (window_spans, full_spans) = (spans(windows), spans(frames));
-        let blocks: usize = window_spans
-            .iter()
-            .map(|s| s.1.div_ceil(BLOCK))
-            .sum::<usize>()
-            .max(full_spans.iter().map(|s| s.1.div_ceil(BLOCK)).sum());
-        let shape = KvShape {
-            blocks,
-            block_size: BLOCK,
-            heads: self.heads,
-            head_dim: hd,
-        };
-        let mut cache = (be.alloc_kv(shape), be.alloc_kv(shape));
+        let blocks = span_blocks(&window_spans).max(span_blocks(&full_spans));
+        let mut cache = scratch_cache(be, blocks, self.heads, hd);
         let rope = RopeParams {
             layout: RopeLayout::Neox,
             inv_freq: &self.inv_freq,
@@ -505,8 +494,6 @@ impl<B: Backend> Qwen25Vision<B> {
         Some((t * h / self.merge, w / self.merge))
     }
 }
-
-pub(super) const BLOCK: usize = 16;
 
 /// transformers' one `[3 · hidden, hidden]` attention projection and its bias, cut into the
 /// query, key and value weights (each in the tensor's own format).
@@ -625,71 +612,4 @@ fn window_order(t: usize, lh: usize, lw: usize, side: usize) -> (Vec<usize>, Vec
         }
     }
     (order, windows)
-}
-
-/// Attention within each span of rows (every row of a span sees the whole span and nothing
-/// else), through the backend's paged attention: each span's keys and values in blocks of
-/// their own in the scratch cache, each query row a one-row sequence at its span's last
-/// position.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn attend_spans<B: Backend>(
-    be: &B,
-    qkv: &B::Buf,
-    n: usize,
-    heads: usize,
-    head_dim: usize,
-    spans: &[(usize, usize)],
-    out: &mut B::Buf,
-    cache: &mut (B::KvBuf, B::KvBuf),
-) {
-    let w = heads * head_dim;
-    let mut tables: Vec<Vec<u32>> = Vec::with_capacity(spans.len());
-    let mut next = 0u32;
-    for &(_, len) in spans {
-        let count = len.div_ceil(BLOCK) as u32;
-        tables.push((next..next + count).collect());
-        next += count;
-    }
-    for (&(first, len), blocks) in spans.iter().zip(&tables) {
-        let table = KvTable {
-            blocks,
-            block_size: BLOCK,
-        };
-        let k = Rows::columns(n, 3 * w, w, w).slice(first, len);
-        let v = Rows::columns(n, 3 * w, 2 * w, w).slice(first, len);
-        be.write_kv(qkv, k.split_heads(head_dim), &mut cache.0, table, 0);
-        be.write_kv(qkv, v, &mut cache.1, table, 0);
-    }
-    let seqs: Vec<AttnSeq> = spans
-        .iter()
-        .zip(&tables)
-        .flat_map(|(&(_, len), blocks)| {
-            (0..len).map(move |_| AttnSeq {
-                rows: 1,
-                first_pos: len - 1,
-                table: KvTable {
-                    blocks,
-                    block_size: BLOCK,
-                },
-            })
-        })
-        .collect();
-    let params = AttentionParams {
-        n_kv_heads: heads,
-        scale: (head_dim as f32).powf(-0.5),
-        window: None,
-        softcap: None,
-        sinks: None,
-    };
-    let q = Rows::columns(n, 3 * w, 0, w).split_heads(head_dim);
-    be.attention(
-        qkv,
-        q,
-        &cache.0,
-        &cache.1,
-        &seqs,
-        out,
-        Rows::dense(n, w).split_heads(head_dim),
-        params,
-    );
 }

@@ -7,16 +7,14 @@
 //! image rows after its first layers. Rows sit between `<|vision_start|>` and
 //! `<|vision_end|>`, attend causally and take interleaved M-RoPE positions.
 
-use ferrum_backend::{Backend, KvShape, MatmulPart, RopeLayout, RopeParams, Rows};
+use ferrum_backend::{Backend, MatmulPart, RopeLayout, RopeParams, Rows};
 use ferrum_core::{Error, Result};
 use ferrum_image::Processed;
 use ferrum_loader::{GgufFile, TensorStore};
 use serde_json::Value as Json;
 
-use super::qwen25vl::{
-    attend_spans, axial_rope, patch_kernel_from_gguf, patch_positions, Span, BLOCK,
-};
-use super::{find, host_f32, matrix, ImageTokens};
+use super::qwen25vl::{axial_rope, patch_kernel_from_gguf, patch_positions, Span};
+use super::{attend_spans, find, host_f32, matrix, scratch_cache, span_blocks, ImageTokens};
 
 struct Block<B: Backend> {
     norm1: (Vec<f32>, Vec<f32>),
@@ -450,13 +448,7 @@ impl<B: Backend> Qwen3Vision<B> {
         );
         be.write(&mut tmp, 0, &self.resampled_positions(&rope_pos, gh, gw));
         be.add_inplace(&mut x, hidden, &tmp, hidden);
-        let shape = KvShape {
-            blocks: frames.iter().map(|s| s.1.div_ceil(BLOCK)).sum(),
-            block_size: BLOCK,
-            heads: self.heads,
-            head_dim: hd,
-        };
-        let mut cache = (be.alloc_kv(shape), be.alloc_kv(shape));
+        let mut cache = scratch_cache(be, span_blocks(&frames), self.heads, hd);
         let rope = RopeParams {
             layout: RopeLayout::Neox,
             inv_freq: &self.inv_freq,
