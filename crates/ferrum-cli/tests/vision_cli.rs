@@ -215,3 +215,44 @@ fn plan_counts_the_vision_tower_and_bench_times_an_image() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no vision tower"));
 }
+
+/// `ferrum run` on llama.cpp's Qwen2.5-VL and Qwen3-VL GGUF pairs (the mmproj found beside
+/// the model) answers an image and a question as `llama-mtmd-cli` did on the same files
+/// (tests/fixtures/vision/*_it_gguf/llamacpp.json, scripts/fixtures/qwen_vl_llamacpp_reference.py),
+/// invalid UTF-8 replaced alike.
+#[test]
+fn qwen_vl_gguf_answers_as_llama_cpp_mtmd() {
+    for family in ["qwen25vl", "qwen3vl"] {
+        let dir = fixtures(&format!("vision/{family}_it_gguf"));
+        let reference: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(format!("{dir}/llamacpp.json")).unwrap())
+                .unwrap();
+        for case in reference["cases"].as_array().unwrap() {
+            let out = Command::new(env!("CARGO_BIN_EXE_ferrum"))
+                .args(["run", "--device", "cpu", "--temperature", "0", "--exact"])
+                .args(["--max-tokens", &case["tokens"].to_string()])
+                .arg(format!("{dir}/model-f32.gguf"))
+                .args([
+                    "--image",
+                    &format!("{dir}/{}", case["image"].as_str().unwrap()),
+                ])
+                .args(["--prompt", case["prompt"].as_str().unwrap()])
+                .output()
+                .expect("runs");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{stderr}");
+            let hex = case["answer_hex"].as_str().unwrap();
+            let want: Vec<u8> = (0..hex.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+                .collect();
+            let got = String::from_utf8_lossy(&out.stdout);
+            assert_eq!(
+                got.strip_suffix('\n').unwrap_or(&got),
+                String::from_utf8_lossy(&want),
+                "{family} {}",
+                case["image"]
+            );
+        }
+    }
+}
