@@ -872,7 +872,7 @@ fn run_on<B: MakeBackend>(a: RunArgs, be: BackendOpts) -> Result<()> {
     let (model, tokenizer) = load_with::<B>(&path, a.ctx, be, a.mmproj.as_deref())?;
     if let Some(v) = &model.vision {
         eprintln!(
-            "ferrum: vision tower: {} image tokens an image",
+            "ferrum: vision tower: up to {} image tokens an image",
             v.max_rows()
         );
     }

@@ -79,8 +79,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
     // As the engine sizes its pool: blocks of one KV group's layers, windowed groups holding
     // only their window of each sequence (see `KvGroups`).
     let groups = ferrum_models::KvGroups::new(&c.layers);
-    // A vision model's passes hold a whole image besides a chunk (`set_pass_capacity`).
-    let pass = ferrum_models::decoder::CHUNK + vision.as_ref().map_or(0, |v| v.max_rows);
+    // A vision model whose image rows attend both ways holds a whole image besides a chunk in
+    // a pass (`set_pass_capacity`); the Qwen VL line's images are cut like text.
+    let pass = ferrum_models::decoder::CHUNK + vision.as_ref().map_or(0, |v| v.pass_rows);
     let (bs, chunk_tokens) = (ferrum_models::decoder::BLOCK_SIZE, pass);
     let block_values: usize = groups
         .buffer_shapes((c.n_kv_heads, c.head_dim))
@@ -214,9 +215,14 @@ pub fn run(a: PlanArgs) -> Result<()> {
             String::new()
         };
         println!(
-            "                                         (vision tower: {file}one image's pass {:.1} MB, in the activations; an image is {} rows of a pass of {pass})",
+            "                                         (vision tower: {file}one image's pass {:.1} MB, in the activations; an image is up to {} rows{})",
             mb(vision_act),
-            v.max_rows
+            v.max_rows,
+            if v.pass_rows > 0 {
+                format!(", in one pass of {pass}")
+            } else {
+                String::new()
+            }
         );
     }
     let why = match a.kv_tokens {

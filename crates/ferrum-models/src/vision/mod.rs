@@ -437,6 +437,9 @@ pub struct VisionPlan {
     pub activation_bytes: u64,
     /// The most rows one image takes in the language model's pass.
     pub max_rows: usize,
+    /// Rows a pass holds besides a chunk: a whole image where its rows attend both ways
+    /// (Gemma 3, `Decoder::set_pass_capacity`); 0 where the image is cut like text (Qwen VL).
+    pub pass_rows: usize,
 }
 
 /// The vision tower [`Vision::load`] would load for `file` (and `mmproj`), sized from the
@@ -464,6 +467,7 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
                         file_bytes: 0,
                         activation_bytes: d.activation_bytes(patches),
                         max_rows: patches / (d.merge * d.merge).max(1),
+                        pass_rows: 0,
                     }));
                 }
                 Some("qwen2_5_vl") => {
@@ -481,6 +485,7 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
                         file_bytes: 0,
                         activation_bytes: d.activation_bytes(patches),
                         max_rows: patches / (d.merge * d.merge).max(1),
+                        pass_rows: 0,
                     }));
                 }
                 // Loaded as a text model (see `Vision::load`).
@@ -504,6 +509,7 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
                     file_bytes: bytes,
                     activation_bytes: d.activation_bytes(patches),
                     max_rows: 4096,
+                    pass_rows: 0,
                 }));
             }
             if projector_kind(&mm) == QWEN3_PROJECTOR {
@@ -513,6 +519,7 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
                     file_bytes: bytes,
                     activation_bytes: d.activation_bytes(patches),
                     max_rows: 4096,
+                    pass_rows: 0,
                 }));
             }
             (gemma3::Dims::from_gguf(&mm, text_width(lm)?)?, bytes)
@@ -522,6 +529,7 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
         file_bytes,
         activation_bytes: dims.activation_bytes(),
         max_rows: dims.tokens_per_image,
+        pass_rows: dims.tokens_per_image,
     }))
 }
 
