@@ -70,6 +70,44 @@ fn floats(v: &Json) -> Vec<f32> {
         .collect()
 }
 
+/// A reference chat case's prompt ids as the chat path renders them (image parts as the
+/// server gives them to the template, each image's marker expanded), checked against
+/// transformers' processor's.
+fn chat_ids<B: ferrum_backend::Backend>(
+    tok: &ferrum_tokenizer::Tokenizer,
+    text: &ferrum_models::vision::ImageText,
+    vision: &Vision<B>,
+    case: &Json,
+) -> Vec<u32> {
+    let mut messages = case["messages"].clone();
+    for m in messages.as_array_mut().unwrap() {
+        if let Some(parts) = m["content"].as_array_mut() {
+            for p in parts.iter_mut().filter(|p| p["type"] == "image") {
+                *p = serde_json::json!({"type": "image"});
+            }
+        }
+    }
+    let pixels = processed(vision, &case["images"]);
+    let ids = tok
+        .chat_prompt_with_images(
+            messages.as_array().unwrap(),
+            true,
+            &Default::default(),
+            ferrum_tokenizer::SpecialTokens::Text,
+            false,
+            (&text.marker, &text.expansions(&pixels)),
+        )
+        .unwrap();
+    let want: Vec<u32> = case["input_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(ids, want, "{}: prompt ids", case["name"]);
+    ids
+}
+
 fn worst(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
@@ -191,34 +229,8 @@ fn gemma3_from_gguf_with_mmproj_matches_transformers() {
         serde_json::from_slice(&std::fs::read(fixture("vision/gemma3_it/reference.json")).unwrap())
             .unwrap();
     for case in reference["cases"].as_array().unwrap() {
-        let mut messages = case["messages"].clone();
-        for m in messages.as_array_mut().unwrap() {
-            if let Some(parts) = m["content"].as_array_mut() {
-                for p in parts.iter_mut().filter(|p| p["type"] == "image") {
-                    *p = serde_json::json!({"type": "image"});
-                }
-            }
-        }
         let v = model.vision.as_ref().unwrap();
-        let pixels = processed(v, &case["images"]);
-        let ids = tok
-            .chat_prompt_with_images(
-                messages.as_array().unwrap(),
-                true,
-                &Default::default(),
-                ferrum_tokenizer::SpecialTokens::Text,
-                false,
-                (&text.marker, &text.expansions(&pixels)),
-            )
-            .unwrap();
-        let want: Vec<u32> = case["input_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
-        assert_eq!(ids, want, "{}: prompt ids", case["name"]);
-        let v = model.vision.as_ref().unwrap();
+        let ids = chat_ids(&tok, &text, v, case);
         let images = encoded(v, model.decoder.backend(), &case["images"]);
         let mut kv = model.decoder.alloc_kv_tokens(ids.len());
         let got = model
@@ -396,33 +408,8 @@ fn gguf_matches_transformers(family: &str, unit: usize) {
         .as_array()
         .unwrap()
     {
-        let mut messages = case["messages"].clone();
-        for m in messages.as_array_mut().unwrap() {
-            if let Some(parts) = m["content"].as_array_mut() {
-                for p in parts.iter_mut().filter(|p| p["type"] == "image") {
-                    *p = serde_json::json!({"type": "image"});
-                }
-            }
-        }
         let v = model.vision.as_ref().unwrap();
-        let pixels = processed(v, &case["images"]);
-        let ids = tok
-            .chat_prompt_with_images(
-                messages.as_array().unwrap(),
-                true,
-                &Default::default(),
-                ferrum_tokenizer::SpecialTokens::Text,
-                false,
-                (&text.marker, &text.expansions(&pixels)),
-            )
-            .unwrap();
-        let want: Vec<u32> = case["input_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
-        assert_eq!(ids, want, "{}: prompt ids", case["name"]);
+        let ids = chat_ids(&tok, &text, v, case);
         let images = encoded(v, model.decoder.backend(), &case["images"]);
         let mut kv = model.decoder.alloc_kv_tokens(ids.len());
         let got = model

@@ -11,7 +11,8 @@ use ferrum_loader::{GgufFile, TensorStore};
 use serde_json::Value as Json;
 
 use super::{
-    attend_spans, find, host_f32, matrix, scratch_cache, span_blocks, weight_from, ImageTokens,
+    attend_spans, find, host_f32, matrix, scratch_cache, span_blocks, token_at, usize_at,
+    weight_from, ImageTokens,
 };
 
 struct Block<B: Backend> {
@@ -166,19 +167,6 @@ fn gguf_name(rest: &str) -> String {
         "mm_input_projection_weight" => "mm.input_projection.weight".into(),
         other => other.into(),
     }
-}
-
-fn usize_at(j: &Json, k: &str) -> Result<usize> {
-    j.get(k)
-        .and_then(Json::as_u64)
-        .map(|v| v as usize)
-        .ok_or_else(|| Error::Weights(format!("config.json: vision {k} is missing")))
-}
-
-fn token_at(j: &Json, keys: &[&str]) -> Option<u32> {
-    keys.iter()
-        .find_map(|k| j.get(*k).and_then(Json::as_u64))
-        .map(|v| v as u32)
 }
 
 impl<B: Backend> Gemma3Vision<B> {

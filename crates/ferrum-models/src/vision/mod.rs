@@ -361,6 +361,58 @@ impl<B: Backend> Vision<B> {
     }
 }
 
+/// A vision config's size `k`.
+fn usize_at(j: &Json, k: &str) -> Result<usize> {
+    j.get(k)
+        .and_then(Json::as_u64)
+        .map(|v| v as usize)
+        .ok_or_else(|| Error::Weights(format!("config.json: vision {k} is missing")))
+}
+
+/// The first of the config's keys `keys` that gives a token id.
+fn token_at(j: &Json, keys: &[&str]) -> Option<u32> {
+    keys.iter()
+        .find_map(|k| j.get(*k).and_then(Json::as_u64))
+        .map(|v| v as u32)
+}
+
+/// The Qwen VL line's image tokens from a checkpoint's config.json: causal rows between
+/// `vision_start` and `vision_end`.
+fn qwen_tokens(config: &Json) -> Result<ImageTokens> {
+    let placeholder = token_at(config, &["image_token_id"])
+        .ok_or_else(|| Error::Weights("config.json: image_token_id".into()))?;
+    Ok(ImageTokens {
+        begin: token_at(config, &["vision_start_token_id"]),
+        placeholder,
+        end: token_at(config, &["vision_end_token_id"]),
+        bidirectional: false,
+    })
+}
+
+/// The same from a GGUF model's vocabulary, by the tokens' text.
+fn qwen_tokens_gguf(vocab: &[&str]) -> Result<ImageTokens> {
+    let id = |t: &str| vocab.iter().position(|v| *v == t).map(|i| i as u32);
+    let placeholder = id("<|image_pad|>")
+        .ok_or_else(|| Error::Weights("the model's vocabulary has no <|image_pad|>".into()))?;
+    Ok(ImageTokens {
+        begin: id("<|vision_start|>"),
+        placeholder,
+        end: id("<|vision_end|>"),
+        bidirectional: false,
+    })
+}
+
+/// A Qwen VL tower's plan for images of up to `patches` patches: its images are cut like
+/// text, so a pass holds none whole.
+fn qwen_plan(file_bytes: u64, patches: usize, merge: usize, activation_bytes: u64) -> VisionPlan {
+    VisionPlan {
+        file_bytes,
+        activation_bytes,
+        max_rows: patches / (merge * merge).max(1),
+        pass_rows: 0,
+    }
+}
+
 /// The image processor of a Hugging Face checkpoint with a vision tower.
 fn read_processor(dir: &Path) -> Result<Processor> {
     let pre = dir.join("preprocessor_config.json");
@@ -452,8 +504,7 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
             }
             match h.config.get("model_type").and_then(Json::as_str) {
                 Some("gemma3") => {}
-                Some("qwen3_vl" | "qwen3_5" | "qwen3_5_moe") => {
-                    let d = qwen3vl::Dims::from_hf(&h.config)?;
+                Some(t @ ("qwen3_vl" | "qwen3_5" | "qwen3_5_moe" | "qwen2_5_vl")) => {
                     let Processor::QwenVl {
                         patch, max_pixels, ..
                     } = read_processor(&h.dir)?
@@ -463,29 +514,12 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
                         ));
                     };
                     let patches = max_pixels / (patch * patch).max(1);
-                    return Ok(Some(VisionPlan {
-                        file_bytes: 0,
-                        activation_bytes: d.activation_bytes(patches),
-                        max_rows: patches / (d.merge * d.merge).max(1),
-                        pass_rows: 0,
-                    }));
-                }
-                Some("qwen2_5_vl") => {
-                    let d = qwen25vl::Dims::from_hf(&h.config)?;
-                    let Processor::QwenVl {
-                        patch, max_pixels, ..
-                    } = read_processor(&h.dir)?
-                    else {
-                        return Err(Error::Weights(
-                            "a Qwen VL checkpoint with another family's processor".into(),
-                        ));
-                    };
-                    let patches = max_pixels / (patch * patch).max(1);
-                    return Ok(Some(VisionPlan {
-                        file_bytes: 0,
-                        activation_bytes: d.activation_bytes(patches),
-                        max_rows: patches / (d.merge * d.merge).max(1),
-                        pass_rows: 0,
+                    return Ok(Some(if t == "qwen2_5_vl" {
+                        let d = qwen25vl::Dims::from_hf(&h.config)?;
+                        qwen_plan(0, patches, d.merge, d.activation_bytes(patches))
+                    } else {
+                        let d = qwen3vl::Dims::from_hf(&h.config)?;
+                        qwen_plan(0, patches, d.merge, d.activation_bytes(patches))
                     }));
                 }
                 // Loaded as a text model (see `Vision::load`).
@@ -502,25 +536,26 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
             };
             let bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
             // llama.cpp's limit for the Qwen VL line: 4096 image tokens.
-            if projector_kind(&mm) == QWEN25_PROJECTOR {
+            let kind = projector_kind(&mm);
+            if kind == QWEN25_PROJECTOR {
                 let d = qwen25vl::Dims::from_gguf(&mm, text_width(lm)?)?;
                 let patches = 4096 * d.merge * d.merge;
-                return Ok(Some(VisionPlan {
-                    file_bytes: bytes,
-                    activation_bytes: d.activation_bytes(patches),
-                    max_rows: 4096,
-                    pass_rows: 0,
-                }));
+                return Ok(Some(qwen_plan(
+                    bytes,
+                    patches,
+                    d.merge,
+                    d.activation_bytes(patches),
+                )));
             }
-            if projector_kind(&mm) == QWEN3_PROJECTOR {
+            if kind == QWEN3_PROJECTOR {
                 let d = qwen3vl::Dims::from_gguf(&mm, text_width(lm)?)?;
                 let patches = 4096 * d.merge * d.merge;
-                return Ok(Some(VisionPlan {
-                    file_bytes: bytes,
-                    activation_bytes: d.activation_bytes(patches),
-                    max_rows: 4096,
-                    pass_rows: 0,
-                }));
+                return Ok(Some(qwen_plan(
+                    bytes,
+                    patches,
+                    d.merge,
+                    d.activation_bytes(patches),
+                )));
             }
             (gemma3::Dims::from_gguf(&mm, text_width(lm)?)?, bytes)
         }

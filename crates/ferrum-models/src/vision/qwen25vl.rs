@@ -14,7 +14,8 @@ use ferrum_loader::{GgufFile, RawTensor, TensorStore};
 use serde_json::Value as Json;
 
 use super::{
-    attend_spans, find, host_f32, matrix, scratch_cache, span_blocks, weight_from, ImageTokens,
+    attend_spans, find, host_f32, matrix, qwen_tokens, qwen_tokens_gguf, scratch_cache,
+    span_blocks, usize_at, weight_from, ImageTokens,
 };
 
 /// llama.cpp's window when its mmproj records none (Qwen2.5-VL's `window_size`).
@@ -66,13 +67,6 @@ pub(super) struct Dims {
     full: Vec<usize>,
     theta: f32,
     pub(super) text_hidden: usize,
-}
-
-fn usize_at(j: &Json, k: &str) -> Result<usize> {
-    j.get(k)
-        .and_then(Json::as_u64)
-        .map(|v| v as usize)
-        .ok_or_else(|| Error::Weights(format!("config.json: vision {k} is missing")))
 }
 
 impl Dims {
@@ -138,10 +132,6 @@ impl Dims {
     }
 }
 
-fn token_at(j: &Json, k: &str) -> Option<u32> {
-    j.get(k).and_then(Json::as_u64).map(|v| v as u32)
-}
-
 impl Dims {
     /// From llama.cpp's mmproj keys (projector `qwen2.5vl_merger`): full attention in every
     /// `n_wa_pattern`-th block, windows of `window_size` pixels (112 when not recorded).
@@ -205,29 +195,14 @@ impl<B: Backend> Qwen25Vision<B> {
         be: &B,
     ) -> Result<(Self, ImageTokens)> {
         let dims = Dims::from_gguf(mm, text_hidden)?;
-        let id = |t: &str| vocab.iter().position(|v| *v == t).map(|i| i as u32);
-        let placeholder = id("<|image_pad|>")
-            .ok_or_else(|| Error::Weights("the model's vocabulary has no <|image_pad|>".into()))?;
-        let tokens = ImageTokens {
-            begin: id("<|vision_start|>"),
-            placeholder,
-            end: id("<|vision_end|>"),
-            bidirectional: false,
-        };
+        let tokens = qwen_tokens_gguf(vocab)?;
         Ok((Self::build(dims, &mm.tensors(), be, true)?, tokens))
     }
 
     /// From a Hugging Face checkpoint (its config.json and tensors).
     pub fn load(config: &Json, store: &TensorStore, be: &B) -> Result<(Self, ImageTokens)> {
         let dims = Dims::from_hf(config)?;
-        let placeholder = token_at(config, "image_token_id")
-            .ok_or_else(|| Error::Weights("config.json: image_token_id".into()))?;
-        let tokens = ImageTokens {
-            begin: token_at(config, "vision_start_token_id"),
-            placeholder,
-            end: token_at(config, "vision_end_token_id"),
-            bidirectional: false,
-        };
+        let tokens = qwen_tokens(config)?;
         Ok((Self::build(dims, store, be, false)?, tokens))
     }
 

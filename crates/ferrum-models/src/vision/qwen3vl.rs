@@ -14,7 +14,10 @@ use ferrum_loader::{GgufFile, TensorStore};
 use serde_json::Value as Json;
 
 use super::qwen25vl::{axial_rope, patch_kernel_from_gguf, patch_positions, Span};
-use super::{attend_spans, find, host_f32, matrix, scratch_cache, span_blocks, ImageTokens};
+use super::{
+    attend_spans, find, host_f32, matrix, qwen_tokens, qwen_tokens_gguf, scratch_cache,
+    span_blocks, usize_at, ImageTokens,
+};
 
 struct Block<B: Backend> {
     norm1: (Vec<f32>, Vec<f32>),
@@ -66,13 +69,6 @@ pub(super) struct Dims {
     deep: Vec<usize>,
     theta: f32,
     pub(super) text_hidden: usize,
-}
-
-fn usize_at(j: &Json, k: &str) -> Result<usize> {
-    j.get(k)
-        .and_then(Json::as_u64)
-        .map(|v| v as usize)
-        .ok_or_else(|| Error::Weights(format!("config.json: vision {k} is missing")))
 }
 
 impl Dims {
@@ -196,22 +192,11 @@ fn gguf_name(rest: &str, deep: &[usize]) -> String {
     }
 }
 
-fn token_at(j: &Json, k: &str) -> Option<u32> {
-    j.get(k).and_then(Json::as_u64).map(|v| v as u32)
-}
-
 impl<B: Backend> Qwen3Vision<B> {
     /// From a Hugging Face checkpoint (its config.json and tensors).
     pub fn load(config: &Json, store: &TensorStore, be: &B) -> Result<(Self, ImageTokens)> {
         let d = Dims::from_hf(config)?;
-        let placeholder = token_at(config, "image_token_id")
-            .ok_or_else(|| Error::Weights("config.json: image_token_id".into()))?;
-        let tokens = ImageTokens {
-            begin: token_at(config, "vision_start_token_id"),
-            placeholder,
-            end: token_at(config, "vision_end_token_id"),
-            bidirectional: false,
-        };
+        let tokens = qwen_tokens(config)?;
         Ok((Self::build(d, store, be, false)?, tokens))
     }
 
@@ -224,15 +209,7 @@ impl<B: Backend> Qwen3Vision<B> {
         be: &B,
     ) -> Result<(Self, ImageTokens)> {
         let dims = Dims::from_gguf(mm, text_hidden)?;
-        let id = |t: &str| vocab.iter().position(|v| *v == t).map(|i| i as u32);
-        let placeholder = id("<|image_pad|>")
-            .ok_or_else(|| Error::Weights("the model's vocabulary has no <|image_pad|>".into()))?;
-        let tokens = ImageTokens {
-            begin: id("<|vision_start|>"),
-            placeholder,
-            end: id("<|vision_end|>"),
-            bidirectional: false,
-        };
+        let tokens = qwen_tokens_gguf(vocab)?;
         Ok((Self::build(dims, &mm.tensors(), be, true)?, tokens))
     }
 
