@@ -334,6 +334,13 @@ pub trait Backend: Send + Sync {
     fn load_weight_compute(&self, t: &RawTensor) -> Result<Self::Weight> {
         self.load_weight(t)
     }
+    /// [`Self::load_weight`] for a float matrix only ever multiplied over an encoder's whole
+    /// pass (a vision tower's patches): its products need not have a decoder's one-token bits,
+    /// so the backend may sum them in another order (the CPU's tiled GEMM, in f32). A backend
+    /// without such a kernel loads it as usual.
+    fn load_weight_encoder(&self, t: &RawTensor) -> Result<Self::Weight> {
+        self.load_weight(t)
+    }
     /// `(rows, cols)` of a loaded weight (a vector is one row).
     fn weight_shape(&self, w: &Self::Weight) -> (usize, usize);
 
@@ -451,6 +458,26 @@ pub trait Backend: Send + Sync {
         ov: Rows,
         p: AttentionParams,
     );
+
+    /// Attention within spans of rows, with no mask and no cache (an encoder's layer): `qkv`
+    /// holds `n` rows of `3 · heads · head_dim` (each row's queries, keys and values, head by
+    /// head), and each row of a span `(first, len)` attends to every row of that span and to
+    /// nothing else, scaled by `1/√head_dim`, into its row of `out` (`[n, heads · head_dim]`).
+    /// Returns `false`, having written nothing, where the backend has no kernel of its own:
+    /// the caller then goes through [`Self::attention`] over a scratch cache.
+    #[allow(clippy::too_many_arguments)]
+    fn span_attention(
+        &self,
+        qkv: &Self::Buf,
+        n: usize,
+        heads: usize,
+        head_dim: usize,
+        spans: &[(usize, usize)],
+        out: &mut Self::Buf,
+    ) -> bool {
+        let _ = (qkv, n, heads, head_dim, spans, out);
+        false
+    }
 
     /// A gated linear unit's gate: `out[t, i] = act(x[t, i]) · x[t, i + width]` where `xv` is
     /// `2 · width` wide (gate columns, then up columns).

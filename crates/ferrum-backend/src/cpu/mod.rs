@@ -10,6 +10,8 @@ pub mod linear;
 pub mod pool;
 pub mod quant;
 pub mod simd;
+mod span_attn;
+mod tile;
 
 use std::cell::RefCell;
 
@@ -98,6 +100,10 @@ impl RopeCache {
                 .all(|(a, b)| a.to_bits() == b.to_bits())
     }
 }
+
+/// Tokens from which an encoder's float matmul ([`Backend::load_weight_encoder`]) takes the
+/// tiled GEMM: below, its panels' conversion would cost more than the tiles save.
+const TILED_MIN: usize = 48;
 
 /// The bytes of token rows a float matmul keeps in L2 while every weight row of its task
 /// passes over them (half of a 1 MB L2, leaving room for the weights).
@@ -236,6 +242,7 @@ impl CpuBackend {
             kernel,
             packed: None,
             precise: false,
+            encoder: false,
         })
     }
 
@@ -491,6 +498,9 @@ pub struct CpuWeight {
     /// Loaded by [`Backend::load_weight_precise`]: multiplied with f32 activations even in
     /// the default mode (no integer kernel, no `vdpbf16ps`).
     precise: bool,
+    /// Loaded by [`Backend::load_weight_encoder`]: a float matrix whose passes over many
+    /// tokens take the tiled GEMM ([`tile::gemm`]), whose sums need not be `dot_f32`'s.
+    encoder: bool,
 }
 
 enum WeightData {
@@ -819,6 +829,16 @@ impl Backend for CpuBackend {
         Ok(w)
     }
 
+    /// Float matrices (f32, f16, bf16) keep their format and are marked: a pass of
+    /// 48 tokens or more (`TILED_MIN`) takes the tiled GEMM.
+    fn load_weight_encoder(&self, t: &RawTensor) -> Result<CpuWeight> {
+        let mut w = self.load_weight(t)?;
+        w.encoder = matches!(t.dtype, DType::F32 | DType::F16 | DType::BF16)
+            && t.shape.len() == 2
+            && w.packed.is_none();
+        Ok(w)
+    }
+
     /// Float matrices whose rows are whole Q8_0 blocks become Q8_0 (then packed) unless the
     /// backend is exact: an encoder's batch runs on the VNNI integer kernels.
     fn load_weight_compute(&self, t: &RawTensor) -> Result<CpuWeight> {
@@ -910,6 +930,23 @@ impl Backend for CpuBackend {
             return quantized_matmuls(&self.pool, &row, n, k, &[part], dst);
         }
         let (bias, per_task, n_tasks) = self.checked_part(xv, w, bias, ov, out.len());
+        if w.encoder && n >= TILED_MIN {
+            let row = |j: usize, dst: &mut [f32]| {
+                SCRATCH2.with(|s| dst.copy_from_slice(w.row(j, &mut s.borrow_mut())))
+            };
+            return tile::gemm(
+                &self.pool,
+                tile::Isa::detect(),
+                (x, xv.offset, xv.stride),
+                n,
+                k,
+                m,
+                &row,
+                bias,
+                dst,
+                (ov.offset, ov.stride),
+            );
+        }
         if !self.exact
             && !w.precise
             && w.dtype == DType::BF16
@@ -1173,6 +1210,29 @@ impl Backend for CpuBackend {
         check_view("attention out", ov, out.len());
         assert_eq!(seqs.iter().map(|s| s.rows).sum::<usize>(), qv.count);
         kv::attention(&self.pool, q, qv, k_cache, v_cache, seqs, out, ov, p);
+    }
+
+    fn span_attention(
+        &self,
+        qkv: &Vec<f32>,
+        n: usize,
+        heads: usize,
+        head_dim: usize,
+        spans: &[(usize, usize)],
+        out: &mut Vec<f32>,
+    ) -> bool {
+        span_attn::span_attention(
+            &self.pool,
+            tile::Isa::detect(),
+            simd::attn_kernels().softmax,
+            qkv,
+            n,
+            heads,
+            head_dim,
+            spans,
+            out,
+        );
+        true
     }
 
     fn glu(&self, x: &Vec<f32>, xv: Rows, out: &mut Vec<f32>, ov: Rows, act: Activation) {
@@ -1590,7 +1650,9 @@ impl Backend for CpuBackend {
 
     fn gelu_tanh(&self, x: &mut Vec<f32>, xv: Rows) {
         check_view("gelu_tanh", xv, x.len());
-        self.rows_in_place(x, xv, &crate::host_ops::gelu_tanh);
+        // `g / (1 + e^−2y)` rather than PyTorch's `½ g (1 + tanh y)`: the same function, within
+        // a few ulp, vectorised (the host body's `tanhf` is scalar).
+        self.rows_in_place(x, xv, &simd::gelu_tanh);
     }
 
     fn scale_inplace(&self, x: &mut Vec<f32>, xv: Rows, s: f32) {

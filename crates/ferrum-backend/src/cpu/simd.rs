@@ -317,6 +317,19 @@ pub fn gelu_tanh_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
     gelu_tanh_mul_scalar(g, u, out)
 }
 
+/// Tanh-approximated GELU in place, as [`gelu_tanh_mul`] with `u = 1` (so its bits), for a
+/// vision tower's MLP: `libm`'s `tanhf` there was a tenth of a tower's time.
+pub fn gelu_tanh(x: &mut [f32]) {
+    const CHUNK: usize = 64;
+    let ones = [1f32; CHUNK];
+    let mut g = [0f32; CHUNK];
+    for c in x.chunks_mut(CHUNK) {
+        let n = c.len();
+        g[..n].copy_from_slice(c);
+        gelu_tanh_mul(&g[..n], &ones[..n], c);
+    }
+}
+
 pub fn gelu_tanh_mul_scalar(g: &[f32], u: &[f32], out: &mut [f32]) {
     for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
         let z = GELU_2C * (g + GELU_K * (g * g * g));

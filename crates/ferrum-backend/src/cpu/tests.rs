@@ -829,3 +829,97 @@ fn float_matmul_over_many_tokens_is_dot_f32_in_stretches() {
         }
     }
 }
+
+/// The CPU's tanh GELU (`g / (1 + e^−2y)`, vectorised) is PyTorch's `½ g (1 + tanh y)` (the
+/// host body) within a few ulp of the row's scale, and gives `gelu_tanh_mul`'s bits with
+/// `u = 1`, on a strided view that leaves its neighbours alone.
+#[test]
+fn gelu_tanh_is_the_host_form_within_ulps() {
+    let mut r = rng();
+    let be = CpuBackend::with_threads(2);
+    let (n, w, stride, at) = (9, 200, 230, 5);
+    let x: Vec<f32> = rand_vec(&mut r, n * stride + at)
+        .iter()
+        .map(|v| v * 8.0)
+        .collect();
+    let view = Rows::columns(n, stride, at, w);
+    let mut got = x.clone();
+    be.gelu_tanh(&mut got, view);
+    for (i, (&g, &x0)) in got.iter().zip(&x).enumerate() {
+        let (t, c) = ((i.wrapping_sub(at)) / stride, (i.wrapping_sub(at)) % stride);
+        if i < at || t >= n || c >= w {
+            assert_eq!(
+                g.to_bits(),
+                x0.to_bits(),
+                "element {i} outside the view changed"
+            );
+            continue;
+        }
+        let mut host = [x0];
+        crate::host_ops::gelu_tanh(&mut host);
+        let mut twin = [0f32];
+        simd::gelu_tanh_mul_scalar(&[x0], &[1.0], &mut twin);
+        assert!(
+            (g - host[0]).abs() <= 4.0 * f32::EPSILON * x0.abs().max(1.0),
+            "{x0}: {g} vs {}",
+            host[0]
+        );
+        assert!(
+            (g - twin[0]).abs() <= f32::EPSILON * x0.abs().max(1e-30),
+            "{x0}: {g} vs twin {}",
+            twin[0]
+        );
+    }
+}
+
+/// A float matrix loaded as an encoder's takes the tiled GEMM from `TILED_MIN` tokens (within
+/// f32 rounding of the plain matmul, bias included) and below it is the plain matmul, bit for
+/// bit; f16 weights too.
+#[test]
+fn encoder_weights_take_the_tiled_gemm_over_many_tokens() {
+    let mut r = rng();
+    let (m, k) = (70, 96);
+    let data = rand_vec(&mut r, m * k);
+    let bias = rand_vec(&mut r, m);
+    let be = CpuBackend::with_threads(2);
+    let f16: Vec<u8> = data
+        .iter()
+        .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+        .collect();
+    for t in [
+        f32_tensor("w", vec![m, k], &data),
+        RawTensor::from_bytes("w", DType::F16, vec![m, k], f16).unwrap(),
+    ] {
+        let (plain, enc) = (
+            be.load_weight(&t).unwrap(),
+            be.load_weight_encoder(&t).unwrap(),
+        );
+        let b = be.load_weight(&f32_tensor("b", vec![m], &bias)).unwrap();
+        for n in [TILED_MIN - 1, TILED_MIN, 3 * TILED_MIN + 5] {
+            let x = rand_vec(&mut r, n * k);
+            let run = |w: &CpuWeight| {
+                let mut out = vec![0f32; n * m];
+                be.matmul(
+                    &x,
+                    Rows::dense(n, k),
+                    w,
+                    Some(&b),
+                    &mut out,
+                    Rows::dense(n, m),
+                );
+                out
+            };
+            let (want, got) = (run(&plain), run(&enc));
+            if n < TILED_MIN {
+                assert!(want
+                    .iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()));
+            } else {
+                for (a, b) in want.iter().zip(&got) {
+                    assert!((a - b).abs() < 1e-4, "n {n}: {a} vs {b}");
+                }
+            }
+        }
+    }
+}

@@ -611,12 +611,13 @@ fn host_f32(t: &RawTensor, len: usize) -> Result<Vec<f32>> {
 }
 
 /// Host values as an f32 weight of `shape` on the backend (`[len]` for a vector: a bias or
-/// a norm's weight).
+/// a norm's weight). A tower's matrices are multiplied over whole images only, so they load
+/// as an encoder's ([`Backend::load_weight_encoder`]), here and in [`matrix`].
 fn weight_from<B: Backend>(be: &B, name: &str, shape: Vec<usize>, v: &[f32]) -> Result<B::Weight> {
     let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
     let t = RawTensor::from_bytes(name, DType::F32, shape, bytes)
         .ok_or_else(|| Error::Weights(format!("tensor {name:?}: bad size")))?;
-    be.load_weight(&t)
+    be.load_weight_encoder(&t)
 }
 
 /// A tensor of `rows × cols` values (whatever its dimensions: a convolution's kernel seen as
@@ -633,11 +634,11 @@ fn matrix<B: Backend>(be: &B, t: &RawTensor, rows: usize, cols: usize) -> Result
         )));
     }
     if t.shape == [rows, cols] {
-        return be.load_weight(t);
+        return be.load_weight_encoder(t);
     }
     let r = RawTensor::from_bytes(&t.name, t.dtype, vec![rows, cols], t.bytes().to_vec())
         .ok_or_else(|| Error::Weights(format!("tensor {:?}: bad size", t.name)))?;
-    be.load_weight(&r)
+    be.load_weight_encoder(&r)
 }
 
 /// Query rows attended together as the query heads of one KV head: the backend's kernels
@@ -646,7 +647,8 @@ fn matrix<B: Backend>(be: &B, t: &RawTensor, rows: usize, cols: usize) -> Result
 const ROW_GROUP: usize = 3;
 
 /// Attention within each span of rows — every row of a span sees the whole span and nothing
-/// else: an image's patches, or a window of them — through the backend's paged attention.
+/// else: an image's patches, or a window of them — by the backend's own kernel where it has
+/// one ([`Backend::span_attention`]), else through its paged attention.
 /// Each span's keys and values go in blocks of their own in the scratch `cache` (at least
 /// [`span_blocks`] of them); each `ROW_GROUP` rows of a span are one one-row sequence at the
 /// span's last position whose query heads are those rows' heads, laid out head by head
@@ -662,6 +664,9 @@ fn attend_spans<B: Backend>(
     out: &mut B::Buf,
     cache: &mut (B::KvBuf, B::KvBuf),
 ) {
+    if be.span_attention(qkv, n, heads, head_dim, spans, out) {
+        return;
+    }
     const BLOCK: usize = SCRATCH_BLOCK;
     let w = heads * head_dim;
     let mut tables: Vec<Vec<u32>> = Vec::with_capacity(spans.len());

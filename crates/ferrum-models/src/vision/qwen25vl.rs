@@ -492,7 +492,7 @@ pub(super) fn split_qkv<B: Backend>(
         let t = RawTensor::from_bytes(&w.name, w.dtype, vec![hidden, hidden], bytes)
             .ok_or_else(|| Error::Weights(format!("tensor {:?}: bad size", w.name)))?;
         Ok((
-            be.load_weight(&t)?,
+            be.load_weight_encoder(&t)?,
             weight_from(
                 be,
                 "qkv bias",
