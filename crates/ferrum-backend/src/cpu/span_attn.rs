@@ -196,7 +196,7 @@ unsafe fn block_ymm(job: &Job, tile: &mut Vec<f32>) {
 }
 
 /// Score tiles of 6 rows × `NR` vectors of keys; output tiles of `MO` rows × up to `CV`
-/// vectors of dimensions. `tile` is the task's scratch (scores, then outputs). No closure
+/// vectors of dimensions (`CV` at most 5). `tile` is the task's scratch (scores, then outputs). No closure
 /// in here or below calls `V`'s methods: a closure does not take the instruction set of the
 /// function around it, so they would not be inlined.
 ///
@@ -221,73 +221,72 @@ unsafe fn block<V: Lanes, const NR: usize, const MO: usize, const CV: usize>(
         let row = first + q0 + i.min(nb - 1);
         job.qkv[row * 3 * w + job.head * d..][..d].as_ptr()
     };
-    {
-        let need = QB * lp + QB * dp;
-        if tile.len() < need {
-            tile.resize(need, 0.0);
+    let need = QB * lp + QB * dp;
+    if tile.len() < need {
+        tile.resize(need, 0.0);
+    }
+    let (scores, outs) = tile.split_at_mut(QB * lp);
+    let sp = scores.as_mut_ptr();
+    // Scores: panel by panel, every row tile of the block against it (the panel, d ×
+    // PANEL, stays in L1).
+    for p in 0..lp / PANEL {
+        let panel = kt.add(p * PANEL * d);
+        for g in (0..nb).step_by(MS) {
+            let mut qs = [std::ptr::null::<f32>(); MS];
+            let mut ss = [std::ptr::null_mut::<f32>(); MS];
+            for r in 0..MS {
+                qs[r] = query(g + r);
+                // Rows past the block go to rows of the tile buffer that are never read
+                // (it has QB rows; g + r < QB since QB is a multiple of MS).
+                ss[r] = sp.add((g + r) * lp + p * PANEL);
+            }
+            panel_row::<V, NR>(&qs, panel, d, &ss, false);
         }
-        let (scores, outs) = tile.split_at_mut(QB * lp);
-        let sp = scores.as_mut_ptr();
-        // Scores: panel by panel, every row tile of the block against it (the panel, d ×
-        // PANEL, stays in L1).
-        for p in 0..lp / PANEL {
-            let panel = kt.add(p * PANEL * d);
-            for g in (0..nb).step_by(MS) {
-                let mut qs = [std::ptr::null::<f32>(); MS];
-                let mut ss = [std::ptr::null_mut::<f32>(); MS];
-                for r in 0..MS {
-                    qs[r] = query(g + r);
-                    // Rows past the block go to rows of the tile buffer that are never read
-                    // (it has QB rows; g + r < QB since QB is a multiple of MS).
-                    ss[r] = sp.add((g + r) * lp + p * PANEL);
+    }
+    for i in 0..nb {
+        (job.softmax)(&mut scores[i * lp..i * lp + len], sh.scale);
+    }
+    // Outputs: the keys a stretch at a time (its values, KEYS × dp, stay in L2), every
+    // tile of rows × dimensions over each stretch, its sums carried in `outs` from one
+    // stretch to the next (the same chain over the keys).
+    let sp = scores.as_ptr();
+    let op = outs.as_mut_ptr();
+    let nv = dp / V::N;
+    for j0 in (0..len).step_by(KEYS) {
+        let keys = (len - j0).min(KEYS);
+        let more = j0 > 0;
+        for g in (0..nb).step_by(MO) {
+            let ps: [*const f32; MO] =
+                std::array::from_fn(|r| sp.add((g + r).min(nb - 1) * lp + j0));
+            let os: [*mut f32; MO] = std::array::from_fn(|r| op.add((g + r) * dp));
+            let vs = vals.add(j0 * dp);
+            let mut v0 = 0;
+            while v0 < nv {
+                let col = v0 * V::N;
+                let cs: [*mut f32; MO] = std::array::from_fn(|r| os[r].add(col));
+                let vp = (vs.add(col), dp);
+                let cv = (nv - v0).min(CV);
+                match cv {
+                    1 => panel_tile::<V, MO, 1>(&ps, vp, keys, &cs, more),
+                    2 => panel_tile::<V, MO, 2>(&ps, vp, keys, &cs, more),
+                    3 => panel_tile::<V, MO, 3>(&ps, vp, keys, &cs, more),
+                    4 => panel_tile::<V, MO, 4>(&ps, vp, keys, &cs, more),
+                    _ => panel_tile::<V, MO, 5>(&ps, vp, keys, &cs, more),
                 }
-                panel_row::<V, NR>(&qs, panel, d, &ss, false);
+                v0 += cv;
             }
         }
-        for i in 0..nb {
-            (job.softmax)(&mut scores[i * lp..i * lp + len], sh.scale);
-        }
-        // Outputs: the keys a stretch at a time (its values, KEYS × dp, stay in L2), every
-        // tile of rows × dimensions over each stretch, its sums carried in `outs` from one
-        // stretch to the next (the same chain over the keys).
-        let sp = scores.as_ptr();
-        let op = outs.as_mut_ptr();
-        let nv = dp / V::N;
-        for j0 in (0..len).step_by(KEYS) {
-            let keys = (len - j0).min(KEYS);
-            let more = j0 > 0;
-            for g in (0..nb).step_by(MO) {
-                let ps: [*const f32; MO] =
-                    std::array::from_fn(|r| sp.add((g + r).min(nb - 1) * lp + j0));
-                let os: [*mut f32; MO] = std::array::from_fn(|r| op.add((g + r) * dp));
-                let vs = vals.add(j0 * dp);
-                let mut v0 = 0;
-                while v0 < nv {
-                    let col = v0 * V::N;
-                    let cs: [*mut f32; MO] = std::array::from_fn(|r| os[r].add(col));
-                    let vp = (vs.add(col), dp);
-                    match (nv - v0).min(CV) {
-                        1 => panel_tile::<V, MO, 1>(&ps, vp, keys, &cs, more),
-                        2 => panel_tile::<V, MO, 2>(&ps, vp, keys, &cs, more),
-                        3 => panel_tile::<V, MO, 3>(&ps, vp, keys, &cs, more),
-                        4 => panel_tile::<V, MO, 4>(&ps, vp, keys, &cs, more),
-                        _ => panel_tile::<V, MO, 5>(&ps, vp, keys, &cs, more),
-                    }
-                    v0 += (nv - v0).min(CV).min(5);
-                }
-            }
-        }
-        for i in 0..nb {
-            let row = first + q0 + i;
-            job.out
-                .copy_from(row * w + job.head * d, &outs[i * dp..i * dp + d]);
-        }
+    }
+    for i in 0..nb {
+        let row = first + q0 + i;
+        job.out
+            .copy_from(row * w + job.head * d, &outs[i * dp..i * dp + d]);
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::tile::tests::random;
+    use super::super::tile::tests::{instances_equal_twin, random};
     use super::*;
 
     /// A row's attention over its span in f64, the reference.
@@ -366,17 +365,7 @@ mod tests {
                     assert_eq!(a, -7.0, "row outside every span written");
                 }
             }
-            for isa in [Isa::Ymm, Isa::Zmm] {
-                if isa.runs() {
-                    let got = run(isa);
-                    assert!(
-                        got.iter()
-                            .zip(&twin)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{isa:?} differs from the scalar twin (heads {heads}, d {d})"
-                    );
-                }
-            }
+            instances_equal_twin(&twin, run, &format!("heads {heads}, d {d}"));
         }
     }
 }

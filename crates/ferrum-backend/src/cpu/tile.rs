@@ -393,6 +393,21 @@ pub(crate) mod tests {
             .collect()
     }
 
+    /// Asserts that every wider instance this CPU runs gives `twin`'s bits (`run(Scalar)`).
+    pub(crate) fn instances_equal_twin(twin: &[f32], run: impl Fn(Isa) -> Vec<f32>, what: &str) {
+        for isa in [Isa::Ymm, Isa::Zmm] {
+            if isa.runs() {
+                let got = run(isa);
+                assert!(
+                    got.iter()
+                        .zip(twin)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{isa:?} differs from the scalar twin ({what})"
+                );
+            }
+        }
+    }
+
     /// Every instance this CPU runs gives the scalar twin's bits, and the twin is within f32
     /// rounding of the products in f64: over rows, weight rows and inputs off the tiles'
     /// multiples (a partial tile, panel, stretch and block of `KC`), strided rows, a bias,
@@ -447,17 +462,7 @@ pub(crate) mod tests {
                     "n {n} k {k} m {m} ({t}, {j}): {v} vs {want}"
                 );
             }
-            for isa in [Isa::Ymm, Isa::Zmm] {
-                if isa.runs() {
-                    let got = run(isa);
-                    assert!(
-                        got.iter()
-                            .zip(&twin)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{isa:?} differs from the scalar twin (n {n} k {k} m {m})"
-                    );
-                }
-            }
+            instances_equal_twin(&twin, run, &format!("n {n} k {k} m {m}"));
         }
     }
 }

@@ -11,8 +11,7 @@ use ferrum_loader::{GgufFile, TensorStore};
 use serde_json::Value as Json;
 
 use super::{
-    attend_spans, find, host_f32, matrix, scratch_cache, span_blocks, token_at, usize_at,
-    weight_from, ImageTokens,
+    attend_spans, find, host_f32, matrix, token_at, usize_at, weight_from, ImageTokens, SpanCache,
 };
 
 struct Block<B: Backend> {
@@ -380,7 +379,7 @@ impl<B: Backend> Gemma3Vision<B> {
         let mut attn = be.alloc(n * h);
         let mut mlp = be.alloc(n * f);
         let whole = [(0, n)];
-        let mut cache = scratch_cache(be, span_blocks(&whole), self.heads, hd);
+        let mut cache = SpanCache::new();
         be.matmul(
             &input,
             Rows::dense(n, pd),

@@ -649,10 +649,11 @@ const ROW_GROUP: usize = 3;
 /// Attention within each span of rows — every row of a span sees the whole span and nothing
 /// else: an image's patches, or a window of them — by the backend's own kernel where it has
 /// one ([`Backend::span_attention`]), else through its paged attention.
-/// Each span's keys and values go in blocks of their own in the scratch `cache` (at least
-/// [`span_blocks`] of them); each `ROW_GROUP` rows of a span are one one-row sequence at the
-/// span's last position whose query heads are those rows' heads, laid out head by head
-/// (`h · ROW_GROUP + g`) so that each KV head serves its own heads of every row of the group.
+/// There, each span's keys and values go in blocks of their own in the scratch `cache` (at
+/// least [`span_blocks`] of them, made at the first such call); each `ROW_GROUP` rows of a
+/// span are one one-row sequence at the span's last position whose query heads are those
+/// rows' heads, laid out head by head (`h · ROW_GROUP + g`) so that each KV head serves its
+/// own heads of every row of the group.
 #[allow(clippy::too_many_arguments)]
 fn attend_spans<B: Backend>(
     be: &B,
@@ -662,11 +663,12 @@ fn attend_spans<B: Backend>(
     head_dim: usize,
     spans: &[(usize, usize)],
     out: &mut B::Buf,
-    cache: &mut (B::KvBuf, B::KvBuf),
+    cache: &mut SpanCache<B>,
 ) {
     if be.span_attention(qkv, n, heads, head_dim, spans, out) {
         return;
     }
+    let cache = cache.get(be, span_blocks(spans), heads, head_dim);
     const BLOCK: usize = SCRATCH_BLOCK;
     let w = heads * head_dim;
     let mut tables: Vec<Vec<u32>> = Vec::with_capacity(spans.len());
@@ -752,18 +754,34 @@ fn span_blocks(spans: &[(usize, usize)]) -> usize {
     spans.iter().map(|s| s.1.div_ceil(SCRATCH_BLOCK)).sum()
 }
 
-/// A scratch KV cache of `blocks` blocks for a tower's attention.
-fn scratch_cache<B: Backend>(
-    be: &B,
-    blocks: usize,
-    heads: usize,
-    head_dim: usize,
-) -> (B::KvBuf, B::KvBuf) {
-    let shape = KvShape {
-        blocks,
-        block_size: SCRATCH_BLOCK,
-        heads,
-        head_dim,
-    };
-    (be.alloc_kv(shape), be.alloc_kv(shape))
+/// [`attend_spans`]' scratch KV cache, for a backend without a `span_attention` of its own:
+/// made at the first call that needs it, and again, larger, when a call's spans need more
+/// blocks. A backend with the kernel (the CPU) never makes it.
+pub(super) struct SpanCache<B: Backend>(Option<(usize, KvPair<B>)>);
+
+/// A scratch cache's keys and values.
+type KvPair<B> = (<B as Backend>::KvBuf, <B as Backend>::KvBuf);
+
+impl<B: Backend> SpanCache<B> {
+    pub(super) fn new() -> Self {
+        SpanCache(None)
+    }
+
+    /// The cache, of at least `blocks` blocks of `heads` heads of `head_dim`.
+    fn get(&mut self, be: &B, blocks: usize, heads: usize, head_dim: usize) -> &mut KvPair<B> {
+        let kv = self
+            .0
+            .take()
+            .filter(|(b, _)| *b >= blocks)
+            .unwrap_or_else(|| {
+                let shape = KvShape {
+                    blocks,
+                    block_size: SCRATCH_BLOCK,
+                    heads,
+                    head_dim,
+                };
+                (blocks, (be.alloc_kv(shape), be.alloc_kv(shape)))
+            });
+        &mut self.0.insert(kv).1
+    }
 }

@@ -14,8 +14,8 @@ use ferrum_loader::{GgufFile, RawTensor, TensorStore};
 use serde_json::Value as Json;
 
 use super::{
-    attend_spans, find, host_f32, matrix, qwen_tokens, qwen_tokens_gguf, scratch_cache,
-    span_blocks, usize_at, weight_from, ImageTokens,
+    attend_spans, find, host_f32, matrix, qwen_tokens, qwen_tokens_gguf, usize_at, weight_from,
+    ImageTokens, SpanCache,
 };
 
 /// llama.cpp's window when its mmproj records none (Qwen2.5-VL's `window_size`).
@@ -398,8 +398,7 @@ impl<B: Backend> Qwen25Vision<B> {
             w.iter().map(|&(a, len)| (a * unit, len * unit)).collect()
         };
         let (window_spans, full_spans) = (spans(windows), spans(frames));
-        let blocks = span_blocks(&window_spans).max(span_blocks(&full_spans));
-        let mut cache = scratch_cache(be, blocks, self.heads, hd);
+        let mut cache = SpanCache::new();
         let rope = RopeParams {
             layout: RopeLayout::Neox,
             inv_freq: &self.inv_freq,

@@ -15,8 +15,8 @@ use serde_json::Value as Json;
 
 use super::qwen25vl::{axial_rope, patch_kernel_from_gguf, patch_positions, Span};
 use super::{
-    attend_spans, find, host_f32, matrix, qwen_tokens, qwen_tokens_gguf, scratch_cache,
-    span_blocks, usize_at, ImageTokens,
+    attend_spans, find, host_f32, matrix, qwen_tokens, qwen_tokens_gguf, usize_at, ImageTokens,
+    SpanCache,
 };
 
 struct Block<B: Backend> {
@@ -425,7 +425,7 @@ impl<B: Backend> Qwen3Vision<B> {
         );
         be.write(&mut tmp, 0, &self.resampled_positions(&rope_pos, gh, gw));
         be.add_inplace(&mut x, hidden, &tmp, hidden);
-        let mut cache = scratch_cache(be, span_blocks(&frames), self.heads, hd);
+        let mut cache = SpanCache::new();
         let rope = RopeParams {
             layout: RopeLayout::Neox,
             inv_freq: &self.inv_freq,
