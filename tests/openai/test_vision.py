@@ -200,22 +200,24 @@ def test_image_urls_are_fetched_only_when_allowed(vlm):
 
 # Qwen2.5-VL and Qwen3-VL (tests/fixtures/vision/{qwen25vl,qwen3vl}_it,
 # scripts/fixtures/make_qwen_vl_it.py): each image's placeholders as many as its merged patches,
-# M-RoPE positions in the language model, Qwen3-VL's DeepStack rows.
+# M-RoPE positions in the language model, Qwen3-VL's DeepStack rows. And Mistral 3
+# (tests/fixtures/vision/mistral3_it, scripts/fixtures/make_mistral3_it.py): each image a row of
+# [IMG] per row of merged patches, closed by [IMG_BREAK], the last by [IMG_END].
 def qwen_fixture(family):
     d = os.path.join(HERE, "..", "fixtures", "vision", family + "_it")
     ref = json.load(open(os.path.join(d, "reference.json")))
-    return d, {c["name"]: c for c in ref["cases"]}, ref["special_ids"]["<|image_pad|>"]
+    names = ["<|image_pad|>", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+    image_ids = {ref["special_ids"][n] for n in names if n in ref["special_ids"]}
+    return d, {c["name"]: c for c in ref["cases"]}, image_ids
 
 
-QPAD = qwen_fixture("qwen25vl")[2]
-
-
-@pytest.fixture(scope="module", params=["qwen25vl", "qwen3vl"])
+@pytest.fixture(scope="module", params=["qwen25vl", "qwen3vl", "mistral3"])
 def qwen(request):
-    d, cases, _ = qwen_fixture(request.param)
+    d, cases, image_ids = qwen_fixture(request.param)
     proc, base, model = start(os.path.abspath(d), "--ctx", "512", "--exact")
     s = Server(proc, base, model)
     s.cases = cases
+    s.image_ids = image_ids
     yield s
     proc.terminate()
     proc.wait(timeout=30)
@@ -243,14 +245,16 @@ def test_qwen_vl_chat_gets_transformers_tokens(qwen, name):
 
 
 def test_qwen_vl_second_turn_finds_the_image_in_the_prefix_cache(qwen):
+    # A question long enough that the block holding the image's last token is full before the
+    # answer starts (the prefix cache keeps whole blocks; Mistral 3's image ends at token 17).
     first = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64("rgb_300x200.png")}},
-        {"type": "text", "text": "What is in this picture?"}]}]
+        {"type": "text", "text": "What is in this picture? Describe the image in a few words."}]}]
     c1 = qwen.client().chat.completions.create(model=qwen.model, messages=first, max_tokens=4, temperature=0)
     second = first + [{"role": "assistant", "content": c1.choices[0].message.content},
                       {"role": "user", "content": "And now?"}]
     ids = qwen.raw("POST", "/tokenize", json={"model": qwen.model, "messages": second}).json()["tokens"]
-    image_end = max(i for i, t in enumerate(ids) if t == QPAD) + 1
+    image_end = max(i for i, t in enumerate(ids) if t in qwen.image_ids) + 1
     before = encoded(qwen)
     c2 = qwen.client().chat.completions.create(model=qwen.model, messages=second, max_tokens=4, temperature=0)
     assert c2.usage.prompt_tokens_details.cached_tokens >= image_end

@@ -481,18 +481,10 @@ fn image_bench<B: MakeBackend>(
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         Ok(((img.width, img.height), px))
     };
-    // The image's rows: fixed (Gemma 3) or from its size (Qwen VL).
-    let rows = match vision.grid(&process(vision)?.1) {
-        Some((h, w)) => h * w,
-        None => vision.max_rows(),
-    };
-    let t = &vision.tokens;
-    let tokens: Vec<u32> = t
-        .begin
-        .into_iter()
-        .chain(std::iter::repeat_n(t.placeholder, rows))
-        .chain(t.end)
-        .collect();
+    // The image's tokens: a fixed count (Gemma 3) or from its size (Qwen VL, Mistral 3).
+    let px = process(vision)?.1;
+    let tokens = vision.image_ids(&px);
+    let rows = vision.rows(&px);
     let mut kv = model.decoder.alloc_kv_tokens(tokens.len());
     let (mut prep, mut tower, mut prefill) = (Vec::new(), Vec::new(), Vec::new());
     let mut size = (0, 0);

@@ -112,7 +112,7 @@ fn fuzz_limits() -> RenderLimits {
 }
 
 /// An image as a request sends it: decoded within limits small enough that a lying header
-/// costs nothing, then through both kinds of processor.
+/// costs nothing, then through every kind of processor.
 pub fn image(data: &[u8]) {
     let limits = ferrum_image::Limits {
         max_bytes: 1 << 20,
@@ -124,6 +124,7 @@ pub fn image(data: &[u8]) {
     for cfg in [
         r#"{"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 16, "width": 16}, "do_pan_and_scan": true, "pan_and_scan_min_crop_size": 4}"#,
         r#"{"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 64, "max_pixels": 4096, "patch_size": 4, "merge_size": 2}"#,
+        r#"{"image_processor_type": "PixtralImageProcessor", "patch_size": {"height": 4, "width": 4}, "size": {"longest_edge": 64}}"#,
     ] {
         let j: serde_json::Value = serde_json::from_str(cfg).expect("a fixed config");
         let p = ferrum_image::Processor::from_json(&j).expect("a fixed config");

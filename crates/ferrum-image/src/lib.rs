@@ -9,14 +9,15 @@
 //!   as transformers' `convert_to_rgb` does (Pillow's integer `alpha_composite`).
 //! - [`resize()`](resize::resize): Pillow's two-pass resampling of 8-bit images (its filters, coefficient
 //!   windows, 22-bit fixed point and pass order), so a resized image equals `Image.resize`'s.
-//! - [`processor`]: Gemma 3's (fixed size, optional pan-and-scan crops) and the Qwen VL
-//!   line's (dynamic resolution in multiples of the merged patch, flattened patches) from a
-//!   checkpoint's `preprocessor_config.json`.
+//! - [`processor`]: Gemma 3's (fixed size, optional pan-and-scan crops), the Qwen VL
+//!   line's (dynamic resolution in multiples of the merged patch, flattened patches) and
+//!   Pixtral's (Mistral 3: a longest edge, sides in whole merged units, the image kept whole)
+//!   from a checkpoint's `preprocessor_config.json`.
 
 pub mod decode;
 pub mod processor;
 pub mod resize;
 
 pub use decode::{decode, decode_data_url, ImageError, Limits, RgbImage};
-pub use processor::{Processed, Processor};
+pub use processor::{PixtralFit, Processed, Processor};
 pub use resize::Filter;

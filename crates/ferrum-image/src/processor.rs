@@ -69,6 +69,48 @@ pub enum Processor {
         filter: Filter,
         norm: Normalize,
     },
+    /// Pixtral (Mistral 3): sized by `fit` to multiples of `unit` (the tower's patch times
+    /// its merge, as `PixtralProcessor` passes it), kept whole as `[1, 3, h, w]`.
+    Pixtral {
+        unit: usize,
+        fit: PixtralFit,
+        filter: Filter,
+        norm: Normalize,
+    },
+}
+
+/// How a Pixtral processor sizes an image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PixtralFit {
+    /// transformers': scaled down to fit `longest_edge` (never up), each side then rounded
+    /// up to a multiple of the unit.
+    LongestEdge(usize),
+    /// llama.cpp's for an mmproj file: Qwen's [`smart_resize`] between these pixel counts.
+    Pixels { min: usize, max: usize },
+}
+
+impl PixtralFit {
+    /// The processed `(height, width)` of an image, in multiples of `unit`.
+    pub fn size(&self, height: usize, width: usize, unit: usize) -> Result<(usize, usize), String> {
+        match *self {
+            PixtralFit::LongestEdge(edge) => Ok(pixtral_size(height, width, edge, unit)),
+            PixtralFit::Pixels { min, max } => smart_resize(height, width, unit, min, max),
+        }
+    }
+
+    /// `(units, rows)`: the most units an image takes, and the most rows it takes in a
+    /// prompt (its units and a break or end a row of them).
+    pub fn max_units(&self, unit: usize) -> (usize, usize) {
+        let u = unit.max(1);
+        match *self {
+            PixtralFit::LongestEdge(edge) => {
+                let side = edge.div_ceil(u);
+                (side * side, side * (side + 1))
+            }
+            // A row can be a single unit: at most as many breaks as units.
+            PixtralFit::Pixels { max, .. } => (max / u / u, 2 * (max / u / u)),
+        }
+    }
 }
 
 /// A processed image: what the vision tower takes.
@@ -193,6 +235,32 @@ impl Processor {
                     norm: norm(CLIP_MEAN, CLIP_STD)?,
                 })
             }
+            "PixtralImageProcessor" => {
+                // `patch_size` is `{"height", "width"}` or one number; the model's loader
+                // sets the unit it resizes to (`Processor::with_unit`).
+                let patch = j.get("patch_size");
+                let unit = patch
+                    .and_then(|p| usize_of(p, "height"))
+                    .or_else(|| patch.and_then(Json::as_u64).map(|v| v as usize))
+                    .unwrap_or(16);
+                let longest_edge = j
+                    .get("size")
+                    .and_then(|s| usize_of(s, "longest_edge"))
+                    .unwrap_or(1024);
+                if unit == 0 || longest_edge < unit {
+                    return Err(bad(format!(
+                        "longest_edge {longest_edge} holds no patch of {unit}"
+                    )));
+                }
+                const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
+                const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_6, 0.275_777_1];
+                Ok(Processor::Pixtral {
+                    unit,
+                    fit: PixtralFit::LongestEdge(longest_edge),
+                    filter: filter(Filter::Bicubic)?,
+                    norm: norm(CLIP_MEAN, CLIP_STD)?,
+                })
+            }
             other => Err(bad(format!("image processor {other:?} is not supported"))),
         }
     }
@@ -265,6 +333,40 @@ impl Processor {
                     grid: Some([1, gh, gw]),
                 })
             }
+            Processor::Pixtral {
+                unit,
+                fit,
+                filter,
+                norm,
+            } => {
+                let (h, w) = fit.size(img.height, img.width, *unit)?;
+                let values = if (h, w) == (img.height, img.width) {
+                    norm.chw(img)
+                } else {
+                    norm.chw(&resize(img, w, h, *filter))
+                };
+                Ok(Processed {
+                    values,
+                    shape: vec![1, 3, h, w],
+                    grid: None,
+                })
+            }
+        }
+    }
+
+    /// Pixtral's processor resizing to multiples of `unit` pixels: `PixtralProcessor` passes
+    /// the tower's patch times its merge, not the image processor's own `patch_size`.
+    pub fn with_unit(self, unit: usize) -> Processor {
+        match self {
+            Processor::Pixtral {
+                fit, filter, norm, ..
+            } => Processor::Pixtral {
+                unit: unit.max(1),
+                fit,
+                filter,
+                norm,
+            },
+            other => other,
         }
     }
 
@@ -284,8 +386,31 @@ impl Processor {
                 let (h, w) = smart_resize(height, width, patch * merge, *min_pixels, *max_pixels)?;
                 Ok((h / patch) * (w / patch) / (merge * merge))
             }
+            Processor::Pixtral { unit, fit, .. } => {
+                // A row of units, then its break (the last row's the image's end).
+                let (h, w) = fit.size(height, width, *unit)?;
+                Ok((h / unit) * (w / unit + 1))
+            }
         }
     }
+}
+
+/// transformers' Pixtral `get_resize_output_image_size`: scaled down (flooring each side)
+/// when a side is over `longest_edge`, then each side rounded up to a multiple of `unit`.
+pub fn pixtral_size(
+    height: usize,
+    width: usize,
+    longest_edge: usize,
+    unit: usize,
+) -> (usize, usize) {
+    let (mut h, mut w) = (height, width);
+    let ratio = (height as f64 / longest_edge as f64).max(width as f64 / longest_edge as f64);
+    if ratio > 1.0 {
+        h = (height as f64 / ratio).floor() as usize;
+        w = (width as f64 / ratio).floor() as usize;
+    }
+    let up = |x: usize| (x.max(1) - 1) / unit.max(1) * unit.max(1) + unit.max(1);
+    (up(h), up(w))
 }
 
 /// Python's `round` (half to even) of `x`.

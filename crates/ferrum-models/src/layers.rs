@@ -45,6 +45,13 @@ impl WeightSource<'_> {
                     return alt;
                 }
             }
+        } else {
+            // The head beside it (transformers 4's `language_model.lm_head`): missed, a
+            // multimodal Mistral 3 would run with its embeddings as the head.
+            let alt = format!("language_model.{name}");
+            if self.store.contains(&alt) {
+                return alt;
+            }
         }
         name
     }

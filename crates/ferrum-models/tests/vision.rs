@@ -116,6 +116,24 @@ fn worst(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// Every position's logits `got` against the case's transformers f32 logits: within 1e-5 on
+/// the exact path, within transformers' own bf16 error on the default path. `note` is printed
+/// after the figures.
+fn check_logits(label: &str, exact: bool, case: &Json, got: &[f32], note: &str) {
+    let f32_ref = floats(&case["logits_f32"]);
+    let bf16 = worst(&floats(&case["logits_bf16"]), &f32_ref);
+    let d = worst(got, &f32_ref);
+    println!(
+        "{label} {}: max |diff| {d:.3e} (transformers bf16: {bf16:.3e}{note})",
+        case["name"]
+    );
+    if exact {
+        assert!(d < 1e-5, "{}: {d}", case["name"]);
+    } else {
+        assert!(d <= bf16, "{}: {d} > {bf16}", case["name"]);
+    }
+}
+
 #[test]
 fn gemma3_image_features_match_transformers() {
     let file = ModelFile::open(fixture("vision/gemma3")).unwrap();
@@ -168,19 +186,8 @@ fn gemma3_logits_with_images_match_transformers() {
             let got = model
                 .forward_with_images(&mut kv, &ids, &images, Logits::All)
                 .unwrap();
-            let f32_ref = floats(&case["logits_f32"]);
-            let bf16_ref = floats(&case["logits_bf16"]);
-            let d = worst(&got, &f32_ref);
-            let bf16 = worst(&bf16_ref, &f32_ref);
-            println!(
-                "{label} {}: max |diff| {d:.3e} (transformers bf16: {bf16:.3e}; all-causal would be {})",
-                case["name"], case["max_diff_if_causal"]
-            );
-            if exact {
-                assert!(d < 1e-5, "{}: {d}", case["name"]);
-            } else {
-                assert!(d <= bf16, "{}: {d} > {bf16}", case["name"]);
-            }
+            let note = format!("; all-causal would be {}", case["max_diff_if_causal"]);
+            check_logits(label, exact, case, &got, &note);
         }
     }
 }
@@ -340,18 +347,11 @@ fn qwen25_vl_logits_with_images_match_transformers() {
             let got = model
                 .forward_with_images(&mut kv, &ids, &images, Logits::All)
                 .unwrap();
-            let f32_ref = floats(&case["logits_f32"]);
-            let bf16 = worst(&floats(&case["logits_bf16"]), &f32_ref);
-            let d = worst(&got, &f32_ref);
-            println!(
-                "{label} {}: max |diff| {d:.3e} (transformers bf16: {bf16:.3e}; plain positions would be {})",
-                case["name"], case["max_diff_if_plain_positions"]
+            let note = format!(
+                "; plain positions would be {}",
+                case["max_diff_if_plain_positions"]
             );
-            if exact {
-                assert!(d < 1e-5, "{}: {d}", case["name"]);
-            } else {
-                assert!(d <= bf16, "{}: {d} > {bf16}", case["name"]);
-            }
+            check_logits(label, exact, case, &got, &note);
         }
     }
 }
@@ -363,17 +363,26 @@ fn qwen25_vl_logits_with_images_match_transformers() {
 /// give transformers' processor's ids and the last logits are transformers'.
 #[test]
 fn qwen25_vl_from_gguf_with_mmproj_matches_transformers() {
-    gguf_matches_transformers("qwen25vl", 28);
+    gguf_matches_transformers("qwen25vl", 28, 4096);
 }
 
 /// The same for Qwen3-VL (`qwen3vl` with its DeepStack layers, the `qwen3vl_merger` mmproj).
 #[test]
 fn qwen3_vl_from_gguf_with_mmproj_matches_transformers() {
-    gguf_matches_transformers("qwen3vl", 32);
+    gguf_matches_transformers("qwen3vl", 32, 4096);
 }
 
-/// `unit`: the pixels of a side of a merged unit (2x2 patches).
-fn gguf_matches_transformers(family: &str, unit: usize) {
+/// The same for Mistral 3 (`mistral3`, the `pixtral` mmproj: its queries' and keys' rows
+/// permuted by the converter, the `[IMG_BREAK]` and `[IMG_END]` rows from the model's
+/// embedding table, llama.cpp's 8 to 1024 image tokens by default).
+#[test]
+fn mistral3_from_gguf_with_mmproj_matches_transformers() {
+    gguf_matches_transformers("mistral3", 16, 1024);
+}
+
+/// `unit`: the pixels of a side of a merged unit (2x2 patches); `most`: llama.cpp's most
+/// image tokens, which the GGUF path's default processor keeps to.
+fn gguf_matches_transformers(family: &str, unit: usize, most: usize) {
     use ferrum_models::{LoadOptions, Logits, Model};
     let file =
         ModelFile::open(fixture(&format!("vision/{family}_it_gguf/model-f32.gguf"))).unwrap();
@@ -390,18 +399,19 @@ fn gguf_matches_transformers(family: &str, unit: usize) {
     .unwrap()
     .unwrap();
     let v = model.vision.as_mut().expect("the mmproj beside the model");
-    let ferrum_image::Processor::QwenVl {
-        min_pixels,
-        max_pixels,
-        ..
-    } = v.processor
-    else {
-        panic!("{:?}", v.processor)
+    let limits = match v.processor {
+        ferrum_image::Processor::QwenVl {
+            min_pixels,
+            max_pixels,
+            ..
+        } => (min_pixels, max_pixels),
+        ferrum_image::Processor::Pixtral {
+            fit: ferrum_image::PixtralFit::Pixels { min, max },
+            ..
+        } => (min, max),
+        _ => panic!("{:?}", v.processor),
     };
-    assert_eq!(
-        (min_pixels, max_pixels),
-        (8 * unit * unit, 4096 * unit * unit)
-    );
+    assert_eq!(limits, (8 * unit * unit, most * unit * unit));
     v.processor = hf.processor.clone();
     let text = v.prompt_texts(|id| tok.inner().id_to_token(id)).unwrap();
     for case in reference_of(&format!("{family}_it"))["cases"]
@@ -433,6 +443,11 @@ fn qwen25_vl_gguf_answers_as_llama_cpp_mtmd() {
 #[test]
 fn qwen3_vl_gguf_answers_as_llama_cpp_mtmd() {
     answers_as_mtmd("qwen3vl");
+}
+
+#[test]
+fn mistral3_gguf_answers_as_llama_cpp_mtmd() {
+    answers_as_mtmd("mistral3");
 }
 
 fn answers_as_mtmd(family: &str) {
@@ -552,18 +567,7 @@ fn qwen3_vl_logits_with_images_match_transformers() {
             let got = model
                 .forward_with_images(&mut kv, &ids, &images, Logits::All)
                 .unwrap();
-            let f32_ref = floats(&case["logits_f32"]);
-            let bf16 = worst(&floats(&case["logits_bf16"]), &f32_ref);
-            let d = worst(&got, &f32_ref);
-            println!(
-                "{label} {}: max |diff| {d:.3e} (transformers bf16: {bf16:.3e})",
-                case["name"]
-            );
-            if exact {
-                assert!(d < 1e-5, "{}: {d}", case["name"]);
-            } else {
-                assert!(d <= bf16, "{}: {d} > {bf16}", case["name"]);
-            }
+            check_logits(label, exact, case, &got, "");
         }
     }
 }
@@ -620,15 +624,78 @@ fn qwen35_images_match_transformers() {
     }
 }
 
+/// Mistral 3 (tests/fixtures/vision/mistral3, scripts/fixtures/make_mistral3_vl.py): the
+/// Pixtral tower (2D axial RoPE, SwiGLU blocks, features from `vision_feature_layer` -2),
+/// the projector's learned 2×2 merge, and the Mistral language model over images laid out as
+/// rows of `[IMG]` closed by `[IMG_BREAK]` and `[IMG_END]`. Pixel values equal
+/// PixtralImageProcessorPil's; features and every position's logits with one and with two
+/// images within 1e-5 of transformers' f32, the default path within its bf16 error.
+#[test]
+fn mistral3_images_match_transformers() {
+    use ferrum_models::{LoadOptions, Logits, Model};
+    let reference = reference_of("mistral3");
+    for (exact, label) in [(true, "exact"), (false, "default")] {
+        let be = if exact {
+            CpuBackend::exact()
+        } else {
+            CpuBackend::new()
+        };
+        let mut model =
+            Model::open(fixture("vision/mistral3"), be, &LoadOptions::default()).unwrap();
+        for case in reference["cases"].as_array().unwrap() {
+            let ids = ids_of(case);
+            let vision = model.vision.as_ref().unwrap();
+            let pixels = processed(vision, &case["images"]);
+            let spans = vision.place(&ids, pixels.len()).unwrap();
+            for ((p, want), (size, span)) in pixels
+                .iter()
+                .zip(case["pixels"].as_array().unwrap())
+                .zip(case["sizes"].as_array().unwrap().iter().zip(&spans))
+            {
+                let (h, w) = (size[0].as_u64().unwrap(), size[1].as_u64().unwrap());
+                assert_eq!(p.shape, [1, 3, h as usize, w as usize]);
+                let d = worst(&p.values, &floats(want));
+                assert!(d < 1e-6, "{}: pixels {d}", case["name"]);
+                assert_eq!(vision.rows(p), span.1, "{}: rows", case["name"]);
+            }
+            let images = encoded(vision, model.decoder.backend(), &case["images"]);
+            let th = 64;
+            for (((rows, grid), want), size) in images
+                .iter()
+                .zip(case["features"].as_array().unwrap())
+                .zip(case["sizes"].as_array().unwrap())
+            {
+                assert_eq!(*grid, None);
+                // Each row of units is followed by its break's (or the end's) embedding.
+                let lw = size[1].as_u64().unwrap() as usize / 16;
+                let units: Vec<f32> = rows
+                    .chunks_exact((lw + 1) * th)
+                    .flat_map(|r| r[..lw * th].to_vec())
+                    .collect();
+                let d = worst(&units, &floats(want));
+                println!("{label} {}: features max |diff| {d:.3e}", case["name"]);
+                if exact {
+                    assert!(d < 1e-5, "{}: {d}", case["name"]);
+                }
+            }
+            let mut kv = model.decoder.alloc_kv_tokens(ids.len());
+            let got = model
+                .forward_with_images(&mut kv, &ids, &images, Logits::All)
+                .unwrap();
+            check_logits(label, exact, case, &got, "");
+        }
+    }
+}
+
 /// The vision towers and the image prefill on the Vulkan backend (lavapipe here and in CI):
-/// Gemma 3 (rows attending both ways), Qwen2.5-VL (windows, M-RoPE) and Qwen3-VL (DeepStack)
-/// give transformers' f32 logits at every position within 1e-4 of the largest logit, as
+/// Gemma 3 (rows attending both ways), Qwen2.5-VL (windows, M-RoPE), Qwen3-VL (DeepStack) and
+/// Mistral 3 (break rows) give transformers' f32 logits at every position within 1e-4 of the largest logit, as
 /// vulkan_golden.rs holds the text models (the device adds only another order of additions).
 /// Without a device the test says so and passes, unless `FERRUM_REQUIRE_VULKAN=1`.
 #[test]
 fn vision_models_run_on_vulkan() {
     use ferrum_models::{LoadOptions, Logits, Model};
-    for dir in ["gemma3", "qwen25vl", "qwen3vl"] {
+    for dir in ["gemma3", "qwen25vl", "qwen3vl", "mistral3"] {
         let Some(be) = ferrum_backend::vulkan::test_device() else {
             return;
         };

@@ -179,6 +179,7 @@ impl<B: Backend> Gemma3Vision<B> {
             placeholder,
             end: token_at(config, &["eoi_token_index", "eoi_token_id"]),
             bidirectional: true,
+            grid: None,
         };
         Ok((Self::build(dims, store, be, false)?, tokens))
     }
@@ -201,6 +202,7 @@ impl<B: Backend> Gemma3Vision<B> {
             placeholder,
             end: id("<end_of_image>"),
             bidirectional: true,
+            grid: None,
         };
         Ok((Self::build(dims, &mm.tensors(), be, true)?, tokens))
     }

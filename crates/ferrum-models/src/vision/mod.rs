@@ -1,7 +1,8 @@
 //! Vision towers (issue 45): what turns a processed image ([`ferrum_image::Processed`]) into
 //! rows of the language model's embedding width, and how those rows sit in the prompt. One
 //! file a family: `gemma3.rs` (SigLIP, average pooling, Gemma 3's projector), `qwen25vl.rs`
-//! (Qwen2.5-VL's windowed ViT with 2D rotary positions and its patch merger).
+//! (Qwen2.5-VL's windowed ViT with 2D rotary positions and its patch merger), `qwen3vl.rs`
+//! (Qwen3-VL and Qwen3.5, DeepStack), `mistral3.rs` (Mistral 3's Pixtral and its projector).
 //!
 //! A tower runs on the language model's backend, whole images a pass: patch embedding as a
 //! matmul over the flattened patches, pre-LayerNorm blocks with attention over every patch
@@ -10,10 +11,14 @@
 //! image's placeholder tokens ([`crate::decoder::Embeds`]).
 
 pub mod gemma3;
+pub mod mistral3;
 pub mod qwen25vl;
 pub mod qwen3vl;
 
-use ferrum_backend::{AttentionParams, AttnSeq, Backend, KvShape, KvTable, Rows};
+use ferrum_backend::{
+    Activation, AttentionParams, AttnSeq, Backend, KvShape, KvTable, MatmulPart, RopeLayout,
+    RopeParams, Rows,
+};
 use ferrum_core::{DType, Error, Result};
 use ferrum_image::{Processed, Processor};
 use std::path::Path;
@@ -32,6 +37,10 @@ pub struct ImageTokens {
     pub end: Option<u32>,
     /// Whether an image's rows attend to each other both ways (Gemma 3).
     pub bidirectional: bool,
+    /// `(row break, image end)` where the placeholders lie as the image's grid, each row
+    /// closed by the break and the last by the end, both part of the image's span (Mistral
+    /// 3's `[IMG_BREAK]` and `[IMG_END]`: the tower gives their rows too).
+    pub grid: Option<(u32, u32)>,
 }
 
 /// An image's rows from [`Vision::encode`] and its grid from [`Vision::grid`].
@@ -48,6 +57,7 @@ enum Tower<B: Backend> {
     Gemma3(gemma3::Gemma3Vision<B>),
     Qwen25(qwen25vl::Qwen25Vision<B>),
     Qwen3(qwen3vl::Qwen3Vision<B>),
+    Mistral3(mistral3::Mistral3Vision<B>),
 }
 
 /// What a chat template writes for an image (`marker`) and what each image's marker becomes
@@ -63,11 +73,18 @@ pub struct ImageText {
     /// Every image's rows (Gemma 3); `None`: its grid's merged units (`merge²` patches each).
     fixed: Option<usize>,
     merge: usize,
+    /// Mistral 3: the row break's and the end's text, and the pixels of a unit's side; the
+    /// image is a row of placeholders per row of units, each closed by the break, the last
+    /// by the end.
+    rows_of: Option<(String, String, usize)>,
 }
 
 impl ImageText {
     /// The rows (placeholders) the processed image `p` takes.
     pub fn rows(&self, p: &Processed) -> usize {
+        if let Some((lh, lw)) = self.units(p) {
+            return lh * (lw + 1);
+        }
         match (self.fixed, p.grid) {
             (Some(n), _) => n,
             (None, Some([t, h, w])) => t * h * w / (self.merge * self.merge).max(1),
@@ -75,8 +92,25 @@ impl ImageText {
         }
     }
 
+    /// Mistral 3: the image's rows and columns of units.
+    fn units(&self, p: &Processed) -> Option<(usize, usize)> {
+        let (_, _, s) = self.rows_of.as_ref()?;
+        match p.shape[..] {
+            [1, 3, h, w] => Some((h / s.max(&1), w / s.max(&1))),
+            _ => Some((0, 0)),
+        }
+    }
+
     /// The text `p`'s marker becomes.
     pub fn expansion(&self, p: &Processed) -> String {
+        if let (Some((lh, lw)), Some((brk, end, _))) = (self.units(p), &self.rows_of) {
+            let mut s = String::new();
+            for r in 0..lh {
+                s.push_str(&self.placeholder.repeat(lw));
+                s.push_str(if r + 1 == lh { end } else { brk });
+            }
+            return s;
+        }
         format!(
             "{}{}{}",
             self.before,
@@ -106,15 +140,22 @@ impl<B: Backend> Vision<B> {
         let model_type = h.config.get("model_type").and_then(Json::as_str);
         if !matches!(
             model_type,
-            Some("gemma3" | "qwen2_5_vl" | "qwen3_vl" | "qwen3_5" | "qwen3_5_moe")
+            Some("gemma3" | "qwen2_5_vl" | "qwen3_vl" | "qwen3_5" | "qwen3_5_moe" | "mistral3")
         ) {
             // A tower of a family not built here (Gemma 4's): the checkpoint runs as the text
             // model it also is, and images to it are refused.
             return Ok(None);
         }
-        let processor = read_processor(&h.dir)?;
+        let mut processor = read_processor(&h.dir)?;
         let store = file.tensors();
-        let (tower, tokens) = if model_type == Some("qwen2_5_vl") {
+        let (tower, tokens) = if model_type == Some("mistral3") {
+            let tokens = mistral3_tokens(&h.config, &h.dir)?;
+            let t = mistral3::Mistral3Vision::load(&h.config, &store, &tokens, be)?;
+            // PixtralProcessor resizes to whole merged units, whatever the image
+            // processor's own patch size.
+            processor = processor.with_unit(t.unit());
+            (Tower::Mistral3(t), tokens)
+        } else if model_type == Some("qwen2_5_vl") {
             let (t, tokens) = qwen25vl::Qwen25Vision::load(&h.config, &store, be)?;
             (Tower::Qwen25(t), tokens)
         } else if matches!(model_type, Some("qwen3_vl" | "qwen3_5" | "qwen3_5_moe")) {
@@ -175,6 +216,27 @@ impl<B: Backend> Vision<B> {
             )),
         };
         let kind = projector_kind(&mm);
+        if kind == PIXTRAL_PROJECTOR {
+            let id = |t: &str| vocab.iter().position(|v| *v == t).map(|i| i as u32);
+            let tokens = mistral3::tokens_from_vocab(id)?;
+            let tower = mistral3::Mistral3Vision::load_gguf(&mm, lm, text_hidden, &tokens, be)?;
+            // llama.cpp's sizing for Pixtral: 8 to 1024 image tokens.
+            let unit = tower.unit();
+            let processor = Processor::Pixtral {
+                unit,
+                fit: ferrum_image::PixtralFit::Pixels {
+                    min: 8 * unit * unit,
+                    max: 1024 * unit * unit,
+                },
+                filter: ferrum_image::Filter::Bicubic,
+                norm,
+            };
+            return Ok(Some(Vision {
+                processor,
+                tokens,
+                tower: Tower::Mistral3(tower),
+            }));
+        }
         if kind == QWEN25_PROJECTOR || kind == QWEN3_PROJECTOR {
             let (tower, tokens) = if kind == QWEN3_PROJECTOR {
                 let (t, tokens) = qwen3vl::Qwen3Vision::load_gguf(&mm, text_hidden, &vocab, be)?;
@@ -240,6 +302,8 @@ impl<B: Backend> Vision<B> {
                 },
             ) => max_pixels / (patch * merge).pow(2).max(1),
             (Tower::Qwen25(_) | Tower::Qwen3(_), _) => 0,
+            (Tower::Mistral3(_), Processor::Pixtral { unit, fit, .. }) => fit.max_units(*unit).1,
+            (Tower::Mistral3(_), _) => 0,
         }
     }
 
@@ -247,7 +311,7 @@ impl<B: Backend> Vision<B> {
     /// (Qwen VL: merged units, rows and columns); `None` for other families.
     pub fn grid(&self, p: &Processed) -> Option<(usize, usize)> {
         match &self.tower {
-            Tower::Gemma3(_) => None,
+            Tower::Gemma3(_) | Tower::Mistral3(_) => None,
             Tower::Qwen25(t) => t.grid(p),
             Tower::Qwen3(t) => t.grid(p),
         }
@@ -260,12 +324,52 @@ impl<B: Backend> Vision<B> {
             Tower::Gemma3(t) => t.tokens_per_image * p.shape.first().copied().unwrap_or(1),
             Tower::Qwen25(t) => t.grid(p).map_or(0, |(h, w)| h * w),
             Tower::Qwen3(t) => t.grid(p).map_or(0, |(h, w)| h * w),
+            Tower::Mistral3(t) => t.rows(p),
         }
+    }
+
+    /// The ids an image `p` takes in a prompt: its opening token, its rows' placeholders
+    /// (Mistral 3's as its grid: rows closed by the break, the last by the end) and its
+    /// closing token, where the family has them.
+    pub fn image_ids(&self, p: &Processed) -> Vec<u32> {
+        let t = &self.tokens;
+        let mut ids: Vec<u32> = t.begin.into_iter().collect();
+        match (&self.tower, t.grid) {
+            (Tower::Mistral3(m), Some((brk, end))) => {
+                if let Ok((lh, lw)) = m.units(p) {
+                    for r in 0..lh {
+                        ids.extend(std::iter::repeat_n(t.placeholder, lw));
+                        ids.push(if r + 1 == lh { end } else { brk });
+                    }
+                }
+            }
+            _ => ids.extend(std::iter::repeat_n(t.placeholder, self.rows(p))),
+        }
+        ids.extend(t.end);
+        ids
     }
 
     /// Runs of placeholder tokens in `ids`: each image's `(first row, rows)`.
     pub fn spans(&self, ids: &[u32]) -> Vec<(usize, usize)> {
         let mut out: Vec<(usize, usize)> = Vec::new();
+        if let Some((brk, end)) = self.tokens.grid {
+            // An image from its first placeholder through its end token. A run that other text
+            // or the sequence's end cuts short is not one: the tokens stay text (a placeholder
+            // the model itself generated, say).
+            let mut open: Option<usize> = None;
+            for (i, &t) in ids.iter().enumerate() {
+                if t == self.tokens.placeholder || t == brk {
+                    if open.is_none() && t == self.tokens.placeholder {
+                        open = Some(i);
+                    }
+                } else if let Some(s) = open.take() {
+                    if t == end {
+                        out.push((s, i + 1 - s));
+                    }
+                }
+            }
+            return out;
+        }
         let per = self.max_rows();
         for (i, &t) in ids.iter().enumerate() {
             if t != self.tokens.placeholder {
@@ -311,7 +415,7 @@ impl<B: Backend> Vision<B> {
     /// (Qwen3-VL); 0 for other families.
     pub fn deep_layers(&self) -> usize {
         match &self.tower {
-            Tower::Gemma3(_) | Tower::Qwen25(_) => 0,
+            Tower::Gemma3(_) | Tower::Qwen25(_) | Tower::Mistral3(_) => 0,
             Tower::Qwen3(t) => t.deep_layers(),
         }
     }
@@ -335,6 +439,7 @@ impl<B: Backend> Vision<B> {
                     after: format!("{end}\n\n"),
                     fixed: Some(g.tokens_per_image),
                     merge: 1,
+                    rows_of: None,
                 })
             }
             Tower::Qwen25(_) | Tower::Qwen3(_) => Some(ImageText {
@@ -345,9 +450,22 @@ impl<B: Backend> Vision<B> {
                 fixed: None,
                 merge: match self.processor {
                     Processor::QwenVl { merge, .. } => merge,
-                    Processor::Gemma3 { .. } => 1,
+                    Processor::Gemma3 { .. } | Processor::Pixtral { .. } => 1,
                 },
+                rows_of: None,
             }),
+            Tower::Mistral3(m) => {
+                let (brk, end) = t.grid?;
+                Some(ImageText {
+                    marker: placeholder.clone(),
+                    before: String::new(),
+                    placeholder,
+                    after: String::new(),
+                    fixed: None,
+                    merge: 1,
+                    rows_of: Some((text(brk)?, text(end)?, m.unit())),
+                })
+            }
         }
     }
 
@@ -357,6 +475,7 @@ impl<B: Backend> Vision<B> {
             Tower::Gemma3(t) => t.encode(be, processed),
             Tower::Qwen25(t) => t.encode(be, processed),
             Tower::Qwen3(t) => t.encode(be, processed),
+            Tower::Mistral3(t) => t.encode(be, processed),
         }
     }
 }
@@ -386,6 +505,38 @@ fn qwen_tokens(config: &Json) -> Result<ImageTokens> {
         placeholder,
         end: token_at(config, &["vision_end_token_id"]),
         bidirectional: false,
+        grid: None,
+    })
+}
+
+/// Mistral 3's image tokens: `[IMG]`, `[IMG_BREAK]` and `[IMG_END]` from the checkpoint's
+/// tokenizer.json (its added tokens, then its vocabulary); where it has none, the config's
+/// `image_token_index` and the ids Mistral's tekken vocabulary gives the other two (12, 13).
+fn mistral3_tokens(config: &Json, dir: &Path) -> Result<ImageTokens> {
+    let tok: Option<Json> = std::fs::read(dir.join("tokenizer.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok());
+    if let Some(tok) = tok {
+        let id = |t: &str| -> Option<u32> {
+            let added = tok.get("added_tokens").and_then(Json::as_array);
+            added
+                .into_iter()
+                .flatten()
+                .find(|a| a.get("content").and_then(Json::as_str) == Some(t))
+                .and_then(|a| a.get("id"))
+                .or_else(|| tok.get("model")?.get("vocab")?.get(t))
+                .and_then(Json::as_u64)
+                .map(|v| v as u32)
+        };
+        return mistral3::tokens_from_vocab(id);
+    }
+    let placeholder = token_at(config, &["image_token_index", "image_token_id"]).unwrap_or(10);
+    Ok(ImageTokens {
+        begin: None,
+        placeholder,
+        end: None,
+        bidirectional: false,
+        grid: Some((12, 13)),
     })
 }
 
@@ -399,6 +550,7 @@ fn qwen_tokens_gguf(vocab: &[&str]) -> Result<ImageTokens> {
         placeholder,
         end: id("<|vision_end|>"),
         bidirectional: false,
+        grid: None,
     })
 }
 
@@ -409,6 +561,18 @@ fn qwen_plan(file_bytes: u64, patches: usize, merge: usize, activation_bytes: u6
         file_bytes,
         activation_bytes,
         max_rows: patches / (merge * merge).max(1),
+        pass_rows: 0,
+    }
+}
+
+/// A Mistral 3 tower's plan for images of up to `(units, rows)` (`PixtralFit::max_units`):
+/// like the Qwen VL line's, its images are cut like text.
+fn mistral3_plan(file_bytes: u64, (units, rows): (usize, usize), d: &mistral3::Dims) -> VisionPlan {
+    let patches = units * d.merge * d.merge;
+    VisionPlan {
+        file_bytes,
+        activation_bytes: d.activation_bytes(patches),
+        max_rows: rows,
         pass_rows: 0,
     }
 }
@@ -438,7 +602,7 @@ fn mmproj_of(lm: &GgufFile, mmproj: Option<&Path>) -> Option<(std::path::PathBuf
     }
     matches!(
         lm.architecture().unwrap_or(""),
-        "gemma3" | "qwen2vl" | "qwen3vl"
+        "gemma3" | "qwen2vl" | "qwen3vl" | "mistral3" | "llama"
     )
     .then(|| beside(&lm.path))
     .flatten()
@@ -451,14 +615,19 @@ fn mmproj_of(lm: &GgufFile, mmproj: Option<&Path>) -> Option<(std::path::PathBuf
 fn open_mmproj(path: &Path, explicit: bool) -> Result<Option<GgufFile>> {
     let mm = GgufFile::open(path)?;
     let kind = projector_kind(&mm).to_string();
-    if kind == "gemma3" || kind == QWEN25_PROJECTOR || kind == QWEN3_PROJECTOR {
+    if kind == "gemma3"
+        || kind == QWEN25_PROJECTOR
+        || kind == QWEN3_PROJECTOR
+        || kind == PIXTRAL_PROJECTOR
+    {
         return Ok(Some(mm));
     }
     if !explicit {
         return Ok(None);
     }
     Err(Error::Unsupported(format!(
-        "{}: vision projector {kind:?} (supported: gemma3, {QWEN25_PROJECTOR}, {QWEN3_PROJECTOR})",
+        "{}: vision projector {kind:?} (supported: gemma3, {QWEN25_PROJECTOR}, {QWEN3_PROJECTOR}, \
+         {PIXTRAL_PROJECTOR})",
         path.display()
     )))
 }
@@ -466,6 +635,8 @@ fn open_mmproj(path: &Path, explicit: bool) -> Result<Option<GgufFile>> {
 /// llama.cpp's names of Qwen2.5-VL's and Qwen3-VL's projectors.
 const QWEN25_PROJECTOR: &str = "qwen2.5vl_merger";
 const QWEN3_PROJECTOR: &str = "qwen3vl_merger";
+/// llama.cpp's name of Mistral 3's (Pixtral with the patch merger).
+const PIXTRAL_PROJECTOR: &str = "pixtral";
 
 fn projector_kind(mm: &GgufFile) -> &str {
     mm.get_str("clip.projector_type")
@@ -504,6 +675,15 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
             }
             match h.config.get("model_type").and_then(Json::as_str) {
                 Some("gemma3") => {}
+                Some("mistral3") => {
+                    let Processor::Pixtral { fit, .. } = read_processor(&h.dir)? else {
+                        return Err(Error::Weights(
+                            "a Mistral 3 checkpoint with another family's processor".into(),
+                        ));
+                    };
+                    let d = mistral3::Dims::from_hf(&h.config)?;
+                    return Ok(Some(mistral3_plan(0, fit.max_units(d.patch * d.merge), &d)));
+                }
                 Some(t @ ("qwen3_vl" | "qwen3_5" | "qwen3_5_moe" | "qwen2_5_vl")) => {
                     let Processor::QwenVl {
                         patch, max_pixels, ..
@@ -546,6 +726,15 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
                     d.merge,
                     d.activation_bytes(patches),
                 )));
+            }
+            if kind == PIXTRAL_PROJECTOR {
+                let d = mistral3::Dims::from_gguf(&mm, text_width(lm)?)?;
+                let u = d.patch * d.merge;
+                let fit = ferrum_image::PixtralFit::Pixels {
+                    min: 8 * u * u,
+                    max: 1024 * u * u,
+                };
+                return Ok(Some(mistral3_plan(bytes, fit.max_units(u), &d)));
             }
             if kind == QWEN3_PROJECTOR {
                 let d = qwen3vl::Dims::from_gguf(&mm, text_width(lm)?)?;
@@ -639,6 +828,124 @@ fn matrix<B: Backend>(be: &B, t: &RawTensor, rows: usize, cols: usize) -> Result
     let r = RawTensor::from_bytes(&t.name, t.dtype, vec![rows, cols], t.bytes().to_vec())
         .ok_or_else(|| Error::Weights(format!("tensor {:?}: bad size", t.name)))?;
     be.load_weight_encoder(&r)
+}
+
+/// A weight and its bias, where it has one.
+pub(super) type Linear<B> = (<B as Backend>::Weight, Option<<B as Backend>::Weight>);
+
+/// A ViT block of RMSNorms, attention with 2D rotary positions and a gated MLP: Qwen2.5-VL's
+/// (every weight with a bias) and Pixtral's (none).
+pub(super) struct RmsBlock<B: Backend> {
+    pub norm1: B::Weight,
+    pub norm2: B::Weight,
+    /// Queries, keys and values, each `[hidden, hidden]`.
+    pub qkv: [Linear<B>; 3],
+    pub proj: Linear<B>,
+    pub gate: Linear<B>,
+    pub up: Linear<B>,
+    pub down: Linear<B>,
+}
+
+/// A tower's activations over `n` patches of `h` values, `f` in the MLP: the residual stream
+/// `x`, and what a block's steps write.
+pub(super) struct TowerActs<B: Backend> {
+    pub x: B::Buf,
+    pub y: B::Buf,
+    tmp: B::Buf,
+    qkv: B::Buf,
+    attn: B::Buf,
+    gu: B::Buf,
+    act: B::Buf,
+}
+
+impl<B: Backend> TowerActs<B> {
+    pub(super) fn new(be: &B, n: usize, h: usize, f: usize) -> Self {
+        TowerActs {
+            x: be.alloc(n * h),
+            y: be.alloc(n * h),
+            tmp: be.alloc(n * h),
+            qkv: be.alloc(n * 3 * h),
+            attn: be.alloc(n * h),
+            gu: be.alloc(n * 2 * f),
+            act: be.alloc(n * f),
+        }
+    }
+}
+
+/// How an [`RmsBlock`] runs: its norms' epsilon, heads, rotary positions (two a row: row and
+/// column) with each rotated pair's frequency and axis, and its MLP's activation.
+pub(super) struct BlockRun<'a> {
+    pub eps: f32,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub rope_pos: &'a [u32],
+    pub inv_freq: &'a [f32],
+    pub pair_axis: &'a [u8],
+    pub act: Activation,
+}
+
+impl<B: Backend> RmsBlock<B> {
+    /// `x += attn(norm1(x))` within `spans`, then `x += mlp(norm2(x))`, over `n` rows.
+    pub(super) fn run(
+        &self,
+        be: &B,
+        a: &mut TowerActs<B>,
+        n: usize,
+        r: &BlockRun,
+        spans: &[(usize, usize)],
+        cache: &mut SpanCache<B>,
+    ) {
+        let h = r.heads * r.head_dim;
+        let f = be.weight_shape(&self.gate.0).0;
+        let hidden = Rows::dense(n, h);
+        let rope = RopeParams {
+            layout: RopeLayout::Neox,
+            inv_freq: r.inv_freq,
+            factor: 1.0,
+        };
+        be.rms_norm(&a.x, hidden, &self.norm1, r.eps, &mut a.y, hidden);
+        let parts: Vec<MatmulPart<B::Weight>> = self
+            .qkv
+            .iter()
+            .enumerate()
+            .map(|(i, (w, bias))| MatmulPart {
+                weight: w,
+                bias: bias.as_ref(),
+                out: Rows::columns(n, 3 * h, i * h, h),
+            })
+            .collect();
+        be.matmul_many(&a.y, hidden, &parts, &mut a.qkv);
+        for part in 0..2 {
+            let view = Rows::columns(n, 3 * h, part * h, h).split_heads(r.head_dim);
+            be.rope_axes(&mut a.qkv, view, r.rope_pos, 2, r.pair_axis, rope);
+        }
+        attend_spans(
+            be,
+            &a.qkv,
+            n,
+            r.heads,
+            r.head_dim,
+            spans,
+            &mut a.attn,
+            cache,
+        );
+        let (w, bias) = &self.proj;
+        be.matmul(&a.attn, hidden, w, bias.as_ref(), &mut a.tmp, hidden);
+        be.add_inplace(&mut a.x, hidden, &a.tmp, hidden);
+        be.rms_norm(&a.x, hidden, &self.norm2, r.eps, &mut a.y, hidden);
+        let gv = Rows::dense(n, 2 * f);
+        let parts = [(&self.gate, 0), (&self.up, f)].map(|((w, bias), at)| MatmulPart {
+            weight: w,
+            bias: bias.as_ref(),
+            out: Rows::columns(n, 2 * f, at, f),
+        });
+        be.matmul_many(&a.y, hidden, &parts, &mut a.gu);
+        let av = Rows::dense(n, f);
+        be.glu(&a.gu, gv, &mut a.act, av, r.act);
+        let (w, bias) = &self.down;
+        be.matmul(&a.act, av, w, bias.as_ref(), &mut a.tmp, hidden);
+        be.add_inplace(&mut a.x, hidden, &a.tmp, hidden);
+    }
 }
 
 /// Query rows attended together as the query heads of one KV head: the backend's kernels

@@ -7,29 +7,23 @@
 //! language model's width. Each image's rows sit between `<|vision_start|>` and
 //! `<|vision_end|>`, attend causally, and take M-RoPE positions in the language model.
 
-use ferrum_backend::{Activation, Backend, MatmulPart, RopeLayout, RopeParams, Rows};
+use ferrum_backend::{Activation, Backend, Rows};
 use ferrum_core::{Error, Result};
 use ferrum_image::Processed;
 use ferrum_loader::{GgufFile, RawTensor, TensorStore};
 use serde_json::Value as Json;
 
 use super::{
-    attend_spans, find, host_f32, matrix, qwen_tokens, qwen_tokens_gguf, usize_at, weight_from,
-    ImageTokens, SpanCache,
+    find, host_f32, matrix, qwen_tokens, qwen_tokens_gguf, usize_at, weight_from, BlockRun,
+    ImageTokens, RmsBlock, SpanCache, TowerActs,
 };
 
 /// llama.cpp's window when its mmproj records none (Qwen2.5-VL's `window_size`).
 const GGUF_WINDOW: usize = 112;
 
 struct Block<B: Backend> {
-    norm1: B::Weight,
-    norm2: B::Weight,
-    /// Queries, keys and values, each `[hidden, hidden]` with its bias.
-    qkv: [(B::Weight, B::Weight); 3],
-    proj: (B::Weight, B::Weight),
-    gate: (B::Weight, B::Weight),
-    up: (B::Weight, B::Weight),
-    down: (B::Weight, B::Weight),
+    /// Every weight with its bias.
+    rms: RmsBlock<B>,
     /// Attends over the whole image rather than its windows.
     full: bool,
 }
@@ -282,14 +276,20 @@ impl<B: Backend> Qwen25Vision<B> {
         let blocks = (0..layers)
             .map(|i| {
                 let p = format!("blocks.{i}");
+                let biased = |(w, b)| (w, Some(b));
+                let biased_linear = |pre: &str, rows: usize, cols: usize| {
+                    linear(&format!("{p}.{pre}"), rows, cols).map(biased)
+                };
                 Ok(Block {
-                    norm1: vector(&format!("{p}.norm1.weight"), hidden)?,
-                    norm2: vector(&format!("{p}.norm2.weight"), hidden)?,
-                    qkv: qkv(i)?,
-                    proj: linear(&format!("{p}.attn.proj"), hidden, hidden)?,
-                    gate: linear(&format!("{p}.mlp.gate_proj"), intermediate, hidden)?,
-                    up: linear(&format!("{p}.mlp.up_proj"), intermediate, hidden)?,
-                    down: linear(&format!("{p}.mlp.down_proj"), hidden, intermediate)?,
+                    rms: RmsBlock {
+                        norm1: vector(&format!("{p}.norm1.weight"), hidden)?,
+                        norm2: vector(&format!("{p}.norm2.weight"), hidden)?,
+                        qkv: qkv(i)?.map(biased),
+                        proj: biased_linear("attn.proj", hidden, hidden)?,
+                        gate: biased_linear("mlp.gate_proj", intermediate, hidden)?,
+                        up: biased_linear("mlp.up_proj", intermediate, hidden)?,
+                        down: biased_linear("mlp.down_proj", hidden, intermediate)?,
+                    },
                     full: full.contains(&i),
                 })
             })
@@ -371,26 +371,19 @@ impl<B: Backend> Qwen25Vision<B> {
         (windows, frames): (&[Span], &[Span]),
         units: usize,
     ) -> Result<Vec<f32>> {
-        let (h, f) = (self.hidden, self.intermediate);
+        let h = self.hidden;
         let unit = self.merge * self.merge;
         let n = units * unit;
-        let hd = h / self.heads;
         let hidden = Rows::dense(n, h);
         let mut input = be.alloc(n * self.patch_dim);
         be.write(&mut input, 0, patches);
-        let mut x = be.alloc(n * h);
-        let mut y = be.alloc(n * h);
-        let mut tmp = be.alloc(n * h);
-        let mut qkv = be.alloc(n * 3 * h);
-        let mut attn = be.alloc(n * h);
-        let mut gu = be.alloc(n * 2 * f);
-        let mut act = be.alloc(n * f);
+        let mut a = TowerActs::new(be, n, h, self.intermediate);
         be.matmul(
             &input,
             Rows::dense(n, self.patch_dim),
             &self.patch_embed,
             None,
-            &mut x,
+            &mut a.x,
             hidden,
         );
         // A window's patches as `(first patch, patches)`.
@@ -399,58 +392,25 @@ impl<B: Backend> Qwen25Vision<B> {
         };
         let (window_spans, full_spans) = (spans(windows), spans(frames));
         let mut cache = SpanCache::new();
-        let rope = RopeParams {
-            layout: RopeLayout::Neox,
+        let r = BlockRun {
+            eps: 1e-6,
+            heads: self.heads,
+            head_dim: h / self.heads,
+            rope_pos,
             inv_freq: &self.inv_freq,
-            factor: 1.0,
+            pair_axis: &self.pair_axis,
+            act: Activation::Silu,
         };
-        let q_view = Rows::columns(n, 3 * h, 0, h).split_heads(hd);
-        let k_view = Rows::columns(n, 3 * h, h, h).split_heads(hd);
         for b in &self.blocks {
-            be.rms_norm(&x, hidden, &b.norm1, 1e-6, &mut y, hidden);
-            let parts: Vec<MatmulPart<B::Weight>> = b
-                .qkv
-                .iter()
-                .enumerate()
-                .map(|(i, (w, bias))| MatmulPart {
-                    weight: w,
-                    bias: Some(bias),
-                    out: Rows::columns(n, 3 * h, i * h, h),
-                })
-                .collect();
-            be.matmul_many(&y, hidden, &parts, &mut qkv);
-            be.rope_axes(&mut qkv, q_view, rope_pos, 2, &self.pair_axis, rope);
-            be.rope_axes(&mut qkv, k_view, rope_pos, 2, &self.pair_axis, rope);
             let spans = if b.full { &full_spans } else { &window_spans };
-            attend_spans(be, &qkv, n, self.heads, hd, spans, &mut attn, &mut cache);
-            be.matmul(&attn, hidden, &b.proj.0, Some(&b.proj.1), &mut tmp, hidden);
-            be.add_inplace(&mut x, hidden, &tmp, hidden);
-            be.rms_norm(&x, hidden, &b.norm2, 1e-6, &mut y, hidden);
-            let gv = Rows::dense(n, 2 * f);
-            let parts = [
-                MatmulPart {
-                    weight: &b.gate.0,
-                    bias: Some(&b.gate.1),
-                    out: Rows::columns(n, 2 * f, 0, f),
-                },
-                MatmulPart {
-                    weight: &b.up.0,
-                    bias: Some(&b.up.1),
-                    out: Rows::columns(n, 2 * f, f, f),
-                },
-            ];
-            be.matmul_many(&y, hidden, &parts, &mut gu);
-            let av = Rows::dense(n, f);
-            be.glu(&gu, gv, &mut act, av, Activation::Silu);
-            be.matmul(&act, av, &b.down.0, Some(&b.down.1), &mut tmp, hidden);
-            be.add_inplace(&mut x, hidden, &tmp, hidden);
+            b.rms.run(be, &mut a, n, &r, spans, &mut cache);
         }
         // The merger: RMSNorm a patch, then a unit's patches side by side as one row.
-        be.rms_norm(&x, hidden, &self.ln_q, 1e-6, &mut y, hidden);
+        be.rms_norm(&a.x, hidden, &self.ln_q, 1e-6, &mut a.y, hidden);
         let mw = h * unit;
         let uv = Rows::dense(units, mw);
         let mut mid = be.alloc(units * mw);
-        be.matmul(&y, uv, &self.fc1.0, Some(&self.fc1.1), &mut mid, uv);
+        be.matmul(&a.y, uv, &self.fc1.0, Some(&self.fc1.1), &mut mid, uv);
         be.gelu(&mut mid, uv);
         let ov = Rows::dense(units, self.text_hidden);
         let mut rows = be.alloc(units * self.text_hidden);
