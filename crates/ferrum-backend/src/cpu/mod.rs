@@ -109,6 +109,80 @@ const TILED_MIN: usize = 48;
 /// passes over them (half of a 1 MB L2, leaving room for the weights).
 const L2_TOKEN_BYTES: usize = 512 * 1024;
 
+/// The inputs a float matmul's rows are taken at a time with 512-bit dots: four f32 weight
+/// rows' stretch is 16 KiB (in L1), and `L2_TOKEN_BYTES` hold 126 tokens' stretches.
+const K_STRETCH: usize = 1024;
+
+/// Weight rows and tokens of one tile of [`stretched_rows`]: `dot_f32_4x3`'s shape. Six rows
+/// by four tokens (24 pairs a half pass, ten loads for 24 multiply-adds) measured no faster on
+/// a Zen 4: 1B-shaped F16 pp512 54.2 against 57.1 tok/s, medians of 3, two alternating runs.
+const ROWS_AT_ONCE: usize = 4;
+const TOKENS_AT_ONCE: usize = 3;
+
+/// A float matmul task's `rows` over `n` tokens (`x_t`) of `k` inputs, `K_STRETCH` inputs at a
+/// time: `ROWS_AT_ONCE` weight rows (the last group padded with its last row) over every
+/// `TOKENS_AT_ONCE` tokens (padded with the last token), their sums carried between stretches
+/// ([`simd::dot_f32_carry`]), so every (row, token) gets `dot_f32`'s bits.
+#[allow(clippy::too_many_arguments)]
+fn stretched_rows<'x>(
+    w: &CpuWeight,
+    (k, n): (usize, usize),
+    rows: std::ops::Range<usize>,
+    x_t: &dyn Fn(usize) -> &'x [f32],
+    bias: Option<&[f32]>,
+    scratch: &mut [Vec<f32>; ROWS_AT_ONCE],
+    write: &dyn Fn(usize, usize, f32),
+) {
+    const R: usize = ROWS_AT_ONCE;
+    const T: usize = TOKENS_AT_ONCE;
+    let tokens = (L2_TOKEN_BYTES / (4 * K_STRETCH)) / T * T;
+    let stretches = k.div_ceil(K_STRETCH).max(1);
+    let mut carries: Vec<simd::F32Carry<R, T>> = Vec::new();
+    let mut from = 0;
+    while from < n {
+        let to = (from + tokens).min(n);
+        let tok = |i: usize| x_t((from + i).min(to - 1));
+        let mut j = rows.start;
+        while j < rows.end {
+            let r = (rows.end - j).min(R);
+            (j..j + r).for_each(|j| w.prefetch_ahead(j));
+            carries.clear();
+            carries.resize((to - from).div_ceil(T), simd::F32Carry::default());
+            for st in 0..stretches {
+                let (a, b) = (st * K_STRETCH, ((st + 1) * K_STRETCH).min(k));
+                let last = st + 1 == stretches;
+                // Only the last stretch ends off a multiple of 32: its tail is the rows'.
+                let m = if last { (b - a) / 32 * 32 } else { b - a };
+                // Rows past the task's last are its last again (computed, not written).
+                let mut rows_in = scratch.iter_mut().enumerate();
+                let ws: [&[f32]; R] = std::array::from_fn(|_| {
+                    let (i, s) = rows_in.next().expect("R scratch rows");
+                    w.row_block(j + i.min(r - 1), a, b, s)
+                });
+                for (tg, carry) in carries.iter_mut().enumerate() {
+                    let t = T * tg;
+                    let xs: [&[f32]; T] = std::array::from_fn(|d| &tok(t + d)[a..b]);
+                    simd::dot_f32_carry(ws.map(|w| &w[..m]), xs.map(|x| &x[..m]), carry);
+                    if !last {
+                        continue;
+                    }
+                    let v = simd::dot_f32_finish(carry, ws.map(|w| &w[m..]), xs.map(|x| &x[m..]));
+                    for (i, v) in v.iter().enumerate().take(r) {
+                        let bi = bias.map_or(0.0, |b| b[j + i]);
+                        for (d, v) in v.iter().enumerate() {
+                            if from + t + d < to {
+                                write(from + t + d, j + i, v + bi);
+                            }
+                        }
+                    }
+                }
+            }
+            j += r;
+        }
+        from = to;
+    }
+}
+
 impl Default for CpuBackend {
     fn default() -> Self {
         CpuBackend::new()
@@ -561,6 +635,30 @@ impl CpuWeight {
         }
     }
 
+    /// Elements `a..b` of row `j` of a float weight (f32, f16, bf16) as f32: borrowed when
+    /// stored as f32, else converted into `scratch`.
+    fn row_block<'a>(
+        &'a self,
+        j: usize,
+        a: usize,
+        b: usize,
+        scratch: &'a mut Vec<f32>,
+    ) -> &'a [f32] {
+        match self.half_row(j) {
+            Some(simd::HalfRow::F16(h)) => {
+                let buf = aligned(scratch, b - a);
+                simd::f16_to_f32(&h[a..b], buf);
+                buf
+            }
+            Some(simd::HalfRow::Bf16(h)) => {
+                let buf = aligned(scratch, b - a);
+                simd::bf16_to_f32(&h[a..b], buf);
+                buf
+            }
+            None => &self.row(j, scratch)[a..b],
+        }
+    }
+
     /// Rows `first..first + out.len()` dotted with one activation row. A whole packed group
     /// (eight rows from a multiple of eight) is one kernel call, and so are two of a K-quant
     /// (sixteen rows from a multiple of sixteen: [`packed_unit`]); a packed row on its own is
@@ -723,9 +821,9 @@ impl<T> SharedMut<T> {
 thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static SCRATCH2: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    /// The f32 matmul path's converted weight rows, four at a time.
-    static ROW_SCRATCH: RefCell<[Vec<f32>; 4]> = const {
-        RefCell::new([Vec::new(), Vec::new(), Vec::new(), Vec::new()])
+    /// The f32 matmul path's converted weight rows (or their stretches), four at a time.
+    static ROW_SCRATCH: RefCell<[Vec<f32>; ROWS_AT_ONCE]> = const {
+        RefCell::new([const { Vec::new() }; ROWS_AT_ONCE])
     };
 }
 
@@ -974,6 +1072,15 @@ impl Backend for CpuBackend {
             (&x[..], xv.offset, xv.stride)
         };
         let x_t = |t: usize| &xs[x0 + t * step..][..k];
+        // With 512-bit f32 dots, a float weight's rows are taken `K_STRETCH` inputs at a time
+        // (`dot_f32_carry`): four weight rows' stretch stays in L1 while every token's passes
+        // over it, and the tokens' stretches in L2, however long the rows. Taken whole, rows
+        // of 5,120 or 32,768 inputs fitted neither: a 32,768-input projection was converted
+        // from f16 again for every three tokens. Same bits as whole rows.
+        let stretched = n >= 3
+            && simd::zmm_f32()
+            && w.packed.is_none()
+            && (w.dtype == DType::F32 || w.half_row(0).is_some());
         // SAFETY (every write): in bounds (check_view above); column j belongs to this task
         // only.
         let write =
@@ -995,6 +1102,13 @@ impl Backend for CpuBackend {
                         }),
                     }
                 }
+                return;
+            }
+            if stretched {
+                ROW_SCRATCH.with(|s| {
+                    let mut scratch = s.borrow_mut();
+                    stretched_rows(w, (k, n), rows, &x_t, bias, &mut scratch, &write);
+                });
                 return;
             }
             // Four weight rows at a time against each three tokens: the three tokens' rows, in

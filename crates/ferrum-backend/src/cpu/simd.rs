@@ -458,6 +458,84 @@ pub fn dot_f32_x3_scalar(w: &[f32], x: [&[f32]; 3]) -> [f32; 3] {
     x.map(|x| dot_f32_scalar(x, w))
 }
 
+/// Sums of `R` weight rows dotted with `T` tokens carried from one stretch of the inputs to
+/// the next: each (row, token) pair's 32 lanes, element `i` of a row adding to lane `i % 32`
+/// as in [`dot_f32`]. Taking rows a stretch at a time (each a multiple of 32 elements) through
+/// [`dot_f32_carry`], then their last `< 32` elements through [`dot_f32_finish`], gives each
+/// pair [`dot_f32`]'s bits over the whole row: a matmul can then keep a stretch of its weight
+/// rows and of its tokens in L1/L2 however long the rows are.
+#[derive(Clone, Copy)]
+pub struct F32Carry<const R: usize, const T: usize>([[[f32; 32]; T]; R]);
+
+impl<const R: usize, const T: usize> Default for F32Carry<R, T> {
+    fn default() -> Self {
+        F32Carry([[[0.0; 32]; T]; R])
+    }
+}
+
+/// Adds a stretch of `R` weight rows' products with `T` tokens' to `carry`.
+///
+/// # Panics
+/// If the stretch is not a multiple of 32 long, or the rows are not all as long.
+pub fn dot_f32_carry<const R: usize, const T: usize>(
+    w: [&[f32]; R],
+    x: [&[f32]; T],
+    carry: &mut F32Carry<R, T>,
+) {
+    let n = w[0].len();
+    assert!(
+        n.is_multiple_of(32) && w.iter().all(|w| w.len() == n) && x.iter().all(|x| x.len() == n),
+        "dot_f32_carry: a stretch of {n}, or rows of unequal length"
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        if zmm_f32() {
+            // SAFETY: `zmm_f32` checked AVX2, FMA and AVX-512F; lengths checked above.
+            return unsafe { avx512::dot_f32_carry(w, x, carry) };
+        }
+    }
+    dot_f32_carry_scalar(w, x, carry)
+}
+
+/// [`dot_f32_carry`]'s scalar twin.
+pub fn dot_f32_carry_scalar<const R: usize, const T: usize>(
+    w: [&[f32]; R],
+    x: [&[f32]; T],
+    carry: &mut F32Carry<R, T>,
+) {
+    let n = w[0].len();
+    for (w, accs) in w.iter().zip(carry.0.iter_mut()) {
+        for (x, acc) in x.iter().zip(accs.iter_mut()) {
+            for i in (0..n).step_by(32) {
+                for (l, a) in acc.iter_mut().enumerate() {
+                    *a = x[i + l].mul_add(w[i + l], *a);
+                }
+            }
+        }
+    }
+}
+
+/// The sums of `carry`: each pair's lanes reduced as [`dot_f32`] reduces its own, then the
+/// products of the rows' last `< 32` elements (`w`, `x`) added in order.
+pub fn dot_f32_finish<const R: usize, const T: usize>(
+    carry: &F32Carry<R, T>,
+    w: [&[f32]; R],
+    x: [&[f32]; T],
+) -> [[f32; T]; R] {
+    std::array::from_fn(|r| {
+        std::array::from_fn(|t| {
+            let acc = &carry.0[r][t];
+            let lanes: [f32; 8] =
+                std::array::from_fn(|l| (acc[l] + acc[8 + l]) + (acc[16 + l] + acc[24 + l]));
+            let mut sum = hsum8(&lanes);
+            for (a, b) in x[t].iter().zip(w[r]) {
+                sum = a.mul_add(*b, sum);
+            }
+            sum
+        })
+    })
+}
+
 /// Whether bf16 weights meet bf16 activations in `vdpbf16ps` (llama.cpp's path for BF16
 /// matrices): only when asked for, `FERRUM_BF16=1` on a CPU with AVX512-BF16 and F/BW/VL (the
 /// OS-state check included), or `FERRUM_BF16=emulate` on any CPU (its arithmetic then runs in
@@ -1059,8 +1137,8 @@ mod avx512 {
         w: [*const f32; 4],
         x: [*const f32; 3],
         main: usize,
+        mut acc: [[__m512; 3]; 4],
     ) -> [[__m512; 3]; 4] {
-        let mut acc = [[_mm512_setzero_ps(); 3]; 4];
         let mut i = 16 * H;
         while i < main {
             let xs = x.map(|p| _mm512_loadu_ps(p.add(i)));
@@ -1082,8 +1160,9 @@ mod avx512 {
         let main = n - n % 32;
         let pw = w.map(|w| w.as_ptr());
         let px = x.map(|x| x.as_ptr());
-        let lo = half_4x3::<0>(pw, px, main);
-        let hi = half_4x3::<1>(pw, px, main);
+        let zero = [[_mm512_setzero_ps(); 3]; 4];
+        let lo = half_4x3::<0>(pw, px, main, zero);
+        let hi = half_4x3::<1>(pw, px, main, zero);
         std::array::from_fn(|r| {
             std::array::from_fn(|t| {
                 let mut sum = sum2(lo[r][t], hi[r][t]);
@@ -1093,6 +1172,75 @@ mod avx512 {
                 sum
             })
         })
+    }
+
+    /// One half of [`super::dot_f32_carry`]'s lanes (as [`half_4x3`]) for `R` rows and `T`
+    /// tokens, from the accumulators `acc`. Index loops, not iterators' closures: a closure
+    /// does not inherit its function's target features.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    #[inline]
+    unsafe fn half_rt<const H: usize, const R: usize, const T: usize>(
+        w: [*const f32; R],
+        x: [*const f32; T],
+        main: usize,
+        mut acc: [[__m512; T]; R],
+    ) -> [[__m512; T]; R] {
+        let mut i = 16 * H;
+        while i < main {
+            let mut xs = [_mm512_setzero_ps(); T];
+            for t in 0..T {
+                xs[t] = _mm512_loadu_ps(x[t].add(i));
+            }
+            for r in 0..R {
+                let wv = _mm512_loadu_ps(w[r].add(i));
+                for t in 0..T {
+                    acc[r][t] = _mm512_fmadd_ps(xs[t], wv, acc[r][t]);
+                }
+            }
+            i += 32;
+        }
+        acc
+    }
+
+    /// [`super::dot_f32_carry`]: `w[0].len()` a multiple of 32, every row as long (callers
+    /// check). Lanes 0..16 of a pair's carry are its low half's accumulator, 16..32 its high
+    /// half's; the halves run as two passes, as in [`dot_f32_4x3`]. Index loops, as in
+    /// [`half_rt`].
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    pub unsafe fn dot_f32_carry<const R: usize, const T: usize>(
+        w: [&[f32]; R],
+        x: [&[f32]; T],
+        carry: &mut super::F32Carry<R, T>,
+    ) {
+        let n = w[0].len();
+        let mut pw = [std::ptr::null::<f32>(); R];
+        for r in 0..R {
+            pw[r] = w[r].as_ptr();
+        }
+        let mut px = [std::ptr::null::<f32>(); T];
+        for t in 0..T {
+            px[t] = x[t].as_ptr();
+        }
+        for h in 0..2 {
+            let mut acc = [[_mm512_setzero_ps(); T]; R];
+            for r in 0..R {
+                for t in 0..T {
+                    acc[r][t] = _mm512_loadu_ps(carry.0[r][t].as_ptr().add(16 * h));
+                }
+            }
+            let acc = if h == 0 {
+                half_rt::<0, R, T>(pw, px, n, acc)
+            } else {
+                half_rt::<1, R, T>(pw, px, n, acc)
+            };
+            for r in 0..R {
+                for t in 0..T {
+                    _mm512_storeu_ps(carry.0[r][t].as_mut_ptr().add(16 * h), acc[r][t]);
+                }
+            }
+        }
     }
 
     /// Sixteen 16-bit floats from `p` as f32: F16C for f16, a 16-bit shift for bf16.
@@ -1913,6 +2061,72 @@ mod tests {
                     want.to_bits(),
                     "n={n} token {t} (scalar)"
                 );
+            }
+        }
+    }
+
+    /// Rows taken a stretch at a time through the carried kernel (and its scalar twin), then
+    /// their tails through `dot_f32_4x3_finish`, give `dot_f32`'s bits per (row, token) pair,
+    /// whatever the stretches (multiples of 32) and tails.
+    #[test]
+    fn carried_dots_equal_dot_per_pair_bit_for_bit() {
+        fn part<const N: usize>(v: [&[f32]; N], a: usize, b: usize) -> [&[f32]; N] {
+            v.map(|r| &r[a..b])
+        }
+        let xpart = part::<3>;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(10);
+        for (n, stretch) in [
+            (0, 32),
+            (31, 32),
+            (32, 32),
+            (100, 32),
+            (1536, 64),
+            (4099, 1024),
+            (3000, 96),
+        ] {
+            let rows: Vec<Vec<f32>> = (0..7)
+                .map(|i| {
+                    let s = [0.01, 1.0, 100.0, 1.0, 3.0, 0.5, 7.0][i];
+                    (0..n).map(|_| rng.gen_range(-1.0..1.0) * s).collect()
+                })
+                .collect();
+            let w = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
+            let x = [&rows[4][..], &rows[5][..], &rows[6][..]];
+            let main = n - n % 32;
+            let (mut fast, mut scalar) = (F32Carry::default(), F32Carry::default());
+            for a in (0..main).step_by(stretch) {
+                let b = (a + stretch).min(main);
+                dot_f32_carry(part(w, a, b), xpart(x, a, b), &mut fast);
+                dot_f32_carry_scalar(part(w, a, b), xpart(x, a, b), &mut scalar);
+            }
+            let (tw, tx) = (part(w, main, n), xpart(x, main, n));
+            let (fast, scalar) = (
+                dot_f32_finish(&fast, tw, tx),
+                dot_f32_finish(&scalar, tw, tx),
+            );
+            // The matmul's shape: six rows (the four, then two again) over four tokens.
+            let w6 = [w[0], w[1], w[2], w[3], w[1], w[0]];
+            let x4 = [x[0], x[1], x[2], x[1]];
+            let mut wide = F32Carry::<6, 4>::default();
+            for a in (0..main).step_by(stretch) {
+                let b = (a + stretch).min(main);
+                dot_f32_carry(part(w6, a, b), part(x4, a, b), &mut wide);
+            }
+            let wide = dot_f32_finish(&wide, part(w6, main, n), part(x4, main, n));
+            for (r, wr) in w6.iter().enumerate() {
+                for (t, xt) in x4.iter().enumerate() {
+                    let want = dot_f32(xt, wr).to_bits();
+                    assert_eq!(wide[r][t].to_bits(), want, "n={n} 6x4 ({r}, {t})");
+                }
+            }
+            for r in 0..4 {
+                for t in 0..3 {
+                    let want = dot_f32(x[t], w[r]).to_bits();
+                    assert_eq!(fast[r][t].to_bits(), want, "n={n} ({r}, {t})");
+                    assert_eq!(scalar[r][t].to_bits(), want, "n={n} ({r}, {t}) scalar");
+                    let twin = dot_f32_scalar(x[t], w[r]).to_bits();
+                    assert_eq!(twin, want, "n={n} ({r}, {t}) dot_f32's twin");
+                }
             }
         }
     }

@@ -790,17 +790,26 @@ fn compute_weights_are_q8_0_on_the_fast_path_only() {
 }
 
 /// A float matmul over more tokens than fit L2 at once takes them a stretch at a time (a
-/// vision tower's thousands of patches): every (token, row) still gets `dot_f32`'s bits, the
-/// stretches' edges (not multiples of the stretch, a tail of tokens past the last three)
-/// included, for f32 and f16 weights.
+/// vision tower's thousands of patches), and with 512-bit dots its rows `K_STRETCH` inputs at
+/// a time: every (token, row) still gets `dot_f32`'s bits, the stretches' edges (not multiples
+/// of the stretch, a tail of tokens past the last three, a last input stretch off a multiple
+/// of 32) included, for f32 and f16 weights.
 #[test]
 fn float_matmul_over_many_tokens_is_dot_f32_in_stretches() {
     let mut r = rng();
-    // 6000 columns: a stretch is 21 tokens, so 100 tokens take five stretches and a tail.
-    let (n, k, m) = (100, 6000, 9);
-    let x = rand_vec(&mut r, n * k);
-    let w = rand_vec(&mut r, m * k);
-    let bias = rand_vec(&mut r, m);
+    // 6000 columns: without 512-bit dots a stretch is 21 tokens, so 100 tokens take five
+    // stretches and a tail; with them, six input stretches (the last 880 long, 16 past a
+    // multiple of 32) and, for 300 tokens, three token stretches of up to 126.
+    for n in [100, 300] {
+        float_matmul_case(&mut r, n);
+    }
+}
+
+fn float_matmul_case(r: &mut impl rand::Rng, n: usize) {
+    let (k, m) = (6000, 9);
+    let x = rand_vec(r, n * k);
+    let w = rand_vec(r, m * k);
+    let bias = rand_vec(r, m);
     let half: Vec<u8> = w
         .iter()
         .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
