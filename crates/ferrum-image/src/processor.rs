@@ -124,6 +124,10 @@ pub struct Processed {
     pub grid: Option<[usize; 3]>,
 }
 
+/// CLIP's normalisation, the default of the Qwen VL and Pixtral processors.
+const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
+const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_6, 0.275_777_1];
+
 fn bad(msg: impl Into<String>) -> String {
     format!("preprocessor_config.json: {}", msg.into())
 }
@@ -223,8 +227,6 @@ impl Processor {
                 let max_pixels = usize_of(j, "max_pixels")
                     .or_else(|| size.and_then(|s| usize_of(s, "longest_edge")))
                     .unwrap_or(28 * 28 * 1280);
-                const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
-                const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_6, 0.275_777_1];
                 Ok(Processor::QwenVl {
                     patch: usize_of(j, "patch_size").unwrap_or(14),
                     temporal: usize_of(j, "temporal_patch_size").unwrap_or(2),
@@ -252,8 +254,6 @@ impl Processor {
                         "longest_edge {longest_edge} holds no patch of {unit}"
                     )));
                 }
-                const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
-                const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_6, 0.275_777_1];
                 Ok(Processor::Pixtral {
                     unit,
                     fit: PixtralFit::LongestEdge(longest_edge),

@@ -1021,6 +1021,25 @@ pub(crate) fn hf_opt_usize(j: &Json, k: &str) -> Option<usize> {
     j.get(k).and_then(Json::as_u64).map(|v| v as usize)
 }
 
+/// The id of `word` in a Hugging Face `tokenizer.json` (its vocabulary, then its added
+/// tokens).
+pub(crate) fn hf_vocab_id(tokenizer: &Json, word: &str) -> Option<u32> {
+    let added = tokenizer.get("added_tokens").and_then(Json::as_array);
+    tokenizer
+        .get("model")
+        .and_then(|m| m.get("vocab"))
+        .and_then(|v| v.get(word))
+        .and_then(Json::as_u64)
+        .or_else(|| {
+            added?
+                .iter()
+                .find(|t| t.get("content").and_then(Json::as_str) == Some(word))?
+                .get("id")?
+                .as_u64()
+        })
+        .map(|v| v as u32)
+}
+
 pub(crate) fn hf_f64(j: &Json, k: &str) -> Option<f64> {
     j.get(k).and_then(Json::as_f64)
 }

@@ -302,6 +302,28 @@ pub enum Mixer<B: Backend> {
     Latent(LatentAttention<B>),
 }
 
+/// Rows `ids` of the matrix `t` as f32, concatenated (a reranker's head rows, a vision
+/// tower's token embeddings).
+pub(crate) fn tensor_rows(t: &RawTensor, ids: &[usize], hidden: usize) -> Result<Vec<f32>> {
+    let mut out = Vec::with_capacity(ids.len() * hidden);
+    for &id in ids {
+        let row = t
+            .rows(id, 1)
+            .ok_or_else(|| Error::Weights(format!("{}: row {id} out of range", t.name)))?;
+        let mut v = vec![0f32; hidden];
+        if row.numel() != hidden
+            || !ferrum_backend::cpu::quant::dequantize(row.dtype, row.bytes(), &mut v)
+        {
+            return Err(Error::Weights(format!(
+                "{}: cannot read row {id} as {hidden} values",
+                t.name
+            )));
+        }
+        out.extend(v);
+    }
+    Ok(out)
+}
+
 /// [`Backend::load_weight_precise`] where `t` holds floats, [`Backend::load_weight`] where it
 /// is quantised (see [`WeightSource::require_precise_float`]).
 pub(crate) fn load_precise_float<B: Backend>(be: &B, t: &RawTensor) -> Result<B::Weight> {

@@ -188,7 +188,7 @@ impl Adapter {
                     Target::K => c.n_kv_heads,
                     _ => continue,
                 };
-                f.b = permute_rows(&f.b, f.rank, heads, f.out, base_gguf);
+                f.b = crate::names::permute_rope_rows(&f.b, f.rank, heads, f.out, base_gguf);
             }
         }
         let mut layers: Vec<LoraLayer> = (0..c.n_layers)
@@ -271,25 +271,6 @@ fn expected_shape(c: &ModelConfig, i: usize, t: Target) -> (usize, usize) {
         Target::Down => (h, f),
         Target::GateUp => (2 * f, h),
     }
-}
-
-/// `b`'s rows (`out` of them, `rank` wide) in llama.cpp's order for the interleaved rotation
-/// (`to_gguf`), or back: within each head the two halves' rows alternate.
-fn permute_rows(b: &[f32], rank: usize, heads: usize, out: usize, to_gguf: bool) -> Vec<f32> {
-    let d = out / heads;
-    let half = d / 2;
-    let mut p = vec![0f32; b.len()];
-    for h in 0..heads {
-        for j in 0..2 {
-            for i in 0..half {
-                let hf = h * d + j * half + i;
-                let gg = h * d + 2 * i + j;
-                let (from, to) = if to_gguf { (hf, gg) } else { (gg, hf) };
-                p[to * rank..(to + 1) * rank].copy_from_slice(&b[from * rank..(from + 1) * rank]);
-            }
-        }
-    }
-    p
 }
 
 fn f32_of(t: &RawTensor) -> Result<Vec<f32>> {

@@ -147,3 +147,29 @@ pub fn hf_to_gguf(hf: &str) -> Option<String> {
     }
     None
 }
+
+/// A query or key projection's `out` rows (each `row` elements wide: values, or bytes of any
+/// format) in llama.cpp's order for the interleaved rotation (`to_gguf`), or back: within each
+/// of `heads` heads the two halves' rows alternate, as llama.cpp's converter permutes them.
+pub(crate) fn permute_rope_rows<T: Copy + Default>(
+    b: &[T],
+    row: usize,
+    heads: usize,
+    out: usize,
+    to_gguf: bool,
+) -> Vec<T> {
+    let d = out / heads;
+    let half = d / 2;
+    let mut p = vec![T::default(); b.len()];
+    for h in 0..heads {
+        for j in 0..2 {
+            for i in 0..half {
+                let hf = h * d + j * half + i;
+                let gg = h * d + 2 * i + j;
+                let (from, to) = if to_gguf { (hf, gg) } else { (gg, hf) };
+                p[to * row..(to + 1) * row].copy_from_slice(&b[from * row..(from + 1) * row]);
+            }
+        }
+    }
+    p
+}

@@ -645,14 +645,9 @@ impl CpuWeight {
         scratch: &'a mut Vec<f32>,
     ) -> &'a [f32] {
         match self.half_row(j) {
-            Some(simd::HalfRow::F16(h)) => {
+            Some(h) => {
                 let buf = aligned(scratch, b - a);
-                simd::f16_to_f32(&h[a..b], buf);
-                buf
-            }
-            Some(simd::HalfRow::Bf16(h)) => {
-                let buf = aligned(scratch, b - a);
-                simd::bf16_to_f32(&h[a..b], buf);
+                h.range(a, b).to_f32(buf);
                 buf
             }
             None => &self.row(j, scratch)[a..b],

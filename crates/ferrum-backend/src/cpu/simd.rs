@@ -763,7 +763,15 @@ pub enum HalfRow<'a> {
     Bf16(&'a [u16]),
 }
 
-impl HalfRow<'_> {
+impl<'a> HalfRow<'a> {
+    /// Elements `a..b` of the row.
+    pub(crate) fn range(self, a: usize, b: usize) -> HalfRow<'a> {
+        match self {
+            HalfRow::F16(h) => HalfRow::F16(&h[a..b]),
+            HalfRow::Bf16(h) => HalfRow::Bf16(&h[a..b]),
+        }
+    }
+
     fn len(self) -> usize {
         match self {
             HalfRow::F16(h) => h.len(),
@@ -771,7 +779,7 @@ impl HalfRow<'_> {
         }
     }
 
-    fn to_f32(self, out: &mut [f32]) {
+    pub(crate) fn to_f32(self, out: &mut [f32]) {
         match self {
             HalfRow::F16(h) => f16_to_f32(h, out),
             HalfRow::Bf16(h) => bf16_to_f32(h, out),
@@ -1126,33 +1134,6 @@ mod avx512 {
         })
     }
 
-    /// One half of [`dot_f32_4x3`]'s lanes: elements `32i + 16H ..` of every 32, into the
-    /// twelve (row, token) accumulators of that half. The two halves run as two passes:
-    /// both at once needed 24 accumulators and 7 operands, more than the allocator kept in
-    /// the 32 registers (it stored some every iteration); each half reads every other cache
-    /// line, so each line is still read once.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
-    #[inline]
-    unsafe fn half_4x3<const H: usize>(
-        w: [*const f32; 4],
-        x: [*const f32; 3],
-        main: usize,
-        mut acc: [[__m512; 3]; 4],
-    ) -> [[__m512; 3]; 4] {
-        let mut i = 16 * H;
-        while i < main {
-            let xs = x.map(|p| _mm512_loadu_ps(p.add(i)));
-            for (a, p) in acc.iter_mut().zip(w) {
-                let wv = _mm512_loadu_ps(p.add(i));
-                for (a, x) in a.iter_mut().zip(xs) {
-                    *a = _mm512_fmadd_ps(x, wv, *a);
-                }
-            }
-            i += 32;
-        }
-        acc
-    }
-
     /// Callers check that every row is `w[0].len()` long.
     #[target_feature(enable = "avx2,fma,f16c,avx512f")]
     pub unsafe fn dot_f32_4x3(w: [&[f32]; 4], x: [&[f32]; 3]) -> [[f32; 3]; 4] {
@@ -1161,8 +1142,8 @@ mod avx512 {
         let pw = w.map(|w| w.as_ptr());
         let px = x.map(|x| x.as_ptr());
         let zero = [[_mm512_setzero_ps(); 3]; 4];
-        let lo = half_4x3::<0>(pw, px, main, zero);
-        let hi = half_4x3::<1>(pw, px, main, zero);
+        let lo = half_rt::<0, 4, 3>(pw, px, main, zero);
+        let hi = half_rt::<1, 4, 3>(pw, px, main, zero);
         std::array::from_fn(|r| {
             std::array::from_fn(|t| {
                 let mut sum = sum2(lo[r][t], hi[r][t]);
@@ -1174,9 +1155,13 @@ mod avx512 {
         })
     }
 
-    /// One half of [`super::dot_f32_carry`]'s lanes (as [`half_4x3`]) for `R` rows and `T`
-    /// tokens, from the accumulators `acc`. Index loops, not iterators' closures: a closure
-    /// does not inherit its function's target features.
+    /// One half of the lanes of `R` rows' dots with `T` tokens' ([`dot_f32_4x3`],
+    /// [`super::dot_f32_carry`]): elements `32i + 16H ..` of every 32, into the pairs'
+    /// accumulators of that half, from `acc`. The two halves run as two passes: both at once
+    /// needed 24 accumulators and 7 operands for four rows by three tokens, more than the
+    /// allocator kept in the 32 registers (it stored some every iteration); each half reads
+    /// every other cache line, so each line is still read once. Index loops, not iterators'
+    /// closures: a closure does not inherit its function's target features.
     #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx2,fma,f16c,avx512f")]
     #[inline]

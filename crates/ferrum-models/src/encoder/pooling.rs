@@ -383,7 +383,10 @@ pub fn decoder_reranker(
             }
             // llama.cpp scores Qwen3's two outputs by the softmax of the first ("yes").
             let order: Vec<usize> = (0..n).rev().collect();
-            (head_rows(t, &order, hidden)?, p.prompt.clone())
+            (
+                crate::layers::tensor_rows(t, &order, hidden)?,
+                p.prompt.clone(),
+            )
         }
         (ModelFile::Hf(h), None) if qwen3 && is_qwen3_reranker(&h.dir) => {
             let ids = ["no", "yes"]
@@ -395,7 +398,7 @@ pub fn decoder_reranker(
                 .or_else(|| store.get("model.embed_tokens.weight"))
                 .ok_or_else(|| Error::format(&h.dir, "a reranker without an output head"))?;
             (
-                head_rows(head, &ids, hidden)?,
+                crate::layers::tensor_rows(head, &ids, hidden)?,
                 Some(QWEN3_RERANK_PROMPT.to_string()),
             )
         }
@@ -442,19 +445,7 @@ fn is_qwen3_reranker(dir: &Path) -> bool {
 /// tokens).
 fn vocab_id(dir: &Path, word: &str) -> Result<usize> {
     let path = dir.join("tokenizer.json");
-    let j = read_json(&path)?;
-    let added = j.get("added_tokens").and_then(Json::as_array);
-    j.get("model")
-        .and_then(|m| m.get("vocab"))
-        .and_then(|v| v.get(word))
-        .and_then(Json::as_u64)
-        .or_else(|| {
-            added?
-                .iter()
-                .find(|t| t.get("content").and_then(Json::as_str) == Some(word))?
-                .get("id")?
-                .as_u64()
-        })
+    crate::config::hf_vocab_id(&read_json(&path)?, word)
         .map(|v| v as usize)
         .ok_or_else(|| {
             Error::format(
@@ -462,25 +453,4 @@ fn vocab_id(dir: &Path, word: &str) -> Result<usize> {
                 format!("a Qwen3 reranker needs the token {word:?} in its vocabulary"),
             )
         })
-}
-
-/// Rows `ids` of the matrix `t` as f32, concatenated.
-fn head_rows(t: &ferrum_loader::RawTensor, ids: &[usize], hidden: usize) -> Result<Vec<f32>> {
-    let mut out = Vec::with_capacity(ids.len() * hidden);
-    for &id in ids {
-        let row = t
-            .rows(id, 1)
-            .ok_or_else(|| Error::Weights(format!("{}: row {id} out of range", t.name)))?;
-        let mut v = vec![0f32; hidden];
-        if row.numel() != hidden
-            || !ferrum_backend::cpu::quant::dequantize(row.dtype, row.bytes(), &mut v)
-        {
-            return Err(Error::Weights(format!(
-                "{}: cannot read row {id} as {hidden} values",
-                t.name
-            )));
-        }
-        out.extend(v);
-    }
-    Ok(out)
 }

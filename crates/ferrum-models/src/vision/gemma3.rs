@@ -193,7 +193,7 @@ impl<B: Backend> Gemma3Vision<B> {
         be: &B,
     ) -> Result<(Self, ImageTokens)> {
         let dims = Dims::from_gguf(mm, text_hidden)?;
-        let id = |t: &str| vocab.iter().position(|v| *v == t).map(|i| i as u32);
+        let id = |t: &str| super::vocab_id(vocab, t);
         let placeholder = id("<image_soft_token>").ok_or_else(|| {
             Error::Weights("the model's vocabulary has no <image_soft_token>".into())
         })?;

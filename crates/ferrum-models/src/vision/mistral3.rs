@@ -22,6 +22,7 @@ use super::{
     find, host_f32, matrix, usize_at, weight_from, BlockRun, ImageTokens, RmsBlock, SpanCache,
     TowerActs,
 };
+use crate::layers::tensor_rows;
 
 pub struct Mistral3Vision<B: Backend> {
     hidden: usize,
@@ -158,7 +159,8 @@ impl Dims {
             } else {
                 Activation::Silu
             },
-            proj_bias: mm.tensors().get("mm.1.bias").is_some(),
+            // What the file has: set from its tensors at load (`load_gguf`).
+            proj_bias: false,
             proj_eps: eps,
             text_hidden,
         })
@@ -222,6 +224,32 @@ fn axial_rope(head_dim: usize, theta: f32) -> (Vec<f32>, Vec<u8>) {
     (inv_freq, pair_axis)
 }
 
+/// The rows and columns of merged units of a processed image (`[1, 3, h, w]`, its sides in
+/// whole units of `unit` pixels); `None` for any other shape.
+pub(super) fn grid_units(p: &Processed, unit: usize) -> Option<(usize, usize)> {
+    match p.shape[..] {
+        [1, 3, h, w] if unit > 0 && h % unit == 0 && w % unit == 0 && h > 0 && w > 0 => {
+            Some((h / unit, w / unit))
+        }
+        _ => None,
+    }
+}
+
+/// An image of `lh × lw` units laid out in a prompt: a row of `unit` per row of units, each
+/// row closed by `brk`, the last by `end`.
+pub(super) fn grid_layout<T: Clone>(lh: usize, lw: usize, unit: T, brk: T, end: T) -> Vec<T> {
+    let mut out = Vec::with_capacity(lh * (lw + 1));
+    for r in 0..lh {
+        out.extend(std::iter::repeat_n(unit.clone(), lw));
+        out.push(if r + 1 == lh {
+            end.clone()
+        } else {
+            brk.clone()
+        });
+    }
+    out
+}
+
 /// Mistral 3's image tokens from a vocabulary's texts.
 pub(super) fn tokens_from_vocab(id: impl Fn(&str) -> Option<u32>) -> Result<ImageTokens> {
     let need =
@@ -259,10 +287,12 @@ impl<B: Backend> Mistral3Vision<B> {
         tokens: &ImageTokens,
         be: &B,
     ) -> Result<Self> {
-        let d = Dims::from_gguf(mm, text_hidden)?;
+        let mut d = Dims::from_gguf(mm, text_hidden)?;
+        let store = mm.tensors();
+        d.proj_bias = store.get("mm.1.bias").is_some();
         let lm_store = lm.tensors();
         let embed = find(&lm_store, &["token_embd.weight".to_string()])?;
-        Self::build(d, &mm.tensors(), be, true, (embed, tokens))
+        Self::build(d, &store, be, true, (embed, tokens))
     }
 
     fn build(
@@ -320,16 +350,7 @@ impl<B: Backend> Mistral3Vision<B> {
                 )));
             }
             let row = t.bytes().len() / w;
-            let half = head_dim / 2;
-            let mut bytes = vec![0u8; t.bytes().len()];
-            for h in 0..heads {
-                for j in 0..head_dim {
-                    let from = h * head_dim + 2 * (j % half) + j / half;
-                    let to = h * head_dim + j;
-                    bytes[to * row..(to + 1) * row]
-                        .copy_from_slice(&t.bytes()[from * row..(from + 1) * row]);
-                }
-            }
+            let bytes = crate::names::permute_rope_rows(t.bytes(), row, heads, w, false);
             let r = ferrum_loader::RawTensor::from_bytes(&t.name, t.dtype, vec![w, hidden], bytes)
                 .ok_or_else(|| Error::Weights(format!("tensor {:?}: bad size", t.name)))?;
             be.load_weight_encoder(&r)
@@ -380,29 +401,6 @@ impl<B: Backend> Mistral3Vision<B> {
             Ok((get(false, &format!("{rest}.weight"), rows, cols)?, bias))
         };
         let (inv_freq, pair_axis) = axial_rope(head_dim, theta);
-        let embed_row = |id: u32| -> Result<Vec<f32>> {
-            let rows = embed.numel() / text_hidden.max(1);
-            let bytes = embed.bytes().len() / rows.max(1);
-            if embed.numel() != rows * text_hidden || id as usize >= rows {
-                return Err(Error::Weights(format!(
-                    "tensor {:?} of shape {:?} has no row {id} of {text_hidden}",
-                    embed.name, embed.shape
-                )));
-            }
-            let mut v = vec![0f32; text_hidden];
-            let at = id as usize * bytes;
-            if !ferrum_backend::cpu::quant::dequantize(
-                embed.dtype,
-                &embed.bytes()[at..at + bytes],
-                &mut v,
-            ) {
-                return Err(Error::Weights(format!(
-                    "tensor {:?}: cannot convert",
-                    embed.name
-                )));
-            }
-            Ok(v)
-        };
         let (brk, end) = tokens.grid.ok_or_else(|| {
             Error::Weights("Mistral 3 image tokens without [IMG_BREAK] and [IMG_END]".into())
         })?;
@@ -425,22 +423,21 @@ impl<B: Backend> Mistral3Vision<B> {
             linear_2: linear("linear_2", text_hidden, text_hidden)?,
             inv_freq,
             pair_axis,
-            break_row: embed_row(brk)?,
-            end_row: embed_row(end)?,
+            break_row: tensor_rows(embed, &[brk as usize], text_hidden)?,
+            end_row: tensor_rows(embed, &[end as usize], text_hidden)?,
         })
     }
 
     /// The pixels the image's patches cover, in rows and columns of merged units; an
     /// error where they do not fill whole units.
     pub(super) fn units(&self, p: &Processed) -> Result<(usize, usize)> {
-        let s = self.patch * self.merge;
-        match p.shape[..] {
-            [1, 3, h, w] if h % s == 0 && w % s == 0 && h > 0 && w > 0 => Ok((h / s, w / s)),
-            _ => Err(Error::InvalidRequest(format!(
-                "pixel values of shape {:?} for a Pixtral tower of {s}-pixel units",
-                p.shape
-            ))),
-        }
+        grid_units(p, self.unit()).ok_or_else(|| {
+            Error::InvalidRequest(format!(
+                "pixel values of shape {:?} for a Pixtral tower of {}-pixel units",
+                p.shape,
+                self.unit()
+            ))
+        })
     }
 
     /// The pixels of a merged unit's side: what the processor resizes to multiples of.

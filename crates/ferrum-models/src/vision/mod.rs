@@ -94,22 +94,14 @@ impl ImageText {
 
     /// Mistral 3: the image's rows and columns of units.
     fn units(&self, p: &Processed) -> Option<(usize, usize)> {
-        let (_, _, s) = self.rows_of.as_ref()?;
-        match p.shape[..] {
-            [1, 3, h, w] => Some((h / s.max(&1), w / s.max(&1))),
-            _ => Some((0, 0)),
-        }
+        let (_, _, unit) = self.rows_of.as_ref()?;
+        mistral3::grid_units(p, *unit)
     }
 
     /// The text `p`'s marker becomes.
     pub fn expansion(&self, p: &Processed) -> String {
         if let (Some((lh, lw)), Some((brk, end, _))) = (self.units(p), &self.rows_of) {
-            let mut s = String::new();
-            for r in 0..lh {
-                s.push_str(&self.placeholder.repeat(lw));
-                s.push_str(if r + 1 == lh { end } else { brk });
-            }
-            return s;
+            return mistral3::grid_layout(lh, lw, self.placeholder.as_str(), brk, end).concat();
         }
         format!(
             "{}{}{}",
@@ -217,17 +209,12 @@ impl<B: Backend> Vision<B> {
         };
         let kind = projector_kind(&mm);
         if kind == PIXTRAL_PROJECTOR {
-            let id = |t: &str| vocab.iter().position(|v| *v == t).map(|i| i as u32);
-            let tokens = mistral3::tokens_from_vocab(id)?;
+            let tokens = mistral3::tokens_from_vocab(|t| vocab_id(&vocab, t))?;
             let tower = mistral3::Mistral3Vision::load_gguf(&mm, lm, text_hidden, &tokens, be)?;
-            // llama.cpp's sizing for Pixtral: 8 to 1024 image tokens.
             let unit = tower.unit();
             let processor = Processor::Pixtral {
                 unit,
-                fit: ferrum_image::PixtralFit::Pixels {
-                    min: 8 * unit * unit,
-                    max: 1024 * unit * unit,
-                },
+                fit: pixtral_gguf_fit(unit),
                 filter: ferrum_image::Filter::Bicubic,
                 norm,
             };
@@ -337,10 +324,7 @@ impl<B: Backend> Vision<B> {
         match (&self.tower, t.grid) {
             (Tower::Mistral3(m), Some((brk, end))) => {
                 if let Ok((lh, lw)) = m.units(p) {
-                    for r in 0..lh {
-                        ids.extend(std::iter::repeat_n(t.placeholder, lw));
-                        ids.push(if r + 1 == lh { end } else { brk });
-                    }
+                    ids.extend(mistral3::grid_layout(lh, lw, t.placeholder, brk, end));
                 }
             }
             _ => ids.extend(std::iter::repeat_n(t.placeholder, self.rows(p))),
@@ -510,25 +494,14 @@ fn qwen_tokens(config: &Json) -> Result<ImageTokens> {
 }
 
 /// Mistral 3's image tokens: `[IMG]`, `[IMG_BREAK]` and `[IMG_END]` from the checkpoint's
-/// tokenizer.json (its added tokens, then its vocabulary); where it has none, the config's
+/// tokenizer.json (its vocabulary, then its added tokens); where it has none, the config's
 /// `image_token_index` and the ids Mistral's tekken vocabulary gives the other two (12, 13).
 fn mistral3_tokens(config: &Json, dir: &Path) -> Result<ImageTokens> {
     let tok: Option<Json> = std::fs::read(dir.join("tokenizer.json"))
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok());
     if let Some(tok) = tok {
-        let id = |t: &str| -> Option<u32> {
-            let added = tok.get("added_tokens").and_then(Json::as_array);
-            added
-                .into_iter()
-                .flatten()
-                .find(|a| a.get("content").and_then(Json::as_str) == Some(t))
-                .and_then(|a| a.get("id"))
-                .or_else(|| tok.get("model")?.get("vocab")?.get(t))
-                .and_then(Json::as_u64)
-                .map(|v| v as u32)
-        };
-        return mistral3::tokens_from_vocab(id);
+        return mistral3::tokens_from_vocab(|t| crate::config::hf_vocab_id(&tok, t));
     }
     let placeholder = token_at(config, &["image_token_index", "image_token_id"]).unwrap_or(10);
     Ok(ImageTokens {
@@ -540,9 +513,14 @@ fn mistral3_tokens(config: &Json, dir: &Path) -> Result<ImageTokens> {
     })
 }
 
-/// The same from a GGUF model's vocabulary, by the tokens' text.
+/// The id of the token `t` in a GGUF model's vocabulary.
+fn vocab_id(vocab: &[&str], t: &str) -> Option<u32> {
+    vocab.iter().position(|v| *v == t).map(|i| i as u32)
+}
+
+/// The Qwen VL line's image tokens from a GGUF model's vocabulary, by the tokens' text.
 fn qwen_tokens_gguf(vocab: &[&str]) -> Result<ImageTokens> {
-    let id = |t: &str| vocab.iter().position(|v| *v == t).map(|i| i as u32);
+    let id = |t: &str| vocab_id(vocab, t);
     let placeholder = id("<|image_pad|>")
         .ok_or_else(|| Error::Weights("the model's vocabulary has no <|image_pad|>".into()))?;
     Ok(ImageTokens {
@@ -562,6 +540,15 @@ fn qwen_plan(file_bytes: u64, patches: usize, merge: usize, activation_bytes: u6
         activation_bytes,
         max_rows: patches / (merge * merge).max(1),
         pass_rows: 0,
+    }
+}
+
+/// llama.cpp's sizing of images for a `pixtral` mmproj whose merged units are `unit` pixels
+/// a side: 8 to 1024 image tokens.
+fn pixtral_gguf_fit(unit: usize) -> ferrum_image::PixtralFit {
+    ferrum_image::PixtralFit::Pixels {
+        min: 8 * unit * unit,
+        max: 1024 * unit * unit,
     }
 }
 
@@ -730,11 +717,8 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
             if kind == PIXTRAL_PROJECTOR {
                 let d = mistral3::Dims::from_gguf(&mm, text_width(lm)?)?;
                 let u = d.patch * d.merge;
-                let fit = ferrum_image::PixtralFit::Pixels {
-                    min: 8 * u * u,
-                    max: 1024 * u * u,
-                };
-                return Ok(Some(mistral3_plan(bytes, fit.max_units(u), &d)));
+                let units = pixtral_gguf_fit(u).max_units(u);
+                return Ok(Some(mistral3_plan(bytes, units, &d)));
             }
             if kind == QWEN3_PROJECTOR {
                 let d = qwen3vl::Dims::from_gguf(&mm, text_width(lm)?)?;
