@@ -200,7 +200,8 @@ def test_image_urls_are_fetched_only_when_allowed(vlm):
 
 # Qwen2.5-VL and Qwen3-VL (tests/fixtures/vision/{qwen25vl,qwen3vl}_it,
 # scripts/fixtures/make_qwen_vl_it.py): each image's placeholders as many as its merged patches,
-# M-RoPE positions in the language model, Qwen3-VL's DeepStack rows. And Mistral 3
+# M-RoPE positions in the language model, Qwen3-VL's DeepStack rows, Qwen3.5's linear-attention
+# state over the image (qwen35vl_it). And Mistral 3
 # (tests/fixtures/vision/mistral3_it, scripts/fixtures/make_mistral3_it.py): each image a row of
 # [IMG] per row of merged patches, closed by [IMG_BREAK], the last by [IMG_END].
 def qwen_fixture(family):
@@ -211,7 +212,7 @@ def qwen_fixture(family):
     return d, {c["name"]: c for c in ref["cases"]}, image_ids
 
 
-@pytest.fixture(scope="module", params=["qwen25vl", "qwen3vl", "mistral3"])
+@pytest.fixture(scope="module", params=["qwen25vl", "qwen3vl", "qwen35vl", "mistral3"])
 def qwen(request):
     d, cases, image_ids = qwen_fixture(request.param)
     proc, base, model = start(os.path.abspath(d), "--ctx", "512", "--exact")

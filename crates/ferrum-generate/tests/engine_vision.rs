@@ -285,6 +285,19 @@ fn qwen3_vl_chats_match_transformers_processor_and_generate() {
     chat_matches("vision/qwen3vl_it");
 }
 
+/// And on tests/fixtures/vision/qwen35vl_it (the same script, `qwen35vl`): Qwen3.5's hybrid
+/// language model, whose linear-attention state runs over the image rows too.
+#[test]
+fn qwen35_vl_chats_match_transformers_processor_and_generate() {
+    chat_matches("vision/qwen35vl_it");
+}
+
+/// And tests/fixtures/vision/qwen35moevl_it (`qwen35moevl`): Qwen3.5's experts.
+#[test]
+fn qwen35_moe_vl_chats_match_transformers_processor_and_generate() {
+    chat_matches("vision/qwen35moevl_it");
+}
+
 /// And on tests/fixtures/vision/mistral3_it (scripts/fixtures/make_mistral3_it.py): a Mistral
 /// Small 3.1-style template's `[IMG]` expanded to the image's rows of `[IMG]`, each closed by
 /// `[IMG_BREAK]` and the last by `[IMG_END]`.

@@ -247,6 +247,20 @@ impl<B: Backend> Model<B> {
         images: &[vision::EncodedImage],
         want: Logits,
     ) -> Result<Vec<f32>> {
+        self.forward_with_images_after(kv, tokens, tokens.len(), images, want)
+    }
+
+    /// [`forward_with_images`](Self::forward_with_images) where only the first `prompt` tokens
+    /// hold the images' placeholders: a placeholder the model generated after them is text, as
+    /// in the engine.
+    pub fn forward_with_images_after(
+        &mut self,
+        kv: &mut KvCache<B>,
+        tokens: &[u32],
+        prompt: usize,
+        images: &[vision::EncodedImage],
+        want: Logits,
+    ) -> Result<Vec<f32>> {
         let Some(v) = &self.vision else {
             if images.is_empty() {
                 return self.decoder.forward(kv, tokens, 0, want);
@@ -255,7 +269,7 @@ impl<B: Backend> Model<B> {
                 "this model has no vision tower".into(),
             ));
         };
-        let spans = v.place(tokens, images.len())?;
+        let spans = v.place(&tokens[..prompt.min(tokens.len())], images.len())?;
         let h = self.decoder.config.hidden_size;
         let mut embeds = Vec::with_capacity(spans.len());
         let mut grids = Vec::new();

@@ -589,7 +589,7 @@ fn mmproj_of(lm: &GgufFile, mmproj: Option<&Path>) -> Option<(std::path::PathBuf
     }
     matches!(
         lm.architecture().unwrap_or(""),
-        "gemma3" | "qwen2vl" | "qwen3vl" | "mistral3" | "llama"
+        "gemma3" | "qwen2vl" | "qwen3vl" | "qwen35" | "qwen35moe" | "mistral3" | "llama"
     )
     .then(|| beside(&lm.path))
     .flatten()
