@@ -212,7 +212,7 @@ def qwen_fixture(family):
     return d, {c["name"]: c for c in ref["cases"]}, image_ids
 
 
-@pytest.fixture(scope="module", params=["qwen25vl", "qwen3vl", "qwen35vl", "mistral3"])
+@pytest.fixture(scope="module", params=["qwen25vl", "qwen3vl", "qwen3vlmoe", "qwen35vl", "mistral3"])
 def qwen(request):
     d, cases, image_ids = qwen_fixture(request.param)
     proc, base, model = start(os.path.abspath(d), "--ctx", "512", "--exact")

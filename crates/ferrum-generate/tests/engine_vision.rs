@@ -285,6 +285,15 @@ fn qwen3_vl_chats_match_transformers_processor_and_generate() {
     chat_matches("vision/qwen3vl_it");
 }
 
+/// And on Qwen3-VL-MoE (the same script, `qwen3vlmoe`): the experts stacked as transformers 5
+/// saves them, and as the published checkpoints have them (`qwen3vlmoe_it_published`: x · W,
+/// turned around at load), against the same reference.
+#[test]
+fn qwen3_vl_moe_chats_match_transformers_processor_and_generate() {
+    chat_matches("vision/qwen3vlmoe_it");
+    chat_matches("vision/qwen3vlmoe_it_published");
+}
+
 /// And on tests/fixtures/vision/qwen35vl_it (the same script, `qwen35vl`): Qwen3.5's hybrid
 /// language model, whose linear-attention state runs over the image rows too.
 #[test]

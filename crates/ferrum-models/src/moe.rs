@@ -436,8 +436,11 @@ fn mxfp4_rows(
 
 /// Layer `i`'s experts where a Hugging Face file stacks them as transformers 5 holds them
 /// (Mistral 4; Gemma 4 without the `mlp.`), under the prefix `p`: `gate_up_proj` `[E, 2F, H]` (each expert's gate rows, then its
-/// up rows) and `mlp.experts.down_proj` `[E, H, F]`, each expert a view of the stack. `None`
-/// where the file keeps one tensor per expert.
+/// up rows) and `mlp.experts.down_proj` `[E, H, F]`, each expert a view of the stack. Or as
+/// the published Qwen3-VL-MoE checkpoints stack them, as `x · W`: `gate_up_proj` `[E, H, 2F]`
+/// (gate columns, then up columns) and `down_proj` `[E, F, H]`, transposed here in their own
+/// float format (the two layouts differ in `down_proj`'s shape whenever H ≠ F, and in
+/// `gate_up_proj`'s otherwise). `None` where the file keeps one tensor per expert.
 fn hf_stacks<B: Backend>(
     be: &B,
     src: &WeightSource,
@@ -451,6 +454,22 @@ fn hf_stacks<B: Backend>(
     let (Some(gu), Some(down)) = (src.tensor(&gu_name, i), src.tensor(&down_name, i)) else {
         return Ok(None);
     };
+    if (gu.shape == [e, h, 2 * f] && down.shape == [e, f, h])
+        && (gu.shape != [e, 2 * f, h] || down.shape != [e, h, f])
+    {
+        return (0..e)
+            .map(|x| {
+                let name = |s: &str| format!("{}[{x}].{s}", gu.name);
+                Ok(ExpertWeights {
+                    gate: be.load_weight(&transposed(gu, x, (0, f), name("gate"))?)?,
+                    up: be.load_weight(&transposed(gu, x, (f, f), name("up"))?)?,
+                    down: be.load_weight(&transposed(down, x, (0, h), name("down"))?)?,
+                    biases: None,
+                })
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some);
+    }
     for (t, want) in [(gu, [e, 2 * f, h]), (down, [e, h, f])] {
         if t.shape != want {
             return Err(Error::Weights(format!(
@@ -478,6 +497,35 @@ fn hf_stacks<B: Backend>(
             })
             .collect(),
     ))
+}
+
+/// Columns `first..first + count` of matrix `x` of the unquantised stack `t` (`[E, rows,
+/// cols]`) as a `[count, rows]` matrix of the same format: the rows a matmul reads of an
+/// `x · W` weight.
+fn transposed(
+    t: &ferrum_loader::RawTensor,
+    x: usize,
+    (first, count): (usize, usize),
+    name: String,
+) -> Result<ferrum_loader::RawTensor> {
+    let bad = || Error::Weights(format!("{}: cannot take expert {x}'s columns", t.name));
+    let [_, rows, cols] = <[usize; 3]>::try_from(t.shape.as_slice()).map_err(|_| bad())?;
+    if t.dtype.is_quantized() || t.dtype.block_len() != 1 || first + count > cols {
+        return Err(bad());
+    }
+    let size = t.dtype.block_bytes();
+    let m = t
+        .bytes()
+        .get(x * rows * cols * size..(x + 1) * rows * cols * size)
+        .ok_or_else(bad)?;
+    let mut out = Vec::with_capacity(count * rows * size);
+    for c in first..first + count {
+        for r in 0..rows {
+            let at = (r * cols + c) * size;
+            out.extend_from_slice(&m[at..at + size]);
+        }
+    }
+    ferrum_loader::RawTensor::from_bytes(&name, t.dtype, vec![count, rows], out).ok_or_else(bad)
 }
 
 /// Layer `i`'s stacked gate, up and down expert tensors of a GGUF file (`[E, F, H]`,

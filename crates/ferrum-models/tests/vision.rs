@@ -372,6 +372,13 @@ fn qwen3_vl_from_gguf_with_mmproj_matches_transformers() {
     gguf_matches_transformers("qwen3vl", 32, 4096);
 }
 
+/// The same for Qwen3-VL-MoE (`qwen3vlmoe`: Qwen3-MoE with DeepStack layers), converted from
+/// the published checkpoints' layout of the experts (`qwen3vlmoe_it_published`).
+#[test]
+fn qwen3_vl_moe_from_gguf_with_mmproj_matches_transformers() {
+    gguf_matches_transformers("qwen3vlmoe", 32, 4096);
+}
+
 /// The same for Qwen3.5 (`qwen35`: linear and full attention with interleaved M-RoPE; its
 /// tower is Qwen3-VL's without DeepStack layers, a `qwen3vl_merger` mmproj).
 #[test]
@@ -456,6 +463,11 @@ fn qwen25_vl_gguf_answers_as_llama_cpp_mtmd() {
 #[test]
 fn qwen3_vl_gguf_answers_as_llama_cpp_mtmd() {
     answers_as_mtmd("qwen3vl");
+}
+
+#[test]
+fn qwen3_vl_moe_gguf_answers_as_llama_cpp_mtmd() {
+    answers_as_mtmd("qwen3vlmoe");
 }
 
 #[test]

@@ -34,6 +34,8 @@ pub enum Arch {
     Qwen3Vl,
     /// Qwen3 attention with a mixture-of-experts FFN.
     Qwen3Moe,
+    /// Qwen3-VL-MoE's language model: Qwen3-MoE with Qwen3-VL's M-RoPE and DeepStack rows.
+    Qwen3VlMoe,
     Gemma3,
     Phi3,
     SmolLm3,
@@ -82,6 +84,7 @@ pub const ARCHS: &[ArchInfo] = &[
     qwen::QWEN3_VL,
     qwen::QWEN3,
     qwen::QWEN3_MOE,
+    qwen::QWEN3_VL_MOE,
     gemma3::INFO,
     phi3::INFO,
     smollm3::INFO,
@@ -150,6 +153,7 @@ mod tests {
             Arch::Qwen3,
             Arch::Qwen3Vl,
             Arch::Qwen3Moe,
+            Arch::Qwen3VlMoe,
             Arch::Gemma3,
             Arch::Phi3,
             Arch::SmolLm3,

@@ -134,8 +134,43 @@ pub const QWEN3_MOE: ArchInfo = ArchInfo {
     names: &[],
 };
 
+/// Qwen3-VL-MoE's language model (Qwen3-VL-30B-A3B, 235B-A22B): Qwen3-MoE with Qwen3-VL's
+/// interleaved M-RoPE and DeepStack rows (llama.cpp's `qwen3vlmoe`).
+pub const QWEN3_VL_MOE: ArchInfo = ArchInfo {
+    arch: Arch::Qwen3VlMoe,
+    name: "qwen3vlmoe",
+    gguf_aliases: &[],
+    hf_classes: &["Qwen3VLMoeForConditionalGeneration"],
+    model_types: &["qwen3_vl_moe"],
+    from_hf: |j| {
+        let t = j.get("text_config").filter(|t| t.is_object()).unwrap_or(j);
+        let mut c = moe_config_hf(Arch::Qwen3VlMoe, t)?;
+        // Its router always renormalises the chosen experts' weights; the config has no
+        // `norm_topk_prob` (transformers' Qwen3VLMoeTextTopKRouter).
+        if let Some(m) = c.moe.as_mut() {
+            m.norm_topk_prob = true;
+        }
+        c.mrope = Some(MRope::from_hf(t, true).unwrap_or(MRope {
+            sections: [24, 20, 20],
+            interleaved: true,
+        }));
+        c.check("config.json")
+    },
+    from_gguf: |g, vocab, tied| {
+        let mut c = moe_config_gguf(Arch::Qwen3VlMoe, "qwen3vlmoe", g, vocab, tied)?;
+        c.mrope = gguf_sections(g, true)?;
+        c.check(&g.path.display().to_string())
+    },
+    names: &[],
+};
+
 fn moe_from_hf(j: &Json) -> Result<ModelConfig> {
-    let mut c = ModelConfig::hf_base(Arch::Qwen3Moe, j)?;
+    moe_config_hf(Arch::Qwen3Moe, j)?.check("config.json")
+}
+
+/// Qwen3-MoE's configuration from a (text) config, for `arch`; not yet checked.
+fn moe_config_hf(arch: Arch, j: &Json) -> Result<ModelConfig> {
+    let mut c = ModelConfig::hf_base(arch, j)?;
     c.qk_norm = QkNorm::PerHead;
     // Published checkpoints say `num_experts`; transformers 5 writes `num_local_experts`.
     let n_experts = hf_opt_usize(j, "num_experts")
@@ -169,16 +204,28 @@ fn moe_from_hf(j: &Json) -> Result<ModelConfig> {
         c.intermediate_size = m.expert_ffn;
     }
     c.moe = Some(m);
-    c.check("config.json")
+    Ok(c)
 }
 
 fn moe_from_gguf(g: &GgufFile, vocab: usize, tied: bool) -> Result<ModelConfig> {
-    let mut c = ModelConfig::gguf_base(Arch::Qwen3Moe, g, vocab, tied)?;
+    moe_config_gguf(Arch::Qwen3Moe, "qwen3moe", g, vocab, tied)?
+        .check(&g.path.display().to_string())
+}
+
+/// Qwen3-MoE's configuration from GGUF keys under `prefix`, for `arch`; not yet checked.
+fn moe_config_gguf(
+    arch: Arch,
+    prefix: &str,
+    g: &GgufFile,
+    vocab: usize,
+    tied: bool,
+) -> Result<ModelConfig> {
+    let mut c = ModelConfig::gguf_base(arch, g, vocab, tied)?;
     c.qk_norm = QkNorm::PerHead;
-    let m = MoeConfig::from_gguf(g, "qwen3moe", MoeStyle::Qwen)?;
+    let m = MoeConfig::from_gguf(g, prefix, MoeStyle::Qwen)?;
     if c.intermediate_size == 0 {
         c.intermediate_size = m.expert_ffn;
     }
     c.moe = Some(m);
-    c.check(&g.path.display().to_string())
+    Ok(c)
 }

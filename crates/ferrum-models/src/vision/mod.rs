@@ -132,7 +132,15 @@ impl<B: Backend> Vision<B> {
         let model_type = h.config.get("model_type").and_then(Json::as_str);
         if !matches!(
             model_type,
-            Some("gemma3" | "qwen2_5_vl" | "qwen3_vl" | "qwen3_5" | "qwen3_5_moe" | "mistral3")
+            Some(
+                "gemma3"
+                    | "qwen2_5_vl"
+                    | "qwen3_vl"
+                    | "qwen3_vl_moe"
+                    | "qwen3_5"
+                    | "qwen3_5_moe"
+                    | "mistral3"
+            )
         ) {
             // A tower of a family not built here (Gemma 4's): the checkpoint runs as the text
             // model it also is, and images to it are refused.
@@ -150,7 +158,10 @@ impl<B: Backend> Vision<B> {
         } else if model_type == Some("qwen2_5_vl") {
             let (t, tokens) = qwen25vl::Qwen25Vision::load(&h.config, &store, be)?;
             (Tower::Qwen25(t), tokens)
-        } else if matches!(model_type, Some("qwen3_vl" | "qwen3_5" | "qwen3_5_moe")) {
+        } else if matches!(
+            model_type,
+            Some("qwen3_vl" | "qwen3_vl_moe" | "qwen3_5" | "qwen3_5_moe")
+        ) {
             // Qwen3.5's tower is Qwen3-VL's without DeepStack.
             let (t, tokens) = qwen3vl::Qwen3Vision::load(&h.config, &store, be)?;
             (Tower::Qwen3(t), tokens)
@@ -589,7 +600,14 @@ fn mmproj_of(lm: &GgufFile, mmproj: Option<&Path>) -> Option<(std::path::PathBuf
     }
     matches!(
         lm.architecture().unwrap_or(""),
-        "gemma3" | "qwen2vl" | "qwen3vl" | "qwen35" | "qwen35moe" | "mistral3" | "llama"
+        "gemma3"
+            | "qwen2vl"
+            | "qwen3vl"
+            | "qwen3vlmoe"
+            | "qwen35"
+            | "qwen35moe"
+            | "mistral3"
+            | "llama"
     )
     .then(|| beside(&lm.path))
     .flatten()
@@ -671,7 +689,9 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
                     let d = mistral3::Dims::from_hf(&h.config)?;
                     return Ok(Some(mistral3_plan(0, fit.max_units(d.patch * d.merge), &d)));
                 }
-                Some(t @ ("qwen3_vl" | "qwen3_5" | "qwen3_5_moe" | "qwen2_5_vl")) => {
+                Some(
+                    t @ ("qwen3_vl" | "qwen3_vl_moe" | "qwen3_5" | "qwen3_5_moe" | "qwen2_5_vl"),
+                ) => {
                     let Processor::QwenVl {
                         patch, max_pixels, ..
                     } = read_processor(&h.dir)?
