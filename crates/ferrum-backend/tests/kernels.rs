@@ -492,17 +492,42 @@ fn check_k_quant_pairs(name: &str, pair: PairKernel) {
     }
 }
 
-/// The AVX2 Q8_0 pair (two packed groups, four tokens) gives each group the scalar twin's
-/// bits: random blocks, and blocks of −128 and 127 against activations of ±127 (the sign
-/// moved onto the activation, the pair sums at their largest).
+/// The Q8_0 pairs (two packed groups: AVX2's for four tokens, the 512-bit kernel for any
+/// count) give each group the scalar twin's bits: random blocks, and blocks of −128 and 127
+/// against activations of ±127 (AVX2: the sign moved onto the activation, the pair sums at
+/// their largest). A CPU without an instance's features says it could not check it.
 #[test]
 fn q8_0_pair_equals_scalar_twin() {
-    use ferrum_backend::cpu::quant::packed::{Isa, Packed, ROWS};
-    use ferrum_core::DType;
-    if !Isa::Avx2.runs() {
-        eprintln!("this CPU does not run the AVX2 pair kernels: not checked");
-        return;
+    use ferrum_backend::cpu::quant::packed::{Isa, Packed};
+    #[cfg(target_arch = "x86_64")]
+    let wide = ferrum_backend::cpu::quant::packed::has_wide();
+    #[cfg(not(target_arch = "x86_64"))]
+    let wide = false;
+    let instances: [(&str, bool, Q8PairKernel); 2] = [
+        ("512-bit", wide, Packed::gemm2_wide_on),
+        ("AVX2", Isa::Avx2.runs(), Packed::gemm2_avx2_on),
+    ];
+    for (name, runs, pair) in instances {
+        if runs {
+            check_q8_0_pairs(name, pair);
+        } else {
+            eprintln!("this CPU does not run the {name} pair kernels: not checked");
+        }
     }
+}
+
+/// `Packed::gemm2_*_on`: two packed groups against the same tokens.
+type Q8PairKernel = fn(
+    &ferrum_backend::cpu::quant::packed::Packed,
+    usize,
+    &[&[BlockQ8]],
+    &mut [[f32; ferrum_backend::cpu::quant::packed::ROWS]],
+    &mut [[f32; ferrum_backend::cpu::quant::packed::ROWS]],
+);
+
+fn check_q8_0_pairs(name: &str, pair: Q8PairKernel) {
+    use ferrum_backend::cpu::quant::packed::{Packed, ROWS};
+    use ferrum_core::DType;
     let (rows, k) = (4 * ROWS, 512);
     let pool = ferrum_backend::cpu::pool::ThreadPool::new(2);
     let arena = ferrum_backend::cpu::arena::Arena::default();
@@ -535,12 +560,16 @@ fn q8_0_pair_equals_scalar_twin() {
             let acts: Vec<&[BlockQ8]> = xs[..n].iter().map(|a| &a[..]).collect();
             for g in [0, 2] {
                 let (mut a, mut b) = (vec![[0f32; ROWS]; n], vec![[0f32; ROWS]; n]);
-                p.gemm2_avx2_on(g, &acts, &mut a, &mut b);
+                pair(&p, g, &acts, &mut a, &mut b);
                 for (grp, got) in [(g, &a), (g + 1, &b)] {
                     let mut want = vec![[0f32; ROWS]; n];
                     p.gemm_scalar(grp, &acts, &mut want);
                     for (x, y) in got.iter().flatten().zip(want.iter().flatten()) {
-                        assert_eq!(x.to_bits(), y.to_bits(), "group {grp} n={n}: {x} vs {y}");
+                        assert_eq!(
+                            x.to_bits(),
+                            y.to_bits(),
+                            "{name} group {grp} n={n}: {x} vs {y}"
+                        );
                     }
                 }
             }

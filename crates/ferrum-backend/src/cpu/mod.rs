@@ -655,15 +655,19 @@ impl CpuWeight {
     }
 
     /// Rows `first..first + out.len()` dotted with one activation row. A whole packed group
-    /// (eight rows from a multiple of eight) is one kernel call, and so are two of a K-quant
-    /// (sixteen rows from a multiple of sixteen: [`packed_unit`]); a packed row on its own is
+    /// (eight rows from a multiple of eight) is one kernel call, and so are two of a K-quant or
+    /// Q8_0 on the 512-bit kernels (sixteen rows from a multiple of sixteen: [`packed_unit`]); a packed row on its own is
     /// taken from its group's result, so every path gives a row the matmul's value.
     fn dot_rows(&self, first: usize, a: &ActRow, out: &mut [f32], scratch: &mut Vec<f32>) {
         use quant::packed::ROWS;
         if let Some(p) = self.packed.as_ref().filter(|p| first < p.rows()) {
-            if out.len() == 2 * ROWS && p.is_k_quant() && first.is_multiple_of(2 * ROWS) {
+            if out.len() == 2 * ROWS && p.pairs_wide() && first.is_multiple_of(2 * ROWS) {
                 let (mut va, mut vb) = ([[0f32; ROWS]], [[0f32; ROWS]]);
-                p.gemm_k2(first / ROWS, &[&a.q8k], &mut va, &mut vb);
+                if p.is_k_quant() {
+                    p.gemm_k2(first / ROWS, &[&a.q8k], &mut va, &mut vb);
+                } else {
+                    p.gemm2(first / ROWS, &[&a.q8], &mut va, &mut vb);
+                }
                 out[..ROWS].copy_from_slice(&va[0]);
                 out[ROWS..].copy_from_slice(&vb[0]);
                 return;
@@ -1784,8 +1788,8 @@ thread_local! {
 }
 
 /// Rows per unit of work for a pass over these matrices: two packed groups when all are
-/// K-quants packed whole in multiples of 16 rows and the CPU runs the two-group kernels
-/// ([`Packed::gemm_k2`](quant::packed::Packed::gemm_k2)), a packed group when all are packed
+/// K-quants or Q8_0 packed whole in multiples of 16 rows and the CPU runs the 512-bit
+/// two-group kernels ([`Packed::pairs_wide`](quant::packed::Packed::pairs_wide)), a packed group when all are packed
 /// whole (their row counts are then multiples of 8), else single rows.
 fn packed_unit<'w>(ws: impl Iterator<Item = &'w CpuWeight> + Clone) -> usize {
     use quant::packed::ROWS;
@@ -1793,12 +1797,9 @@ fn packed_unit<'w>(ws: impl Iterator<Item = &'w CpuWeight> + Clone) -> usize {
     if !ws.clone().all(whole) {
         return 1;
     }
-    #[cfg(target_arch = "x86_64")]
-    if quant::packed::wide_k()
-        && ws.clone().all(|w| {
-            w.rows.is_multiple_of(2 * ROWS) && w.packed.as_ref().is_some_and(|p| p.is_k_quant())
-        })
-    {
+    if ws.clone().all(|w| {
+        w.rows.is_multiple_of(2 * ROWS) && w.packed.as_ref().is_some_and(|p| p.pairs_wide())
+    }) {
         return 2 * ROWS;
     }
     ROWS

@@ -1022,14 +1022,94 @@ impl Packed {
         out_a: &mut [[f32; ROWS]],
         out_b: &mut [[f32; ROWS]],
     ) {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(self, Packed::Q8_0(..)) && wide_k() {
+            // SAFETY: `wide_k` checked the CPU's features.
+            return unsafe { self.gemm2_wide(group, acts, out_a, out_b) };
+        }
         self.gemm2_256(group, acts, out_a, out_b)
     }
 
     /// Whether [`gemm2`](Self::gemm2) has a kernel for two groups at once on this CPU that
-    /// pays for a pass of `n` tokens: the AVX2 Q8_0 pair, where a group's weights serve
-    /// several four-token passes (as for the Q4_K pair, [`pairs_k`](Self::pairs_k)).
+    /// pays for a pass of `n` tokens: the 512-bit Q8_0 kernel always (as the K-quants',
+    /// [`pairs_k`](Self::pairs_k)); the AVX2 Q8_0 pair where a group's weights serve several
+    /// four-token passes.
     pub fn pairs(&self, n: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(self, Packed::Q8_0(..)) && wide_k() {
+            return true;
+        }
         self.pairs_avx2::<BlockQ8>(n)
+    }
+
+    /// Whether a matmul pass over this layout runs two packed groups at a time on this CPU's
+    /// 512-bit kernels ([`gemm_k2`](Self::gemm_k2) for the K-quants, [`gemm2`](Self::gemm2)
+    /// for Q8_0), one token included.
+    pub fn pairs_wide(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            wide_k() && (self.is_k_quant() || matches!(self, Packed::Q8_0(..)))
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
+    /// [`gemm2`](Self::gemm2) on the 512-bit kernels wherever they exist (Q8_0; other layouts
+    /// one group after the other), for tests on CPUs that run them.
+    ///
+    /// # Panics
+    /// As `gemm2`, or if this CPU lacks AVX-512 F/BW/VL/VNNI.
+    pub fn gemm2_wide_on(
+        &self,
+        group: usize,
+        acts: &[&[BlockQ8]],
+        out_a: &mut [[f32; ROWS]],
+        out_b: &mut [[f32; ROWS]],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            assert!(has_wide(), "this CPU does not run the 512-bit kernels");
+            // SAFETY: checked just above.
+            unsafe { self.gemm2_wide(group, acts, out_a, out_b) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        panic!("no 512-bit kernels on this architecture");
+    }
+
+    /// # Safety
+    /// The CPU runs AVX-512 F/BW/VL/VNNI.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemm2_wide(
+        &self,
+        group: usize,
+        acts: &[&[BlockQ8]],
+        out_a: &mut [[f32; ROWS]],
+        out_b: &mut [[f32; ROWS]],
+    ) {
+        let Packed::Q8_0(v, p) = self else {
+            // Other layouts have no 512-bit kernel: the 256-bit one twice.
+            self.gemm(group, acts, out_a);
+            return self.gemm(group + 1, acts, out_b);
+        };
+        assert!(acts.iter().all(|x| x.len() >= *p));
+        assert!(out_a.len() >= acts.len() && out_b.len() >= acts.len());
+        let (a, b) = two(v, group, *p);
+        // SAFETY: the CPU's features (the contract); lengths checked just above (slicing
+        // checks the groups).
+        unsafe {
+            wide::gemm2(
+                a,
+                b,
+                acts,
+                out_a,
+                out_b,
+                wide::tile_q8_0::<1>,
+                wide::tile_q8_0::<2>,
+                wide::tile_q8_0::<3>,
+                wide::tile_q8_0::<4>,
+                None,
+            )
+        }
     }
 
     /// Two groups on the 256-bit kernels: the AVX2 pair where the CPU has nothing better
@@ -2515,8 +2595,8 @@ mod wide {
     /// A two-group tile over `N` tokens; the last argument is how far ahead of each block to
     /// prefetch (the next pair's block), or 0 for not at all (the passes after the first over
     /// a pair find its blocks in cache).
-    pub type Tile2<W, const N: usize> =
-        unsafe fn(&[W], &[W], [&[BlockQ8K]; N], &mut [[f32; ROWS]], &mut [[f32; ROWS]], usize);
+    pub type Tile2<W, A, const N: usize> =
+        unsafe fn(&[W], &[W], [&[A]; N], &mut [[f32; ROWS]], &mut [[f32; ROWS]], usize);
 
     /// Any number of tokens, four per pass, with the tiles of one layout.
     ///
@@ -2525,17 +2605,17 @@ mod wide {
     /// groups have as many blocks each; `out_a` and `out_b` are as long as `acts`.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub unsafe fn gemm2<W>(
+    pub unsafe fn gemm2<W, A>(
         a: &[W],
         b: &[W],
-        acts: &[&[BlockQ8K]],
+        acts: &[&[A]],
         out_a: &mut [[f32; ROWS]],
         out_b: &mut [[f32; ROWS]],
-        t1: Tile2<W, 1>,
-        t2: Tile2<W, 2>,
-        t3: Tile2<W, 3>,
-        t4: Tile2<W, 4>,
-        t8: Option<Tile2<W, 8>>,
+        t1: Tile2<W, A, 1>,
+        t2: Tile2<W, A, 2>,
+        t3: Tile2<W, A, 3>,
+        t4: Tile2<W, A, 4>,
+        t8: Option<Tile2<W, A, 8>>,
     ) {
         // The groups of a matrix lie one after the other: the next pair starts two groups on.
         let ahead = 2 * std::mem::size_of_val(a);
@@ -2544,7 +2624,7 @@ mod wide {
             let (oa, ob) = (&mut out_a[t..], &mut out_b[t..]);
             let x = &acts[t..];
             let pf = if t == 0 { ahead } else { 0 };
-            if let (Some(t8), Ok(x8)) = (t8, <[&[BlockQ8K]; 8]>::try_from(&x[..x.len().min(8)])) {
+            if let (Some(t8), Ok(x8)) = (t8, <[&[A]; 8]>::try_from(&x[..x.len().min(8)])) {
                 t8(a, b, x8, oa, ob, pf);
                 t += 8;
                 continue;
@@ -2577,6 +2657,56 @@ mod wide {
                 _mm256_castpd_ps(_mm512_extractf64x4_pd(v, 1)),
             );
         }
+    }
+
+    /// Q8_0: the 256-bit VNNI kernel's arithmetic per lane (`tile_bytes`) — each token's two
+    /// chains of `vpdpbusd` over the weights plus 128, the first from −128 · Σ a, their sum
+    /// times the two scales —, group A's rows in the low half of each register, group B's in
+    /// the high half, so one broadcast activation word feeds sixteen rows.
+    ///
+    /// # Safety
+    /// As [`gemm2`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn tile_q8_0<const N: usize>(
+        wa: &[Q8_0x8],
+        wb: &[Q8_0x8],
+        q: [&[BlockQ8]; N],
+        out_a: &mut [[f32; ROWS]],
+        out_b: &mut [[f32; ROWS]],
+        pf: usize,
+    ) {
+        let mut acc = [_mm512_setzero_ps(); N];
+        for i in 0..wa.len() {
+            let (x, y) = (wa.get_unchecked(i), wb.get_unchecked(i));
+            if pf > 0 {
+                prefetch_part_at(x, 0, 1, pf);
+                prefetch_part_at(y, 0, 1, pf);
+            }
+            let q = q.map(|r| r.get_unchecked(i));
+            let mut d = [[_mm512_setzero_si512(); N]; 2];
+            for t in 0..N {
+                d[0][t] = _mm512_set1_epi32(q[t].offset);
+            }
+            let (px, py) = (x.qs.as_ptr(), y.qs.as_ptr());
+            for j in 0..8 {
+                let u = join(
+                    _mm256_loadu_si256(px.add(32 * j) as *const __m256i),
+                    _mm256_loadu_si256(py.add(32 * j) as *const __m256i),
+                );
+                for t in 0..N {
+                    d[j % 2][t] = _mm512_dpbusd_epi32(d[j % 2][t], u, word(&q[t].qs, 4 * j));
+                }
+            }
+            let dw = halves(&x.d, &y.d);
+            for t in 0..N {
+                acc[t] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(_mm512_add_epi32(d[0][t], d[1][t])),
+                    _mm512_mul_ps(dw, _mm512_set1_ps(q[t].d)),
+                    acc[t],
+                );
+            }
+        }
+        store2(acc, out_a, out_b)
     }
 
     /// Q6_K: the 256-bit VNNI kernel's arithmetic per lane — each 16-value sub-block's
