@@ -2683,7 +2683,10 @@ mod wide {
                 prefetch_part_at(y, 0, 1, pf);
             }
             let q = q.map(|r| r.get_unchecked(i));
-            let mut d = [[_mm512_setzero_si512(); N]; 2];
+            // Two chains a token (four for one token, whose chains would otherwise wait on
+            // the `vpdpbusd` latency); integer sums, so the same bits.
+            let chains = if N == 1 { 4 } else { 2 };
+            let mut d = [[_mm512_setzero_si512(); N]; 4];
             for t in 0..N {
                 d[0][t] = _mm512_set1_epi32(q[t].offset);
             }
@@ -2693,8 +2696,15 @@ mod wide {
                     _mm256_loadu_si256(px.add(32 * j) as *const __m256i),
                     _mm256_loadu_si256(py.add(32 * j) as *const __m256i),
                 );
+                let k = j % chains;
                 for t in 0..N {
-                    d[j % 2][t] = _mm512_dpbusd_epi32(d[j % 2][t], u, word(&q[t].qs, 4 * j));
+                    d[k][t] = _mm512_dpbusd_epi32(d[k][t], u, word(&q[t].qs, 4 * j));
+                }
+            }
+            if chains == 4 {
+                for t in 0..N {
+                    d[0][t] = _mm512_add_epi32(d[0][t], d[2][t]);
+                    d[1][t] = _mm512_add_epi32(d[1][t], d[3][t]);
                 }
             }
             let dw = halves(&x.d, &y.d);
@@ -2926,6 +2936,7 @@ mod wide {
         pf: usize,
     ) {
         let low = _mm512_set1_epi8(0x0f);
+        let high = _mm512_set1_epi8(0xf0u8 as i8);
         let mut acc = [_mm512_setzero_ps(); N];
         for i in 0..wa.len() {
             let (x, y) = (wa.get_unchecked(i), wb.get_unchecked(i));
@@ -2937,8 +2948,12 @@ mod wide {
                     prefetch_part_at(y, c, 4, pf);
                 }
                 let (px, py) = (x.qs.as_ptr().add(256 * c), y.qs.as_ptr().add(256 * c));
-                let mut s_lo = [_mm512_setzero_si512(); N];
-                let mut s_hi = [_mm512_setzero_si512(); N];
+                // Each sum in two chains (even and odd vectors) for one token, whose two
+                // chains of eight dependent `vpdpbusd`s would otherwise wait on their latency
+                // (decode); more tokens are chains enough. Integer sums: the same bits.
+                let chains = if N == 1 { 2 } else { 1 };
+                let mut s_lo = [[_mm512_setzero_si512(); N]; 2];
+                let mut s_hi = [[_mm512_setzero_si512(); N]; 2];
                 // No branch in this loop, so that it unrolls: eight vectors of both groups.
                 for v in 0..8 {
                     let raw = join(
@@ -2946,13 +2961,25 @@ mod wide {
                         _mm256_loadu_si256(py.add(32 * v) as *const __m256i),
                     );
                     let lo = _mm512_and_si512(raw, low);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                    // The high nibbles in place, sixteen times their value: one shift of the
+                    // sums below instead of one of the bytes here.
+                    let hi = _mm512_and_si512(raw, high);
                     let e = 64 * c + 4 * v;
+                    let k = v % chains;
                     for t in 0..N {
-                        s_lo[t] = _mm512_dpbusd_epi32(s_lo[t], lo, word(&q[t].qs, e));
-                        s_hi[t] = _mm512_dpbusd_epi32(s_hi[t], hi, word(&q[t].qs, e + 32));
+                        s_lo[k][t] = _mm512_dpbusd_epi32(s_lo[k][t], lo, word(&q[t].qs, e));
+                        s_hi[k][t] = _mm512_dpbusd_epi32(s_hi[k][t], hi, word(&q[t].qs, e + 32));
                     }
                 }
+                for t in 0..N {
+                    if chains == 2 {
+                        s_lo[0][t] = _mm512_add_epi32(s_lo[0][t], s_lo[1][t]);
+                        s_hi[0][t] = _mm512_add_epi32(s_hi[0][t], s_hi[1][t]);
+                    }
+                    // Exact: every product was a multiple of 16 (|sum| < 2^21).
+                    s_hi[0][t] = _mm512_srai_epi32(s_hi[0][t], 4);
+                }
+                let (s_lo, s_hi) = (&s_lo[0], &s_hi[0]);
                 let sc_lo = widen2(&x.sc[2 * c], &y.sc[2 * c]);
                 let sc_hi = widen2(&x.sc[2 * c + 1], &y.sc[2 * c + 1]);
                 for t in 0..N {
