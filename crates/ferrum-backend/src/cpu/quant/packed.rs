@@ -2702,9 +2702,9 @@ mod wide {
                 }
             }
             if chains == 4 {
-                for t in 0..N {
-                    d[0][t] = _mm512_add_epi32(d[0][t], d[2][t]);
-                    d[1][t] = _mm512_add_epi32(d[1][t], d[3][t]);
+                let [d0, d1, d2, d3] = &mut d;
+                for (a, b) in d0.iter_mut().zip(d2.iter()).chain(d1.iter_mut().zip(d3.iter())) {
+                    *a = _mm512_add_epi32(*a, *b);
                 }
             }
             let dw = halves(&x.d, &y.d);
