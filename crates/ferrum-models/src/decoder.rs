@@ -623,7 +623,7 @@ impl<B: Backend> Decoder<B> {
         adapter: usize,
     ) -> Result<Vec<f32>> {
         let mut out = Vec::new();
-        self.run_alone(kv, tokens, (start, adapter), want, |d, _, rows| {
+        self.run_alone(kv, tokens, (start, adapter), want, false, |d, _, rows| {
             let at = out.len();
             d.logits_rows(rows, &mut out, at)
         })?;
@@ -691,7 +691,7 @@ impl<B: Backend> Decoder<B> {
                 embeds: &chunk_embeds,
                 grids,
             };
-            match self.forward_rows(kv, &[seq]) {
+            match self.forward_rows(kv, &[seq], false) {
                 Ok(rows) => {
                     let at = out.len();
                     self.logits_rows(rows, &mut out, at);
@@ -720,19 +720,22 @@ impl<B: Backend> Decoder<B> {
         spare: &'a mut Vec<f32>,
     ) -> Result<&'a [f32]> {
         let mut rows = 0;
-        self.run_alone(kv, tokens, (start, 0), Logits::Last, |_, _, r| rows = r)?;
+        self.run_alone(kv, tokens, (start, 0), Logits::Last, false, |_, _, r| {
+            rows = r
+        })?;
         Ok(self.logits_view(rows, spare))
     }
 
     /// Runs `tokens` as one sequence owning the whole of `kv`, a chunk per pass, calling
-    /// `after(self, chunk, rows)` after each pass (the chunk's hidden states are then in the
-    /// residual buffer, its `rows` rows of logits in `state.logits`).
+    /// `after(self, chunk, rows)` after each pass (its `rows` rows of logits in
+    /// `state.logits`; with `hidden`, the chunk's hidden states in the residual buffer).
     fn run_alone(
         &mut self,
         kv: &mut KvCache<B>,
         tokens: &[u32],
         (start, adapter): (usize, usize),
         want: Logits,
+        hidden: bool,
         mut after: impl FnMut(&mut Self, &[u32], usize),
     ) -> Result<()> {
         // Taken out for the duration, so the tables can be borrowed while `kv` is written.
@@ -755,7 +758,7 @@ impl<B: Backend> Decoder<B> {
                 embeds: &[],
                 grids: &[],
             };
-            match self.forward_rows(kv, &[seq]) {
+            match self.forward_rows(kv, &[seq], hidden) {
                 Ok(rows) => after(self, chunk, rows),
                 Err(e) => {
                     result = Err(e);
@@ -774,7 +777,7 @@ impl<B: Backend> Decoder<B> {
         let h = self.config.hidden_size;
         let mut all = Vec::with_capacity(tokens.len() * h);
         let mut host = Vec::new();
-        self.run_alone(kv, tokens, (0, 0), Logits::None, |d, chunk, _| {
+        self.run_alone(kv, tokens, (0, 0), Logits::None, true, |d, chunk, _| {
             d.normed_rows(chunk.len(), &mut host);
             all.extend_from_slice(&host);
         })?;
@@ -853,7 +856,7 @@ impl<B: Backend> Decoder<B> {
             if seqs.is_empty() {
                 break;
             }
-            self.forward_rows(&mut kv, &seqs)?;
+            self.forward_rows(&mut kv, &seqs, true)?;
             self.normed_rows(CHUNK - budget, &mut host);
             let mut at = 0;
             for (i, take) in owners {
@@ -884,7 +887,7 @@ impl<B: Backend> Decoder<B> {
     /// sequence asked for. A sequence's numbers do not depend on what else is in the batch:
     /// every op works row by row, and attention sequence by sequence.
     pub fn forward_batch(&mut self, kv: &mut KvCache<B>, seqs: &[SeqChunk]) -> Result<Vec<f32>> {
-        let rows = self.forward_rows(kv, seqs)?;
+        let rows = self.forward_rows(kv, seqs, false)?;
         let mut out = Vec::new();
         self.logits_rows(rows, &mut out, 0);
         Ok(out)
@@ -900,7 +903,7 @@ impl<B: Backend> Decoder<B> {
         seqs: &[SeqChunk],
         spare: &'a mut Vec<f32>,
     ) -> Result<&'a [f32]> {
-        let rows = self.forward_rows(kv, seqs)?;
+        let rows = self.forward_rows(kv, seqs, false)?;
         Ok(self.logits_view(rows, spare))
     }
 
@@ -918,7 +921,15 @@ impl<B: Backend> Decoder<B> {
 
     /// The pass itself: leaves the logits of the rows that asked in `state.logits` and
     /// returns how many rows that is.
-    fn forward_rows(&mut self, kv: &mut KvCache<B>, seqs: &[SeqChunk]) -> Result<usize> {
+    /// One pass over `seqs`: their logits rows in `state.logits` (returns how many); with
+    /// `hidden`, every row's hidden state left in the residual buffer too (without, the last
+    /// layer's FFN runs for the logits rows only).
+    fn forward_rows(
+        &mut self,
+        kv: &mut KvCache<B>,
+        seqs: &[SeqChunk],
+        hidden: bool,
+    ) -> Result<usize> {
         let vocab = self.config.vocab_size;
         let n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         if n > self.pass {
@@ -1033,13 +1044,23 @@ impl<B: Backend> Decoder<B> {
             }
         }
         let axes = any_image.then_some(&axes[..]);
-        self.run_layers(kv, &tokens, &positions, axes, seqs)?;
-        self.head(n, &want_rows);
+        let keep = (!hidden).then_some(&want_rows[..]);
+        let left = self.run_layers(kv, &tokens, &positions, axes, seqs, keep)?;
+        if left == n {
+            self.head(n, &want_rows);
+        } else {
+            // The residual stream holds the logits rows alone, in order.
+            let rows: Vec<u32> = (0..left as u32).collect();
+            self.head(left, &rows);
+        }
         // A device runs the pass here; its fault (out of memory, lost) fails the pass.
         self.backend.sync()?;
         Ok(want_rows.len())
     }
 
+    /// The layers over a pass's `tokens`; returns the rows left in the residual stream: all
+    /// of them, or with `keep` (ascending rows, fewer than all) those alone, gathered to its
+    /// front — the last layer's FFN then runs for them only, as nothing reads another row.
     fn run_layers(
         &mut self,
         kv: &mut KvCache<B>,
@@ -1047,7 +1068,8 @@ impl<B: Backend> Decoder<B> {
         positions: &[u32],
         axes: Option<&[u32]>,
         seqs: &[SeqChunk],
-    ) -> Result<()> {
+        keep: Option<&[u32]>,
+    ) -> Result<usize> {
         let c = &self.config;
         let be = &self.backend;
         let s = &mut self.state;
@@ -1130,6 +1152,7 @@ impl<B: Backend> Decoder<B> {
         if let Some(w) = self.layers.first().and_then(|l| l.norms.attn_in.as_ref()) {
             be.rms_norm(&s.x, hidden, w, c.rms_eps, &mut s.xn, hidden);
         }
+        let mut left = n;
         for (li, layer) in self.layers.iter().enumerate() {
             let rope = match layer.spec.rope {
                 Rope::Global => Some(RopeParams {
@@ -1263,6 +1286,33 @@ impl<B: Backend> Decoder<B> {
             }
             let ffn_in = layer.norms.ffn_in.as_ref();
             residual(be, c, s, n, layer.norms.attn_out.as_ref(), ffn_in);
+            // The last layer's FFN for the kept rows only (a prompt chunk's last row, or none
+            // short of the prompt's end): its other rows' outputs are never read. Each kept
+            // row gets the bits it gets among all (every op here is row by row). Not with
+            // adapters (their runs are in the pass's rows) or per-layer inputs.
+            let (n, hidden) = match keep {
+                Some(rows)
+                    if li + 1 == self.layers.len()
+                        && rows.len() < n
+                        && lora.is_none()
+                        && layer.per_layer_input.is_none() =>
+                {
+                    let m = rows.len();
+                    if m == 0 {
+                        return Ok(0);
+                    }
+                    let dst = Rows::dense(m, c.hidden_size);
+                    be.gather_rows(&s.x, hidden, rows, &mut s.tmp, dst);
+                    be.copy_rows(&s.tmp, dst, &mut s.x, dst);
+                    if ffn_in.is_some() {
+                        be.gather_rows(&s.xn, hidden, rows, &mut s.tmp, dst);
+                        be.copy_rows(&s.tmp, dst, &mut s.xn, dst);
+                    }
+                    left = m;
+                    (m, dst)
+                }
+                _ => (n, hidden),
+            };
             let input = if ffn_in.is_some() { &s.xn } else { &s.x };
             let no_moe = || Error::Weights("MoE layer without MoE state".into());
             match &layer.ffn {
@@ -1344,7 +1394,7 @@ impl<B: Backend> Decoder<B> {
                 }
             }
         }
-        Ok(())
+        Ok(left)
     }
 
     /// Final norm and output head for the residual rows `rows` of an `n`-row pass (gathered

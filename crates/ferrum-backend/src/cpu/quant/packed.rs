@@ -2703,7 +2703,11 @@ mod wide {
             }
             if chains == 4 {
                 let [d0, d1, d2, d3] = &mut d;
-                for (a, b) in d0.iter_mut().zip(d2.iter()).chain(d1.iter_mut().zip(d3.iter())) {
+                for (a, b) in d0
+                    .iter_mut()
+                    .zip(d2.iter())
+                    .chain(d1.iter_mut().zip(d3.iter()))
+                {
                     *a = _mm512_add_epi32(*a, *b);
                 }
             }
