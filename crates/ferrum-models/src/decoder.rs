@@ -1289,13 +1289,16 @@ impl<B: Backend> Decoder<B> {
             // The last layer's FFN for the kept rows only (a prompt chunk's last row, or none
             // short of the prompt's end): its other rows' outputs are never read. Each kept
             // row gets the bits it gets among all (every op here is row by row). Not with
-            // adapters (their runs are in the pass's rows) or per-layer inputs.
+            // adapters (their runs are in the pass's rows), per-layer inputs or DeepStack rows
+            // still to add (written at the image rows' places; a tiny model may have more of
+            // them than layers).
             let (n, hidden) = match keep {
                 Some(rows)
                     if li + 1 == self.layers.len()
                         && rows.len() < n
                         && lora.is_none()
-                        && layer.per_layer_input.is_none() =>
+                        && layer.per_layer_input.is_none()
+                        && !seqs.iter().any(|q| q.embeds.iter().any(|e| li < e.deep)) =>
                 {
                     let m = rows.len();
                     if m == 0 {

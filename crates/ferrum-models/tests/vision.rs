@@ -325,6 +325,69 @@ fn qwen25_vl_rope_positions_match_transformers() {
     }
 }
 
+/// A pass that asks for the last position's logits only runs the last layer's FFN for that
+/// row: its logits are the last row of the every-position pass's, bit for bit, with images,
+/// M-RoPE and DeepStack rows (Qwen3-VL), on both paths; and on a copy of the model cut to
+/// two layers, whose two DeepStack layers reach the last one (a tiny model may have more
+/// DeepStack layers than layers: the rows are then kept whole).
+#[test]
+fn last_logits_are_the_last_row_of_all_with_images() {
+    use ferrum_models::{LoadOptions, Logits, Model};
+    let cut = tempdir_with_layers("vision/qwen3vl", 2);
+    for dir in [fixture("vision/qwen3vl"), cut.clone()] {
+        for be in [CpuBackend::exact(), CpuBackend::new()] {
+            let mut model = Model::open(&dir, be, &LoadOptions::default()).unwrap();
+            for case in reference_of("qwen3vl")["cases"].as_array().unwrap() {
+                let ids = ids_of(case);
+                let vision = model.vision.as_ref().unwrap();
+                let images = encoded(vision, model.decoder.backend(), &case["images"]);
+                let mut kv = model.decoder.alloc_kv_tokens(ids.len());
+                let all = model
+                    .forward_with_images(&mut kv, &ids, &images, Logits::All)
+                    .unwrap();
+                let mut kv = model.decoder.alloc_kv_tokens(ids.len());
+                let last = model
+                    .forward_with_images(&mut kv, &ids, &images, Logits::Last)
+                    .unwrap();
+                let tail = &all[all.len() - last.len()..];
+                assert!(
+                    last.iter()
+                        .zip(tail)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{}: {}",
+                    dir.display(),
+                    case["name"]
+                );
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(cut);
+}
+
+/// A copy of the checkpoint `name` with its language model cut to its first `layers` layers
+/// (the config's count lowered; the safetensors file shared by a hard link or copied).
+fn tempdir_with_layers(name: &str, layers: usize) -> std::path::PathBuf {
+    let src = fixture(name);
+    let dir = std::env::temp_dir().join(format!(
+        "ferrum-{}-{layers}l-{}",
+        name.replace('/', "-"),
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let p = e.unwrap().path();
+        let to = dir.join(p.file_name().unwrap());
+        if p.file_name().unwrap() == "config.json" {
+            let mut c: Json = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+            c["text_config"]["num_hidden_layers"] = layers.into();
+            std::fs::write(&to, serde_json::to_vec(&c).unwrap()).unwrap();
+        } else if std::fs::hard_link(&p, &to).is_err() {
+            std::fs::copy(&p, &to).unwrap();
+        }
+    }
+    dir
+}
+
 /// The logits of every position with one and with two images (M-RoPE positions, windowed
 /// tower): the exact path within 1e-5 of transformers' f32, the default path within
 /// transformers' own bf16 error.
