@@ -398,34 +398,42 @@ fn packed_q5k_at_full_scale_equals_scalar_twin() {
 /// instance's features says it could not check it.
 #[test]
 fn k_quant_pairs_equal_scalar_twin() {
+    each_pair_instance(check_k_quant_pairs);
+}
+
+/// `Packed::gemm2_*_on`: two packed groups against the same tokens of activation format `A`.
+type PairKernel<A> = fn(
+    &ferrum_backend::cpu::quant::packed::Packed,
+    usize,
+    &[&[A]],
+    &mut [[f32; ferrum_backend::cpu::quant::packed::ROWS]],
+    &mut [[f32; ferrum_backend::cpu::quant::packed::ROWS]],
+);
+
+/// `check(name, kernel)` for each two-group instance this CPU runs (the 512-bit kernels,
+/// AVX2's pairs); the others said not checked.
+fn each_pair_instance<A: ferrum_backend::cpu::quant::packed::PackedAct>(
+    check: fn(&str, PairKernel<A>),
+) {
     use ferrum_backend::cpu::quant::packed::{Isa, Packed};
     #[cfg(target_arch = "x86_64")]
     let wide = ferrum_backend::cpu::quant::packed::has_wide();
     #[cfg(not(target_arch = "x86_64"))]
     let wide = false;
-    let instances: [(&str, bool, PairKernel); 2] = [
-        ("512-bit", wide, Packed::gemm_k2_wide_on),
+    let instances: [(&str, bool, PairKernel<A>); 2] = [
+        ("512-bit", wide, Packed::gemm2_wide_on),
         ("AVX2", Isa::Avx2.runs(), Packed::gemm2_avx2_on),
     ];
     for (name, runs, pair) in instances {
         if runs {
-            check_k_quant_pairs(name, pair);
+            check(name, pair);
         } else {
             eprintln!("this CPU does not run the {name} pair kernels: not checked");
         }
     }
 }
 
-/// `Packed::gemm_k2_*_on`: two packed groups against the same tokens.
-type PairKernel = fn(
-    &ferrum_backend::cpu::quant::packed::Packed,
-    usize,
-    &[&[BlockQ8K]],
-    &mut [[f32; ferrum_backend::cpu::quant::packed::ROWS]],
-    &mut [[f32; ferrum_backend::cpu::quant::packed::ROWS]],
-);
-
-fn check_k_quant_pairs(name: &str, pair: PairKernel) {
+fn check_k_quant_pairs(name: &str, pair: PairKernel<BlockQ8K>) {
     use ferrum_backend::cpu::quant::packed::{Packed, ROWS};
     use ferrum_core::DType;
     let (rows, k) = (4 * ROWS, 768);
@@ -498,34 +506,10 @@ fn check_k_quant_pairs(name: &str, pair: PairKernel) {
 /// their largest). A CPU without an instance's features says it could not check it.
 #[test]
 fn q8_0_pair_equals_scalar_twin() {
-    use ferrum_backend::cpu::quant::packed::{Isa, Packed};
-    #[cfg(target_arch = "x86_64")]
-    let wide = ferrum_backend::cpu::quant::packed::has_wide();
-    #[cfg(not(target_arch = "x86_64"))]
-    let wide = false;
-    let instances: [(&str, bool, Q8PairKernel); 2] = [
-        ("512-bit", wide, Packed::gemm2_wide_on),
-        ("AVX2", Isa::Avx2.runs(), Packed::gemm2_avx2_on),
-    ];
-    for (name, runs, pair) in instances {
-        if runs {
-            check_q8_0_pairs(name, pair);
-        } else {
-            eprintln!("this CPU does not run the {name} pair kernels: not checked");
-        }
-    }
+    each_pair_instance(check_q8_0_pairs);
 }
 
-/// `Packed::gemm2_*_on`: two packed groups against the same tokens.
-type Q8PairKernel = fn(
-    &ferrum_backend::cpu::quant::packed::Packed,
-    usize,
-    &[&[BlockQ8]],
-    &mut [[f32; ferrum_backend::cpu::quant::packed::ROWS]],
-    &mut [[f32; ferrum_backend::cpu::quant::packed::ROWS]],
-);
-
-fn check_q8_0_pairs(name: &str, pair: Q8PairKernel) {
+fn check_q8_0_pairs(name: &str, pair: PairKernel<BlockQ8>) {
     use ferrum_backend::cpu::quant::packed::{Packed, ROWS};
     use ferrum_core::DType;
     let (rows, k) = (4 * ROWS, 512);

@@ -89,10 +89,7 @@ pub const QWEN3_VL: ArchInfo = ArchInfo {
         let t = j.get("text_config").filter(|t| t.is_object()).unwrap_or(j);
         let mut c = ModelConfig::hf_base(Arch::Qwen3Vl, t)?;
         c.qk_norm = QkNorm::PerHead;
-        c.mrope = Some(MRope::from_hf(t, true).unwrap_or(MRope {
-            sections: [24, 20, 20],
-            interleaved: true,
-        }));
+        c.mrope = qwen3_vl_mrope(t);
         c.check("config.json")
     },
     from_gguf: |g, vocab, tied| {
@@ -103,6 +100,15 @@ pub const QWEN3_VL: ArchInfo = ArchInfo {
     },
     names: &[],
 };
+
+/// Qwen3-VL's interleaved M-RoPE from its text config (Qwen3-VL's own sections where the
+/// config has none), for the dense and the MoE language model.
+fn qwen3_vl_mrope(t: &Json) -> Option<MRope> {
+    Some(MRope::from_hf(t, true).unwrap_or(MRope {
+        sections: [24, 20, 20],
+        interleaved: true,
+    }))
+}
 
 pub const QWEN3: ArchInfo = ArchInfo {
     arch: Arch::Qwen3,
@@ -150,10 +156,7 @@ pub const QWEN3_VL_MOE: ArchInfo = ArchInfo {
         if let Some(m) = c.moe.as_mut() {
             m.norm_topk_prob = true;
         }
-        c.mrope = Some(MRope::from_hf(t, true).unwrap_or(MRope {
-            sections: [24, 20, 20],
-            interleaved: true,
-        }));
+        c.mrope = qwen3_vl_mrope(t);
         c.check("config.json")
     },
     from_gguf: |g, vocab, tied| {

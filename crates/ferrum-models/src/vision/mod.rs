@@ -130,18 +130,9 @@ impl<B: Backend> Vision<B> {
             return Ok(None);
         }
         let model_type = h.config.get("model_type").and_then(Json::as_str);
-        if !matches!(
-            model_type,
-            Some(
-                "gemma3"
-                    | "qwen2_5_vl"
-                    | "qwen3_vl"
-                    | "qwen3_vl_moe"
-                    | "qwen3_5"
-                    | "qwen3_5_moe"
-                    | "mistral3"
-            )
-        ) {
+        if !matches!(model_type, Some("gemma3" | "qwen2_5_vl" | "mistral3"))
+            && !model_type.is_some_and(qwen3_tower)
+        {
             // A tower of a family not built here (Gemma 4's): the checkpoint runs as the text
             // model it also is, and images to it are refused.
             return Ok(None);
@@ -158,11 +149,7 @@ impl<B: Backend> Vision<B> {
         } else if model_type == Some("qwen2_5_vl") {
             let (t, tokens) = qwen25vl::Qwen25Vision::load(&h.config, &store, be)?;
             (Tower::Qwen25(t), tokens)
-        } else if matches!(
-            model_type,
-            Some("qwen3_vl" | "qwen3_vl_moe" | "qwen3_5" | "qwen3_5_moe")
-        ) {
-            // Qwen3.5's tower is Qwen3-VL's without DeepStack.
+        } else if model_type.is_some_and(qwen3_tower) {
             let (t, tokens) = qwen3vl::Qwen3Vision::load(&h.config, &store, be)?;
             (Tower::Qwen3(t), tokens)
         } else {
@@ -524,6 +511,15 @@ fn mistral3_tokens(config: &Json, dir: &Path) -> Result<ImageTokens> {
     })
 }
 
+/// Whether a checkpoint of this `model_type` has Qwen3-VL's tower: Qwen3-VL and its MoE,
+/// and Qwen3.5 and its MoE (Qwen3-VL's tower without DeepStack).
+fn qwen3_tower(model_type: &str) -> bool {
+    matches!(
+        model_type,
+        "qwen3_vl" | "qwen3_vl_moe" | "qwen3_5" | "qwen3_5_moe"
+    )
+}
+
 /// The id of the token `t` in a GGUF model's vocabulary.
 fn vocab_id(vocab: &[&str], t: &str) -> Option<u32> {
     vocab.iter().position(|v| *v == t).map(|i| i as u32)
@@ -689,9 +685,7 @@ pub fn plan(file: &ModelFile, mmproj: Option<&Path>) -> Result<Option<VisionPlan
                     let d = mistral3::Dims::from_hf(&h.config)?;
                     return Ok(Some(mistral3_plan(0, fit.max_units(d.patch * d.merge), &d)));
                 }
-                Some(
-                    t @ ("qwen3_vl" | "qwen3_vl_moe" | "qwen3_5" | "qwen3_5_moe" | "qwen2_5_vl"),
-                ) => {
+                Some(t) if t == "qwen2_5_vl" || qwen3_tower(t) => {
                     let Processor::QwenVl {
                         patch, max_pixels, ..
                     } = read_processor(&h.dir)?

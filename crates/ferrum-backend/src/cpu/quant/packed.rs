@@ -636,6 +636,20 @@ pub trait PackedAct: Sized {
         out_b: &mut [[f32; ROWS]],
     );
 
+    /// [`Packed::gemm2`] or [`Packed::gemm_k2`] on the 512-bit kernels wherever the layout has
+    /// one (one group after the other where not).
+    ///
+    /// # Safety
+    /// The CPU runs AVX-512 F/BW/VL/VNNI.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemm2_wide(
+        p: &Packed,
+        group: usize,
+        acts: &[&[Self]],
+        out_a: &mut [[f32; ROWS]],
+        out_b: &mut [[f32; ROWS]],
+    );
+
     /// Groups `group` and `group + 1` of `p` against four tokens on the AVX2 pair kernel of
     /// `p`'s layout (Q8_0, Q4_K); `false`, nothing done, for a layout without one.
     ///
@@ -655,7 +669,7 @@ pub trait PackedAct: Sized {
 /// and the one layout with an AVX2 pair kernel and that kernel.
 macro_rules! packed_act {
     ($act:ty, $takes:expr, $as_q8k:expr, $gemm:ident, $gemm_on:ident, $pairs:ident,
-     $gemm2:ident, $paired:ident, $pair:ident) => {
+     $gemm2:ident, $wide:ident, $paired:ident, $pair:ident) => {
         impl PackedAct for $act {
             fn takes(p: &Packed) -> bool {
                 $takes(p)
@@ -691,6 +705,17 @@ macro_rules! packed_act {
                 p.$gemm2(group, acts, out_a, out_b)
             }
             #[cfg(target_arch = "x86_64")]
+            unsafe fn gemm2_wide(
+                p: &Packed,
+                group: usize,
+                acts: &[&[Self]],
+                out_a: &mut [[f32; ROWS]],
+                out_b: &mut [[f32; ROWS]],
+            ) {
+                // SAFETY: the CPU's features (the contract).
+                unsafe { p.$wide(group, acts, out_a, out_b) }
+            }
+            #[cfg(target_arch = "x86_64")]
             unsafe fn pair_avx2(
                 p: &Packed,
                 group: usize,
@@ -723,6 +748,7 @@ packed_act!(
     gemm_on,
     pairs,
     gemm2,
+    gemm2_wide,
     Q8_0,
     tile_q8_0_pair
 );
@@ -734,6 +760,7 @@ packed_act!(
     gemm_k_on,
     pairs_k,
     gemm_k2,
+    gemm_k2_wide,
     Q4K,
     tile_q4k_pair
 );
@@ -1054,15 +1081,16 @@ impl Packed {
         false
     }
 
-    /// [`gemm2`](Self::gemm2) on the 512-bit kernels wherever they exist (Q8_0; other layouts
-    /// one group after the other), for tests on CPUs that run them.
+    /// [`gemm2`](Self::gemm2) or [`gemm_k2`](Self::gemm_k2) on the 512-bit kernels wherever
+    /// they exist (Q8_0; Q4_K, Q6_K, IQ4_XS; other layouts one group after the other), for
+    /// tests on CPUs that run them.
     ///
     /// # Panics
     /// As `gemm2`, or if this CPU lacks AVX-512 F/BW/VL/VNNI.
-    pub fn gemm2_wide_on(
+    pub fn gemm2_wide_on<A: PackedAct>(
         &self,
         group: usize,
-        acts: &[&[BlockQ8]],
+        acts: &[&[A]],
         out_a: &mut [[f32; ROWS]],
         out_b: &mut [[f32; ROWS]],
     ) {
@@ -1070,7 +1098,7 @@ impl Packed {
         {
             assert!(has_wide(), "this CPU does not run the 512-bit kernels");
             // SAFETY: checked just above.
-            unsafe { self.gemm2_wide(group, acts, out_a, out_b) }
+            unsafe { A::gemm2_wide(self, group, acts, out_a, out_b) }
         }
         #[cfg(not(target_arch = "x86_64"))]
         panic!("no 512-bit kernels on this architecture");
@@ -1301,28 +1329,6 @@ impl Packed {
         }
         A::gemm_on(self, Isa::Avx2, group, acts, out_a);
         A::gemm_on(self, Isa::Avx2, group + 1, acts, out_b);
-    }
-
-    /// [`gemm_k2`](Self::gemm_k2) on the 512-bit kernels wherever they exist (Q4_K, Q6_K), for
-    /// tests on CPUs that run them.
-    ///
-    /// # Panics
-    /// As `gemm_k2`, or if this CPU lacks AVX-512 F/BW/VL/VNNI.
-    pub fn gemm_k2_wide_on(
-        &self,
-        group: usize,
-        acts: &[&[BlockQ8K]],
-        out_a: &mut [[f32; ROWS]],
-        out_b: &mut [[f32; ROWS]],
-    ) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            assert!(has_wide(), "this CPU does not run the 512-bit kernels");
-            // SAFETY: checked just above.
-            unsafe { self.gemm_k2_wide(group, acts, out_a, out_b) }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        panic!("no 512-bit kernels on this architecture");
     }
 
     /// # Safety
