@@ -3,7 +3,7 @@
 //! dequantised weights times the unquantised activations).
 
 use ferrum_backend::cpu::quant::q8::{quantize_q8, quantize_q8k, BlockQ8, BlockQ8K};
-use ferrum_backend::cpu::quant::{best_kernel, dequantize, iq_grid, scalar_kernel, Dot2x4, Kernel};
+use ferrum_backend::cpu::quant::{best_kernel, dequantize, iq_tile, scalar_kernel, Dot2x4, Kernel};
 use rand::{Rng, SeedableRng};
 
 mod common;
@@ -149,6 +149,89 @@ fn simd_equals_scalar_and_both_approximate_f32() {
     }
 }
 
+/// A codebook format's prefill tile (rows decoded once into bytes, sixteen tokens a pass)
+/// gives every (row, token) the scalar row kernel's bits, in the instance the process picked,
+/// the scalar twin and every SIMD instance this CPU runs; its SIMD decoding equals the twin's.
+/// Ragged tiles: 1 to 8 rows, 1 to 16 tokens (the rest zero), activations small and large.
+#[test]
+fn codebook_tile_gives_the_row_kernel_bits() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(29);
+    for &dt in FORMATS.iter().filter(|&&dt| iq_tile::takes(dt)) {
+        let Some(Kernel::Q8K { dot: s, .. }) = scalar_kernel(dt) else {
+            panic!("{dt}: Q8_K kernel")
+        };
+        for trial in 0..12 {
+            let n = 256 * (1 + trial % 4);
+            let rows = [8, 1, 3, 8, 5, 7][trial % 6];
+            let tokens = [16, 1, 9, 16, 15, 2][(trial + 1) % 6];
+            let w: Vec<Aligned> = (0..rows)
+                .map(|_| Aligned::new(&random_blocks(&mut rng, dt, n)))
+                .collect();
+            let wr: Vec<&[u8]> = w.iter().map(|w| w.bytes()).collect();
+            let acts: Vec<Vec<BlockQ8K>> = (0..tokens)
+                .map(|t| {
+                    let scale = [0.01, 1.0, 100.0][(trial + t) % 3];
+                    let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-scale..scale)).collect();
+                    let mut a = vec![BlockQ8K::default(); n / 256];
+                    quantize_q8k(&x, &mut a);
+                    a
+                })
+                .collect();
+            let mut decoded = iq_tile::Rows::default();
+            assert!(
+                iq_tile::decode_rows(dt, &wr, &mut decoded),
+                "{dt}: decode_rows"
+            );
+            let mut twin = iq_tile::Rows::default();
+            assert!(iq_tile::decode_rows_scalar(dt, &wr, &mut twin));
+            assert!(
+                decoded == twin,
+                "{dt} trial {trial}: decoding differs from its twin"
+            );
+            let mut toks = iq_tile::Tokens::default();
+            toks.reset(tokens, n / 256);
+            for (t, a) in acts.iter().enumerate() {
+                toks.put(t, a);
+            }
+            assert_eq!(toks.count(), 1);
+            let block = toks.block(0);
+            let mut runs = vec![("picked", iq_tile::dot(&decoded, block))];
+            runs.push(("scalar", iq_tile::dot_scalar(&decoded, block)));
+            #[cfg(target_arch = "x86_64")]
+            {
+                use ferrum_backend::cpu::quant::packed::Isa;
+                if Isa::Avx2.runs() {
+                    // SAFETY: AVX2, FMA and F16C run here.
+                    runs.push(("avx2", unsafe { iq_tile::avx2::dot(&decoded, block) }));
+                }
+                if Isa::Avx512Vnni.runs() {
+                    // SAFETY: AVX512-F/BW/VNNI run here.
+                    runs.push(("avx512", unsafe { iq_tile::avx512::dot(&decoded, block) }));
+                } else {
+                    eprintln!("{dt}: the AVX-512 tile is not checked on this CPU");
+                }
+            }
+            for (name, got) in &runs {
+                for r in 0..iq_tile::ROWS {
+                    for t in 0..iq_tile::TOKENS {
+                        let want = if r < rows && t < tokens {
+                            s(wr[r], &acts[t])
+                        } else {
+                            0.0
+                        };
+                        assert_eq!(
+                            got[r][t].to_bits(),
+                            want.to_bits(),
+                            "{dt} trial {trial} {name} row {r} token {t}: {} vs {want}",
+                            got[r][t]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Every K-quant's four-token kernel gives each of four different tokens the one-token
 /// kernel's bits. Q2_K and Q3_K's AVX2 kernels keep exact integer sums and the scalar kernel's
 /// per-block float arithmetic, so they also give its very bits (a stronger check than the
@@ -188,42 +271,6 @@ fn k_quant_four_token_kernels_give_each_token_the_one_token_bits() {
                 .collect();
             let w = wa.bytes();
             let four = f4(w, [&acts[0], &acts[1], &acts[2], &acts[3]]);
-            // Codebook rows decoded once (the prefill path) give the row kernel's bits, in
-            // the SIMD kernel and its scalar twin: the row, a second row and two rows of zeros.
-            let mut decoded = iq_grid::Decoded::default();
-            let other = Aligned::new(&random_blocks(&mut rng, dt, n));
-            let codebook = iq_grid::decode_rows(dt, &[w, other.bytes()], &mut decoded);
-            assert_eq!(codebook, iq_grid::is_codebook(dt), "{dt}: decode_rows");
-            let mut twin = iq_grid::Decoded::default();
-            iq_grid::decode_rows_scalar(dt, &[w, other.bytes()], &mut twin);
-            assert!(
-                decoded == twin,
-                "{dt} trial {trial}: decoding differs from its twin"
-            );
-            if codebook {
-                let a = [&acts[0][..], &acts[1], &acts[2], &acts[3]];
-                // Every instance this CPU runs, whichever the process picked.
-                let mut runs = vec![("picked", iq_grid::dot_tile(&decoded, a))];
-                runs.push(("scalar", iq_grid::dot_tile_scalar(&decoded, a)));
-                #[cfg(target_arch = "x86_64")]
-                {
-                    use ferrum_backend::cpu::quant::packed::Isa;
-                    if Isa::Avx2.runs() {
-                        // SAFETY: AVX2, FMA and F16C run here.
-                        runs.push(("avx2", unsafe { iq_grid::avx2::dot_tile(&decoded, a) }));
-                    }
-                    if Isa::Avx512Vnni.runs() {
-                        // SAFETY: AVX512-F/BW/VNNI run here.
-                        runs.push(("avx512", unsafe { iq_grid::avx512::dot_tile(&decoded, a) }));
-                    }
-                }
-                for (t, a) in acts.iter().enumerate() {
-                    let want = [s(w, a), s(other.bytes(), a), 0.0, 0.0].map(f32::to_bits);
-                    for (name, got) in &runs {
-                        assert_eq!(got[t].map(f32::to_bits), want, "{dt} trial {trial} {name}");
-                    }
-                }
-            }
             for (t, a) in acts.iter().enumerate() {
                 let got = f(w, a);
                 if exact {

@@ -1781,11 +1781,18 @@ impl Backend for CpuBackend {
 }
 
 thread_local! {
-    /// A codebook-format weight row decoded for a prefill (`quantized_rows`).
-    static DECODED: RefCell<quant::iq_grid::Decoded> = RefCell::new(Default::default());
+    /// Codebook-format weight rows decoded for a prefill (`quantized_rows`), a chunk of
+    /// [`TILE_CHUNK`] groups of eight.
+    static DECODED: RefCell<Vec<quant::iq_tile::Rows>> = const { RefCell::new(Vec::new()) };
+    /// A prefill's tokens laid out for the codebook formats' tile kernel.
+    static ACT_TILE: RefCell<quant::iq_tile::Tokens> = RefCell::new(Default::default());
     static ACT_Q8: RefCell<Vec<quant::q8::BlockQ8>> = const { RefCell::new(Vec::new()) };
     static ACT_Q8K: RefCell<Vec<quant::q8::BlockQ8K>> = const { RefCell::new(Vec::new()) };
 }
+
+/// Groups of eight codebook rows decoded before a pass over the tokens: each block of
+/// sixteen tokens is read from the cache once for 32 rows.
+const TILE_CHUNK: usize = 4;
 
 /// Rows per unit of work for a pass over these matrices: two packed groups when all are
 /// K-quants or Q8_0 packed whole in multiples of 16 rows and the CPU runs the 512-bit
@@ -1950,94 +1957,108 @@ fn quantized_matmuls<'x>(
             .any(|p| matches!(p.kernel, quant::Kernel::Q8K { .. }) == q8k)
     };
     let (need8, needk) = (needs(false), needs(true));
+    // A prefill of a codebook format: its tokens also laid out for the tile kernel.
+    let tiled = needk && n >= 8 && parts.iter().any(|p| quant::iq_tile::takes(p.w.dtype));
     ACT_Q8.with(|a8| {
         ACT_Q8K.with(|ak| {
-            let (mut a8, mut ak) = (a8.borrow_mut(), ak.borrow_mut());
-            let (per8, perk) = (k / QK8, k / quant::k_quants::QK_K);
-            let quantize = |t: usize, q8: &mut [BlockQ8], qk: &mut [BlockQ8K]| {
-                let row = input(t);
-                debug_assert_eq!(row.len(), k);
-                if need8 {
-                    quant::q8::quantize_q8(row, q8);
+            ACT_TILE.with(|at| {
+                let (mut a8, mut ak, mut at) = (a8.borrow_mut(), ak.borrow_mut(), at.borrow_mut());
+                let (per8, perk) = (k / QK8, k / quant::k_quants::QK_K);
+                let quantize = |t: usize, q8: &mut [BlockQ8], qk: &mut [BlockQ8K]| {
+                    let row = input(t);
+                    debug_assert_eq!(row.len(), k);
+                    if need8 {
+                        quant::q8::quantize_q8(row, q8);
+                    }
+                    if needk {
+                        quant::q8::quantize_q8k(row, qk);
+                    }
+                };
+                a8.clear();
+                a8.resize(if need8 { n * per8 } else { 0 }, BlockQ8::default());
+                ak.clear();
+                ak.resize(if needk { n * perk } else { 0 }, BlockQ8K::default());
+                at.reset(if tiled { n } else { 0 }, perk);
+                let pt = at.shared();
+                // Several tokens are quantised in the same hand-off as the matmul, one task per
+                // token ahead of the matmul's tasks (a decode batch would otherwise leave the
+                // other threads waiting while one quantises every stream's row); one token is
+                // quantised here, as a task would cost more than it saves.
+                let pre = if n > 1 && pool.threads() > 1 { n } else { 0 };
+                let (p8, pk) = (SharedMut(a8.as_mut_ptr()), SharedMut(ak.as_mut_ptr()));
+                let (len8, lenk) = (if need8 { per8 } else { 0 }, if needk { perk } else { 0 });
+                // Token t's blocks, which only its quantisation writes.
+                // SAFETY: in bounds (the buffers were sized for n tokens, or are empty with a
+                // length of zero); the caller quantises token t once, before any slice of its
+                // blocks is read.
+                // Token t's bytes of the tile layout are likewise written only by its quantisation.
+                let quantize_token = |t: usize| unsafe {
+                    let qk = pk.slice(t * lenk, lenk);
+                    quantize(t, p8.slice(t * len8, len8), qk);
+                    if tiled {
+                        pt.put(t, qk);
+                    }
+                };
+                if pre == 0 {
+                    (0..n).for_each(quantize_token);
                 }
-                if needk {
-                    quant::q8::quantize_q8k(row, qk);
-                }
-            };
-            a8.clear();
-            a8.resize(if need8 { n * per8 } else { 0 }, BlockQ8::default());
-            ak.clear();
-            ak.resize(if needk { n * perk } else { 0 }, BlockQ8K::default());
-            // Several tokens are quantised in the same hand-off as the matmul, one task per
-            // token ahead of the matmul's tasks (a decode batch would otherwise leave the
-            // other threads waiting while one quantises every stream's row); one token is
-            // quantised here, as a task would cost more than it saves.
-            let pre = if n > 1 && pool.threads() > 1 { n } else { 0 };
-            let (p8, pk) = (SharedMut(a8.as_mut_ptr()), SharedMut(ak.as_mut_ptr()));
-            let (len8, lenk) = (if need8 { per8 } else { 0 }, if needk { perk } else { 0 });
-            // Token t's blocks, which only its quantisation writes.
-            // SAFETY: in bounds (the buffers were sized for n tokens, or are empty with a
-            // length of zero); the caller quantises token t once, before any slice of its
-            // blocks is read.
-            let quantize_token = |t: usize| unsafe {
-                quantize(t, p8.slice(t * len8, len8), pk.slice(t * lenk, lenk))
-            };
-            if pre == 0 {
-                (0..n).for_each(quantize_token);
-            }
-            // Tokens quantised so far (Release by each prologue task; a matmul task reads the
-            // blocks only after seeing all of them, with Acquire).
-            let ready = AtomicUsize::new(0);
-            // SAFETY (both): the blocks of every token are written (by the prologue tasks or
-            // above) before any matmul task gets here, and not written again in this call.
-            let act8 = |t: usize| unsafe { p8.slice_ref(t * len8, len8) };
-            let actk = |t: usize| unsafe { pk.slice_ref(t * lenk, lenk) };
-            // Each part's first task.
-            let starts: Vec<usize> = parts
-                .iter()
-                .scan(0, |next, p| {
-                    let first = *next;
-                    *next += p.n_tasks;
-                    Some(first)
-                })
-                .collect();
-            let total: usize = parts.iter().map(|p| p.n_tasks).sum();
-            pool.run_after(pre, pre + total, &|task| {
-                if task < pre {
-                    // Counted even if quantising panics, so the tasks waiting below end and the
-                    // pool can hand the panic to the caller. No slice of this token's blocks
-                    // is read until then.
-                    let _counted = Count(&ready);
-                    quantize_token(task);
-                    return;
-                }
-                // `run_after` has every prologue task claimed (by a thread that does not
-                // wait) before any matmul task starts: this ends.
-                let mut spins = 0;
-                while ready.load(Ordering::Acquire) < pre {
-                    pool::relax(spins);
-                    spins = spins.saturating_add(1);
-                }
-                let task = task - pre;
-                let pi = starts.partition_point(|&s| s <= task) - 1;
-                let p = &parts[pi];
-                let local = task - starts[pi];
-                let rows = local * p.per_task..((local + 1) * p.per_task).min(p.w.rows);
-                match p.kernel {
-                    quant::Kernel::Q8 {
-                        dot,
-                        dot4,
-                        rows4,
-                        dot2x4,
-                    } => quantized_rows(p, rows, n, &act8, dst, dot, dot4, rows4, dot2x4),
-                    quant::Kernel::Q8K {
-                        dot,
-                        dot4,
-                        rows4,
-                        dot2x4,
-                    } => quantized_rows(p, rows, n, &actk, dst, dot, dot4, rows4, dot2x4),
-                }
-            });
+                // Tokens quantised so far (Release by each prologue task; a matmul task reads the
+                // blocks only after seeing all of them, with Acquire).
+                let ready = AtomicUsize::new(0);
+                // SAFETY (both): the blocks of every token are written (by the prologue tasks or
+                // above) before any matmul task gets here, and not written again in this call.
+                let act8 = |t: usize| unsafe { p8.slice_ref(t * len8, len8) };
+                let actk = |t: usize| unsafe { pk.slice_ref(t * lenk, lenk) };
+                // Each part's first task.
+                let starts: Vec<usize> = parts
+                    .iter()
+                    .scan(0, |next, p| {
+                        let first = *next;
+                        *next += p.n_tasks;
+                        Some(first)
+                    })
+                    .collect();
+                let total: usize = parts.iter().map(|p| p.n_tasks).sum();
+                pool.run_after(pre, pre + total, &|task| {
+                    if task < pre {
+                        // Counted even if quantising panics, so the tasks waiting below end and the
+                        // pool can hand the panic to the caller. No slice of this token's blocks
+                        // is read until then.
+                        let _counted = Count(&ready);
+                        quantize_token(task);
+                        return;
+                    }
+                    // `run_after` has every prologue task claimed (by a thread that does not
+                    // wait) before any matmul task starts: this ends.
+                    let mut spins = 0;
+                    while ready.load(Ordering::Acquire) < pre {
+                        pool::relax(spins);
+                        spins = spins.saturating_add(1);
+                    }
+                    let task = task - pre;
+                    let pi = starts.partition_point(|&s| s <= task) - 1;
+                    let p = &parts[pi];
+                    let local = task - starts[pi];
+                    let rows = local * p.per_task..((local + 1) * p.per_task).min(p.w.rows);
+                    match p.kernel {
+                        quant::Kernel::Q8 {
+                            dot,
+                            dot4,
+                            rows4,
+                            dot2x4,
+                        } => quantized_rows(p, rows, n, &act8, None, dst, dot, dot4, rows4, dot2x4),
+                        quant::Kernel::Q8K {
+                            dot,
+                            dot4,
+                            rows4,
+                            dot2x4,
+                        } => {
+                            let tile = tiled.then_some(pt);
+                            quantized_rows(p, rows, n, &actk, tile, dst, dot, dot4, rows4, dot2x4)
+                        }
+                    }
+                });
+            })
         })
     })
 }
@@ -2058,6 +2079,7 @@ fn quantized_rows<'a, B: PackedRows>(
     rows: std::ops::Range<usize>,
     n: usize,
     act: &impl Fn(usize) -> &'a [B],
+    tile: Option<quant::iq_tile::TokensPtr>,
     dst: SharedMut,
     dot: fn(&[u8], &[B]) -> f32,
     dot4: fn(&[u8], [&[B]; 4]) -> [f32; 4],
@@ -2097,30 +2119,56 @@ fn quantized_rows<'a, B: PackedRows>(
             first += 4;
         }
     }
-    // A codebook format's prefill: four rows decoded at a time for all the tokens (their
-    // decoding costs more than the products), four tokens a pass; the row kernels' bits.
-    if n >= 8 && quant::iq_grid::is_codebook(w.dtype) && B::as_q8k(act(0)).is_some() {
-        use quant::iq_grid::TILE;
+    // A codebook format's prefill: rows decoded once, eight at a time (their decoding costs
+    // more than the products), against sixteen tokens a pass; the row kernels' bits.
+    if let Some(tile) = tile.filter(|t| t.tokens() == n && quant::iq_tile::takes(w.dtype)) {
+        use quant::iq_tile::{ROWS, TOKENS};
         DECODED.with(|d| {
             let mut d = d.borrow_mut();
+            d.resize_with(TILE_CHUNK, Default::default);
             while first < rows.end {
-                let r = (rows.end - first).min(TILE);
-                let wr: [&[u8]; TILE] =
-                    std::array::from_fn(|k| w.row_bytes_of(first + k.min(r - 1)));
-                if !quant::iq_grid::decode_rows(w.dtype, &wr[..r], &mut d) {
+                // Up to TILE_CHUNK groups of up to eight rows each.
+                let mut groups = 0;
+                let mut at = first;
+                while groups < TILE_CHUNK && at < rows.end {
+                    let r = (rows.end - at).min(ROWS);
+                    let wr: [&[u8]; ROWS] =
+                        std::array::from_fn(|k| w.row_bytes_of(at + k.min(r - 1)));
+                    if !quant::iq_tile::decode_rows(w.dtype, &wr[..r], &mut d[groups]) {
+                        break;
+                    }
+                    groups += 1;
+                    at += r;
+                }
+                if groups == 0 {
                     break;
                 }
-                for t in (0..n).step_by(TILE) {
-                    let a =
-                        std::array::from_fn(|i| B::as_q8k(act((t + i).min(n - 1))).unwrap_or(&[]));
-                    let v = quant::iq_grid::dot_tile(&d, a);
-                    for (i, v) in v.iter().enumerate().take(n - t) {
-                        for (k, &x) in v.iter().enumerate().take(r) {
-                            write(t + i, first + k, x);
+                for j in 0..tile.count() {
+                    // SAFETY: j in range; every token was written before the matmul's tasks
+                    // began (`quantized_matmuls`), and the buffer lives until they end.
+                    let block = unsafe { tile.block(j) };
+                    let mut row = first;
+                    for g in &d[..groups] {
+                        let v = quant::iq_tile::dot(g, block);
+                        let tokens = (n - TOKENS * j).min(TOKENS);
+                        if g.len() == ROWS {
+                            // A token's eight results in one copy.
+                            let by_token: [[f32; ROWS]; TOKENS] =
+                                std::array::from_fn(|i| std::array::from_fn(|k| v[k][i]));
+                            for (i, x) in by_token.iter().enumerate().take(tokens) {
+                                write8(TOKENS * j + i, row, x);
+                            }
+                        } else {
+                            for (k, v) in v.iter().enumerate().take(g.len()) {
+                                for (i, &x) in v.iter().enumerate().take(tokens) {
+                                    write(TOKENS * j + i, row + k, x);
+                                }
+                            }
                         }
+                        row += g.len();
                     }
                 }
-                first += r;
+                first = at;
             }
         });
     }

@@ -6,6 +6,7 @@ pub mod amx;
 pub mod iq4;
 pub mod iq_grid;
 pub mod iq_grids;
+pub mod iq_tile;
 pub mod k_quants;
 pub mod mxfp4;
 pub mod packed;

@@ -1,0 +1,570 @@
+//! The codebook formats' prefill (IQ2, IQ3, IQ1, TQ): weight rows decoded once into signed
+//! bytes, then multiplied against sixteen tokens at a time, one token a lane.
+//!
+//! Decoding a codebook group (grid lookups, sign masks, scales) costs more than its products,
+//! so a prefill decodes eight rows once ([`Rows`]: per value its magnitude times its sign as
+//! i8, per 16-value half its integer scale) and runs every block of sixteen tokens against
+//! them. The tokens are laid out once per matmul ([`Tokens`]): per four values of a
+//! super-block, the sixteen tokens' bytes plus 128 side by side, unsigned, as `vpdpbusd` and
+//! `maddubs` want their left operand. One broadcast weight word then meets sixteen tokens in
+//! one instruction, and a half's scale is one multiply of a whole vector (llama.cpp's tiled
+//! CPU kernels orient their tiles the same way).
+//!
+//! The 128 comes back out as one integer per row and super-block, 128 · Σ scale · Σ w, so
+//! each (row, token) gets the row kernels' integer sum and their float step:
+//! [`dot`] gives [`vec_dot`](super::iq_grid::vec_dot)'s bits in every instance.
+
+use super::iq_grid::{is_codebook, with_codebook, Codebook};
+use super::k_quants::QK_K;
+use super::q8::BlockQ8K;
+use ferrum_core::DType;
+
+/// Weight rows a [`Rows`] holds.
+pub const ROWS: usize = 8;
+/// Tokens a [`Block`] holds.
+pub const TOKENS: usize = 16;
+/// Four-value words a super-block.
+const WORDS: usize = QK_K / 4;
+/// 16-value halves a super-block.
+const HALVES: usize = QK_K / 16;
+
+/// Up to [`ROWS`] weight rows of one codebook format, decoded.
+#[derive(Default)]
+pub struct Rows {
+    /// `[row][block][256]`: magnitude · sign (|v| ≤ 127).
+    w: Vec<i8>,
+    /// `[row][block][16]`: each half's integer scale.
+    scales: Vec<i32>,
+    /// `[row][block]`: 128 · Σ_h scale_h · Σ_{v ∈ h} w_v, what the +128 of the tokens adds.
+    bias: Vec<i32>,
+    /// `[row][block]`: d · FACTOR, as the row kernels compute it.
+    d: Vec<f32>,
+    /// Super-blocks a row.
+    blocks: usize,
+    /// Rows given; the rest are zero.
+    rows: usize,
+    /// Whether both halves of every 32 values share their scale (IQ2_XXS, IQ3_XXS, IQ3_S,
+    /// IQ1_S, the TQs): then one multiply serves 32 values.
+    paired: bool,
+}
+
+impl Rows {
+    /// Rows given to [`decode_rows`].
+    pub fn len(&self) -> usize {
+        self.rows
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows == 0
+    }
+
+    fn fill<B: Codebook>(&mut self, r: usize, w: &[B], simd: bool) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if simd && super::has_avx2() {
+            // SAFETY: AVX2, FMA and F16C detected.
+            return unsafe { avx2::fill(self, r, w) };
+        }
+        let _ = simd;
+        self.fill_scalar(r, w)
+    }
+
+    /// The portable twin of the AVX2 fill; whether the halves of every group share a scale.
+    fn fill_scalar<B: Codebook>(&mut self, r: usize, w: &[B]) -> bool {
+        let mut paired = true;
+        for (i, b) in w.iter().enumerate() {
+            let at = r * self.blocks + i;
+            self.d[at] = b.d() * B::FACTOR;
+            let mut bias = 0i32;
+            for ib in 0..QK_K / 32 {
+                let g = b.group(ib);
+                paired &= g.scales[0] == g.scales[1];
+                for k in 0..4 {
+                    let (m, sg) = (g.words[k].to_le_bytes(), g.signs[k].to_le_bytes());
+                    for j in 0..8 {
+                        let v = (m[j] as i8).wrapping_mul(sg[j] as i8);
+                        self.w[at * QK_K + 32 * ib + 8 * k + j] = v;
+                        bias = bias.wrapping_add(g.scales[k / 2].wrapping_mul(v as i32));
+                    }
+                }
+                self.scales[at * HALVES + 2 * ib..at * HALVES + 2 * ib + 2]
+                    .copy_from_slice(&g.scales);
+            }
+            self.bias[at] = bias.wrapping_mul(128);
+        }
+        paired
+    }
+}
+
+/// The decoded rows and their scales, for the tests.
+impl PartialEq for Rows {
+    fn eq(&self, o: &Self) -> bool {
+        (self.blocks, self.rows, self.paired) == (o.blocks, o.rows, o.paired)
+            && self.w == o.w
+            && self.scales == o.scales
+            && self.bias == o.bias
+            && self
+                .d
+                .iter()
+                .map(|x| x.to_bits())
+                .eq(o.d.iter().map(|x| x.to_bits()))
+    }
+}
+
+/// Whether [`decode_rows`] takes `dtype`.
+pub fn takes(dtype: DType) -> bool {
+    is_codebook(dtype)
+}
+
+/// Decodes up to [`ROWS`] rows (each whole super-blocks of `dtype`, all the same length) into
+/// `out`, the rows past them zero; `false` for a format that is not a codebook format, or bytes
+/// that are not whole, aligned blocks.
+pub fn decode_rows(dtype: DType, rows: &[&[u8]], out: &mut Rows) -> bool {
+    decode_rows_on(dtype, rows, out, true)
+}
+
+/// [`decode_rows`] on the portable twin of its SIMD decoding (for the tests: the same values).
+pub fn decode_rows_scalar(dtype: DType, rows: &[&[u8]], out: &mut Rows) -> bool {
+    decode_rows_on(dtype, rows, out, false)
+}
+
+fn decode_rows_on(dtype: DType, rows: &[&[u8]], out: &mut Rows, simd: bool) -> bool {
+    fn go<B: Codebook>(rows: &[&[u8]], out: &mut Rows, simd: bool) -> bool {
+        let Some(first) = rows.first() else {
+            return false;
+        };
+        let blocks = first.len() / std::mem::size_of::<B>();
+        if rows.len() > ROWS || rows.iter().any(|r| r.len() != first.len()) {
+            return false;
+        }
+        out.blocks = blocks;
+        out.rows = rows.len();
+        out.w.clear();
+        out.w.resize(ROWS * blocks * QK_K, 0);
+        out.scales.clear();
+        out.scales.resize(ROWS * blocks * HALVES, 0);
+        out.bias.clear();
+        out.bias.resize(ROWS * blocks, 0);
+        out.d.clear();
+        out.d.resize(ROWS * blocks, 0.0);
+        let mut paired = true;
+        for (r, bytes) in rows.iter().enumerate() {
+            match super::cast_blocks::<B>(bytes) {
+                Some(w) if w.len() == blocks => paired &= out.fill(r, w, simd),
+                _ => return false,
+            }
+        }
+        out.paired = paired;
+        true
+    }
+    with_codebook!(dtype, B => go::<B>(rows, out, simd), _ => false)
+}
+
+/// A matmul's tokens for [`dot`]: per block of [`TOKENS`] tokens and super-block, per four
+/// values, the sixteen tokens' activations plus 128 (`[block][super-block][word][token][4]`),
+/// and the tokens' scales (`[block][super-block][token]`). Tokens past the last are zero with
+/// a zero scale.
+#[derive(Default)]
+pub struct Tokens {
+    q: Vec<u8>,
+    d: Vec<f32>,
+    /// Super-blocks a token.
+    blocks: usize,
+    n: usize,
+}
+
+/// One block of [`TOKENS`] tokens of a [`Tokens`].
+#[derive(Clone, Copy)]
+pub struct Block<'a> {
+    q: &'a [u8],
+    d: &'a [f32],
+    blocks: usize,
+}
+
+/// A [`Tokens`] shared by a matmul's tasks: those that quantise its tokens write them
+/// ([`TokensPtr::put`]), and the matmul's tasks read them once all are written
+/// ([`TokensPtr::block`]).
+#[derive(Clone, Copy)]
+pub struct TokensPtr {
+    q: *mut u8,
+    d: *mut f32,
+    blocks: usize,
+    n: usize,
+}
+// SAFETY: tasks write the disjoint bytes of their own tokens through it (`put`'s contract),
+// while the `Tokens` it came from is exclusively borrowed by the matmul that made it.
+unsafe impl Send for TokensPtr {}
+unsafe impl Sync for TokensPtr {}
+
+impl Tokens {
+    /// Room for `n` tokens of `blocks` super-blocks, every token zero.
+    pub fn reset(&mut self, n: usize, blocks: usize) {
+        let padded = n.div_ceil(TOKENS) * TOKENS;
+        self.q.clear();
+        self.q.resize(padded * blocks * QK_K, 128);
+        self.d.clear();
+        self.d.resize(padded * blocks, 0.0);
+        (self.blocks, self.n) = (blocks, n);
+    }
+
+    /// Token `t` (below `n`), from its Q8_K blocks.
+    pub fn put(&mut self, t: usize, a: &[BlockQ8K]) {
+        // SAFETY: `self` is exclusively borrowed, and `put` checks `t` and the length.
+        unsafe { self.shared().put(t, a) }
+    }
+
+    /// A pointer for tasks that each write their own tokens.
+    pub fn shared(&mut self) -> TokensPtr {
+        TokensPtr {
+            q: self.q.as_mut_ptr(),
+            d: self.d.as_mut_ptr(),
+            blocks: self.blocks,
+            n: self.n,
+        }
+    }
+
+    /// Blocks of [`TOKENS`] tokens.
+    pub fn count(&self) -> usize {
+        self.n.div_ceil(TOKENS)
+    }
+
+    /// Tokens given to [`reset`](Self::reset).
+    pub fn tokens(&self) -> usize {
+        self.n
+    }
+
+    /// Tokens `TOKENS · j ..` (the last block padded with zero tokens).
+    pub fn block(&self, j: usize) -> Block<'_> {
+        let (q, d) = (TOKENS * self.blocks * QK_K, TOKENS * self.blocks);
+        Block {
+            q: &self.q[j * q..(j + 1) * q],
+            d: &self.d[j * d..(j + 1) * d],
+            blocks: self.blocks,
+        }
+    }
+}
+
+impl TokensPtr {
+    /// Blocks of [`TOKENS`] tokens.
+    pub fn count(self) -> usize {
+        self.n.div_ceil(TOKENS)
+    }
+
+    /// Tokens given to [`Tokens::reset`].
+    pub fn tokens(self) -> usize {
+        self.n
+    }
+
+    /// Tokens `TOKENS · j ..`, as [`Tokens::block`].
+    ///
+    /// # Safety
+    /// `j < self.count()`; every write to the tokens is ordered before this call, none
+    /// follows while the block lives, and the `Tokens` is neither moved nor resized meanwhile.
+    pub unsafe fn block<'a>(self, j: usize) -> Block<'a> {
+        assert!(j < self.count(), "token block out of range");
+        let (q, d) = (TOKENS * self.blocks * QK_K, TOKENS * self.blocks);
+        Block {
+            q: std::slice::from_raw_parts(self.q.add(j * q), q),
+            d: std::slice::from_raw_parts(self.d.add(j * d), d),
+            blocks: self.blocks,
+        }
+    }
+
+    /// Writes token `t` from its Q8_K blocks.
+    ///
+    /// # Safety
+    /// No other task writes token `t` meanwhile, nobody reads the `Tokens` until the writes are
+    /// ordered before the read, and the `Tokens` is neither moved nor resized meanwhile.
+    pub unsafe fn put(self, t: usize, a: &[BlockQ8K]) {
+        assert!(t < self.n && a.len() >= self.blocks, "token out of range");
+        let (j, lane) = (t / TOKENS, t % TOKENS);
+        for (i, b) in a.iter().take(self.blocks).enumerate() {
+            let sb = j * self.blocks + i;
+            self.d.add(sb * TOKENS + lane).write(b.d);
+            let base = self.q.add(sb * TOKENS * QK_K + 4 * lane);
+            for (k, w) in b.qs.chunks_exact(4).enumerate() {
+                let v = u32::from_le_bytes([w[0] as u8, w[1] as u8, w[2] as u8, w[3] as u8]);
+                // The sign bit flipped: the activation plus 128, unsigned.
+                (base.add(k * 4 * TOKENS) as *mut u32).write_unaligned(v ^ 0x8080_8080);
+            }
+        }
+    }
+}
+
+/// The decoded rows against a block of tokens (each at least as many super-blocks as the
+/// rows): `out[r][t]`, in the fastest kernel this CPU runs (all give the row kernels' bits).
+/// `FERRUM_ISA` (`packed::Isa::best`) picks the instance as for the packed kernels.
+pub fn dot(w: &Rows, a: Block) -> [[f32; TOKENS]; ROWS] {
+    assert!(a.blocks >= w.blocks, "activation too short");
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::packed::Isa;
+        match Isa::best() {
+            // SAFETY: the instance runs here (`Isa::available`): AVX512-F/BW/VNNI.
+            Isa::Avx512Vnni | Isa::AvxVnni if Isa::Avx512Vnni.runs() => {
+                return unsafe { avx512::dot(w, a) };
+            }
+            // SAFETY: the instance runs here: AVX2, FMA and F16C.
+            Isa::Avx2 | Isa::AvxVnni | Isa::Avx512Vnni => return unsafe { avx2::dot(w, a) },
+            Isa::Scalar => {}
+        }
+    }
+    dot_scalar(w, a)
+}
+
+/// The portable twin of [`dot`]: per (row, token) and super-block the same integer sum,
+/// then the row kernels' float step.
+pub fn dot_scalar(w: &Rows, a: Block) -> [[f32; TOKENS]; ROWS] {
+    assert!(a.blocks >= w.blocks, "activation too short");
+    let nb = w.blocks;
+    let mut out = [[0f32; TOKENS]; ROWS];
+    for (r, out) in out.iter_mut().enumerate() {
+        for (t, out) in out.iter_mut().enumerate() {
+            for i in 0..nb {
+                let at = r * nb + i;
+                let mut isum = 0i32;
+                for h in 0..HALVES {
+                    let mut part = 0i32;
+                    for v in 16 * h..16 * h + 16 {
+                        let x = a.q[(i * WORDS + v / 4) * 4 * TOKENS + 4 * t + v % 4] as i32;
+                        part = part.wrapping_add(w.w[at * QK_K + v] as i32 * x);
+                    }
+                    isum = isum.wrapping_add(w.scales[at * HALVES + h].wrapping_mul(part));
+                }
+                let isum = isum.wrapping_sub(w.bias[at]);
+                *out += isum as f32 * (w.d[at] * a.d[i * TOKENS + t]);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx512 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// [`dot`](super::dot) on AVX-512: sixteen tokens a vector, per four values one `vpdpbusd`
+    /// a row with the row's word broadcast; per 32 values (16 where the halves' scales
+    /// differ) each row's sums times the scale, once a super-block the bias out and the
+    /// scalar twin's float step per lane.
+    ///
+    /// # Safety
+    /// The CPU supports AVX512-F, AVX512-BW and AVX512-VNNI.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn dot(w: &Rows, a: Block) -> [[f32; TOKENS]; ROWS] {
+        if w.paired {
+            run::<8>(w, a)
+        } else {
+            run::<4>(w, a)
+        }
+    }
+
+    /// `S` words (four values each) share a scale.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    unsafe fn run<const S: usize>(w: &Rows, a: Block) -> [[f32; TOKENS]; ROWS] {
+        let nb = w.blocks;
+        assert!(a.blocks >= nb && a.q.len() >= nb * TOKENS * QK_K && a.d.len() >= nb * TOKENS);
+        assert!(w.w.len() >= ROWS * nb * QK_K && w.scales.len() >= ROWS * nb * HALVES);
+        assert!(w.bias.len() >= ROWS * nb && w.d.len() >= ROWS * nb);
+        let mut total = [_mm512_setzero_ps(); ROWS];
+        for i in 0..nb {
+            let q = a.q.as_ptr().add(i * TOKENS * QK_K);
+            let rows: [*const i8; ROWS] =
+                std::array::from_fn(|r| w.w.as_ptr().add((r * nb + i) * QK_K));
+            let scales: [*const i32; ROWS] =
+                std::array::from_fn(|r| w.scales.as_ptr().add((r * nb + i) * HALVES));
+            let mut sum = [_mm512_setzero_si512(); ROWS];
+            for s in 0..WORDS / S {
+                let mut acc = [_mm512_setzero_si512(); ROWS];
+                for k in S * s..S * s + S {
+                    let x = _mm512_loadu_si512(q.add(64 * k) as *const __m512i);
+                    for r in 0..ROWS {
+                        let wv = (rows[r].add(4 * k) as *const i32).read_unaligned();
+                        acc[r] = _mm512_dpbusd_epi32(acc[r], x, _mm512_set1_epi32(wv));
+                    }
+                }
+                // Words `S·s..` are half `S·s / 4`'s (and, paired, the next's, the same scale).
+                for r in 0..ROWS {
+                    let sc = _mm512_set1_epi32(*scales[r].add(S * s / 4));
+                    sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(acc[r], sc));
+                }
+            }
+            let dt = _mm512_loadu_ps(a.d.as_ptr().add(i * TOKENS));
+            for r in 0..ROWS {
+                let at = r * nb + i;
+                let isum = _mm512_sub_epi32(sum[r], _mm512_set1_epi32(*w.bias.get_unchecked(at)));
+                let scale = _mm512_mul_ps(_mm512_set1_ps(*w.d.get_unchecked(at)), dt);
+                let step = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), scale);
+                total[r] = _mm512_add_ps(total[r], step);
+            }
+        }
+        let mut out = [[0f32; TOKENS]; ROWS];
+        for (o, t) in out.iter_mut().zip(&total) {
+            _mm512_storeu_ps(o.as_mut_ptr(), *t);
+        }
+        out
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// [`Rows`]' fill on AVX2: per group the magnitudes' signs applied (`sign_epi8`), and the
+    /// bias's sums by `maddubs` against ones and `madd` against the halves' scales; the
+    /// scalar twin's values.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn fill<B: Codebook>(out: &mut Rows, r: usize, w: &[B]) -> bool {
+        let at = r * out.blocks;
+        assert!(
+            out.w.len() >= (at + w.len()) * QK_K && out.scales.len() >= (at + w.len()) * HALVES
+        );
+        assert!(out.bias.len() >= at + w.len() && out.d.len() >= at + w.len());
+        let mut paired = true;
+        let ones = _mm256_set1_epi8(1);
+        let v4 =
+            |v: [u64; 4]| _mm256_setr_epi64x(v[0] as i64, v[1] as i64, v[2] as i64, v[3] as i64);
+        for (i, b) in w.iter().enumerate() {
+            let sb = at + i;
+            *out.d.get_unchecked_mut(sb) = half_to_f32(b.d_bits()) * B::FACTOR;
+            let mut bias = _mm256_setzero_si256();
+            for ib in 0..QK_K / 32 {
+                let g = b.group(ib);
+                paired &= g.scales[0] == g.scales[1];
+                let v = _mm256_sign_epi8(v4(g.words), v4(g.signs));
+                let p = out.w.as_mut_ptr().add(sb * QK_K + 32 * ib);
+                _mm256_storeu_si256(p as *mut __m256i, v);
+                let sc = _mm256_set_m128i(
+                    _mm_set1_epi16(g.scales[1] as i16),
+                    _mm_set1_epi16(g.scales[0] as i16),
+                );
+                let pairs = _mm256_maddubs_epi16(ones, v);
+                bias = _mm256_add_epi32(bias, _mm256_madd_epi16(pairs, sc));
+                let s = out.scales.as_mut_ptr().add(sb * HALVES + 2 * ib);
+                *s = g.scales[0];
+                *s.add(1) = g.scales[1];
+            }
+            *out.bias.get_unchecked_mut(sb) = hsum_i32(bias).wrapping_mul(128);
+        }
+        paired
+    }
+
+    /// [`dot`](super::dot) on AVX2: eight tokens a vector, two rows a pass (more spill the
+    /// sums out of the sixteen registers); per four values and row the row's word broadcast,
+    /// `maddubs` with the tokens' bytes (a pair sum is at most 2 · 255 · 64, inside i16:
+    /// every grid's magnitudes are at most 64), `madd` with the half's scale (exact in i32);
+    /// once a super-block the bias out and the scalar twin's float step per lane.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot(w: &Rows, a: Block) -> [[f32; TOKENS]; ROWS] {
+        const R: usize = 2;
+        let nb = w.blocks;
+        assert!(a.blocks >= nb && a.q.len() >= nb * TOKENS * QK_K && a.d.len() >= nb * TOKENS);
+        assert!(w.w.len() >= ROWS * nb * QK_K && w.scales.len() >= ROWS * nb * HALVES);
+        assert!(w.bias.len() >= ROWS * nb && w.d.len() >= ROWS * nb);
+        let mut out = [[0f32; TOKENS]; ROWS];
+        for i in 0..nb {
+            let q = a.q.as_ptr().add(i * TOKENS * QK_K);
+            let dt = [0, 8].map(|o| _mm256_loadu_ps(a.d.as_ptr().add(i * TOKENS + o)));
+            for r0 in (0..ROWS).step_by(R) {
+                let rows: [*const i8; R] =
+                    std::array::from_fn(|r| w.w.as_ptr().add(((r0 + r) * nb + i) * QK_K));
+                let scales: [*const i32; R] =
+                    std::array::from_fn(|r| w.scales.as_ptr().add(((r0 + r) * nb + i) * HALVES));
+                // Row r's sums for tokens 0..8 and 8..16.
+                let mut acc = [[_mm256_setzero_si256(); 2]; R];
+                for h in 0..HALVES {
+                    let sc: [__m256i; R] =
+                        std::array::from_fn(|r| _mm256_set1_epi16(*scales[r].add(h) as i16));
+                    for k in 4 * h..4 * h + 4 {
+                        let x = [0, 32]
+                            .map(|o| _mm256_loadu_si256(q.add(64 * k + o) as *const __m256i));
+                        for r in 0..R {
+                            let wv = (rows[r].add(4 * k) as *const i32).read_unaligned();
+                            let wv = _mm256_set1_epi32(wv);
+                            for (acc, x) in acc[r].iter_mut().zip(&x) {
+                                let p = _mm256_maddubs_epi16(*x, wv);
+                                *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, sc[r]));
+                            }
+                        }
+                    }
+                }
+                for (r, acc) in acc.iter().enumerate() {
+                    let at = (r0 + r) * nb + i;
+                    let bias = _mm256_set1_epi32(*w.bias.get_unchecked(at));
+                    let d = _mm256_set1_ps(*w.d.get_unchecked(at));
+                    for (half, acc) in acc.iter().enumerate() {
+                        let isum = _mm256_sub_epi32(*acc, bias);
+                        let step =
+                            _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dt[half]));
+                        let o = out[r0 + r].as_mut_ptr().add(8 * half);
+                        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), step));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// An f16's bits as f32 by F16C, in line (exact, as `half`'s conversion).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn half_to_f32(bits: u16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn hsum_i32(v: __m256i) -> i32 {
+        super::super::iq_grid::avx2::hsum_i32(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::iq_grids::{
+        IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID,
+    };
+
+    /// The AVX2 kernel's `maddubs` pair sums stay inside i16 only for magnitudes up to 64
+    /// (2 · 255 · 64 < 32768): every grid's bytes, and IQ1's 8 · |g| + 1.
+    #[test]
+    fn grid_magnitudes_fit_the_avx2_pair_sums() {
+        let max8 = |g: &[u64]| {
+            g.iter()
+                .flat_map(|w| w.to_le_bytes())
+                .map(|b| b as i32)
+                .max()
+                .unwrap_or(0)
+        };
+        let max4 = |g: &[u32]| {
+            g.iter()
+                .flat_map(|w| w.to_le_bytes())
+                .map(|b| b as i32)
+                .max()
+                .unwrap_or(0)
+        };
+        for m in [
+            max8(&IQ2XXS_GRID),
+            max8(&IQ2XS_GRID),
+            max8(&IQ2S_GRID),
+            max4(&IQ3XXS_GRID),
+            max4(&IQ3S_GRID),
+        ] {
+            assert!(m <= 64, "grid magnitude {m}");
+        }
+        let iq1 = IQ1S_GRID
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .map(|b| 8 * (b as i8 as i32).abs() + 1)
+            .max()
+            .unwrap_or(0);
+        assert!(iq1 <= 64, "IQ1 magnitude {iq1}");
+    }
+}
