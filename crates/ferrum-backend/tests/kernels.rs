@@ -152,10 +152,12 @@ fn simd_equals_scalar_and_both_approximate_f32() {
 /// A codebook format's prefill tile (rows decoded once into bytes, sixteen tokens a pass)
 /// gives every (row, token) the scalar row kernel's bits, in the instance the process picked,
 /// the scalar twin and every SIMD instance this CPU runs; its SIMD decoding equals the twin's.
-/// Ragged tiles: 1 to 8 rows, 1 to 16 tokens (the rest zero), activations small and large.
+/// Ragged tiles: 1 to 8 rows, 1 to 16 tokens (the rest zero, in a reused buffer), activations
+/// small and large.
 #[test]
 fn codebook_tile_gives_the_row_kernel_bits() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(29);
+    let mut toks = iq_tile::Tokens::default();
     for &dt in FORMATS.iter().filter(|&&dt| iq_tile::takes(dt)) {
         let Some(Kernel::Q8K { dot: s, .. }) = scalar_kernel(dt) else {
             panic!("{dt}: Q8_K kernel")
@@ -188,7 +190,8 @@ fn codebook_tile_gives_the_row_kernel_bits() {
                 decoded == twin,
                 "{dt} trial {trial}: decoding differs from its twin"
             );
-            let mut toks = iq_tile::Tokens::default();
+            // One buffer for every trial, as a thread's is reused: what an earlier trial
+            // left in it must not reach the padding tokens.
             toks.reset(tokens, n / 256);
             for (t, a) in acts.iter().enumerate() {
                 toks.put(t, a);

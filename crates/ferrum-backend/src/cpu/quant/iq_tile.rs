@@ -196,14 +196,24 @@ unsafe impl Send for TokensPtr {}
 unsafe impl Sync for TokensPtr {}
 
 impl Tokens {
-    /// Room for `n` tokens of `blocks` super-blocks, every token zero.
+    /// Room for `n` tokens of `blocks` super-blocks, each to be written by [`put`](Self::put)
+    /// (until then they hold whatever they held), and tokens of scale zero past them in the
+    /// last block (their results are zero).
     pub fn reset(&mut self, n: usize, blocks: usize) {
         let padded = n.div_ceil(TOKENS) * TOKENS;
-        self.q.clear();
+        // Not cleared first: `put` writes every byte of a token, and a prefill's matmuls would
+        // otherwise spend a fill of the whole buffer each.
         self.q.resize(padded * blocks * QK_K, 128);
-        self.d.clear();
         self.d.resize(padded * blocks, 0.0);
         (self.blocks, self.n) = (blocks, n);
+        let (j, first) = (n / TOKENS, n % TOKENS);
+        if first == 0 {
+            return;
+        }
+        // A zero scale is enough: any bytes make a finite integer sum, which it turns to 0.
+        for sb in j * blocks..(j + 1) * blocks {
+            self.d[sb * TOKENS + first..(sb + 1) * TOKENS].fill(0.0);
+        }
     }
 
     /// Token `t` (below `n`), from its Q8_K blocks.
