@@ -701,6 +701,41 @@ pub mod avx2 {
         sum
     }
 
+    /// [`vec_dot`](super::vec_dot) for IQ2_XXS, the format the smallest downloads use: each
+    /// group's eight bytes read as two words and decoded in registers (the generic kernel's
+    /// `Group` went through memory), its one scale broadcast once, two chains of sums. The
+    /// same integers, so the scalar kernel's bits.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot_iq2_xxs(w: &[BlockIq2Xxs], a: &[BlockQ8K]) -> f32 {
+        let mut sum = 0f32;
+        for (b, q) in w.iter().zip(a) {
+            prefetch(b);
+            // Per group: four grid indices, then four 7-bit sign indices and the scale.
+            let words = b.qs.as_ptr() as *const u32;
+            let group = |ib: usize| {
+                let idx = words.add(2 * ib).read_unaligned();
+                let aux = words.add(2 * ib + 1).read_unaligned();
+                let grid = |k: u32| IQ2XXS_GRID[((idx >> (8 * k)) & 255) as usize] as i64;
+                let sign = |k: u32| KSIGN_BYTES[((aux >> (7 * k)) & 127) as usize] as i64;
+                let x = _mm256_setr_epi64x(grid(0), grid(1), grid(2), grid(3));
+                let sg = _mm256_setr_epi64x(sign(0), sign(1), sign(2), sign(3));
+                let sc = _mm256_set1_epi16((2 * (aux >> 28) + 1) as i16);
+                group_dot(x, sg, sc, q.qs.as_ptr().add(32 * ib))
+            };
+            let (mut a0, mut a1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+            for ib in (0..QK_K / 32).step_by(2) {
+                a0 = _mm256_add_epi32(a0, group(ib));
+                a1 = _mm256_add_epi32(a1, group(ib + 1));
+            }
+            let isum = hsum_i32(_mm256_add_epi32(a0, a1));
+            sum += isum as f32 * (half_to_f32(b.d.to_bits()) * BlockIq2Xxs::FACTOR * q.d);
+        }
+        sum
+    }
+
     /// One weight row against four tokens, each group decoded once for all four: per token
     /// the one-token kernel's integers and float steps, so its bits.
     ///

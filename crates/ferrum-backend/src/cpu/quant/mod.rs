@@ -319,6 +319,12 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
                 )),
                 DType::Iq4Nl => Some(kernel!(unsafe Q8, iq4::BlockIq4Nl, iq4::avx2::vec_dot_nl)),
                 DType::Iq4Xs => Some(kernel!(unsafe Q8K, iq4::BlockIq4Xs, iq4::avx2::vec_dot_xs)),
+                DType::Iq2Xxs => Some(kernel!(
+                    unsafe Q8K,
+                    iq_grid::BlockIq2Xxs,
+                    GA::vec_dot_iq2_xxs,
+                    GA::vec_dot_x4::<iq_grid::BlockIq2Xxs>
+                )),
                 _ => iq_grid::with_codebook!(
                     dtype,
                     B => Some(kernel!(unsafe Q8K, B, GA::vec_dot::<B>, GA::vec_dot_x4::<B>)),
