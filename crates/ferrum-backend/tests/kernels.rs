@@ -149,6 +149,20 @@ fn simd_equals_scalar_and_both_approximate_f32() {
     }
 }
 
+/// `count` tokens of `n` values quantised to Q8_K, token t's values within ±0.01, ±1 or ±100
+/// by `(trial + t) % 3`: magnitudes small and large.
+fn q8k_tokens(rng: &mut impl Rng, count: usize, n: usize, trial: usize) -> Vec<Vec<BlockQ8K>> {
+    (0..count)
+        .map(|t| {
+            let scale = [0.01, 1.0, 100.0][(trial + t) % 3];
+            let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-scale..scale)).collect();
+            let mut a = vec![BlockQ8K::default(); n / 256];
+            quantize_q8k(&x, &mut a);
+            a
+        })
+        .collect()
+}
+
 /// A codebook format's prefill tile (rows decoded once into bytes, sixteen tokens a pass)
 /// gives every (row, token) the scalar row kernel's bits, in the instance the process picked,
 /// the scalar twin and every SIMD instance this CPU runs; its SIMD decoding equals the twin's.
@@ -170,15 +184,7 @@ fn codebook_tile_gives_the_row_kernel_bits() {
                 .map(|_| Aligned::new(&random_blocks(&mut rng, dt, n)))
                 .collect();
             let wr: Vec<&[u8]> = w.iter().map(|w| w.bytes()).collect();
-            let acts: Vec<Vec<BlockQ8K>> = (0..tokens)
-                .map(|t| {
-                    let scale = [0.01, 1.0, 100.0][(trial + t) % 3];
-                    let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-scale..scale)).collect();
-                    let mut a = vec![BlockQ8K::default(); n / 256];
-                    quantize_q8k(&x, &mut a);
-                    a
-                })
-                .collect();
+            let acts = q8k_tokens(&mut rng, tokens, n, trial);
             let mut decoded = iq_tile::Rows::default();
             assert!(
                 iq_tile::decode_rows(dt, &wr, &mut decoded),
@@ -263,15 +269,7 @@ fn k_quant_four_token_kernels_give_each_token_the_one_token_bits() {
             let n = 256 * (1 + trial % 6);
             let wa = Aligned::new(&random_blocks(&mut rng, dt, n));
             // Four different tokens, of magnitudes small and large.
-            let acts: Vec<Vec<BlockQ8K>> = (0..4)
-                .map(|t| {
-                    let scale = [0.01, 1.0, 100.0][(trial + t) % 3];
-                    let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-scale..scale)).collect();
-                    let mut a = vec![BlockQ8K::default(); n / 256];
-                    quantize_q8k(&x, &mut a);
-                    a
-                })
-                .collect();
+            let acts = q8k_tokens(&mut rng, 4, n, trial);
             let w = wa.bytes();
             let four = f4(w, [&acts[0], &acts[1], &acts[2], &acts[3]]);
             for (t, a) in acts.iter().enumerate() {

@@ -767,7 +767,7 @@ pub mod avx2 {
     /// that detects the CPU each time).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn half_to_f32(bits: u16) -> f32 {
+    pub(crate) unsafe fn half_to_f32(bits: u16) -> f32 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 

@@ -237,11 +237,6 @@ impl Tokens {
         self.n.div_ceil(TOKENS)
     }
 
-    /// Tokens given to [`reset`](Self::reset).
-    pub fn tokens(&self) -> usize {
-        self.n
-    }
-
     /// Tokens `TOKENS · j ..` (the last block padded with zero tokens).
     pub fn block(&self, j: usize) -> Block<'_> {
         let (q, d) = (TOKENS * self.blocks * QK_K, TOKENS * self.blocks);
@@ -419,6 +414,7 @@ pub mod avx512 {
 #[cfg(target_arch = "x86_64")]
 pub mod avx2 {
     use super::*;
+    use crate::cpu::quant::iq_grid::avx2::{half_to_f32, hsum_i32};
     use std::arch::x86_64::*;
 
     /// [`Rows`]' fill on AVX2: per group the magnitudes' signs applied (`sign_epi8`), and the
@@ -521,19 +517,6 @@ pub mod avx2 {
         }
         out
     }
-
-    /// An f16's bits as f32 by F16C, in line (exact, as `half`'s conversion).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn half_to_f32(bits: u16) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn hsum_i32(v: __m256i) -> i32 {
-        super::super::iq_grid::avx2::hsum_i32(v)
-    }
 }
 
 #[cfg(test)]
@@ -546,29 +529,13 @@ mod tests {
     /// (2 · 255 · 64 < 32768): every grid's bytes, and IQ1's 8 · |g| + 1.
     #[test]
     fn grid_magnitudes_fit_the_avx2_pair_sums() {
-        let max8 = |g: &[u64]| {
-            g.iter()
-                .flat_map(|w| w.to_le_bytes())
-                .map(|b| b as i32)
-                .max()
-                .unwrap_or(0)
-        };
-        let max4 = |g: &[u32]| {
-            g.iter()
-                .flat_map(|w| w.to_le_bytes())
-                .map(|b| b as i32)
-                .max()
-                .unwrap_or(0)
-        };
-        for m in [
-            max8(&IQ2XXS_GRID),
-            max8(&IQ2XS_GRID),
-            max8(&IQ2S_GRID),
-            max4(&IQ3XXS_GRID),
-            max4(&IQ3S_GRID),
-        ] {
-            assert!(m <= 64, "grid magnitude {m}");
-        }
+        let two = IQ2XXS_GRID.iter().chain(&IQ2XS_GRID).chain(&IQ2S_GRID);
+        let three = IQ3XXS_GRID.iter().chain(&IQ3S_GRID);
+        let m = (two.flat_map(|w| w.to_le_bytes()))
+            .chain(three.flat_map(|w| w.to_le_bytes()))
+            .max()
+            .unwrap_or(0);
+        assert!(m <= 64, "grid magnitude {m}");
         let iq1 = IQ1S_GRID
             .iter()
             .flat_map(|w| w.to_le_bytes())
