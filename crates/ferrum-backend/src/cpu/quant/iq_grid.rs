@@ -701,37 +701,195 @@ pub mod avx2 {
         sum
     }
 
-    /// [`vec_dot`](super::vec_dot) for IQ2_XXS, the format the smallest downloads use: each
-    /// group's eight bytes read as two words and decoded in registers (the generic kernel's
-    /// `Group` went through memory), its one scale broadcast once, two chains of sums. The
-    /// same integers, so the scalar kernel's bits.
+    /// `KSIGNS` of the four seven-bit fields of each of eight words, in vector: each byte
+    /// gets its field's seven bits and, in bit 7, their parity (the table's sixty-four loads a
+    /// super-block were most of the one-token kernel's work).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn ksigns_x8(aux: __m256i) -> __m256i {
+        let field = |v: __m256i, mask: i32| _mm256_and_si256(v, _mm256_set1_epi32(mask));
+        let b = _mm256_or_si256(
+            _mm256_or_si256(field(aux, 0x7f), field(_mm256_slli_epi32::<1>(aux), 0x7f00)),
+            _mm256_or_si256(
+                field(_mm256_slli_epi32::<2>(aux), 0x7f_0000),
+                field(_mm256_slli_epi32::<3>(aux), 0x7f00_0000),
+            ),
+        );
+        // 0x80 where a nibble holds an odd number of ones.
+        let o = -128i8;
+        let odd = _mm256_setr_epi8(
+            0, o, o, 0, o, 0, 0, o, o, 0, 0, o, 0, o, o, 0, //
+            0, o, o, 0, o, 0, 0, o, o, 0, 0, o, 0, o, o, 0,
+        );
+        let nib = _mm256_set1_epi8(0x0f);
+        let lo = _mm256_shuffle_epi8(odd, _mm256_and_si256(b, nib));
+        let hi = _mm256_shuffle_epi8(odd, _mm256_and_si256(_mm256_srli_epi16::<4>(b), nib));
+        _mm256_or_si256(b, _mm256_xor_si256(lo, hi))
+    }
+
+    /// Per group `p` of a lane's four: its sign bytes' bytes 0 and 1 (low lane), 2 and 3 (high
+    /// lane), each spread over the eight bytes it signs.
+    const SIGN_SPREAD: [[u8; 32]; 4] = {
+        let mut t = [[0u8; 32]; 4];
+        let mut p = 0;
+        while p < 4 {
+            let mut i = 0;
+            while i < 32 {
+                t[p][i] = (4 * p + i / 8) as u8;
+                i += 1;
+            }
+            p += 1;
+        }
+        t
+    };
+
+    /// Per group `p` of a lane's four: its scale's low two bytes in every 16-bit lane.
+    const SCALE_SPREAD: [[u8; 32]; 4] = {
+        let mut t = [[0u8; 32]; 4];
+        let mut p = 0;
+        while p < 4 {
+            let mut i = 0;
+            while i < 32 {
+                t[p][i] = (4 * p + i % 2) as u8;
+                i += 1;
+            }
+            p += 1;
+        }
+        t
+    };
+
+    /// The formats whose groups carry a word of four seven-bit sign fields (eight signs each
+    /// by [`KSIGNS`]) and the scale `2 · (word >> 28) + 1`: IQ2_XXS and IQ3_XXS.
+    pub trait SignWords: Codebook {
+        /// The eight groups' sign-and-scale words, in order.
+        ///
+        /// # Safety
+        /// The CPU supports AVX2.
+        unsafe fn sign_words(&self) -> __m256i;
+        /// Group `g`'s 32 magnitudes.
+        ///
+        /// # Safety
+        /// The CPU supports AVX2, and `g < 8`.
+        unsafe fn magnitudes(&self, g: usize) -> __m256i;
+    }
+
+    impl SignWords for BlockIq2Xxs {
+        /// Group g is eight bytes: four grid indices, then its word.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn sign_words(&self) -> __m256i {
+            let qs = self.qs.as_ptr() as *const __m256i;
+            let (g03, g47) = (_mm256_loadu_si256(qs), _mm256_loadu_si256(qs.add(1)));
+            _mm256_permutevar8x32_epi32(
+                _mm256_blend_epi32::<0b1010_1010>(_mm256_srli_epi64::<32>(g03), g47),
+                _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7),
+            )
+        }
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn magnitudes(&self, g: usize) -> __m256i {
+            let qs = self.qs.as_ptr() as *const u8;
+            let grid = |k: usize| IQ2XXS_GRID[*qs.add(8 * g + k) as usize] as i64;
+            _mm256_setr_epi64x(grid(0), grid(1), grid(2), grid(3))
+        }
+    }
+
+    impl SignWords for BlockIq3Xxs {
+        /// 64 bytes of grid indices, eight a group, then the eight words.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn sign_words(&self) -> __m256i {
+            _mm256_loadu_si256(self.qs.as_ptr().add(QK_K / 4) as *const __m256i)
+        }
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn magnitudes(&self, g: usize) -> __m256i {
+            let qs = self.qs.as_ptr();
+            let grid = |k: usize| IQ3XXS_GRID[*qs.add(8 * g + k) as usize] as i32;
+            _mm256_setr_epi32(
+                grid(0),
+                grid(1),
+                grid(2),
+                grid(3),
+                grid(4),
+                grid(5),
+                grid(6),
+                grid(7),
+            )
+        }
+    }
+
+    /// [`vec_dot`](super::vec_dot) for IQ2_XXS and IQ3_XXS, the formats the smallest downloads
+    /// use. A super-block's eight sign words and scales are expanded together in vector
+    /// ([`ksigns_x8`]), then each group takes its signs and scale by one shuffle each (the
+    /// generic kernel's sign-table loads and `Group` through memory were most of its work).
+    /// Two chains of sums. The same integers, so the scalar kernel's bits.
     ///
     /// # Safety
     /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn vec_dot_iq2_xxs(w: &[BlockIq2Xxs], a: &[BlockQ8K]) -> f32 {
-        let mut sum = 0f32;
-        for (b, q) in w.iter().zip(a) {
+    pub unsafe fn vec_dot_sign_words<B: SignWords>(w: &[B], a: &[BlockQ8K]) -> f32 {
+        sign_words_n::<B, 1>(w, [a])[0]
+    }
+
+    /// [`vec_dot_sign_words`] against four tokens, each group decoded once for all four: per
+    /// token the same integers and float steps, so its bits.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot_sign_words_x4<B: SignWords>(w: &[B], a: [&[BlockQ8K]; 4]) -> [f32; 4] {
+        sign_words_n::<B, 4>(w, a)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn sign_words_n<B: SignWords, const N: usize>(w: &[B], a: [&[BlockQ8K]; N]) -> [f32; N] {
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let h7f = _mm256_set1_epi8(0x7f);
+        let spread = |t: &[u8; 32]| _mm256_loadu_si256(t.as_ptr() as *const __m256i);
+        let mut sum = [0f32; N];
+        for (i, b) in w.iter().enumerate() {
             prefetch(b);
-            // Per group: four grid indices, then four 7-bit sign indices and the scale.
-            let words = b.qs.as_ptr() as *const u32;
-            let group = |ib: usize| {
-                let idx = words.add(2 * ib).read_unaligned();
-                let aux = words.add(2 * ib + 1).read_unaligned();
-                let grid = |k: u32| IQ2XXS_GRID[((idx >> (8 * k)) & 255) as usize] as i64;
-                let sign = |k: u32| KSIGN_BYTES[((aux >> (7 * k)) & 127) as usize] as i64;
-                let x = _mm256_setr_epi64x(grid(0), grid(1), grid(2), grid(3));
-                let sg = _mm256_setr_epi64x(sign(0), sign(1), sign(2), sign(3));
-                let sc = _mm256_set1_epi16((2 * (aux >> 28) + 1) as i16);
-                group_dot(x, sg, sc, q.qs.as_ptr().add(32 * ib))
-            };
-            let (mut a0, mut a1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-            for ib in (0..QK_K / 32).step_by(2) {
-                a0 = _mm256_add_epi32(a0, group(ib));
-                a1 = _mm256_add_epi32(a1, group(ib + 1));
+            let q = a.map(|r| r.get_unchecked(i));
+            let aux = b.sign_words();
+            let signs = ksigns_x8(aux);
+            // 2 · (aux >> 28) + 1
+            let scales = _mm256_or_si256(_mm256_srli_epi32::<27>(aux), _mm256_set1_epi32(1));
+            // One token's sums in two chains; more tokens are chains enough.
+            let mut acc = [[_mm256_setzero_si256(); 2]; N];
+            for half in 0..2 {
+                // Groups 4·half.. in both lanes.
+                let (sg4, sc4) = if half == 0 {
+                    (
+                        _mm256_permute4x64_epi64::<0x44>(signs),
+                        _mm256_permute4x64_epi64::<0x44>(scales),
+                    )
+                } else {
+                    (
+                        _mm256_permute4x64_epi64::<0xee>(signs),
+                        _mm256_permute4x64_epi64::<0xee>(scales),
+                    )
+                };
+                for p in 0..4 {
+                    let g = 4 * half + p;
+                    let x = b.magnitudes(g);
+                    let bits = _mm256_shuffle_epi8(sg4, spread(&SIGN_SPREAD[p]));
+                    // 0x7f plus the sign's bit (1 to 128): negative exactly where it is set.
+                    let sg = _mm256_add_epi8(_mm256_and_si256(bits, bit), h7f);
+                    let sc = _mm256_shuffle_epi8(sc4, spread(&SCALE_SPREAD[p]));
+                    let chain = if N == 1 { p % 2 } else { 0 };
+                    for t in 0..N {
+                        let d = group_dot(x, sg, sc, q[t].qs.as_ptr().add(32 * g));
+                        acc[t][chain] = _mm256_add_epi32(acc[t][chain], d);
+                    }
+                }
             }
-            let isum = hsum_i32(_mm256_add_epi32(a0, a1));
-            sum += isum as f32 * (half_to_f32(b.d.to_bits()) * BlockIq2Xxs::FACTOR * q.d);
+            let d = half_to_f32(b.d_bits()) * B::FACTOR;
+            for t in 0..N {
+                let isum = hsum_i32(_mm256_add_epi32(acc[t][0], acc[t][1]));
+                sum[t] += isum as f32 * (d * q[t].d);
+            }
         }
         sum
     }

@@ -322,8 +322,14 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
                 DType::Iq2Xxs => Some(kernel!(
                     unsafe Q8K,
                     iq_grid::BlockIq2Xxs,
-                    GA::vec_dot_iq2_xxs,
-                    GA::vec_dot_x4::<iq_grid::BlockIq2Xxs>
+                    GA::vec_dot_sign_words,
+                    GA::vec_dot_sign_words_x4
+                )),
+                DType::Iq3Xxs => Some(kernel!(
+                    unsafe Q8K,
+                    iq_grid::BlockIq3Xxs,
+                    GA::vec_dot_sign_words,
+                    GA::vec_dot_sign_words_x4
                 )),
                 _ => iq_grid::with_codebook!(
                     dtype,
