@@ -821,7 +821,7 @@ pub mod avx2 {
 
     /// [`vec_dot`](super::vec_dot) for IQ2_XXS and IQ3_XXS, the formats the smallest downloads
     /// use. A super-block's eight sign words and scales are expanded together in vector
-    /// ([`ksigns_x8`]), then each group takes its signs and scale by one shuffle each (the
+    /// (`ksigns_x8`), then each group takes its signs and scale by one shuffle each (the
     /// generic kernel's sign-table loads and `Group` through memory were most of its work).
     /// Two chains of sums. The same integers, so the scalar kernel's bits.
     ///
