@@ -702,8 +702,8 @@ pub mod avx2 {
     }
 
     /// `KSIGNS` of the four seven-bit fields of each of eight words, in vector: each byte
-    /// gets its field's seven bits and, in bit 7, their parity (the table's sixty-four loads a
-    /// super-block were most of the one-token kernel's work).
+    /// gets its field's seven bits and, in bit 7, their parity (in place of a super-block's
+    /// thirty-two loads from `KSIGN_BYTES`, each with a 64-bit insert).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn ksigns_x8(aux: __m256i) -> __m256i {
