@@ -727,36 +727,28 @@ pub mod avx2 {
         _mm256_or_si256(b, _mm256_xor_si256(lo, hi))
     }
 
-    /// Per group `p` of a lane's four: its sign bytes' bytes 0 and 1 (low lane), 2 and 3 (high
-    /// lane), each spread over the eight bytes it signs.
-    const SIGN_SPREAD: [[u8; 32]; 4] = {
+    /// `vpshufb` controls, per group `p` of a lane's four (whose 32-bit lane is bytes
+    /// `4p..4p + 4`): byte `i` of the vector takes byte `4p + (i / run) % len`.
+    const fn spread(run: usize, len: usize) -> [[u8; 32]; 4] {
         let mut t = [[0u8; 32]; 4];
         let mut p = 0;
         while p < 4 {
             let mut i = 0;
             while i < 32 {
-                t[p][i] = (4 * p + i / 8) as u8;
+                t[p][i] = (4 * p + (i / run) % len) as u8;
                 i += 1;
             }
             p += 1;
         }
         t
-    };
+    }
 
-    /// Per group `p` of a lane's four: its scale's low two bytes in every 16-bit lane.
-    const SCALE_SPREAD: [[u8; 32]; 4] = {
-        let mut t = [[0u8; 32]; 4];
-        let mut p = 0;
-        while p < 4 {
-            let mut i = 0;
-            while i < 32 {
-                t[p][i] = (4 * p + i % 2) as u8;
-                i += 1;
-            }
-            p += 1;
-        }
-        t
-    };
+    /// A group's sign bytes 0 and 1 (low lane), 2 and 3 (high lane), each spread over the
+    /// eight bytes it signs.
+    const SIGN_SPREAD: [[u8; 32]; 4] = spread(8, 4);
+
+    /// A group's scale (its lane's low two bytes) in every 16-bit lane.
+    const SCALE_SPREAD: [[u8; 32]; 4] = spread(1, 2);
 
     /// The formats whose groups carry a word of four seven-bit sign fields (eight signs each
     /// by [`KSIGNS`]) and the scale `2 · (word >> 28) + 1`: IQ2_XXS and IQ3_XXS.
