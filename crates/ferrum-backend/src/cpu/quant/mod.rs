@@ -322,14 +322,20 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
                 DType::Iq2Xxs => Some(kernel!(
                     unsafe Q8K,
                     iq_grid::BlockIq2Xxs,
-                    GA::vec_dot_sign_words,
-                    GA::vec_dot_sign_words_x4
+                    GA::vec_dot_sign_bytes,
+                    GA::vec_dot_sign_bytes_x4
                 )),
                 DType::Iq3Xxs => Some(kernel!(
                     unsafe Q8K,
                     iq_grid::BlockIq3Xxs,
-                    GA::vec_dot_sign_words,
-                    GA::vec_dot_sign_words_x4
+                    GA::vec_dot_sign_bytes,
+                    GA::vec_dot_sign_bytes_x4
+                )),
+                DType::Iq3S => Some(kernel!(
+                    unsafe Q8K,
+                    iq_grid::BlockIq3S,
+                    GA::vec_dot_sign_bytes,
+                    GA::vec_dot_sign_bytes_x4
                 )),
                 _ => iq_grid::with_codebook!(
                     dtype,
