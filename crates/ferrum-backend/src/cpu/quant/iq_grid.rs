@@ -728,14 +728,14 @@ pub mod avx2 {
     }
 
     /// `vpshufb` controls, per group `p` of a lane's four (whose 32-bit lane is bytes
-    /// `4p..4p + 4`): byte `i` of the vector takes byte `4p + (i / run) % len`.
-    const fn spread(run: usize, len: usize) -> [[u8; 32]; 4] {
+    /// `4p..4p + 4`): byte `i` of the vector takes byte `4p + (i / run) % len + half · (i / 16)`.
+    const fn spread(run: usize, len: usize, half: usize) -> [[u8; 32]; 4] {
         let mut t = [[0u8; 32]; 4];
         let mut p = 0;
         while p < 4 {
             let mut i = 0;
             while i < 32 {
-                t[p][i] = (4 * p + (i / run) % len) as u8;
+                t[p][i] = (4 * p + (i / run) % len + half * (i / 16)) as u8;
                 i += 1;
             }
             p += 1;
@@ -745,18 +745,23 @@ pub mod avx2 {
 
     /// A group's sign bytes 0 and 1 (low lane), 2 and 3 (high lane), each spread over the
     /// eight bytes it signs.
-    const SIGN_SPREAD: [[u8; 32]; 4] = spread(8, 4);
+    const SIGN_SPREAD: [[u8; 32]; 4] = spread(8, 4, 0);
 
     /// A group's scale (its lane's low two bytes) in every 16-bit lane.
-    const SCALE_SPREAD: [[u8; 32]; 4] = spread(1, 2);
+    const SCALE_SPREAD: [[u8; 32]; 4] = spread(1, 2, 0);
 
-    /// The formats whose 32-value groups take their signs a byte per eight values and one odd
-    /// integer scale each: IQ2_XXS and IQ3_XXS (a word of four seven-bit sign fields, each
-    /// byte's eighth sign their parity, and the scale `2 · (word >> 28) + 1`), and IQ3_S (the
-    /// sign bytes stored, a 4-bit scale per group).
+    /// A group's two half scales (its lane's low and high 16 bits) in every 16-bit lane of
+    /// the low and high 128-bit lanes.
+    const HALF_SCALE_SPREAD: [[u8; 32]; 4] = spread(1, 2, 2);
+
+    /// The formats whose 32-value groups take their signs a byte per eight values and odd
+    /// integer scales: IQ2_XXS and IQ3_XXS (a word of four seven-bit sign fields, each
+    /// byte's eighth sign their parity, and the scale `2 · (word >> 28) + 1`), IQ3_S (the
+    /// sign bytes stored, a 4-bit scale per group) and IQ2_S (the same, a 4-bit scale per
+    /// 16 values).
     pub trait SignBytes: Codebook {
         /// The eight groups' sign bytes (byte `4g + k` signs values `8k..8k + 8` of group
-        /// `g`, bit `j` value `8k + j`) and their scales (i32 lane `g`).
+        /// `g`, bit `j` value `8k + j`) and their scales (i32 lane `g`; see `HALF_SCALES`).
         ///
         /// # Safety
         /// The CPU supports AVX2.
@@ -769,8 +774,14 @@ pub mod avx2 {
         /// Whether the scale's shuffle control is hidden from LLVM, which otherwise makes each
         /// group's scale by two shuffles instead of one. With IQ3_XXS's and IQ3_S's eight grid
         /// entries a group the shuffle units are the kernel's limit, and hiding it took
-        /// `dot/IQ3_XXS` from 445 to 385 ns on Zen 3; IQ2_XXS's kernel ran 15% slower with it.
+        /// `dot/IQ3_XXS` from 445 to 385 ns on Zen 3; the four-entry formats ran slower with
+        /// it (IQ2_XXS 15%, IQ2_S 2%).
         const OPAQUE_SCALE_SPREAD: bool;
+        /// Whether each group has two scales, for values `0..16` (the low 16 bits of its
+        /// lane in `signs_scales`) and `16..32` (the high). A constant per format, so that the
+        /// one-scale formats keep their own code: with every format on the two-scale
+        /// control, IQ2_XXS's kernel ran 15% slower on Zen 3.
+        const HALF_SCALES: bool = false;
     }
 
     /// Signs and scales from eight sign-and-scale words, in order (IQ2_XXS, IQ3_XXS).
@@ -830,6 +841,39 @@ pub mod avx2 {
                 grid(7),
             )
         }
+    }
+
+    impl SignBytes for BlockIq2S {
+        /// The sign bytes as stored; group g's half scales are the nibbles of `scales[g]`.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn signs_scales(&self) -> (__m256i, __m256i) {
+            let signs = _mm256_loadu_si256(self.qs.as_ptr().add(QK_K / 8) as *const __m256i);
+            let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(self.scales.as_ptr() as *const __m128i));
+            // Low nibble to bits 1..5, high nibble to bits 17..21; then + 1 in both halves.
+            let halves = _mm256_or_si256(
+                _mm256_slli_epi32::<1>(_mm256_and_si256(sc, _mm256_set1_epi32(0x0f))),
+                _mm256_slli_epi32::<13>(_mm256_and_si256(sc, _mm256_set1_epi32(0xf0))),
+            );
+            (
+                signs,
+                _mm256_or_si256(halves, _mm256_set1_epi32(0x0001_0001)),
+            )
+        }
+        /// Index l of group g: byte `4g + l` of `qs`, and bits `2l..2l + 2` of `qh[g]` as its
+        /// ninth and tenth bits (made in scalar: four a group, unlike IQ3_S's eight, and
+        /// gathered the kernel was no faster than the generic one).
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn magnitudes(&self, g: usize) -> __m256i {
+            let (qs, qh) = (self.qs.as_ptr(), *self.qh.get_unchecked(g) as usize);
+            let grid = |l: usize| {
+                IQ2S_GRID[*qs.add(4 * g + l) as usize | ((qh << (8 - 2 * l)) & 0x300)] as i64
+            };
+            _mm256_setr_epi64x(grid(0), grid(1), grid(2), grid(3))
+        }
+        const OPAQUE_SCALE_SPREAD: bool = false;
+        const HALF_SCALES: bool = true;
     }
 
     impl SignBytes for BlockIq3S {
@@ -896,7 +940,12 @@ pub mod avx2 {
         let h7f = _mm256_set1_epi8(0x7f);
         let spread = |t: &[u8; 32]| _mm256_loadu_si256(t.as_ptr() as *const __m256i);
         let mut sum = [0f32; N];
-        let mut scale_ctl = [0, 1, 2, 3].map(|p| spread(&SCALE_SPREAD[p]));
+        let table = if B::HALF_SCALES {
+            &HALF_SCALE_SPREAD
+        } else {
+            &SCALE_SPREAD
+        };
+        let mut scale_ctl = [0, 1, 2, 3].map(|p| spread(&table[p]));
         if B::OPAQUE_SCALE_SPREAD {
             scale_ctl = std::hint::black_box(scale_ctl);
         }
