@@ -708,13 +708,20 @@ pub mod avx2 {
     #[inline]
     unsafe fn ksigns_x8(aux: __m256i) -> __m256i {
         let field = |v: __m256i, mask: i32| _mm256_and_si256(v, _mm256_set1_epi32(mask));
-        let b = _mm256_or_si256(
+        ksigns_x32(_mm256_or_si256(
             _mm256_or_si256(field(aux, 0x7f), field(_mm256_slli_epi32::<1>(aux), 0x7f00)),
             _mm256_or_si256(
                 field(_mm256_slli_epi32::<2>(aux), 0x7f_0000),
                 field(_mm256_slli_epi32::<3>(aux), 0x7f00_0000),
             ),
-        );
+        ))
+    }
+
+    /// `KSIGNS` of 32 seven-bit fields, one a byte: bit 7 set where the field holds an odd
+    /// number of ones.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn ksigns_x32(b: __m256i) -> __m256i {
         // 0x80 where a nibble holds an odd number of ones.
         let o = -128i8;
         let odd = _mm256_setr_epi8(
@@ -756,9 +763,10 @@ pub mod avx2 {
 
     /// The formats whose 32-value groups take their signs a byte per eight values and odd
     /// integer scales: IQ2_XXS and IQ3_XXS (a word of four seven-bit sign fields, each
-    /// byte's eighth sign their parity, and the scale `2 · (word >> 28) + 1`), IQ3_S (the
-    /// sign bytes stored, a 4-bit scale per group) and IQ2_S (the same, a 4-bit scale per
-    /// 16 values).
+    /// byte's eighth sign their parity, and the scale `2 · (word >> 28) + 1`), IQ2_XS (a
+    /// seven-bit sign field over each grid index, a 4-bit scale per 16 values), IQ3_S (the
+    /// sign bytes stored, a 4-bit scale per group) and IQ2_S (the sign bytes stored, a 4-bit
+    /// scale per 16 values).
     pub trait SignBytes: Codebook {
         /// The eight groups' sign bytes (byte `4g + k` signs values `8k..8k + 8` of group
         /// `g`, bit `j` value `8k + j`) and their scales (i32 lane `g`; see `HALF_SCALES`).
@@ -843,22 +851,55 @@ pub mod avx2 {
         }
     }
 
+    impl SignBytes for BlockIq2Xs {
+        /// Group g is four u16, each a nine-bit grid index under a seven-bit sign field; its
+        /// half scales are the nibbles of `scales[g]`.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn signs_scales(&self) -> (__m256i, __m256i) {
+            let qs = self.qs.as_ptr() as *const __m256i;
+            let f03 = _mm256_srli_epi16::<9>(_mm256_loadu_si256(qs));
+            let f47 = _mm256_srli_epi16::<9>(_mm256_loadu_si256(qs.add(1)));
+            // packus interleaves the lanes: groups 0, 1, 4, 5 | 2, 3, 6, 7.
+            let fields = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi16(f03, f47));
+            (ksigns_x32(fields), half_scales(&self.scales))
+        }
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn magnitudes(&self, g: usize) -> __m256i {
+            let q = self.qs.as_ptr().add(4 * g);
+            // Volatile, so that each index is one 16-bit load: LLVM otherwise loads the four
+            // together, masks them in vector and extracts each (two operations apiece), and
+            // the kernel ran no faster than the generic one.
+            let grid =
+                |k: usize| IQ2XS_GRID[(std::ptr::read_volatile(q.add(k)) & 511) as usize] as i64;
+            _mm256_setr_epi64x(grid(0), grid(1), grid(2), grid(3))
+        }
+        const OPAQUE_SCALE_SPREAD: bool = false;
+        const HALF_SCALES: bool = true;
+    }
+
+    /// Eight groups' half scales from a byte each, its nibbles: `2s + 1` of the low nibble in
+    /// the low 16 bits of lane g, of the high nibble in the high 16 (IQ2_XS, IQ2_S).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn half_scales(scales: &[u8; 8]) -> __m256i {
+        let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(scales.as_ptr() as *const __m128i));
+        // Low nibble to bits 1..5, high nibble to bits 17..21; then + 1 in both halves.
+        let halves = _mm256_or_si256(
+            _mm256_slli_epi32::<1>(_mm256_and_si256(sc, _mm256_set1_epi32(0x0f))),
+            _mm256_slli_epi32::<13>(_mm256_and_si256(sc, _mm256_set1_epi32(0xf0))),
+        );
+        _mm256_or_si256(halves, _mm256_set1_epi32(0x0001_0001))
+    }
+
     impl SignBytes for BlockIq2S {
         /// The sign bytes as stored; group g's half scales are the nibbles of `scales[g]`.
         #[target_feature(enable = "avx2,fma,f16c")]
         #[inline]
         unsafe fn signs_scales(&self) -> (__m256i, __m256i) {
             let signs = _mm256_loadu_si256(self.qs.as_ptr().add(QK_K / 8) as *const __m256i);
-            let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(self.scales.as_ptr() as *const __m128i));
-            // Low nibble to bits 1..5, high nibble to bits 17..21; then + 1 in both halves.
-            let halves = _mm256_or_si256(
-                _mm256_slli_epi32::<1>(_mm256_and_si256(sc, _mm256_set1_epi32(0x0f))),
-                _mm256_slli_epi32::<13>(_mm256_and_si256(sc, _mm256_set1_epi32(0xf0))),
-            );
-            (
-                signs,
-                _mm256_or_si256(halves, _mm256_set1_epi32(0x0001_0001)),
-            )
+            (signs, half_scales(&self.scales))
         }
         /// Index l of group g: byte `4g + l` of `qs`, and bits `2l..2l + 2` of `qh[g]` as its
         /// ninth and tenth bits (made in scalar: four a group, unlike IQ3_S's eight, and

@@ -331,6 +331,12 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
                     GA::vec_dot_sign_bytes,
                     GA::vec_dot_sign_bytes_x4
                 )),
+                DType::Iq2Xs => Some(kernel!(
+                    unsafe Q8K,
+                    iq_grid::BlockIq2Xs,
+                    GA::vec_dot_sign_bytes,
+                    GA::vec_dot_sign_bytes_x4
+                )),
                 DType::Iq2S => Some(kernel!(
                     unsafe Q8K,
                     iq_grid::BlockIq2S,
