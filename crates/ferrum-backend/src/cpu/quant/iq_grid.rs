@@ -707,14 +707,14 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn ksigns_x8(aux: __m256i) -> __m256i {
-        let field = |v: __m256i, mask: i32| _mm256_and_si256(v, _mm256_set1_epi32(mask));
-        ksigns_x32(_mm256_or_si256(
-            _mm256_or_si256(field(aux, 0x7f), field(_mm256_slli_epi32::<1>(aux), 0x7f00)),
-            _mm256_or_si256(
-                field(_mm256_slli_epi32::<2>(aux), 0x7f_0000),
-                field(_mm256_slli_epi32::<3>(aux), 0x7f00_0000),
-            ),
-        ))
+        // Adding to a word its bits from bit 7 up shifts those left by one: fields 1..3 move
+        // up a bit, then (from bit 15) fields 2 and 3, then (from bit 23) field 3, so field k
+        // starts at bit 8k.
+        let lift = |v: __m256i, from: i32| {
+            _mm256_add_epi32(v, _mm256_and_si256(v, _mm256_set1_epi32(from)))
+        };
+        let b = lift(lift(lift(aux, -1 << 7), -1 << 15), -1 << 23);
+        ksigns_x32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f7f_7f7f)))
     }
 
     /// `KSIGNS` of 32 seven-bit fields, one a byte: bit 7 set where the field holds an odd
