@@ -932,7 +932,8 @@ pub mod avx2 {
         }
         const OPAQUE_SCALE_SPREAD: bool = true;
         /// Index k of group g: byte `8g + k` of `qs`, and bit k of `qh[g]` as its ninth bit,
-        /// made in vector. Made in scalar, as IQ3_XXS's are, LLVM kept 64 table addresses a
+        /// made in vector and read back lane by lane (LLVM extracts them, `vpextrd`); through
+        /// memory with volatile loads it was slower than the generic kernel. Made in scalar, as IQ3_XXS's are, LLVM kept 64 table addresses a
         /// super-block on the stack and the kernel ran no faster than the generic one
         /// (`dot/IQ3_S` 780 ns on Zen 3); gathered, 645 ns; extracted (`vpextrd`), 600 ns.
         #[target_feature(enable = "avx2,fma,f16c")]
@@ -962,8 +963,8 @@ pub mod avx2 {
         }
     }
 
-    /// [`vec_dot`](super::vec_dot) for IQ2_XXS, IQ3_XXS and IQ3_S, the formats the smallest
-    /// downloads use. A super-block's eight groups' signs and scales are made together in
+    /// [`vec_dot`](super::vec_dot) for IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S, the formats
+    /// the smallest downloads use. A super-block's eight groups' signs and scales are made together in
     /// vector ([`SignBytes`]), then each group takes its signs and scale by one shuffle each
     /// (the generic kernel's sign-table loads and `Group` through memory were most of its work).
     /// Two chains of sums. The same integers, so the scalar kernel's bits.
