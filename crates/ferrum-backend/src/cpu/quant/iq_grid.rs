@@ -801,6 +801,22 @@ pub mod avx2 {
         (ksigns_x8(aux), scales)
     }
 
+    /// Eight 4-byte grid entries, `grid(k)` in lane k (IQ3_XXS, IQ3_S).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn entries8(grid: impl Fn(usize) -> i32) -> __m256i {
+        _mm256_setr_epi32(
+            grid(0),
+            grid(1),
+            grid(2),
+            grid(3),
+            grid(4),
+            grid(5),
+            grid(6),
+            grid(7),
+        )
+    }
+
     impl SignBytes for BlockIq2Xxs {
         /// Group g is eight bytes: four grid indices, then its word.
         #[target_feature(enable = "avx2,fma,f16c")]
@@ -838,16 +854,7 @@ pub mod avx2 {
         unsafe fn magnitudes(&self, g: usize) -> __m256i {
             let qs = self.qs.as_ptr();
             let grid = |k: usize| IQ3XXS_GRID[*qs.add(8 * g + k) as usize] as i32;
-            _mm256_setr_epi32(
-                grid(0),
-                grid(1),
-                grid(2),
-                grid(3),
-                grid(4),
-                grid(5),
-                grid(6),
-                grid(7),
-            )
+            entries8(grid)
         }
     }
 
@@ -932,10 +939,10 @@ pub mod avx2 {
         }
         const OPAQUE_SCALE_SPREAD: bool = true;
         /// Index k of group g: byte `8g + k` of `qs`, and bit k of `qh[g]` as its ninth bit,
-        /// made in vector and read back lane by lane (LLVM extracts them, `vpextrd`); through
-        /// memory with volatile loads it was slower than the generic kernel. Made in scalar, as IQ3_XXS's are, LLVM kept 64 table addresses a
-        /// super-block on the stack and the kernel ran no faster than the generic one
-        /// (`dot/IQ3_S` 780 ns on Zen 3); gathered, 645 ns; extracted (`vpextrd`), 600 ns.
+        /// made in vector and read back lane by lane (LLVM extracts them, `vpextrd`).
+        /// `dot/IQ3_S` on Zen 3: 600 ns so; 645 gathered (`vpgatherdd`); 780 made in scalar as
+        /// IQ3_XXS's are (LLVM kept 64 table addresses a super-block on the stack), no faster
+        /// than the generic kernel; slower still through memory with volatile loads.
         #[target_feature(enable = "avx2,fma,f16c")]
         #[inline]
         unsafe fn magnitudes(&self, g: usize) -> __m256i {
@@ -950,23 +957,15 @@ pub mod avx2 {
             let mut at = [0u32; 8];
             _mm256_storeu_si256(at.as_mut_ptr() as *mut __m256i, _mm256_or_si256(lo, hi));
             let grid = |k: usize| IQ3S_GRID[(at[k] & 511) as usize] as i32;
-            _mm256_setr_epi32(
-                grid(0),
-                grid(1),
-                grid(2),
-                grid(3),
-                grid(4),
-                grid(5),
-                grid(6),
-                grid(7),
-            )
+            entries8(grid)
         }
     }
 
     /// [`vec_dot`](super::vec_dot) for IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S, the formats
-    /// the smallest downloads use. A super-block's eight groups' signs and scales are made together in
-    /// vector ([`SignBytes`]), then each group takes its signs and scale by one shuffle each
-    /// (the generic kernel's sign-table loads and `Group` through memory were most of its work).
+    /// the smallest downloads use. A super-block's eight groups' signs and scales are made
+    /// together in vector ([`SignBytes`]), then each group takes its signs and scale by one
+    /// shuffle each (the generic kernel's sign-table loads and `Group` through memory were
+    /// most of its work).
     /// Two chains of sums. The same integers, so the scalar kernel's bits.
     ///
     /// # Safety

@@ -249,6 +249,17 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
     #[cfg(target_arch = "x86_64")]
     {
         use iq_grid::avx2 as GA;
+        // The codebook formats with sign bytes (`iq_grid::avx2::SignBytes`).
+        macro_rules! sign_bytes {
+            ($block:ty) => {
+                Some(kernel!(
+                    unsafe Q8K,
+                    $block,
+                    GA::vec_dot_sign_bytes,
+                    GA::vec_dot_sign_bytes_x4
+                ))
+            };
+        }
         if has_avx2() {
             let k = match dtype {
                 DType::Q4_0 => Some(kernel!(
@@ -319,36 +330,11 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
                 )),
                 DType::Iq4Nl => Some(kernel!(unsafe Q8, iq4::BlockIq4Nl, iq4::avx2::vec_dot_nl)),
                 DType::Iq4Xs => Some(kernel!(unsafe Q8K, iq4::BlockIq4Xs, iq4::avx2::vec_dot_xs)),
-                DType::Iq2Xxs => Some(kernel!(
-                    unsafe Q8K,
-                    iq_grid::BlockIq2Xxs,
-                    GA::vec_dot_sign_bytes,
-                    GA::vec_dot_sign_bytes_x4
-                )),
-                DType::Iq3Xxs => Some(kernel!(
-                    unsafe Q8K,
-                    iq_grid::BlockIq3Xxs,
-                    GA::vec_dot_sign_bytes,
-                    GA::vec_dot_sign_bytes_x4
-                )),
-                DType::Iq2Xs => Some(kernel!(
-                    unsafe Q8K,
-                    iq_grid::BlockIq2Xs,
-                    GA::vec_dot_sign_bytes,
-                    GA::vec_dot_sign_bytes_x4
-                )),
-                DType::Iq2S => Some(kernel!(
-                    unsafe Q8K,
-                    iq_grid::BlockIq2S,
-                    GA::vec_dot_sign_bytes,
-                    GA::vec_dot_sign_bytes_x4
-                )),
-                DType::Iq3S => Some(kernel!(
-                    unsafe Q8K,
-                    iq_grid::BlockIq3S,
-                    GA::vec_dot_sign_bytes,
-                    GA::vec_dot_sign_bytes_x4
-                )),
+                DType::Iq2Xxs => sign_bytes!(iq_grid::BlockIq2Xxs),
+                DType::Iq2Xs => sign_bytes!(iq_grid::BlockIq2Xs),
+                DType::Iq2S => sign_bytes!(iq_grid::BlockIq2S),
+                DType::Iq3Xxs => sign_bytes!(iq_grid::BlockIq3Xxs),
+                DType::Iq3S => sign_bytes!(iq_grid::BlockIq3S),
                 _ => iq_grid::with_codebook!(
                     dtype,
                     B => Some(kernel!(unsafe Q8K, B, GA::vec_dot::<B>, GA::vec_dot_x4::<B>)),
