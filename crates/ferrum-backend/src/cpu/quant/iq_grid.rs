@@ -10,10 +10,12 @@
 //! each format says, for each 32-value group, its eight-byte words of magnitudes, the words
 //! of their signs (bytes 1 or −1, looked up per stored sign byte, as llama.cpp's
 //! `keven_signs_q2xs`) and the integer scales of its two 16-value halves
-//! ([`Codebook::group`]); one scalar kernel and one AVX2 kernel ([`vec_dot`],
-//! [`avx2::vec_dot`], and [`avx2::vec_dot_x4`], which decodes each group once for four
-//! tokens) serve all nine formats, bit-equal (all sum the same integers, then one multiply
-//! per super-block).
+//! ([`Codebook::group`]); one scalar kernel ([`vec_dot`]) serves all nine formats. The AVX2
+//! row kernels make a super-block's side data in vector instead: [`avx2::SignBytes`] for the
+//! five whose signs come a byte per eight values, [`avx2::OffsetBytes`] for IQ1_S, IQ1_M and
+//! the TQs, whose values are unsigned bytes less an offset per 16 values. All sum the same
+//! integers, then make one multiply per super-block, so every kernel gives the scalar one's
+//! bits.
 //!
 //! The dequantisers follow llama.cpp's float steps one by one (`dequantize_row_*`), so they
 //! give its bits (`tests/dequant_reference.rs` holds them to llama.cpp's own library).
@@ -304,19 +306,29 @@ impl Codebook for BlockIq3S {
 }
 
 /// Eight signed values (i8 bytes of a word) as a magnitude word and a sign word.
+/// A word at a time (no byte carries into the next: a negated byte is at most 0x80); the
+/// values are above −128.
 #[inline]
 fn split_signed(v: u64) -> (u64, u64) {
-    let b = v.to_le_bytes().map(|x| x as i8);
-    (
-        u64::from_le_bytes(b.map(|x| x.unsigned_abs())),
-        u64::from_le_bytes(b.map(|x| if x < 0 { 0xff } else { 0x01 })),
-    )
+    let neg = (v >> 7) & LSB;
+    // 0xff in each negative byte, whose magnitude is its complement plus one.
+    let mask = neg * 0xff;
+    ((v ^ mask) + neg, LSB | (neg * 0xfe))
 }
 
-/// Eight grid values (−1, 0, 1 as i8 bytes) times 8, plus `delta` (±1), as i8 bytes.
+/// The low bit of each byte.
+const LSB: u64 = 0x0101_0101_0101_0101;
+/// The top bit of each byte.
+const MSB: u64 = 0x80 * LSB;
+
+/// Eight grid values (−1, 0, 1 as i8 bytes) times 8, plus `delta` (±1), as i8 bytes: a word
+/// at a time, as `8·[g ≠ 0] + 16·[g ≥ 0] + delta + 8` (each byte at most 33, so no carries),
+/// less 24 in each byte with its top bit set first, so that no byte borrows from the next.
 #[inline]
 fn iq1_word(grid: u64, delta: i8) -> u64 {
-    u64::from_le_bytes(grid.to_le_bytes().map(|g| (8 * g as i8 + delta) as u8))
+    let (nonzero, neg) = (grid & LSB, (grid >> 7) & LSB);
+    let w = 8 * nonzero + 16 * (LSB ^ neg) + (delta + 8) as u64 * LSB;
+    ((w | MSB) - 24 * LSB) ^ MSB
 }
 
 /// A group of four words of signed values.
@@ -420,11 +432,48 @@ impl BlockTq2_0 {
     }
 }
 
-/// Values `32ib..32ib+32` as four words of signed bytes.
-fn words_of(value: impl Fn(usize) -> i8, ib: usize) -> [u64; 4] {
-    std::array::from_fn(|k| {
-        u64::from_le_bytes(std::array::from_fn(|j| value(32 * ib + 8 * k + j) as u8))
-    })
+/// Each byte of `x` (values 0 to 3) less one, as i8 bytes: the top bit set first, so that
+/// no byte borrows from the next.
+#[inline]
+fn less_one(x: u64) -> u64 {
+    ((x | MSB) - LSB) ^ MSB
+}
+
+/// Each byte times `c`, modulo 256: even and odd bytes apart, each in a 16-bit field.
+#[inline]
+fn times_bytes(x: u64, c: u64) -> u64 {
+    const EVEN: u64 = 0x00ff_00ff_00ff_00ff;
+    ((x & EVEN).wrapping_mul(c) & EVEN) | ((x & !EVEN).wrapping_mul(c) & !EVEN)
+}
+
+/// Each byte's top base-3 digit as GGML reads it (`trit` of digit 0), a word at a time.
+#[inline]
+fn top_trits(y: u64) -> u64 {
+    const EVEN: u64 = 0x00ff_00ff_00ff_00ff;
+    ((((y & EVEN) * 3) >> 8) & EVEN) | ((((y >> 8) & EVEN) * 3) & !EVEN)
+}
+
+impl BlockTq1_0 {
+    /// Word `k` of group `ib`: the digits of `value`, eight at a time (the bytes' digits
+    /// made by multiplying by powers of three, as GGML's `trit` does).
+    fn word(&self, ib: usize, k: usize) -> u64 {
+        const POW3: [u64; 5] = [1, 3, 9, 27, 81];
+        let bytes =
+            |at: usize| u64::from_le_bytes(self.qs[at..at + 8].try_into().unwrap_or([0; 8]));
+        let y = match (ib, k) {
+            (0..5, _) => times_bytes(bytes(8 * k), POW3[ib]),
+            (5 | 6, _) => times_bytes(bytes(32 + 8 * (k % 2)), POW3[2 * (ib - 5) + k / 2]),
+            (_, 0 | 1) => times_bytes(bytes(32 + 8 * k), POW3[4]),
+            _ => {
+                // qh's four bytes, digit 2(k − 2) in the low four and the next in the high.
+                let h = u32::from_le_bytes(self.qh) as u64 * 0x1_0000_0001;
+                let n = 2 * (k - 2);
+                (times_bytes(h, POW3[n]) & 0xffff_ffff)
+                    | (times_bytes(h, POW3[n + 1]) & !0xffff_ffff)
+            }
+        };
+        less_one(top_trits(y))
+    }
 }
 
 impl Codebook for BlockTq1_0 {
@@ -433,7 +482,7 @@ impl Codebook for BlockTq1_0 {
         self.d.to_bits()
     }
     fn group(&self, ib: usize) -> Group {
-        signed_group(words_of(|e| self.value(e), ib), [1, 1])
+        signed_group(std::array::from_fn(|k| self.word(ib, k)), [1, 1])
     }
 }
 
@@ -442,8 +491,14 @@ impl Codebook for BlockTq2_0 {
     fn d_bits(&self) -> u16 {
         self.d.to_bits()
     }
+    /// Group `ib`: bits `2 · (ib % 4)..` of bytes `32 · (ib / 4)..`.
     fn group(&self, ib: usize) -> Group {
-        signed_group(words_of(|e| self.value(e), ib), [1, 1])
+        let words = std::array::from_fn(|k| {
+            let at = 32 * (ib / 4) + 8 * k;
+            let x = u64::from_le_bytes(self.qs[at..at + 8].try_into().unwrap_or([0; 8]));
+            less_one((x >> (2 * (ib % 4))) & (3 * LSB))
+        });
+        signed_group(words, [1, 1])
     }
 }
 
@@ -656,21 +711,6 @@ pub mod avx2 {
     use crate::cpu::quant::q8::prefetch;
     use std::arch::x86_64::*;
 
-    /// Group `ib` of `b` as vectors: the magnitudes (unsigned bytes), their signs (1 or −1
-    /// bytes) and the two halves' scales as i16 in each lane of their half.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn load_group<B: Codebook>(b: &B, ib: usize) -> (__m256i, __m256i, __m256i) {
-        let g = b.group(ib);
-        let w =
-            |v: [u64; 4]| _mm256_setr_epi64x(v[0] as i64, v[1] as i64, v[2] as i64, v[3] as i64);
-        let sc = _mm256_set_m128i(
-            _mm_set1_epi16(g.scales[1] as i16),
-            _mm_set1_epi16(g.scales[0] as i16),
-        );
-        (w(g.words), w(g.signs), sc)
-    }
-
     /// One group against one token's 32 activations: the signs moved onto the activations,
     /// `maddubs` with the magnitudes (a pair sum is at most 2 · 127 · 127, inside i16), `madd`
     /// with the halves' scales.
@@ -679,26 +719,6 @@ pub mod avx2 {
     unsafe fn group_dot(x: __m256i, sg: __m256i, sc: __m256i, a: *const i8) -> __m256i {
         let y = _mm256_loadu_si256(a as *const __m256i);
         _mm256_madd_epi16(_mm256_maddubs_epi16(x, _mm256_sign_epi8(y, sg)), sc)
-    }
-
-    /// [`vec_dot`](super::vec_dot) on AVX2: exact integer sums, so the scalar kernel's bits.
-    ///
-    /// # Safety
-    /// The CPU supports AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn vec_dot<B: Codebook>(w: &[B], a: &[BlockQ8K]) -> f32 {
-        let mut sum = 0f32;
-        for (b, q) in w.iter().zip(a) {
-            prefetch(b);
-            let mut isum = _mm256_setzero_si256();
-            for ib in 0..QK_K / 32 {
-                let (x, sg, sc) = load_group(b, ib);
-                let p = group_dot(x, sg, sc, q.qs.as_ptr().add(32 * ib));
-                isum = _mm256_add_epi32(isum, p);
-            }
-            sum += hsum_i32(isum) as f32 * (half_to_f32(b.d_bits()) * B::FACTOR * q.d);
-        }
-        sum
     }
 
     /// `KSIGNS` of the four seven-bit fields of each of eight words, in vector: each byte
@@ -834,7 +854,8 @@ pub mod avx2 {
         #[inline]
         unsafe fn magnitudes(&self, g: usize) -> __m256i {
             let qs = self.qs.as_ptr() as *const u8;
-            let grid = |k: usize| IQ2XXS_GRID[*qs.add(8 * g + k) as usize] as i64;
+            let grid =
+                |k: usize| IQ2XXS_GRID[std::ptr::read_volatile(qs.add(8 * g + k)) as usize] as i64;
             _mm256_setr_epi64x(grid(0), grid(1), grid(2), grid(3))
         }
     }
@@ -877,7 +898,7 @@ pub mod avx2 {
             let q = self.qs.as_ptr().add(4 * g);
             // Volatile, so that each index is one 16-bit load: LLVM otherwise loads the four
             // together, masks them in vector and extracts each (two operations apiece), and
-            // the kernel ran no faster than the generic one.
+            // the kernel ran no faster than one over `Codebook::group`.
             let grid =
                 |k: usize| IQ2XS_GRID[(std::ptr::read_volatile(q.add(k)) & 511) as usize] as i64;
             _mm256_setr_epi64x(grid(0), grid(1), grid(2), grid(3))
@@ -910,7 +931,7 @@ pub mod avx2 {
         }
         /// Index l of group g: byte `4g + l` of `qs`, and bits `2l..2l + 2` of `qh[g]` as its
         /// ninth and tenth bits (made in scalar: four a group, unlike IQ3_S's eight, and
-        /// gathered the kernel was no faster than the generic one).
+        /// gathered the kernel was no faster than one over `Codebook::group`).
         #[target_feature(enable = "avx2,fma,f16c")]
         #[inline]
         unsafe fn magnitudes(&self, g: usize) -> __m256i {
@@ -942,7 +963,7 @@ pub mod avx2 {
         /// made in vector and read back lane by lane (LLVM extracts them, `vpextrd`).
         /// `dot/IQ3_S` on Zen 3: 600 ns so; 645 gathered (`vpgatherdd`); 780 made in scalar as
         /// IQ3_XXS's are (LLVM kept 64 table addresses a super-block on the stack), no faster
-        /// than the generic kernel; slower still through memory with volatile loads.
+        /// than a kernel over `Codebook::group`; slower still through memory with volatile loads.
         #[target_feature(enable = "avx2,fma,f16c")]
         #[inline]
         unsafe fn magnitudes(&self, g: usize) -> __m256i {
@@ -961,12 +982,11 @@ pub mod avx2 {
         }
     }
 
-    /// [`vec_dot`](super::vec_dot) for IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S, the formats
+    /// [`vec_dot`] for IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S, the formats
     /// the smallest downloads use. A super-block's eight groups' signs and scales are made
     /// together in vector ([`SignBytes`]), then each group takes its signs and scale by one
-    /// shuffle each (the generic kernel's sign-table loads and `Group` through memory were
-    /// most of its work).
-    /// Two chains of sums. The same integers, so the scalar kernel's bits.
+    /// shuffle each (a kernel over `Codebook::group` spent most of its time on sign-table loads
+    /// and `Group` through memory). Two chains of sums. The same integers, so the scalar kernel's bits.
     ///
     /// # Safety
     /// The CPU supports AVX2, FMA and F16C.
@@ -1043,28 +1063,321 @@ pub mod avx2 {
         sum
     }
 
-    /// One weight row against four tokens, each group decoded once for all four: per token
-    /// the one-token kernel's integers and float steps, so its bits.
+    /// The formats whose values are small signed integers with no sign bits: IQ1_S and IQ1_M
+    /// (`8 · grid ± 1`, the grid's bytes −1, 0 or 1), TQ1_0 and TQ2_0 (a base-3 digit or two
+    /// bits, less one). A value times its scale is `c · u − o`, with `u` an unsigned byte and
+    /// `c` and `o` fixed per 16-value half, so `maddubs` takes `u` as it stands and the `o`s
+    /// come out through the activations' 16-value sums (`BlockQ8K::bsums`), once a
+    /// super-block.
+    pub trait OffsetBytes: Codebook {
+        /// Per super-block: bytes the groups' values need (each format's own: IQ1_M's per
+        /// eight-value offsets, byte `4g + k` for values `8k..8k + 8` of group g), the half
+        /// scales `madd` applies (i32 lane g: values `0..16` in its low 16 bits, `16..32` in
+        /// its high) and the coefficients of the activations' 16-value sums (i16 lane `2g + h`),
+        /// so that a super-block's integer sum is `Σ scale · Σ u·a + Σ coef · bsum`. The grid
+        /// formats also write their 32 grid indices to `idx`, made in vector.
+        ///
+        /// # Safety
+        /// The CPU supports AVX2.
+        unsafe fn parts(&self, idx: &mut [u16; 32]) -> (__m256i, __m256i, __m256i);
+        /// Group `g`'s 32 bytes `u` (at most 127, so a `maddubs` pair stays inside i16):
+        /// `side` is the first of [`parts`](OffsetBytes::parts), groups `4 · (g / 4)..` in
+        /// both lanes, as the sign bytes are spread.
+        ///
+        /// # Safety
+        /// The CPU supports AVX2, and `g < 8`.
+        unsafe fn unsigned(&self, g: usize, side: __m256i, idx: &[u16; 32]) -> __m256i;
+    }
+
+    /// The four 8-byte IQ1 grid entries of a group, in order.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn iq1_entries(idx: [usize; 4]) -> __m256i {
+        let grid = |l: usize| IQ1S_GRID[idx[l] & 2047] as i64;
+        _mm256_setr_epi64x(grid(0), grid(1), grid(2), grid(3))
+    }
+
+    /// Eight 16-bit lanes as eight i32 lanes, each lane's value in both of its halves (the
+    /// two half scales of a one-scale group, or its two 16-value sums' coefficients).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn both_halves(x: __m128i) -> __m256i {
+        _mm256_set_m128i(_mm_unpackhi_epi16(x, x), _mm_unpacklo_epi16(x, x))
+    }
+
+    impl OffsetBytes for BlockIq1S {
+        /// `8g + δ = 8 · (g + 1) + (δ − 8)`: `u = g + 1`, the eight in the scale (`8s`, at
+        /// most 120) and the rest, `s · (δ − 8)`, through the group's sums.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn parts(&self, idx: &mut [u16; 32]) -> (__m256i, __m256i, __m256i) {
+            let qh = _mm_loadu_si128(self.qh.as_ptr() as *const __m128i);
+            // Index 4g + l: byte 4g + l of qs, bits 3l..3l + 3 of qh[g] as bits 8..11 (qh[g]
+            // times 2^8, 2^5, 2^2, or 2^-1 by the high half of times 2^15).
+            let qs = self.qs.as_ptr() as *const __m128i;
+            let (mul, mul_hi) = (
+                _mm256_setr_epi16(256, 32, 4, 0, 256, 32, 4, 0, 256, 32, 4, 0, 256, 32, 4, 0),
+                _mm256_setr_epi16(
+                    0, 0, 0, -32768, 0, 0, 0, -32768, 0, 0, 0, -32768, 0, 0, 0, -32768,
+                ),
+            );
+            for (half, q) in [_mm_unpacklo_epi16(qh, qh), _mm_unpackhi_epi16(qh, qh)]
+                .into_iter()
+                .enumerate()
+            {
+                // qh of groups 4·half.. each four times.
+                let hi = _mm256_set_m128i(_mm_unpackhi_epi32(q, q), _mm_unpacklo_epi32(q, q));
+                let at = idx.as_mut_ptr().add(16 * half) as *mut __m256i;
+                let bits =
+                    _mm256_or_si256(_mm256_mullo_epi16(hi, mul), _mm256_mulhi_epu16(hi, mul_hi));
+                let lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(qs.add(half)));
+                let bits = _mm256_and_si256(bits, _mm256_set1_epi16(0x700));
+                _mm256_storeu_si256(at, _mm256_or_si256(lo, bits));
+            }
+            // 2 · bits 12..15 + 1, and δ − 8: −7, or −9 where bit 15 is set.
+            let s = _mm_or_si128(
+                _mm_and_si128(_mm_srli_epi16::<11>(qh), _mm_set1_epi16(0x0e)),
+                _mm_set1_epi16(1),
+            );
+            let delta8 = _mm_add_epi16(
+                _mm_set1_epi16(-7),
+                _mm_slli_epi16::<1>(_mm_srai_epi16::<15>(qh)),
+            );
+            let coef = _mm_mullo_epi16(s, delta8);
+            (
+                _mm256_setzero_si256(),
+                both_halves(_mm_slli_epi16::<3>(s)),
+                both_halves(coef),
+            )
+        }
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn unsigned(&self, g: usize, _side: __m256i, idx: &[u16; 32]) -> __m256i {
+            let entries = iq1_entries([0, 1, 2, 3].map(|l| idx[4 * g + l] as usize));
+            _mm256_add_epi8(entries, _mm256_set1_epi8(1))
+        }
+    }
+
+    impl OffsetBytes for BlockIq1M {
+        /// `8g + δ + 9`, from 0 to 18, with δ per eight values: `u = sign(8, g) + (9 + δ)`,
+        /// the 9 + δ spread from a byte per eight values, and `−9 s` through the sums.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn parts(&self, _idx: &mut [u16; 32]) -> (__m256i, __m256i, __m256i) {
+            // δ's bit is bit 3 of each qh nibble, the nibbles in value order: 10 − 2 · bit.
+            let qh = _mm_loadu_si128(self.qh.as_ptr() as *const __m128i);
+            let b3 = _mm_set1_epi8(0x08);
+            let lo = _mm_and_si128(qh, b3);
+            let hi = _mm_and_si128(_mm_srli_epi16::<4>(qh), b3);
+            let bits = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+            let side = _mm256_sub_epi8(_mm256_set1_epi8(10), _mm256_srli_epi16::<2>(bits));
+            // Group g's half scales: bits 6(g % 2).. of word g / 2, three bits each.
+            let words =
+                _mm256_cvtepu16_epi32(_mm_loadl_epi64(self.scales.as_ptr() as *const __m128i));
+            let x = _mm256_srlv_epi32(
+                _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)),
+                _mm256_setr_epi32(0, 6, 0, 6, 0, 6, 0, 6),
+            );
+            let scales = _mm256_or_si256(
+                _mm256_or_si256(
+                    _mm256_slli_epi32::<1>(_mm256_and_si256(x, _mm256_set1_epi32(7))),
+                    _mm256_slli_epi32::<14>(_mm256_and_si256(x, _mm256_set1_epi32(0x38))),
+                ),
+                _mm256_set1_epi32(0x0001_0001),
+            );
+            (
+                side,
+                scales,
+                _mm256_mullo_epi16(scales, _mm256_set1_epi16(-9)),
+            )
+        }
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        /// The indices made in scalar: made in vector, as IQ1_S's, `dot/IQ1_M` ran 16% slower
+        /// on Zen 3.
+        unsafe fn unsigned(&self, g: usize, side: __m256i, _idx: &[u16; 32]) -> __m256i {
+            let qs = self.qs.as_ptr().add(4 * g);
+            let qh = [0, 1].map(|k| *self.qh.get_unchecked(2 * g + k) as usize);
+            let idx = [
+                *qs as usize | (qh[0] << 8 & 0x700),
+                *qs.add(1) as usize | (qh[0] << 4 & 0x700),
+                *qs.add(2) as usize | (qh[1] << 8 & 0x700),
+                *qs.add(3) as usize | (qh[1] << 4 & 0x700),
+            ];
+            let off = _mm256_shuffle_epi8(side, control(&SIGN_SPREAD[g % 4]));
+            _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), iq1_entries(idx)), off)
+        }
+    }
+
+    /// The ternary formats' parts: scales 1, and −1 a value through the sums.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn ternary_parts() -> (__m256i, __m256i, __m256i) {
+        let one = _mm256_set1_epi16(1);
+        (_mm256_setzero_si256(), one, _mm256_set1_epi16(-1))
+    }
+
+    impl OffsetBytes for BlockTq2_0 {
+        /// `q − 1`: `u = q`, and −1 through the sums.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn parts(&self, _idx: &mut [u16; 32]) -> (__m256i, __m256i, __m256i) {
+            ternary_parts()
+        }
+        /// Group g: bits `2 · (g % 4)..` of bytes `32 · (g / 4)..`.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn unsigned(&self, g: usize, _side: __m256i, _idx: &[u16; 32]) -> __m256i {
+            let q = _mm256_loadu_si256(self.qs.as_ptr().add(32 * (g / 4)) as *const __m256i);
+            let shifted = _mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * (g % 4) as i32));
+            _mm256_and_si256(shifted, _mm256_set1_epi8(3))
+        }
+    }
+
+    /// Bytes times three, modulo 256 (TQ1_0's next base-3 digit to the top).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn times3(y: __m256i) -> __m256i {
+        _mm256_add_epi8(_mm256_add_epi8(y, y), y)
+    }
+
+    /// Each byte's top base-3 digit as GGML reads it, `(3y) >> 8`: 1 from 86 up, 2 from 171.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn top_trit(y: __m256i) -> __m256i {
+        let at_least = |t: i8| _mm256_cmpeq_epi8(_mm256_max_epu8(y, _mm256_set1_epi8(t)), y);
+        // Each comparison is −1 where it holds.
+        _mm256_sub_epi8(
+            _mm256_setzero_si256(),
+            _mm256_add_epi8(at_least(86), at_least(-85)),
+        )
+    }
+
+    impl OffsetBytes for BlockTq1_0 {
+        /// `t − 1`: `u = t`, and −1 through the sums.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn parts(&self, _idx: &mut [u16; 32]) -> (__m256i, __m256i, __m256i) {
+            ternary_parts()
+        }
+        /// Groups 0..5: digit g of `qs[0..32]`; then digits 0 and 1 (group 5), 2 and 3
+        /// (group 6) of `qs[32..48]`, and digit 4 of those beside the sixteen of `qh`'s four
+        /// digits (group 7). Digit n of a byte is the top digit of the byte times `3^n`.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn unsigned(&self, g: usize, _side: __m256i, _idx: &[u16; 32]) -> __m256i {
+            let pow = |mut y: __m256i, n: usize| {
+                for _ in 0..n {
+                    y = times3(y);
+                }
+                y
+            };
+            if g < 5 {
+                let q = _mm256_loadu_si256(self.qs.as_ptr() as *const __m256i);
+                return top_trit(pow(q, g));
+            }
+            let z = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                self.qs.as_ptr().add(32) as *const __m128i
+            ));
+            // z times 1 in the low lane, 3 in the high.
+            let z01 = _mm256_blend_epi32::<0xf0>(z, times3(z));
+            let y = match g {
+                5 => z01,
+                6 => pow(z01, 2),
+                _ => {
+                    let h = _mm256_set1_epi32(u32::from_le_bytes(self.qh) as i32);
+                    let (h1, h2) = (times3(h), pow(h, 2));
+                    let h3 = times3(h2);
+                    let qh = _mm256_blend_epi32::<0b1000_0000>(
+                        _mm256_blend_epi32::<0b0100_0000>(
+                            _mm256_blend_epi32::<0b0010_0000>(h, h1),
+                            h2,
+                        ),
+                        h3,
+                    );
+                    _mm256_blend_epi32::<0xf0>(pow(z, 4), qh)
+                }
+            };
+            top_trit(y)
+        }
+    }
+
+    /// A row of a [`spread`] table as a `vpshufb` control.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn control(t: &[u8; 32]) -> __m256i {
+        _mm256_loadu_si256(t.as_ptr() as *const __m256i)
+    }
+
+    /// [`vec_dot`] for IQ1_S, IQ1_M, TQ1_0 and TQ2_0 ([`OffsetBytes`]): per group one
+    /// `maddubs` of its unsigned bytes, one `madd` with its half scales; the offsets once a
+    /// super-block, one `madd` of the activations' sums. The same integers, so the scalar
+    /// kernel's bits.
     ///
     /// # Safety
     /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn vec_dot_x4<B: Codebook>(w: &[B], a: [&[BlockQ8K]; 4]) -> [f32; 4] {
-        let mut sum = [0f32; 4];
+    pub unsafe fn vec_dot_offset_bytes<B: OffsetBytes>(w: &[B], a: &[BlockQ8K]) -> f32 {
+        offset_bytes_n::<B, 1>(w, [a])[0]
+    }
+
+    /// [`vec_dot_offset_bytes`] against four tokens, each group decoded once for all four:
+    /// per token the same integers and float steps, so its bits.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot_offset_bytes_x4<B: OffsetBytes>(
+        w: &[B],
+        a: [&[BlockQ8K]; 4],
+    ) -> [f32; 4] {
+        offset_bytes_n::<B, 4>(w, a)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn offset_bytes_n<B: OffsetBytes, const N: usize>(
+        w: &[B],
+        a: [&[BlockQ8K]; N],
+    ) -> [f32; N] {
+        let mut sum = [0f32; N];
         for (i, b) in w.iter().enumerate() {
             prefetch(b);
             let q = a.map(|r| r.get_unchecked(i));
-            let mut isum = [_mm256_setzero_si256(); 4];
-            for ib in 0..QK_K / 32 {
-                let (x, sg, sc) = load_group(b, ib);
-                for t in 0..4 {
-                    let p = group_dot(x, sg, sc, q[t].qs.as_ptr().add(32 * ib));
-                    isum[t] = _mm256_add_epi32(isum[t], p);
+            let mut idx = [0u16; 32];
+            let (side, scales, coef) = b.parts(&mut idx);
+            let mut acc = q.map(|q| {
+                let bsums = _mm256_loadu_si256(q.bsums.as_ptr() as *const __m256i);
+                [_mm256_madd_epi16(bsums, coef), _mm256_setzero_si256()]
+            });
+            for half in 0..2 {
+                let (side4, sc4) = if half == 0 {
+                    (
+                        _mm256_permute4x64_epi64::<0x44>(side),
+                        _mm256_permute4x64_epi64::<0x44>(scales),
+                    )
+                } else {
+                    (
+                        _mm256_permute4x64_epi64::<0xee>(side),
+                        _mm256_permute4x64_epi64::<0xee>(scales),
+                    )
+                };
+                for (p, ctl) in HALF_SCALE_SPREAD.iter().enumerate() {
+                    let g = 4 * half + p;
+                    let u = b.unsigned(g, side4, &idx);
+                    let sc = _mm256_shuffle_epi8(sc4, control(ctl));
+                    let chain = if N == 1 { p % 2 } else { 0 };
+                    for t in 0..N {
+                        let y = _mm256_loadu_si256(q[t].qs.as_ptr().add(32 * g) as *const __m256i);
+                        let d = _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), sc);
+                        acc[t][chain] = _mm256_add_epi32(acc[t][chain], d);
+                    }
                 }
             }
             let d = half_to_f32(b.d_bits()) * B::FACTOR;
-            for t in 0..4 {
-                sum[t] += hsum_i32(isum[t]) as f32 * (d * q[t].d);
+            for t in 0..N {
+                let isum = hsum_i32(_mm256_add_epi32(acc[t][0], acc[t][1]));
+                sum[t] += isum as f32 * (d * q[t].d);
             }
         }
         sum

@@ -260,6 +260,17 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
                 ))
             };
         }
+        // The codebook formats without sign bits (`iq_grid::avx2::OffsetBytes`).
+        macro_rules! offset_bytes {
+            ($block:ty) => {
+                Some(kernel!(
+                    unsafe Q8K,
+                    $block,
+                    GA::vec_dot_offset_bytes,
+                    GA::vec_dot_offset_bytes_x4
+                ))
+            };
+        }
         if has_avx2() {
             let k = match dtype {
                 DType::Q4_0 => Some(kernel!(
@@ -335,11 +346,11 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
                 DType::Iq2S => sign_bytes!(iq_grid::BlockIq2S),
                 DType::Iq3Xxs => sign_bytes!(iq_grid::BlockIq3Xxs),
                 DType::Iq3S => sign_bytes!(iq_grid::BlockIq3S),
-                _ => iq_grid::with_codebook!(
-                    dtype,
-                    B => Some(kernel!(unsafe Q8K, B, GA::vec_dot::<B>, GA::vec_dot_x4::<B>)),
-                    _ => None
-                ),
+                DType::Iq1S => offset_bytes!(iq_grid::BlockIq1S),
+                DType::Iq1M => offset_bytes!(iq_grid::BlockIq1M),
+                DType::Tq1_0 => offset_bytes!(iq_grid::BlockTq1_0),
+                DType::Tq2_0 => offset_bytes!(iq_grid::BlockTq2_0),
+                _ => None,
             };
             if k.is_some() {
                 return k;
