@@ -360,27 +360,18 @@ impl Codebook for BlockIq1S {
 }
 
 impl BlockIq1M {
-    /// Group `ib`'s four grid indices and offset signs.
+    /// Group `ib`'s four grid indices and offset signs: index l takes bits `4l..4l + 3` of
+    /// the group's two qh bytes as its bits 8..11, and bit `4l + 3` is its offset's sign.
+    #[inline]
     fn indices(&self, ib: usize) -> ([usize; 4], [i8; 4]) {
-        let qs = &self.qs[4 * ib..4 * ib + 4];
-        let qh = &self.qh[2 * ib..2 * ib + 2];
-        let idx = [
-            qs[0] as usize | ((qh[0] as usize) << 8 & 0x700),
-            qs[1] as usize | ((qh[0] as usize) << 4 & 0x700),
-            qs[2] as usize | ((qh[1] as usize) << 8 & 0x700),
-            qs[3] as usize | ((qh[1] as usize) << 4 & 0x700),
-        ];
-        let delta = [qh[0] & 0x08, qh[0] & 0x80, qh[1] & 0x08, qh[1] & 0x80].map(|b| {
-            if b != 0 {
-                -1
-            } else {
-                1
-            }
-        });
+        let qh = u16::from_le_bytes([self.qh[2 * ib], self.qh[2 * ib + 1]]) as usize;
+        let idx = std::array::from_fn(|l| self.qs[4 * ib + l] as usize | (qh >> (4 * l) & 7) << 8);
+        let delta = std::array::from_fn(|l| 1 - 2 * ((qh >> (4 * l + 3)) & 1) as i8);
         (idx, delta)
     }
 
     /// Group `ib`'s two 3-bit scales.
+    #[inline]
     fn scales3(&self, ib: usize) -> [u16; 2] {
         let sc = self.sc(ib / 2);
         let shift = 6 * (ib % 2);
@@ -393,6 +384,7 @@ impl Codebook for BlockIq1M {
     fn d_bits(&self) -> u16 {
         BlockIq1M::d_bits(self)
     }
+    #[inline]
     fn group(&self, ib: usize) -> Group {
         let (idx, delta) = self.indices(ib);
         let [s1, s2] = self.scales3(ib);
@@ -1197,13 +1189,8 @@ pub mod avx2 {
         /// on Zen 3.
         unsafe fn unsigned(&self, g: usize, side: __m256i, _idx: &[u16; 32]) -> __m256i {
             let qs = self.qs.as_ptr().add(4 * g);
-            let qh = [0, 1].map(|k| *self.qh.get_unchecked(2 * g + k) as usize);
-            let idx = [
-                *qs as usize | (qh[0] << 8 & 0x700),
-                *qs.add(1) as usize | (qh[0] << 4 & 0x700),
-                *qs.add(2) as usize | (qh[1] << 8 & 0x700),
-                *qs.add(3) as usize | (qh[1] << 4 & 0x700),
-            ];
+            let qh = (self.qh.as_ptr().add(2 * g) as *const u16).read_unaligned() as usize;
+            let idx = [0, 1, 2, 3].map(|l| *qs.add(l) as usize | (qh >> (4 * l) & 7) << 8);
             let off = _mm256_shuffle_epi8(side, control(&SIGN_SPREAD[g % 4]));
             _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), iq1_entries(idx)), off)
         }
