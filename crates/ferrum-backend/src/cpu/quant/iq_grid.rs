@@ -846,6 +846,9 @@ pub mod avx2 {
         #[inline]
         unsafe fn magnitudes(&self, g: usize) -> __m256i {
             let qs = self.qs.as_ptr() as *const u8;
+            // Volatile, so that each index is one byte load: LLVM otherwise takes some from the
+            // vector `signs_scales` loaded (`vpextrb`, two operations on the ports the grid
+            // loads use). `dot/IQ2_XXS` on Zen 3: 314 → 297 ns.
             let grid =
                 |k: usize| IQ2XXS_GRID[std::ptr::read_volatile(qs.add(8 * g + k)) as usize] as i64;
             _mm256_setr_epi64x(grid(0), grid(1), grid(2), grid(3))
