@@ -431,17 +431,18 @@ fn less_one(x: u64) -> u64 {
     ((x | MSB) - LSB) ^ MSB
 }
 
+/// The even bytes of a word.
+const EVEN: u64 = 0x00ff_00ff_00ff_00ff;
+
 /// Each byte times `c`, modulo 256: even and odd bytes apart, each in a 16-bit field.
 #[inline]
 fn times_bytes(x: u64, c: u64) -> u64 {
-    const EVEN: u64 = 0x00ff_00ff_00ff_00ff;
     ((x & EVEN).wrapping_mul(c) & EVEN) | ((x & !EVEN).wrapping_mul(c) & !EVEN)
 }
 
 /// Each byte's top base-3 digit as GGML reads it (`trit` of digit 0), a word at a time.
 #[inline]
 fn top_trits(y: u64) -> u64 {
-    const EVEN: u64 = 0x00ff_00ff_00ff_00ff;
     ((((y & EVEN) * 3) >> 8) & EVEN) | ((((y >> 8) & EVEN) * 3) & !EVEN)
 }
 
