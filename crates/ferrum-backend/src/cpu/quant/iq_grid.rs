@@ -978,6 +978,35 @@ pub mod avx2 {
         }
     }
 
+    /// A vector's 128-bit lane `half` in both lanes: the side data of groups `4 · half..`,
+    /// as the in-lane shuffles that spread it to a group want it.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn half_lanes(v: __m256i, half: usize) -> __m256i {
+        if half == 0 {
+            _mm256_permute4x64_epi64::<0x44>(v)
+        } else {
+            _mm256_permute4x64_epi64::<0xee>(v)
+        }
+    }
+
+    /// A super-block's step into each token's sum: its two chains' integer sum, times
+    /// `d · FACTOR · d_a`, as the scalar kernel does.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn add_superblock<B: Codebook, const N: usize>(
+        sum: &mut [f32; N],
+        b: &B,
+        acc: &[[__m256i; 2]; N],
+        q: [&BlockQ8K; N],
+    ) {
+        let d = half_to_f32(b.d_bits()) * B::FACTOR;
+        for t in 0..N {
+            let isum = hsum_i32(_mm256_add_epi32(acc[t][0], acc[t][1]));
+            sum[t] += isum as f32 * (d * q[t].d);
+        }
+    }
+
     /// [`vec_dot`] for IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S, the formats
     /// the smallest downloads use. A super-block's eight groups' signs and scales are made
     /// together in vector ([`SignBytes`]), then each group takes its signs and scale by one
@@ -1006,14 +1035,13 @@ pub mod avx2 {
     unsafe fn sign_bytes_n<B: SignBytes, const N: usize>(w: &[B], a: [&[BlockQ8K]; N]) -> [f32; N] {
         let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
         let h7f = _mm256_set1_epi8(0x7f);
-        let spread = |t: &[u8; 32]| _mm256_loadu_si256(t.as_ptr() as *const __m256i);
         let mut sum = [0f32; N];
         let table = if B::HALF_SCALES {
             &HALF_SCALE_SPREAD
         } else {
             &SCALE_SPREAD
         };
-        let mut scale_ctl = [0, 1, 2, 3].map(|p| spread(&table[p]));
+        let mut scale_ctl = [0, 1, 2, 3].map(|p| control(&table[p]));
         if B::OPAQUE_SCALE_SPREAD {
             scale_ctl = std::hint::black_box(scale_ctl);
         }
@@ -1024,22 +1052,11 @@ pub mod avx2 {
             // One token's sums in two chains; more tokens are chains enough.
             let mut acc = [[_mm256_setzero_si256(); 2]; N];
             for half in 0..2 {
-                // Groups 4·half.. in both lanes.
-                let (sg4, sc4) = if half == 0 {
-                    (
-                        _mm256_permute4x64_epi64::<0x44>(signs),
-                        _mm256_permute4x64_epi64::<0x44>(scales),
-                    )
-                } else {
-                    (
-                        _mm256_permute4x64_epi64::<0xee>(signs),
-                        _mm256_permute4x64_epi64::<0xee>(scales),
-                    )
-                };
+                let (sg4, sc4) = (half_lanes(signs, half), half_lanes(scales, half));
                 for p in 0..4 {
                     let g = 4 * half + p;
                     let x = b.magnitudes(g);
-                    let bits = _mm256_shuffle_epi8(sg4, spread(&SIGN_SPREAD[p]));
+                    let bits = _mm256_shuffle_epi8(sg4, control(&SIGN_SPREAD[p]));
                     // 0x7f plus the sign's bit (1 to 128): negative exactly where it is set.
                     let sg = _mm256_add_epi8(_mm256_and_si256(bits, bit), h7f);
                     let sc = _mm256_shuffle_epi8(sc4, scale_ctl[p]);
@@ -1050,11 +1067,7 @@ pub mod avx2 {
                     }
                 }
             }
-            let d = half_to_f32(b.d_bits()) * B::FACTOR;
-            for t in 0..N {
-                let isum = hsum_i32(_mm256_add_epi32(acc[t][0], acc[t][1]));
-                sum[t] += isum as f32 * (d * q[t].d);
-            }
+            add_superblock(&mut sum, b, &acc, q);
         }
         sum
     }
@@ -1342,17 +1355,7 @@ pub mod avx2 {
                 [_mm256_madd_epi16(bsums, coef), _mm256_setzero_si256()]
             });
             for half in 0..2 {
-                let (side4, sc4) = if half == 0 {
-                    (
-                        _mm256_permute4x64_epi64::<0x44>(side),
-                        _mm256_permute4x64_epi64::<0x44>(scales),
-                    )
-                } else {
-                    (
-                        _mm256_permute4x64_epi64::<0xee>(side),
-                        _mm256_permute4x64_epi64::<0xee>(scales),
-                    )
-                };
+                let (side4, sc4) = (half_lanes(side, half), half_lanes(scales, half));
                 for (p, ctl) in HALF_SCALE_SPREAD.iter().enumerate() {
                     let g = 4 * half + p;
                     let u = b.unsigned(g, side4, &idx);
@@ -1365,11 +1368,7 @@ pub mod avx2 {
                     }
                 }
             }
-            let d = half_to_f32(b.d_bits()) * B::FACTOR;
-            for t in 0..N {
-                let isum = hsum_i32(_mm256_add_epi32(acc[t][0], acc[t][1]));
-                sum[t] += isum as f32 * (d * q[t].d);
-            }
+            add_superblock(&mut sum, b, &acc, q);
         }
         sum
     }
