@@ -219,7 +219,7 @@ pub(crate) fn prefetch_part_at<B>(b: &B, part: usize, parts: usize, ahead: usize
     // Every part the same number of lines, so the count is a constant the loop unrolls to
     // even where `part` is known only at run time: a count that varied between parts cost a
     // loop with a mispredicted exit per call, which made Q6_K's one-token pass (rolled over
-    // its two halves) 1.5x slower from the last-level cache on AMD Zen 3. The last part may
+    // its two halves) 1.7x slower from the last-level cache on AMD Zen 3. The last part may
     // reach a few lines into the next block, which is wanted soon after anyway.
     let per = std::mem::size_of::<B>().div_ceil(64).div_ceil(parts);
     prefetch_lines(
