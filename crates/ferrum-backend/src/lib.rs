@@ -772,9 +772,16 @@ pub fn moe_ffn_default<B: Backend + ?Sized>(
                 xe,
                 act,
             ),
-            Some(b) => {
+            Some(down_bias) => {
                 be.glu(&scratch.gu, gu, &mut scratch.act, av, act);
-                be.matmul(&scratch.act, av, &e.down, Some(b), &mut scratch.y, xe);
+                be.matmul(
+                    &scratch.act,
+                    av,
+                    &e.down,
+                    Some(down_bias),
+                    &mut scratch.y,
+                    xe,
+                );
             }
         }
         be.scatter_add_rows(&scratch.y, xe, b.tokens, b.weights, out, ov);
