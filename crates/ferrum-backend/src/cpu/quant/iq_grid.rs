@@ -792,17 +792,35 @@ pub mod avx2 {
         /// # Safety
         /// The CPU supports AVX2, and `g < 8`.
         unsafe fn magnitudes(&self, g: usize) -> __m256i;
-        /// Whether the scale's shuffle control is hidden from LLVM, which otherwise makes each
-        /// group's scale by two shuffles instead of one. With IQ3_XXS's and IQ3_S's eight grid
-        /// entries a group the shuffle units are the kernel's limit, and hiding it took
-        /// `dot/IQ3_XXS` from 445 to 385 ns on Zen 3; the four-entry formats ran slower with
-        /// it (IQ2_XXS 15%, IQ2_S 2%).
-        const OPAQUE_SCALE_SPREAD: bool;
+        /// How each group's scale reaches every 16-bit lane ([`ScaleSpread`]).
+        const SCALE_BY: ScaleSpread;
         /// Whether each group has two scales, for values `0..16` (the low 16 bits of its
         /// lane in `signs_scales`) and `16..32` (the high). A constant per format, so that the
         /// one-scale formats keep their own code: with every format on the two-scale
         /// control, IQ2_XXS's kernel ran 15% slower on Zen 3.
         const HALF_SCALES: bool = false;
+        /// Whether the next super-block's signs and scales are made a pass ahead, where a pass
+        /// (~200 instructions) nearly fills the reorder buffer and the groups otherwise wait on
+        /// that chain. On Zen 3 (`dot/FORMAT`): IQ2_S 395 → 354 ns, IQ2_XXS 284 → 279; IQ2_XS
+        /// 312 → 322 and IQ3_XXS 386 → 391, so those make them in the pass as before.
+        const AHEAD: bool = false;
+    }
+
+    /// How [`sign_bytes_n`] spreads a group's scale over its 16-bit lanes. Measured on Zen 3
+    /// (`dot/FORMAT`), each format keeps its fastest.
+    #[derive(PartialEq, Eq)]
+    pub enum ScaleSpread {
+        /// One `vpshufb`, which LLVM lowers to two shuffles where it can see the control.
+        Shuffle,
+        /// One `vpshufb` with the control hidden from LLVM. With IQ3_XXS's and IQ3_S's eight
+        /// grid entries a group the shuffle pipes are the kernel's limit, and hiding it took
+        /// `dot/IQ3_XXS` from 445 to 385 ns; the four-entry formats ran slower with it
+        /// (IQ2_XXS 15%, IQ2_S 2%).
+        OpaqueShuffle,
+        /// The eight scales stored once a super-block and each broadcast back by a load, no
+        /// shuffle at all (one-scale formats only). `dot/IQ2_XXS` 292 → 285 ns; IQ3_XXS, whose
+        /// groups already make nine loads, 388 → 468.
+        Load,
     }
 
     /// Signs and scales from eight sign-and-scale words, in order (IQ2_XXS, IQ3_XXS).
@@ -812,6 +830,55 @@ pub mod avx2 {
         // 2 · (aux >> 28) + 1
         let scales = _mm256_or_si256(_mm256_srli_epi32::<27>(aux), _mm256_set1_epi32(1));
         (ksigns_x8(aux), scales)
+    }
+
+    /// Four 8-byte grid entries, `table[at[k]]` in lane k, each broadcast from memory (a load,
+    /// no shuffle) and blended. Built as `setr_epi64x`, LLVM makes two `vpunpcklqdq` and a
+    /// `vinserti128`: three operations on the two shuffle pipes that were the kernel's limit.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, and every `at[k] < table.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn entries4(table: &[u64], at: [usize; 4]) -> __m256i {
+        debug_assert!(at.iter().all(|&i| i < table.len()));
+        // In assembly: LLVM turns broadcast loads that are blended back into those shuffles.
+        let b = |k: usize| {
+            let v: __m256i;
+            std::arch::asm!(
+                "vpbroadcastq {v}, qword ptr [{t} + 8*{i}]",
+                v = out(ymm_reg) v,
+                t = in(reg) table.as_ptr(),
+                i = in(reg) at[k],
+                options(pure, readonly, nostack, preserves_flags),
+            );
+            v
+        };
+        _mm256_blend_epi32::<0b1111_0000>(
+            _mm256_blend_epi32::<0b0000_1100>(b(0), b(1)),
+            _mm256_blend_epi32::<0b1100_0000>(b(2), b(3)),
+        )
+    }
+
+    #[repr(align(32))]
+    struct Aligned32([i32; 8]);
+
+    /// `*at` in every 32-bit lane, by a broadcast load. In assembly: LLVM forwards a store
+    /// the load reads back and makes a shuffle of it again.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, and `at` is valid to read.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn broadcast32(at: *const i32) -> __m256i {
+        let v: __m256i;
+        std::arch::asm!(
+            "vpbroadcastd {v}, dword ptr [{p}]",
+            v = out(ymm_reg) v,
+            p = in(reg) at,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+        v
     }
 
     /// Eight 4-byte grid entries, `grid(k)` in lane k (IQ3_XXS, IQ3_S).
@@ -842,7 +909,8 @@ pub mod avx2 {
                 _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7),
             ))
         }
-        const OPAQUE_SCALE_SPREAD: bool = false;
+        const SCALE_BY: ScaleSpread = ScaleSpread::Load;
+        const AHEAD: bool = true;
         #[target_feature(enable = "avx2,fma,f16c")]
         #[inline]
         unsafe fn magnitudes(&self, g: usize) -> __m256i {
@@ -850,9 +918,8 @@ pub mod avx2 {
             // Volatile, so that each index is one byte load: LLVM otherwise takes some from the
             // vector `signs_scales` loaded (`vpextrb`, two operations on the ports the grid
             // loads use). `dot/IQ2_XXS` on Zen 3: 314 → 297 ns.
-            let grid =
-                |k: usize| IQ2XXS_GRID[std::ptr::read_volatile(qs.add(8 * g + k)) as usize] as i64;
-            _mm256_setr_epi64x(grid(0), grid(1), grid(2), grid(3))
+            let at = |k: usize| std::ptr::read_volatile(qs.add(8 * g + k)) as usize;
+            entries4(&IQ2XXS_GRID, [at(0), at(1), at(2), at(3)])
         }
     }
 
@@ -865,7 +932,7 @@ pub mod avx2 {
                 self.qs.as_ptr().add(QK_K / 4) as *const __m256i
             ))
         }
-        const OPAQUE_SCALE_SPREAD: bool = true;
+        const SCALE_BY: ScaleSpread = ScaleSpread::OpaqueShuffle;
         #[target_feature(enable = "avx2,fma,f16c")]
         #[inline]
         unsafe fn magnitudes(&self, g: usize) -> __m256i {
@@ -899,7 +966,7 @@ pub mod avx2 {
                 |k: usize| IQ2XS_GRID[(std::ptr::read_volatile(q.add(k)) & 511) as usize] as i64;
             _mm256_setr_epi64x(grid(0), grid(1), grid(2), grid(3))
         }
-        const OPAQUE_SCALE_SPREAD: bool = false;
+        const SCALE_BY: ScaleSpread = ScaleSpread::Shuffle;
         const HALF_SCALES: bool = true;
     }
 
@@ -937,8 +1004,9 @@ pub mod avx2 {
             };
             _mm256_setr_epi64x(grid(0), grid(1), grid(2), grid(3))
         }
-        const OPAQUE_SCALE_SPREAD: bool = false;
+        const SCALE_BY: ScaleSpread = ScaleSpread::Shuffle;
         const HALF_SCALES: bool = true;
+        const AHEAD: bool = true;
     }
 
     impl SignBytes for BlockIq3S {
@@ -954,7 +1022,7 @@ pub mod avx2 {
             let odd = _mm256_slli_epi32::<1>(_mm256_and_si256(nibbles, _mm256_set1_epi32(0x0f)));
             (signs, _mm256_or_si256(odd, _mm256_set1_epi32(1)))
         }
-        const OPAQUE_SCALE_SPREAD: bool = true;
+        const SCALE_BY: ScaleSpread = ScaleSpread::OpaqueShuffle;
         /// Index k of group g: byte `8g + k` of `qs`, and bit k of `qh[g]` as its ninth bit,
         /// made in vector and read back lane by lane (LLVM extracts them, `vpextrd`).
         /// `dot/IQ3_S` on Zen 3: 600 ns so; 645 gathered (`vpgatherdd`); 780 made in scalar as
@@ -1042,13 +1110,35 @@ pub mod avx2 {
             &SCALE_SPREAD
         };
         let mut scale_ctl = [0, 1, 2, 3].map(|p| control(&table[p]));
-        if B::OPAQUE_SCALE_SPREAD {
+        if B::SCALE_BY == ScaleSpread::OpaqueShuffle {
             scale_ctl = std::hint::black_box(scale_ctl);
         }
+        // `ScaleSpread::Load`: the eight scales, each in both halves of its lane.
+        let mut lanes = Aligned32([0i32; 8]);
+        let Some(first) = w.first() else {
+            return sum;
+        };
+        // `SignBytes::AHEAD`'s super-block a pass ahead (dead code for the other formats).
+        let mut next = first.signs_scales();
         for (i, b) in w.iter().enumerate() {
             prefetch(b);
             let q = a.map(|r| r.get_unchecked(i));
-            let (signs, scales) = b.signs_scales();
+            let (signs, scales) = if B::AHEAD {
+                let now = next;
+                if let Some(after) = w.get(i + 1) {
+                    next = after.signs_scales();
+                }
+                now
+            } else {
+                b.signs_scales()
+            };
+            let load = B::SCALE_BY == ScaleSpread::Load && !B::HALF_SCALES;
+            if load {
+                _mm256_store_si256(
+                    lanes.0.as_mut_ptr() as *mut __m256i,
+                    _mm256_or_si256(scales, _mm256_slli_epi32::<16>(scales)),
+                );
+            }
             // One token's sums in two chains; more tokens are chains enough.
             let mut acc = [[_mm256_setzero_si256(); 2]; N];
             for half in 0..2 {
@@ -1059,7 +1149,11 @@ pub mod avx2 {
                     let bits = _mm256_shuffle_epi8(sg4, control(&SIGN_SPREAD[p]));
                     // 0x7f plus the sign's bit (1 to 128): negative exactly where it is set.
                     let sg = _mm256_add_epi8(_mm256_and_si256(bits, bit), h7f);
-                    let sc = _mm256_shuffle_epi8(sc4, scale_ctl[p]);
+                    let sc = if load {
+                        broadcast32(lanes.0.as_ptr().add(g))
+                    } else {
+                        _mm256_shuffle_epi8(sc4, scale_ctl[p])
+                    };
                     let chain = if N == 1 { p % 2 } else { 0 };
                     for t in 0..N {
                         let d = group_dot(x, sg, sc, q[t].qs.as_ptr().add(32 * g));
