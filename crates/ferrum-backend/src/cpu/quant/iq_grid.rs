@@ -806,7 +806,7 @@ pub mod avx2 {
         const AHEAD: bool = false;
     }
 
-    /// How [`sign_bytes_n`] spreads a group's scale over its 16-bit lanes. Measured on Zen 3
+    /// How [`vec_dot_sign_bytes`] spreads a group's scale over its 16-bit lanes. Measured on Zen 3
     /// (`dot/FORMAT`), each format keeps its fastest.
     #[derive(PartialEq, Eq)]
     pub enum ScaleSpread {
