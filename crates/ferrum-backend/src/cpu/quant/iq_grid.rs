@@ -1077,9 +1077,10 @@ pub mod avx2 {
 
     /// [`vec_dot`] for IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S, the formats
     /// the smallest downloads use. A super-block's eight groups' signs and scales are made
-    /// together in vector ([`SignBytes`]), then each group takes its signs and scale by one
-    /// shuffle each (a kernel over `Codebook::group` spent most of its time on sign-table loads
-    /// and `Group` through memory). Two chains of sums. The same integers, so the scalar kernel's bits.
+    /// together in vector ([`SignBytes`]), then each group takes its signs by one shuffle and
+    /// its scale by one shuffle or one load ([`ScaleSpread`]) (a kernel over `Codebook::group`
+    /// spent most of its time on sign-table loads and `Group` through memory). Two chains of
+    /// sums. The same integers, so the scalar kernel's bits.
     ///
     /// # Safety
     /// The CPU supports AVX2, FMA and F16C.
