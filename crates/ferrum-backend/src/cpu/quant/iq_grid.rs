@@ -1114,7 +1114,9 @@ pub mod avx2 {
         if B::SCALE_BY == ScaleSpread::OpaqueShuffle {
             scale_ctl = std::hint::black_box(scale_ctl);
         }
-        // `ScaleSpread::Load`: the eight scales, each in both halves of its lane.
+        // `ScaleSpread::Load` (a one-scale format's): the eight scales, each in both halves
+        // of its lane.
+        let load = B::SCALE_BY == ScaleSpread::Load && !B::HALF_SCALES;
         let mut lanes = Aligned32([0i32; 8]);
         let Some(first) = w.first() else {
             return sum;
@@ -1133,7 +1135,6 @@ pub mod avx2 {
             } else {
                 b.signs_scales()
             };
-            let load = B::SCALE_BY == ScaleSpread::Load && !B::HALF_SCALES;
             if load {
                 _mm256_store_si256(
                     lanes.0.as_mut_ptr() as *mut __m256i,
