@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use ferrum_backend::cpu::quant::q8::{quantize_q8, quantize_q8k, BlockQ8, BlockQ8K};
-use ferrum_backend::cpu::quant::{best_kernel, Kernel};
+use ferrum_backend::cpu::quant::{best_kernel, Kernel, Recoded};
 use ferrum_backend::cpu::simd::dot_f32;
 use ferrum_backend::{Backend, CpuBackend, Rows};
 use ferrum_loader::RawTensor;
@@ -67,6 +67,25 @@ fn bench_dot(c: &mut Criterion) {
                 });
             }
         }
+    }
+    // The forms the CPU re-encodes files into at load, as the matmuls below read them.
+    for &dt in FORMATS {
+        let Some(form) = Recoded::of(dt) else {
+            continue;
+        };
+        let mut w = Aligned::new(&random_blocks(&mut rng, dt, K));
+        assert!(form.recode(w.bytes_mut()), "whole blocks");
+        let w = w.bytes();
+        let x = activations(&mut rng, K);
+        g.throughput(Throughput::Bytes(w.len() as u64));
+        let Kernel::Q8K { dot, .. } = form.best_kernel() else {
+            panic!("{form:?}: the re-encoded forms are all super-block formats");
+        };
+        let mut a = vec![BlockQ8K::default(); K / 256];
+        quantize_q8k(&x, &mut a);
+        g.bench_function(BenchmarkId::from_parameter(format!("{dt}-recoded")), |b| {
+            b.iter(|| dot(black_box(w), black_box(&a)))
+        });
     }
     g.finish();
 }

@@ -3,7 +3,9 @@
 //! dequantised weights times the unquantised activations).
 
 use ferrum_backend::cpu::quant::q8::{quantize_q8, quantize_q8k, BlockQ8, BlockQ8K};
-use ferrum_backend::cpu::quant::{best_kernel, dequantize, iq_tile, scalar_kernel, Dot2x4, Kernel};
+use ferrum_backend::cpu::quant::{
+    best_kernel, dequantize, iq_tile, scalar_kernel, Dot2x4, Kernel, Recoded,
+};
 use rand::{Rng, SeedableRng};
 
 mod common;
@@ -237,6 +239,81 @@ fn codebook_tile_gives_the_row_kernel_bits() {
                     }
                 }
             }
+        }
+    }
+}
+
+/// Each form the CPU re-encodes a file format into at load gives the file form's bits
+/// everywhere it is read: dequantisation, the scalar kernel and the best kernel this CPU runs
+/// (one token and four), and the prefill tile's decoding (SIMD and twin). Rows of one to six
+/// super-blocks of random blocks, which cover every sign field and scale.
+#[test]
+fn recoded_forms_give_the_file_forms_bits() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(31);
+    for &form in Recoded::ALL {
+        let dt = form.dtype();
+        let Some(Kernel::Q8K { dot: file_dot, .. }) = scalar_kernel(dt) else {
+            panic!("{dt}: Q8_K kernel")
+        };
+        let kernels = [
+            ("scalar", form.scalar_kernel()),
+            ("best", form.best_kernel()),
+        ];
+        for trial in 0..24 {
+            let n = 256 * (1 + trial % 6);
+            let file = Aligned::new(&random_blocks(&mut rng, dt, n));
+            let mut recoded = Aligned::new(file.bytes());
+            assert!(form.recode(recoded.bytes_mut()), "{form:?}: whole blocks");
+            assert_ne!(
+                file.bytes(),
+                recoded.bytes(),
+                "{form:?}: nothing re-encoded"
+            );
+            let (mut want, mut got) = (vec![0f32; n], vec![0f32; n]);
+            assert!(dequantize(dt, file.bytes(), &mut want));
+            assert!(form.dequantize(recoded.bytes(), &mut got));
+            assert!(
+                want.iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{form:?} trial {trial}: dequantisation differs"
+            );
+            let acts = q8k_tokens(&mut rng, 4, n, trial);
+            let a4 = [&acts[0][..], &acts[1], &acts[2], &acts[3]];
+            for (name, k) in &kernels {
+                let Kernel::Q8K { dot, dot4, .. } = k else {
+                    panic!("{form:?} {name}: Q8_K kernel")
+                };
+                let four = dot4(recoded.bytes(), a4);
+                for (t, a) in acts.iter().enumerate() {
+                    let want = file_dot(file.bytes(), a);
+                    let one = dot(recoded.bytes(), a);
+                    assert_eq!(
+                        (one.to_bits(), four[t].to_bits()),
+                        (want.to_bits(), want.to_bits()),
+                        "{form:?} trial {trial} {name} token {t}: {one} / {} vs {want}",
+                        four[t]
+                    );
+                }
+            }
+            let rows = 1 + trial % iq_tile::ROWS;
+            let w: Vec<Aligned> = (0..rows)
+                .map(|_| Aligned::new(&random_blocks(&mut rng, dt, n)))
+                .collect();
+            let mut r: Vec<Aligned> = w.iter().map(|w| Aligned::new(w.bytes())).collect();
+            for r in &mut r {
+                assert!(form.recode(r.bytes_mut()));
+            }
+            let wr: Vec<&[u8]> = w.iter().map(|w| w.bytes()).collect();
+            let rr: Vec<&[u8]> = r.iter().map(|r| r.bytes()).collect();
+            let (mut want, mut got, mut twin) = Default::default();
+            assert!(iq_tile::decode_rows(dt, &wr, &mut want));
+            assert!(iq_tile::decode_recoded_rows(form, &rr, &mut got));
+            assert!(iq_tile::decode_recoded_rows_scalar(form, &rr, &mut twin));
+            assert!(
+                got == want && twin == want,
+                "{form:?} trial {trial}: the tile's decoding differs"
+            );
         }
     }
 }

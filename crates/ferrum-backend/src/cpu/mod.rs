@@ -315,6 +315,7 @@ impl CpuBackend {
             data,
             kernel,
             packed: None,
+            recoded: None,
             precise: false,
             encoder: false,
         })
@@ -341,6 +342,30 @@ impl CpuBackend {
         // The pages that straddle two stretches were inside neither.
         t.release_pages(0..src.len());
         v
+    }
+
+    /// Re-encodes a matrix's owned bytes into `form` on the pool, in stretches of whole blocks;
+    /// `false` (the bytes as they were, for a stretch that fails) when they are not whole,
+    /// aligned blocks, which load checked already.
+    fn recode(&self, form: quant::Recoded, bytes: &mut [u8]) -> bool {
+        const STRETCH_BLOCKS: usize = 1 << 14;
+        let block = form.dtype().block_bytes();
+        if block == 0 || !bytes.len().is_multiple_of(block) {
+            return false;
+        }
+        let (len, stretch) = (bytes.len(), STRETCH_BLOCKS * block);
+        let dst = SharedMut(bytes.as_mut_ptr());
+        let ok = std::sync::atomic::AtomicBool::new(true);
+        self.pool.run(len.div_ceil(stretch), &|task| {
+            let at = task * stretch;
+            // SAFETY: in bounds of `bytes`, which this call borrows exclusively; each task has
+            // its own stretch.
+            let part = unsafe { dst.slice(at, stretch.min(len - at)) };
+            if !form.recode(part) {
+                ok.store(false, std::sync::atomic::Ordering::Relaxed);
+            }
+        });
+        ok.into_inner()
     }
 
     /// The same backend with another KV-cache format.
@@ -569,6 +594,10 @@ pub struct CpuWeight {
     /// Q5_K and Q6_K, with AVX2); the matmul reads these instead of the mapped rows. See
     /// [`quant::packed`].
     packed: Option<quant::packed::Packed>,
+    /// The form the owned bytes were re-encoded into at load ([`quant::Recoded`]): every
+    /// reader of them (the kernel, the prefill tile, dequantisation) takes this form, not
+    /// `dtype`'s.
+    recoded: Option<quant::Recoded>,
     /// Loaded by [`Backend::load_weight_precise`]: multiplied with f32 activations even in
     /// the default mode (no integer kernel, no `vdpbf16ps`).
     precise: bool,
@@ -629,7 +658,10 @@ impl CpuWeight {
                     }
                 }
                 let buf = aligned(scratch, self.cols);
-                quant::dequantize(self.dtype, bytes, buf);
+                match self.recoded {
+                    Some(form) => form.dequantize(bytes, buf),
+                    None => quant::dequantize(self.dtype, bytes, buf),
+                };
                 buf
             }
         }
@@ -985,7 +1017,14 @@ impl Backend for CpuBackend {
             }
         }
         if let (WeightData::Mapped(_), None, 2) = (&w.data, &w.packed, t.shape.len()) {
-            w.data = WeightData::Owned(self.copy_to_arena(t));
+            let mut owned = self.copy_to_arena(t);
+            if let Some(form) = quant::Recoded::of(t.dtype).filter(|_| w.kernel.is_some()) {
+                if self.recode(form, &mut owned) {
+                    w.kernel = Some(form.best_kernel());
+                    w.recoded = Some(form);
+                }
+            }
+            w.data = WeightData::Owned(owned);
         }
         Ok(w)
     }
@@ -2134,7 +2173,13 @@ fn quantized_rows<'a, B: PackedRows>(
                     let r = (rows.end - at).min(ROWS);
                     let wr: [&[u8]; ROWS] =
                         std::array::from_fn(|k| w.row_bytes_of(at + k.min(r - 1)));
-                    if !quant::iq_tile::decode_rows(w.dtype, &wr[..r], &mut d[groups]) {
+                    let decoded = match w.recoded {
+                        Some(form) => {
+                            quant::iq_tile::decode_recoded_rows(form, &wr[..r], &mut d[groups])
+                        }
+                        None => quant::iq_tile::decode_rows(w.dtype, &wr[..r], &mut d[groups]),
+                    };
+                    if !decoded {
                         break;
                     }
                     groups += 1;

@@ -107,4 +107,9 @@ impl Aligned {
         // SAFETY: the first `len` bytes of `buf` were initialised in `new`.
         unsafe { std::slice::from_raw_parts(self.buf.as_ptr() as *const u8, self.len) }
     }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as `bytes`, and the borrow is unique.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.as_mut_ptr() as *mut u8, self.len) }
+    }
 }

@@ -80,6 +80,108 @@ pub struct BlockIq2Xxs {
 }
 const _: () = assert!(std::mem::size_of::<BlockIq2Xxs>() == 66);
 
+/// A group's word of four seven-bit sign fields and a 4-bit scale (IQ2_XXS's, IQ3_XXS's) as
+/// the re-encoded forms store it ([`super::Recoded`]), four bytes that vector code unpacks in
+/// a few operations: byte k holds in bits 0..7 the seven-bit `t` whose `t ^ (t << 1)` is the
+/// sign byte of values `8k..8k + 8` (a byte with an even count of ones, as every such sign
+/// byte is, is that of exactly one such `t`), and in bit 7 bit k of the scale. The file's
+/// words take some seventeen vector operations a super-block to lift the fields into bytes
+/// and give each its parity bit; these take three, and five for the scales.
+pub fn recode_word(aux: u32) -> [u8; 4] {
+    std::array::from_fn(|l| {
+        let s = KSIGNS[((aux >> (7 * l)) & 127) as usize];
+        // The inverse of `t ^ (t << 1)`: bit i of t is the parity of bits 0..=i of s, so
+        // bit 7 is s's own parity, which is even.
+        let t = (0..8).fold(0u8, |t, i| t ^ (s << i));
+        debug_assert!(t < 128);
+        t | ((((aux >> (28 + l)) & 1) as u8) << 7)
+    })
+}
+
+/// A re-encoded word's four sign bytes (byte k's bit j: value `8k + j` negative) and its
+/// 4-bit scale ([`recode_word`]), a word at a time: the prefill tile decodes every group
+/// through here.
+#[inline]
+pub fn recoded_word(b: [u8; 4]) -> ([u8; 4], u32) {
+    let w = u32::from_le_bytes(b);
+    // Each byte's bit 7 is clear in `t`, so the shift carries nothing into the next byte.
+    let t = w & 0x7f7f_7f7f;
+    let signs = t ^ (t << 1);
+    let scale = (w >> 7 & 1) | (w >> 14 & 2) | (w >> 21 & 4) | (w >> 28 & 8);
+    (signs.to_le_bytes(), scale)
+}
+
+/// IQ2_XXS as the CPU re-encodes it at load ([`super::Recoded::Iq2Xxs`]): the same 66 bytes
+/// a super-block, the grid indices first and then each group's word as [`recode_word`]
+/// makes it.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BlockIq2XxsRecoded {
+    pub d: f16,
+    /// Group g's four grid indices at `4g..4g + 4`.
+    pub idx: [u8; QK_K / 8],
+    pub signs: [u8; QK_K / 8],
+}
+const _: () = assert!(std::mem::size_of::<BlockIq2XxsRecoded>() == 66);
+
+impl BlockIq2XxsRecoded {
+    /// The block in this form: the same values.
+    pub fn from_file(b: &BlockIq2Xxs) -> Self {
+        let mut r = BlockIq2XxsRecoded {
+            d: b.d,
+            idx: [0; QK_K / 8],
+            signs: [0; QK_K / 8],
+        };
+        for ib in 0..QK_K / 32 {
+            let q = &b.qs[4 * ib..4 * ib + 4];
+            let idx = (q[0] as u32 | (q[1] as u32) << 16).to_le_bytes();
+            let aux = q[2] as u32 | (q[3] as u32) << 16;
+            r.idx[4 * ib..4 * ib + 4].copy_from_slice(&idx);
+            r.signs[4 * ib..4 * ib + 4].copy_from_slice(&recode_word(aux));
+        }
+        r
+    }
+
+    #[inline]
+    fn signs_scale(&self, ib: usize) -> ([u8; 4], u32) {
+        recoded_word([0, 1, 2, 3].map(|k| self.signs[4 * ib + k]))
+    }
+}
+
+/// IQ3_XXS as the CPU re-encodes it at load ([`super::Recoded::Iq3Xxs`]): the file's 98
+/// bytes a super-block with each group's word (the last 32 bytes) as [`recode_word`] makes
+/// it.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BlockIq3XxsRecoded {
+    pub d: f16,
+    /// Grid indices, eight a group.
+    pub qs: [u8; QK_K / 4],
+    pub signs: [u8; QK_K / 8],
+}
+const _: () = assert!(std::mem::size_of::<BlockIq3XxsRecoded>() == 98);
+
+impl BlockIq3XxsRecoded {
+    /// The block in this form: the same values.
+    pub fn from_file(b: &BlockIq3Xxs) -> Self {
+        let mut r = BlockIq3XxsRecoded {
+            d: b.d,
+            qs: [0; QK_K / 4],
+            signs: [0; QK_K / 8],
+        };
+        r.qs.copy_from_slice(&b.qs[..QK_K / 4]);
+        for ib in 0..QK_K / 32 {
+            r.signs[4 * ib..4 * ib + 4].copy_from_slice(&recode_word(b.aux(ib)));
+        }
+        r
+    }
+
+    #[inline]
+    fn signs_scale(&self, ib: usize) -> ([u8; 4], u32) {
+        recoded_word([0, 1, 2, 3].map(|k| self.signs[4 * ib + k]))
+    }
+}
+
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct BlockIq2Xs {
@@ -279,6 +381,26 @@ impl Codebook for BlockIq3Xxs {
                     | (IQ3XXS_GRID[q[2 * l + 1] as usize] as u64) << 32
             }),
             signs: std::array::from_fn(|l| KSIGN_BYTES[((aux >> (7 * l)) & 127) as usize]),
+            scales: [s, s],
+        }
+    }
+}
+
+impl Codebook for BlockIq3XxsRecoded {
+    const FACTOR: f32 = 0.25;
+    fn d_bits(&self) -> u16 {
+        self.d.to_bits()
+    }
+    fn group(&self, ib: usize) -> Group {
+        let q = &self.qs[8 * ib..8 * ib + 8];
+        let (signs, scale) = self.signs_scale(ib);
+        let s = 2 * scale as i32 + 1;
+        Group {
+            words: std::array::from_fn(|l| {
+                IQ3XXS_GRID[q[2 * l] as usize] as u64
+                    | (IQ3XXS_GRID[q[2 * l + 1] as usize] as u64) << 32
+            }),
+            signs: signs.map(|b| SIGN_BYTES[b as usize]),
             scales: [s, s],
         }
     }
@@ -495,6 +617,22 @@ impl Codebook for BlockTq2_0 {
     }
 }
 
+impl Codebook for BlockIq2XxsRecoded {
+    const FACTOR: f32 = 0.125;
+    fn d_bits(&self) -> u16 {
+        self.d.to_bits()
+    }
+    fn group(&self, ib: usize) -> Group {
+        let (signs, scale) = self.signs_scale(ib);
+        let s = 2 * scale as i32 + 1;
+        Group {
+            words: std::array::from_fn(|k| IQ2XXS_GRID[self.idx[4 * ib + k] as usize]),
+            signs: signs.map(|b| SIGN_BYTES[b as usize]),
+            scales: [s, s],
+        }
+    }
+}
+
 /// Value `j` of a group: its magnitude times its sign.
 #[inline]
 fn group_value(g: &Group, j: usize) -> i32 {
@@ -549,6 +687,21 @@ pub fn dequantize_iq2_xxs(blocks: &[BlockIq2Xxs], out: &mut [f32]) {
     }
 }
 
+/// [`dequantize_iq2_xxs`] of the blocks the re-encoded ones came from: the same float steps.
+pub fn dequantize_iq2_xxs_recoded(blocks: &[BlockIq2XxsRecoded], out: &mut [f32]) {
+    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
+        let d = b.d.to_f32();
+        for (ib, y) in y.chunks_exact_mut(32).enumerate() {
+            let (signs, scale) = b.signs_scale(ib);
+            let db = d * (0.5 + scale as f32) * 0.25;
+            for (l, y) in y.chunks_exact_mut(8).enumerate() {
+                let grid = IQ2XXS_GRID[b.idx[4 * ib + l] as usize].to_le_bytes();
+                signed_eight(y, db, grid, signs[l]);
+            }
+        }
+    }
+}
+
 pub fn dequantize_iq2_xs(blocks: &[BlockIq2Xs], out: &mut [f32]) {
     for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
         let d = b.d.to_f32();
@@ -598,6 +751,24 @@ pub fn dequantize_iq3_xxs(blocks: &[BlockIq3Xxs], out: &mut [f32]) {
                 let g2 = IQ3XXS_GRID[q[2 * l + 1] as usize].to_le_bytes();
                 let grid = [g1[0], g1[1], g1[2], g1[3], g2[0], g2[1], g2[2], g2[3]];
                 signed_eight(y, db, grid, KSIGNS[((aux >> (7 * l)) & 127) as usize]);
+            }
+        }
+    }
+}
+
+/// [`dequantize_iq3_xxs`] of the blocks the re-encoded ones came from: the same float steps.
+pub fn dequantize_iq3_xxs_recoded(blocks: &[BlockIq3XxsRecoded], out: &mut [f32]) {
+    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
+        let d = b.d.to_f32();
+        for (ib, y) in y.chunks_exact_mut(32).enumerate() {
+            let (signs, scale) = b.signs_scale(ib);
+            let db = d * (0.5 + scale as f32) * 0.5;
+            let q = &b.qs[8 * ib..8 * ib + 8];
+            for (l, y) in y.chunks_exact_mut(8).enumerate() {
+                let g1 = IQ3XXS_GRID[q[2 * l] as usize].to_le_bytes();
+                let g2 = IQ3XXS_GRID[q[2 * l + 1] as usize].to_le_bytes();
+                let grid = [g1[0], g1[1], g1[2], g1[3], g2[0], g2[1], g2[2], g2[3]];
+                signed_eight(y, db, grid, signs[l]);
             }
         }
     }
@@ -794,6 +965,9 @@ pub mod avx2 {
         unsafe fn magnitudes(&self, g: usize) -> __m256i;
         /// How each group's scale reaches every 16-bit lane ([`ScaleSpread`]).
         const SCALE_BY: ScaleSpread;
+        /// The same in the four-token kernel, where a group's one spread serves four tokens'
+        /// products and the pipes' balance differs.
+        const SCALE_BY_X4: ScaleSpread = Self::SCALE_BY;
         /// Whether each group has two scales, for values `0..16` (the low 16 bits of its
         /// lane in `signs_scales`) and `16..32` (the high). A constant per format, so that the
         /// one-scale formats keep their own code: with every format on the two-scale
@@ -804,6 +978,8 @@ pub mod avx2 {
         /// that chain. On Zen 3 (`dot/FORMAT`): IQ2_S 395 → 354 ns, IQ2_XXS 284 → 279; IQ2_XS
         /// 312 → 322 and IQ3_XXS 386 → 391, so those make them in the pass as before.
         const AHEAD: bool = false;
+        /// The same in the four-token kernel.
+        const AHEAD_X4: bool = Self::AHEAD;
     }
 
     /// How [`vec_dot_sign_bytes`] spreads a group's scale over its 16-bit lanes. Measured on Zen 3
@@ -923,6 +1099,48 @@ pub mod avx2 {
         }
     }
 
+    /// Signs and scales from eight re-encoded words ([`recode_word`]): the sign bytes
+    /// `t ^ (t << 1)` of each byte's low seven bits `t` (a byte add is a shift left by one
+    /// with no carry between bytes), and group g's scale from bit 7 of its four bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn from_recoded(v: __m256i) -> (__m256i, __m256i) {
+        let t = _mm256_and_si256(v, _mm256_set1_epi8(0x7f));
+        let signs = _mm256_xor_si256(t, _mm256_add_epi8(t, t));
+        // Bit 7 of byte k (128 or 0) times 2^k, summed over the lane's four bytes: 128 · s.
+        let top = _mm256_and_si256(v, _mm256_set1_epi8(-128));
+        let s128 = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(top, _mm256_set1_epi32(0x0804_0201)),
+            _mm256_set1_epi16(1),
+        );
+        // 2 · s + 1
+        let scales = _mm256_or_si256(_mm256_srli_epi32::<6>(s128), _mm256_set1_epi32(1));
+        (signs, scales)
+    }
+
+    impl SignBytes for BlockIq2XxsRecoded {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn signs_scales(&self) -> (__m256i, __m256i) {
+            from_recoded(_mm256_loadu_si256(self.signs.as_ptr() as *const __m256i))
+        }
+        /// Measured on Zen 3 (`dot/IQ2_XXS-recoded`), against the file form's `Load` and
+        /// `AHEAD`: with both 267 ns, without `AHEAD` 262, by `Shuffle` without `AHEAD` 252,
+        /// and by `Shuffle` with it 285. The file form takes 277.
+        const SCALE_BY: ScaleSpread = ScaleSpread::Shuffle;
+        /// `matmul_n4/IQ2_XXS` on Zen 3: by `Shuffle` 306 µs, by `Load` 286–290 (with
+        /// `AHEAD` 291–293); the file form's kernel 300.
+        const SCALE_BY_X4: ScaleSpread = ScaleSpread::Load;
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn magnitudes(&self, g: usize) -> __m256i {
+            let idx = self.idx.as_ptr();
+            // Volatile, as for the file's form.
+            let at = |k: usize| std::ptr::read_volatile(idx.add(4 * g + k)) as usize;
+            entries4(&IQ2XXS_GRID, [at(0), at(1), at(2), at(3)])
+        }
+    }
+
     impl SignBytes for BlockIq3Xxs {
         /// 64 bytes of grid indices, eight a group, then the eight words.
         #[target_feature(enable = "avx2,fma,f16c")]
@@ -933,6 +1151,28 @@ pub mod avx2 {
             ))
         }
         const SCALE_BY: ScaleSpread = ScaleSpread::OpaqueShuffle;
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn magnitudes(&self, g: usize) -> __m256i {
+            let qs = self.qs.as_ptr();
+            let grid = |k: usize| IQ3XXS_GRID[*qs.add(8 * g + k) as usize] as i32;
+            entries8(grid)
+        }
+    }
+
+    impl SignBytes for BlockIq3XxsRecoded {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn signs_scales(&self) -> (__m256i, __m256i) {
+            from_recoded(_mm256_loadu_si256(self.signs.as_ptr() as *const __m256i))
+        }
+        /// Measured on Zen 3 against the file form's `OpaqueShuffle` (`dot/IQ3_XXS-recoded`
+        /// 374–391 ns, `matmul_n1/IQ3_XXS` 198–203 µs, `matmul_n4` 384–394 µs): by
+        /// `Shuffle` 422–429 ns, 245–248 µs; by `Load` 437 ns, 234–236 µs, and 357–364 µs
+        /// over four tokens; with `AHEAD` 381–397 ns, 203–207 µs, and 332–348 µs over four
+        /// tokens. The file form takes 387–404 ns, 204–210 µs and 394–396 µs.
+        const SCALE_BY: ScaleSpread = ScaleSpread::OpaqueShuffle;
+        const AHEAD_X4: bool = true;
         #[target_feature(enable = "avx2,fma,f16c")]
         #[inline]
         unsafe fn magnitudes(&self, g: usize) -> __m256i {
@@ -1111,12 +1351,14 @@ pub mod avx2 {
             &SCALE_SPREAD
         };
         let mut scale_ctl = [0, 1, 2, 3].map(|p| control(&table[p]));
-        if B::SCALE_BY == ScaleSpread::OpaqueShuffle {
+        let scale_by = if N == 1 { B::SCALE_BY } else { B::SCALE_BY_X4 };
+        let ahead = if N == 1 { B::AHEAD } else { B::AHEAD_X4 };
+        if scale_by == ScaleSpread::OpaqueShuffle {
             scale_ctl = std::hint::black_box(scale_ctl);
         }
         // `ScaleSpread::Load` (a one-scale format's): the eight scales, each in both halves
         // of its lane.
-        let load = B::SCALE_BY == ScaleSpread::Load && !B::HALF_SCALES;
+        let load = scale_by == ScaleSpread::Load && !B::HALF_SCALES;
         let mut lanes = Aligned32([0i32; 8]);
         let Some(first) = w.first() else {
             return sum;
@@ -1126,7 +1368,7 @@ pub mod avx2 {
         for (i, b) in w.iter().enumerate() {
             prefetch(b);
             let q = a.map(|r| r.get_unchecked(i));
-            let (signs, scales) = if B::AHEAD {
+            let (signs, scales) = if ahead {
                 let now = next;
                 if let Some(after) = w.get(i + 1) {
                     next = after.signs_scales();
@@ -1166,6 +1408,39 @@ pub mod avx2 {
             add_superblock(&mut sum, b, &acc, q);
         }
         sum
+    }
+
+    /// A super-block's 256 values, each magnitude times its sign, into `w`, and each group's
+    /// two half scales: the prefill tile's decoding of the [`SignBytes`] formats, from the
+    /// side data the row kernel makes (where `Codebook::group` makes each group's in scalar).
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn signed_values<B: SignBytes>(b: &B, w: &mut [i8; QK_K]) -> [[i32; 2]; 8] {
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let h7f = _mm256_set1_epi8(0x7f);
+        let (signs, scales) = b.signs_scales();
+        for half in 0..2 {
+            let sg4 = half_lanes(signs, half);
+            for (p, spread) in SIGN_SPREAD.iter().enumerate() {
+                let g = 4 * half + p;
+                let bits = _mm256_shuffle_epi8(sg4, control(spread));
+                // As in `sign_bytes_n`: negative exactly where the sign's bit is set.
+                let sg = _mm256_add_epi8(_mm256_and_si256(bits, bit), h7f);
+                let v = _mm256_sign_epi8(b.magnitudes(g), sg);
+                _mm256_storeu_si256(w.as_mut_ptr().add(32 * g) as *mut __m256i, v);
+            }
+        }
+        let mut lanes = [0i32; 8];
+        _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, scales);
+        lanes.map(|s| {
+            if B::HALF_SCALES {
+                [s & 0xffff, s >> 16]
+            } else {
+                [s, s]
+            }
+        })
     }
 
     /// The formats whose values are small signed integers with no sign bits: IQ1_S and IQ1_M

@@ -14,9 +14,12 @@
 //! each (row, token) gets the row kernels' integer sum and their float step:
 //! [`dot`] gives [`vec_dot`](super::iq_grid::vec_dot)'s bits in every instance.
 
-use super::iq_grid::{is_codebook, with_codebook, Codebook};
+use super::iq_grid::{
+    is_codebook, with_codebook, BlockIq2XxsRecoded, BlockIq3XxsRecoded, Codebook,
+};
 use super::k_quants::QK_K;
 use super::q8::BlockQ8K;
+use super::Recoded;
 use ferrum_core::DType;
 
 /// Weight rows a [`Rows`] holds.
@@ -127,36 +130,93 @@ pub fn decode_rows_scalar(dtype: DType, rows: &[&[u8]], out: &mut Rows) -> bool 
     decode_rows_on(dtype, rows, out, false)
 }
 
-fn decode_rows_on(dtype: DType, rows: &[&[u8]], out: &mut Rows, simd: bool) -> bool {
-    fn go<B: Codebook>(rows: &[&[u8]], out: &mut Rows, simd: bool) -> bool {
-        let Some(first) = rows.first() else {
-            return false;
+/// [`decode_rows`] of rows re-encoded at load ([`Recoded`]): the rows of the file's form
+/// decode to the same values.
+pub fn decode_recoded_rows(form: Recoded, rows: &[&[u8]], out: &mut Rows) -> bool {
+    decode_recoded_on(form, rows, out, true)
+}
+
+/// [`decode_recoded_rows`] on the portable twin of its SIMD decoding (for the tests).
+pub fn decode_recoded_rows_scalar(form: Recoded, rows: &[&[u8]], out: &mut Rows) -> bool {
+    decode_recoded_on(form, rows, out, false)
+}
+
+fn decode_recoded_on(form: Recoded, rows: &[&[u8]], out: &mut Rows, simd: bool) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if simd && super::has_avx2() {
+        return match form {
+            Recoded::Iq2Xxs => decode_blocks::<BlockIq2XxsRecoded>(rows, out, fill_sign_bytes),
+            Recoded::Iq3Xxs => decode_blocks::<BlockIq3XxsRecoded>(rows, out, fill_sign_bytes),
         };
-        let blocks = first.len() / std::mem::size_of::<B>();
-        if rows.len() > ROWS || rows.iter().any(|r| r.len() != first.len()) {
-            return false;
-        }
-        out.blocks = blocks;
-        out.rows = rows.len();
-        out.w.clear();
-        out.w.resize(ROWS * blocks * QK_K, 0);
-        out.scales.clear();
-        out.scales.resize(ROWS * blocks * HALVES, 0);
-        out.bias.clear();
-        out.bias.resize(ROWS * blocks, 0);
-        out.d.clear();
-        out.d.resize(ROWS * blocks, 0.0);
-        let mut paired = true;
-        for (r, bytes) in rows.iter().enumerate() {
-            match super::cast_blocks::<B>(bytes) {
-                Some(w) if w.len() == blocks => paired &= out.fill(r, w, simd),
-                _ => return false,
-            }
-        }
-        out.paired = paired;
-        true
     }
-    with_codebook!(dtype, B => go::<B>(rows, out, simd), _ => false)
+    let _ = simd;
+    match form {
+        Recoded::Iq2Xxs => decode_blocks::<BlockIq2XxsRecoded>(rows, out, Rows::fill_scalar),
+        Recoded::Iq3Xxs => decode_blocks::<BlockIq3XxsRecoded>(rows, out, Rows::fill_scalar),
+    }
+}
+
+fn decode_rows_on(dtype: DType, rows: &[&[u8]], out: &mut Rows, simd: bool) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if simd && super::has_avx2() {
+        use super::iq_grid as G;
+        match dtype {
+            DType::Iq2Xxs => return decode_blocks::<G::BlockIq2Xxs>(rows, out, fill_sign_bytes),
+            DType::Iq2Xs => return decode_blocks::<G::BlockIq2Xs>(rows, out, fill_sign_bytes),
+            DType::Iq2S => return decode_blocks::<G::BlockIq2S>(rows, out, fill_sign_bytes),
+            DType::Iq3Xxs => return decode_blocks::<G::BlockIq3Xxs>(rows, out, fill_sign_bytes),
+            DType::Iq3S => return decode_blocks::<G::BlockIq3S>(rows, out, fill_sign_bytes),
+            _ => {}
+        }
+    }
+    with_codebook!(
+        dtype,
+        B => decode_blocks::<B>(rows, out, |o: &mut Rows, r, w: &[B]| o.fill(r, w, simd)),
+        _ => false
+    )
+}
+
+/// [`avx2::fill_sign_bytes`], for a CPU checked to run it.
+#[cfg(target_arch = "x86_64")]
+fn fill_sign_bytes<B: super::iq_grid::avx2::SignBytes>(out: &mut Rows, r: usize, w: &[B]) -> bool {
+    assert!(super::has_avx2(), "the AVX2 decoding on a CPU without AVX2");
+    // SAFETY: AVX2, FMA and F16C checked above.
+    unsafe { avx2::fill_sign_bytes(out, r, w) }
+}
+
+/// Decodes `rows` of blocks `B` into `out` by `fill` (a row's blocks into row r of `out`;
+/// whether its halves share their scales).
+fn decode_blocks<B: Codebook>(
+    rows: &[&[u8]],
+    out: &mut Rows,
+    fill: impl Fn(&mut Rows, usize, &[B]) -> bool,
+) -> bool {
+    let Some(first) = rows.first() else {
+        return false;
+    };
+    let blocks = first.len() / std::mem::size_of::<B>();
+    if rows.len() > ROWS || rows.iter().any(|r| r.len() != first.len()) {
+        return false;
+    }
+    out.blocks = blocks;
+    out.rows = rows.len();
+    out.w.clear();
+    out.w.resize(ROWS * blocks * QK_K, 0);
+    out.scales.clear();
+    out.scales.resize(ROWS * blocks * HALVES, 0);
+    out.bias.clear();
+    out.bias.resize(ROWS * blocks, 0);
+    out.d.clear();
+    out.d.resize(ROWS * blocks, 0.0);
+    let mut paired = true;
+    for (r, bytes) in rows.iter().enumerate() {
+        match super::cast_blocks::<B>(bytes) {
+            Some(w) if w.len() == blocks => paired &= fill(out, r, w),
+            _ => return false,
+        }
+    }
+    out.paired = paired;
+    true
 }
 
 /// A matmul's tokens for [`dot`]: per block of [`TOKENS`] tokens and super-block, per four
@@ -414,7 +474,7 @@ pub mod avx512 {
 #[cfg(target_arch = "x86_64")]
 pub mod avx2 {
     use super::*;
-    use crate::cpu::quant::iq_grid::avx2::{half_to_f32, hsum_i32};
+    use crate::cpu::quant::iq_grid::avx2::{half_to_f32, hsum_i32, signed_values, SignBytes};
     use std::arch::x86_64::*;
 
     /// [`Rows`]' fill on AVX2: per group the magnitudes' signs applied (`sign_epi8`), and the
@@ -454,6 +514,42 @@ pub mod avx2 {
                 *s = g.scales[0];
                 *s.add(1) = g.scales[1];
             }
+            *out.bias.get_unchecked_mut(sb) = hsum_i32(bias).wrapping_mul(128);
+        }
+        paired
+    }
+
+    /// [`fill`] for the formats with sign bytes, whose values [`signed_values`] makes in
+    /// vector from the row kernel's side data: the same values, scales and bias.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn fill_sign_bytes<B: SignBytes>(out: &mut Rows, r: usize, w: &[B]) -> bool {
+        let at = r * out.blocks;
+        assert!(
+            out.w.len() >= (at + w.len()) * QK_K && out.scales.len() >= (at + w.len()) * HALVES
+        );
+        assert!(out.bias.len() >= at + w.len() && out.d.len() >= at + w.len());
+        let mut paired = true;
+        let ones = _mm256_set1_epi8(1);
+        for (i, b) in w.iter().enumerate() {
+            let sb = at + i;
+            *out.d.get_unchecked_mut(sb) = half_to_f32(b.d_bits()) * B::FACTOR;
+            let vals: &mut [i8; QK_K] = (&mut out.w[sb * QK_K..(sb + 1) * QK_K])
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("a super-block's slice is QK_K long"));
+            let scales = signed_values(b, vals);
+            let mut bias = _mm256_setzero_si256();
+            for (ib, sc) in scales.iter().enumerate() {
+                paired &= sc[0] == sc[1];
+                let v = _mm256_loadu_si256(vals.as_ptr().add(32 * ib) as *const __m256i);
+                let spread =
+                    _mm256_set_m128i(_mm_set1_epi16(sc[1] as i16), _mm_set1_epi16(sc[0] as i16));
+                let pairs = _mm256_maddubs_epi16(ones, v);
+                bias = _mm256_add_epi32(bias, _mm256_madd_epi16(pairs, spread));
+            }
+            out.scales[sb * HALVES..(sb + 1) * HALVES].copy_from_slice(scales.as_flattened());
             *out.bias.get_unchecked_mut(sb) = hsum_i32(bias).wrapping_mul(128);
         }
         paired

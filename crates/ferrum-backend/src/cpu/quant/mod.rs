@@ -360,6 +360,131 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
     scalar_kernel(dtype)
 }
 
+/// A file format the CPU re-encodes at load into a form of its own, where its row kernel
+/// reads that form faster (ik_llama.cpp's `-rtr` repacks go further, interleaving rows). Each
+/// form keeps the file's block size, so rows keep their byte offsets and lengths, and gives the
+/// file's values exactly: dequantisation, the kernels and the prefill tile all give the file
+/// form's bits.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Recoded {
+    /// [`iq_grid::BlockIq2XxsRecoded`]: IQ2_XXS's signs ready to unpack in vector.
+    Iq2Xxs,
+    /// [`iq_grid::BlockIq3XxsRecoded`]: the same for IQ3_XXS.
+    Iq3Xxs,
+}
+
+impl Recoded {
+    /// Every form (for the tests, which hold each to its file form on any CPU).
+    pub const ALL: &'static [Recoded] = &[Recoded::Iq2Xxs, Recoded::Iq3Xxs];
+
+    /// The form this CPU re-encodes `dtype` into, if any: only where the AVX2 kernels run,
+    /// which are what the forms are for. `FERRUM_RECODE=0` keeps every weight in its file's
+    /// form (to measure what a form buys); fixed at the first call.
+    pub fn of(dtype: DType) -> Option<Recoded> {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if !*ON.get_or_init(|| std::env::var("FERRUM_RECODE").map_or(true, |v| v != "0")) {
+            return None;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            return Recoded::ALL.iter().copied().find(|f| f.dtype() == dtype);
+        }
+        let _ = dtype;
+        None
+    }
+
+    /// The file format the form came from.
+    pub fn dtype(self) -> DType {
+        match self {
+            Recoded::Iq2Xxs => DType::Iq2Xxs,
+            Recoded::Iq3Xxs => DType::Iq3Xxs,
+        }
+    }
+
+    /// Re-encodes whole blocks of [`Self::dtype`] in place; `false` (the bytes untouched)
+    /// when they are not whole, aligned blocks.
+    pub fn recode(self, bytes: &mut [u8]) -> bool {
+        use iq_grid::{BlockIq2XxsRecoded as R2, BlockIq3XxsRecoded as R3};
+        match self {
+            Recoded::Iq2Xxs => recode_blocks(bytes, R2::from_file),
+            Recoded::Iq3Xxs => recode_blocks(bytes, R3::from_file),
+        }
+    }
+
+    /// [`dequantize`] of the bytes before re-encoding, from the re-encoded ones.
+    pub fn dequantize(self, bytes: &[u8], out: &mut [f32]) -> bool {
+        if self.dtype().bytes_for(out.len()) != Some(bytes.len()) {
+            return false;
+        }
+        match self {
+            Recoded::Iq2Xxs => run(bytes, out, iq_grid::dequantize_iq2_xxs_recoded),
+            Recoded::Iq3Xxs => run(bytes, out, iq_grid::dequantize_iq3_xxs_recoded),
+        }
+    }
+
+    /// The portable kernel over the form (the SIMD one's reference).
+    pub fn scalar_kernel(self) -> Kernel {
+        match self {
+            Recoded::Iq2Xxs => kernel!(
+                Q8K,
+                iq_grid::BlockIq2XxsRecoded,
+                iq_grid::vec_dot::<iq_grid::BlockIq2XxsRecoded>
+            ),
+            Recoded::Iq3Xxs => kernel!(
+                Q8K,
+                iq_grid::BlockIq3XxsRecoded,
+                iq_grid::vec_dot::<iq_grid::BlockIq3XxsRecoded>
+            ),
+        }
+    }
+
+    /// The fastest kernel this CPU runs over the form.
+    pub fn best_kernel(self) -> Kernel {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            use iq_grid::avx2 as GA;
+            return match self {
+                Recoded::Iq2Xxs => kernel!(
+                    unsafe Q8K,
+                    iq_grid::BlockIq2XxsRecoded,
+                    GA::vec_dot_sign_bytes,
+                    GA::vec_dot_sign_bytes_x4
+                ),
+                Recoded::Iq3Xxs => kernel!(
+                    unsafe Q8K,
+                    iq_grid::BlockIq3XxsRecoded,
+                    GA::vec_dot_sign_bytes,
+                    GA::vec_dot_sign_bytes_x4
+                ),
+            };
+        }
+        self.scalar_kernel()
+    }
+}
+
+/// Rewrites each block `F` of `bytes` in place as `to(block)`, a block of the same size; `false`
+/// (nothing written) when the bytes are not whole, aligned blocks.
+fn recode_blocks<F: Copy, R: Copy>(bytes: &mut [u8], to: fn(&F) -> R) -> bool {
+    let size = std::mem::size_of::<F>();
+    assert_eq!(
+        size,
+        std::mem::size_of::<R>(),
+        "a re-encoded form keeps the block size"
+    );
+    if cast_blocks::<F>(bytes).is_none() {
+        return false;
+    }
+    for c in bytes.chunks_exact_mut(size) {
+        let Some(&[b]) = cast_blocks::<F>(c) else {
+            return false;
+        };
+        // SAFETY: `c` is `size` bytes, the size of `R`; the write is unaligned, and `R` is
+        // plain old data (integers and f16s) with no padding, as its size assert says.
+        unsafe { std::ptr::write_unaligned(c.as_mut_ptr() as *mut R, to(&b)) };
+    }
+    true
+}
+
 /// AVX2 with FMA and F16C: every x86-64 CPU since Haswell / Zen 1.
 #[cfg(target_arch = "x86_64")]
 pub fn has_avx2() -> bool {
