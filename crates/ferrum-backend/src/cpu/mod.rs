@@ -345,27 +345,29 @@ impl CpuBackend {
     }
 
     /// Re-encodes a matrix's owned bytes into `form` on the pool, in stretches of whole blocks;
-    /// `false` (the bytes as they were, for a stretch that fails) when they are not whole,
-    /// aligned blocks, which load checked already.
+    /// `false`, the bytes untouched, when they are not whole, aligned blocks (which load
+    /// checked already).
     fn recode(&self, form: quant::Recoded, bytes: &mut [u8]) -> bool {
         const STRETCH_BLOCKS: usize = 1 << 14;
-        let block = form.dtype().block_bytes();
-        if block == 0 || !bytes.len().is_multiple_of(block) {
+        if !form.takes(bytes) {
             return false;
         }
-        let (len, stretch) = (bytes.len(), STRETCH_BLOCKS * block);
+        let (len, stretch) = (bytes.len(), STRETCH_BLOCKS * form.dtype().block_bytes());
         let dst = SharedMut(bytes.as_mut_ptr());
-        let ok = std::sync::atomic::AtomicBool::new(true);
         self.pool.run(len.div_ceil(stretch), &|task| {
             let at = task * stretch;
             // SAFETY: in bounds of `bytes`, which this call borrows exclusively; each task has
             // its own stretch.
             let part = unsafe { dst.slice(at, stretch.min(len - at)) };
-            if !form.recode(part) {
-                ok.store(false, std::sync::atomic::Ordering::Relaxed);
-            }
+            // Whole blocks from a whole-block offset of bytes `takes` accepted: a stretch
+            // that failed would leave the matrix half in each form.
+            let done = form.recode(part);
+            assert!(
+                done,
+                "a stretch of whole, aligned blocks failed to re-encode"
+            );
         });
-        ok.into_inner()
+        true
     }
 
     /// The same backend with another KV-cache format.

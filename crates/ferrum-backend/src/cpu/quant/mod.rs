@@ -401,6 +401,15 @@ impl Recoded {
         }
     }
 
+    /// Whether `bytes` are whole, aligned blocks of [`Self::dtype`]: what [`Self::recode`]
+    /// takes.
+    pub fn takes(self, bytes: &[u8]) -> bool {
+        match self {
+            Recoded::Iq2Xxs => cast_blocks::<iq_grid::BlockIq2Xxs>(bytes).is_some(),
+            Recoded::Iq3Xxs => cast_blocks::<iq_grid::BlockIq3Xxs>(bytes).is_some(),
+        }
+    }
+
     /// Re-encodes whole blocks of [`Self::dtype`] in place; `false` (the bytes untouched)
     /// when they are not whole, aligned blocks.
     pub fn recode(self, bytes: &mut [u8]) -> bool {
