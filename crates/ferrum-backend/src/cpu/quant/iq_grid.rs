@@ -15,7 +15,9 @@
 //! five whose signs come a byte per eight values, [`avx2::OffsetBytes`] for IQ1_S, IQ1_M and
 //! the TQs, whose values are unsigned bytes less an offset per 16 values. All sum the same
 //! integers, then make one multiply per super-block, so every kernel gives the scalar one's
-//! bits.
+//! bits. IQ2_XXS and IQ3_XXS also have forms the CPU re-encodes them into at load
+//! ([`BlockIq2XxsRecoded`], [`BlockIq3XxsRecoded`]: each group's sign word as [`recode_word`]
+//! makes it, which unpacks in a few vector operations), with the same values.
 //!
 //! The dequantisers follow llama.cpp's float steps one by one (`dequantize_row_*`), so they
 //! give its bits (`tests/dequant_reference.rs` holds them to llama.cpp's own library).
@@ -99,8 +101,8 @@ pub fn recode_word(aux: u32) -> [u8; 4] {
 }
 
 /// A re-encoded word's four sign bytes (byte k's bit j: value `8k + j` negative) and its
-/// 4-bit scale ([`recode_word`]), a word at a time: the prefill tile decodes every group
-/// through here.
+/// 4-bit scale ([`recode_word`]), a word at a time: the scalar paths (dequantisation, the
+/// portable kernel, the prefill tile's twin) decode every group through here.
 #[inline]
 pub fn recoded_word(b: [u8; 4]) -> ([u8; 4], u32) {
     let w = u32::from_le_bytes(b);
