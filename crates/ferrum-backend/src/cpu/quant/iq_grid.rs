@@ -143,11 +143,6 @@ impl BlockIq2XxsRecoded {
         }
         r
     }
-
-    #[inline]
-    fn signs_scale(&self, ib: usize) -> ([u8; 4], u32) {
-        recoded_word([0, 1, 2, 3].map(|k| self.signs[4 * ib + k]))
-    }
 }
 
 /// IQ3_XXS as the CPU re-encodes it at load ([`super::Recoded::Iq3Xxs`]): the file's 98
@@ -176,11 +171,6 @@ impl BlockIq3XxsRecoded {
             r.signs[4 * ib..4 * ib + 4].copy_from_slice(&recode_word(b.aux(ib)));
         }
         r
-    }
-
-    #[inline]
-    fn signs_scale(&self, ib: usize) -> ([u8; 4], u32) {
-        recoded_word([0, 1, 2, 3].map(|k| self.signs[4 * ib + k]))
     }
 }
 
@@ -310,15 +300,7 @@ impl Codebook for BlockIq2Xxs {
         self.d.to_bits()
     }
     fn group(&self, ib: usize) -> Group {
-        let q = &self.qs[4 * ib..4 * ib + 4];
-        let idx = (q[0] as u32 | (q[1] as u32) << 16).to_le_bytes();
-        let aux = q[2] as u32 | (q[3] as u32) << 16;
-        let s = 2 * (aux >> 28) as i32 + 1;
-        Group {
-            words: idx.map(|i| IQ2XXS_GRID[i as usize]),
-            signs: std::array::from_fn(|l| KSIGN_BYTES[((aux >> (7 * l)) & 127) as usize]),
-            scales: [s, s],
-        }
+        iq2_xxs_group(self, ib)
     }
 }
 
@@ -374,17 +356,7 @@ impl Codebook for BlockIq3Xxs {
         self.d.to_bits()
     }
     fn group(&self, ib: usize) -> Group {
-        let q = &self.qs[8 * ib..8 * ib + 8];
-        let aux = self.aux(ib);
-        let s = 2 * (aux >> 28) as i32 + 1;
-        Group {
-            words: std::array::from_fn(|l| {
-                IQ3XXS_GRID[q[2 * l] as usize] as u64
-                    | (IQ3XXS_GRID[q[2 * l + 1] as usize] as u64) << 32
-            }),
-            signs: std::array::from_fn(|l| KSIGN_BYTES[((aux >> (7 * l)) & 127) as usize]),
-            scales: [s, s],
-        }
+        iq3_xxs_group(self, ib)
     }
 }
 
@@ -394,17 +366,7 @@ impl Codebook for BlockIq3XxsRecoded {
         self.d.to_bits()
     }
     fn group(&self, ib: usize) -> Group {
-        let q = &self.qs[8 * ib..8 * ib + 8];
-        let (signs, scale) = self.signs_scale(ib);
-        let s = 2 * scale as i32 + 1;
-        Group {
-            words: std::array::from_fn(|l| {
-                IQ3XXS_GRID[q[2 * l] as usize] as u64
-                    | (IQ3XXS_GRID[q[2 * l + 1] as usize] as u64) << 32
-            }),
-            signs: signs.map(|b| SIGN_BYTES[b as usize]),
-            scales: [s, s],
-        }
+        iq3_xxs_group(self, ib)
     }
 }
 
@@ -625,13 +587,81 @@ impl Codebook for BlockIq2XxsRecoded {
         self.d.to_bits()
     }
     fn group(&self, ib: usize) -> Group {
-        let (signs, scale) = self.signs_scale(ib);
-        let s = 2 * scale as i32 + 1;
-        Group {
-            words: std::array::from_fn(|k| IQ2XXS_GRID[self.idx[4 * ib + k] as usize]),
-            signs: signs.map(|b| SIGN_BYTES[b as usize]),
-            scales: [s, s],
-        }
+        iq2_xxs_group(self, ib)
+    }
+}
+
+/// IQ2_XXS's and IQ3_XXS's 32-value groups in the file's form or the re-encoded one, the one
+/// place the two differ: the group's grid indices (`I`: four for IQ2_XXS, eight for
+/// IQ3_XXS), its four sign bytes and its 4-bit scale. Both forms' groups and dequantisation
+/// are made from these.
+trait XxsGroups<I>: Codebook {
+    fn parts(&self, ib: usize) -> (I, [u8; 4], u32);
+}
+
+/// The sign bytes of a file word's four seven-bit fields ([`KSIGNS`]).
+fn ksigns4(aux: u32) -> [u8; 4] {
+    std::array::from_fn(|l| KSIGNS[((aux >> (7 * l)) & 127) as usize])
+}
+
+impl XxsGroups<[u8; 4]> for BlockIq2Xxs {
+    #[inline]
+    fn parts(&self, ib: usize) -> ([u8; 4], [u8; 4], u32) {
+        let q = &self.qs[4 * ib..4 * ib + 4];
+        let aux = q[2] as u32 | (q[3] as u32) << 16;
+        let idx = (q[0] as u32 | (q[1] as u32) << 16).to_le_bytes();
+        (idx, ksigns4(aux), aux >> 28)
+    }
+}
+
+impl XxsGroups<[u8; 4]> for BlockIq2XxsRecoded {
+    #[inline]
+    fn parts(&self, ib: usize) -> ([u8; 4], [u8; 4], u32) {
+        let (signs, scale) = recoded_word([0, 1, 2, 3].map(|k| self.signs[4 * ib + k]));
+        ([0, 1, 2, 3].map(|k| self.idx[4 * ib + k]), signs, scale)
+    }
+}
+
+impl XxsGroups<[u8; 8]> for BlockIq3Xxs {
+    #[inline]
+    fn parts(&self, ib: usize) -> ([u8; 8], [u8; 4], u32) {
+        let aux = self.aux(ib);
+        (
+            std::array::from_fn(|k| self.qs[8 * ib + k]),
+            ksigns4(aux),
+            aux >> 28,
+        )
+    }
+}
+
+impl XxsGroups<[u8; 8]> for BlockIq3XxsRecoded {
+    #[inline]
+    fn parts(&self, ib: usize) -> ([u8; 8], [u8; 4], u32) {
+        let (signs, scale) = recoded_word([0, 1, 2, 3].map(|k| self.signs[4 * ib + k]));
+        (std::array::from_fn(|k| self.qs[8 * ib + k]), signs, scale)
+    }
+}
+
+fn iq2_xxs_group(b: &impl XxsGroups<[u8; 4]>, ib: usize) -> Group {
+    let (idx, signs, scale) = b.parts(ib);
+    let s = 2 * scale as i32 + 1;
+    Group {
+        words: idx.map(|i| IQ2XXS_GRID[i as usize]),
+        signs: signs.map(|b| SIGN_BYTES[b as usize]),
+        scales: [s, s],
+    }
+}
+
+fn iq3_xxs_group(b: &impl XxsGroups<[u8; 8]>, ib: usize) -> Group {
+    let (q, signs, scale) = b.parts(ib);
+    let s = 2 * scale as i32 + 1;
+    Group {
+        words: std::array::from_fn(|l| {
+            IQ3XXS_GRID[q[2 * l] as usize] as u64
+                | (IQ3XXS_GRID[q[2 * l + 1] as usize] as u64) << 32
+        }),
+        signs: signs.map(|b| SIGN_BYTES[b as usize]),
+        scales: [s, s],
     }
 }
 
@@ -674,30 +704,22 @@ fn signed_eight(y: &mut [f32], db: f32, grid: [u8; 8], signs: u8) {
 }
 
 pub fn dequantize_iq2_xxs(blocks: &[BlockIq2Xxs], out: &mut [f32]) {
-    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
-        let d = b.d.to_f32();
-        for (ib, y) in y.chunks_exact_mut(32).enumerate() {
-            let q = &b.qs[4 * ib..4 * ib + 4];
-            let idx = (q[0] as u32 | (q[1] as u32) << 16).to_le_bytes();
-            let aux = q[2] as u32 | (q[3] as u32) << 16;
-            let db = d * (0.5 + (aux >> 28) as f32) * 0.25;
-            for (l, y) in y.chunks_exact_mut(8).enumerate() {
-                let grid = IQ2XXS_GRID[idx[l] as usize].to_le_bytes();
-                signed_eight(y, db, grid, KSIGNS[((aux >> (7 * l)) & 127) as usize]);
-            }
-        }
-    }
+    dequantize_iq2_xxs_groups(blocks, out)
 }
 
 /// [`dequantize_iq2_xxs`] of the blocks the re-encoded ones came from: the same float steps.
 pub fn dequantize_iq2_xxs_recoded(blocks: &[BlockIq2XxsRecoded], out: &mut [f32]) {
+    dequantize_iq2_xxs_groups(blocks, out)
+}
+
+fn dequantize_iq2_xxs_groups<B: XxsGroups<[u8; 4]>>(blocks: &[B], out: &mut [f32]) {
     for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
-        let d = b.d.to_f32();
+        let d = b.d();
         for (ib, y) in y.chunks_exact_mut(32).enumerate() {
-            let (signs, scale) = b.signs_scale(ib);
+            let (idx, signs, scale) = b.parts(ib);
             let db = d * (0.5 + scale as f32) * 0.25;
             for (l, y) in y.chunks_exact_mut(8).enumerate() {
-                let grid = IQ2XXS_GRID[b.idx[4 * ib + l] as usize].to_le_bytes();
+                let grid = IQ2XXS_GRID[idx[l] as usize].to_le_bytes();
                 signed_eight(y, db, grid, signs[l]);
             }
         }
@@ -742,30 +764,20 @@ pub fn dequantize_iq2_s(blocks: &[BlockIq2S], out: &mut [f32]) {
 }
 
 pub fn dequantize_iq3_xxs(blocks: &[BlockIq3Xxs], out: &mut [f32]) {
-    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
-        let d = b.d.to_f32();
-        for (ib, y) in y.chunks_exact_mut(32).enumerate() {
-            let aux = b.aux(ib);
-            let db = d * (0.5 + (aux >> 28) as f32) * 0.5;
-            let q = &b.qs[8 * ib..8 * ib + 8];
-            for (l, y) in y.chunks_exact_mut(8).enumerate() {
-                let g1 = IQ3XXS_GRID[q[2 * l] as usize].to_le_bytes();
-                let g2 = IQ3XXS_GRID[q[2 * l + 1] as usize].to_le_bytes();
-                let grid = [g1[0], g1[1], g1[2], g1[3], g2[0], g2[1], g2[2], g2[3]];
-                signed_eight(y, db, grid, KSIGNS[((aux >> (7 * l)) & 127) as usize]);
-            }
-        }
-    }
+    dequantize_iq3_xxs_groups(blocks, out)
 }
 
 /// [`dequantize_iq3_xxs`] of the blocks the re-encoded ones came from: the same float steps.
 pub fn dequantize_iq3_xxs_recoded(blocks: &[BlockIq3XxsRecoded], out: &mut [f32]) {
+    dequantize_iq3_xxs_groups(blocks, out)
+}
+
+fn dequantize_iq3_xxs_groups<B: XxsGroups<[u8; 8]>>(blocks: &[B], out: &mut [f32]) {
     for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
-        let d = b.d.to_f32();
+        let d = b.d();
         for (ib, y) in y.chunks_exact_mut(32).enumerate() {
-            let (signs, scale) = b.signs_scale(ib);
+            let (q, signs, scale) = b.parts(ib);
             let db = d * (0.5 + scale as f32) * 0.5;
-            let q = &b.qs[8 * ib..8 * ib + 8];
             for (l, y) in y.chunks_exact_mut(8).enumerate() {
                 let g1 = IQ3XXS_GRID[q[2 * l] as usize].to_le_bytes();
                 let g2 = IQ3XXS_GRID[q[2 * l + 1] as usize].to_le_bytes();

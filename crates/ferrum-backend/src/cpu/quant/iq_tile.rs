@@ -71,6 +71,18 @@ impl Rows {
         self.fill_scalar(r, w)
     }
 
+    /// Where row `r`'s `blocks` super-blocks start, checked to fit every buffer (the SIMD
+    /// fills write them unchecked).
+    #[cfg(target_arch = "x86_64")]
+    fn row_start(&self, r: usize, blocks: usize) -> usize {
+        let at = r * self.blocks;
+        assert!(
+            self.w.len() >= (at + blocks) * QK_K && self.scales.len() >= (at + blocks) * HALVES
+        );
+        assert!(self.bias.len() >= at + blocks && self.d.len() >= at + blocks);
+        at
+    }
+
     /// The portable twin of the AVX2 fill; whether the halves of every group share a scale.
     fn fill_scalar<B: Codebook>(&mut self, r: usize, w: &[B]) -> bool {
         let mut paired = true;
@@ -485,13 +497,8 @@ pub mod avx2 {
     /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn fill<B: Codebook>(out: &mut Rows, r: usize, w: &[B]) -> bool {
-        let at = r * out.blocks;
-        assert!(
-            out.w.len() >= (at + w.len()) * QK_K && out.scales.len() >= (at + w.len()) * HALVES
-        );
-        assert!(out.bias.len() >= at + w.len() && out.d.len() >= at + w.len());
+        let at = out.row_start(r, w.len());
         let mut paired = true;
-        let ones = _mm256_set1_epi8(1);
         let v4 =
             |v: [u64; 4]| _mm256_setr_epi64x(v[0] as i64, v[1] as i64, v[2] as i64, v[3] as i64);
         for (i, b) in w.iter().enumerate() {
@@ -504,12 +511,7 @@ pub mod avx2 {
                 let v = _mm256_sign_epi8(v4(g.words), v4(g.signs));
                 let p = out.w.as_mut_ptr().add(sb * QK_K + 32 * ib);
                 _mm256_storeu_si256(p as *mut __m256i, v);
-                let sc = _mm256_set_m128i(
-                    _mm_set1_epi16(g.scales[1] as i16),
-                    _mm_set1_epi16(g.scales[0] as i16),
-                );
-                let pairs = _mm256_maddubs_epi16(ones, v);
-                bias = _mm256_add_epi32(bias, _mm256_madd_epi16(pairs, sc));
+                bias = _mm256_add_epi32(bias, half_sums(v, g.scales));
                 let s = out.scales.as_mut_ptr().add(sb * HALVES + 2 * ib);
                 *s = g.scales[0];
                 *s.add(1) = g.scales[1];
@@ -519,6 +521,18 @@ pub mod avx2 {
         paired
     }
 
+    /// A group's 32 values summed per 16-value half, each half's sum times its scale (in the
+    /// eight i32 lanes): its part of [`Rows`]' bias.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn half_sums(v: __m256i, scales: [i32; 2]) -> __m256i {
+        let sc = _mm256_set_m128i(
+            _mm_set1_epi16(scales[1] as i16),
+            _mm_set1_epi16(scales[0] as i16),
+        );
+        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), sc)
+    }
+
     /// [`fill`] for the formats with sign bytes, whose values [`signed_values`] makes in
     /// vector from the row kernel's side data: the same values, scales and bias.
     ///
@@ -526,13 +540,8 @@ pub mod avx2 {
     /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn fill_sign_bytes<B: SignBytes>(out: &mut Rows, r: usize, w: &[B]) -> bool {
-        let at = r * out.blocks;
-        assert!(
-            out.w.len() >= (at + w.len()) * QK_K && out.scales.len() >= (at + w.len()) * HALVES
-        );
-        assert!(out.bias.len() >= at + w.len() && out.d.len() >= at + w.len());
+        let at = out.row_start(r, w.len());
         let mut paired = true;
-        let ones = _mm256_set1_epi8(1);
         for (i, b) in w.iter().enumerate() {
             let sb = at + i;
             *out.d.get_unchecked_mut(sb) = half_to_f32(b.d_bits()) * B::FACTOR;
@@ -544,10 +553,7 @@ pub mod avx2 {
             for (ib, sc) in scales.iter().enumerate() {
                 paired &= sc[0] == sc[1];
                 let v = _mm256_loadu_si256(vals.as_ptr().add(32 * ib) as *const __m256i);
-                let spread =
-                    _mm256_set_m128i(_mm_set1_epi16(sc[1] as i16), _mm_set1_epi16(sc[0] as i16));
-                let pairs = _mm256_maddubs_epi16(ones, v);
-                bias = _mm256_add_epi32(bias, _mm256_madd_epi16(pairs, spread));
+                bias = _mm256_add_epi32(bias, half_sums(v, *sc));
             }
             out.scales[sb * HALVES..(sb + 1) * HALVES].copy_from_slice(scales.as_flattened());
             *out.bias.get_unchecked_mut(sb) = hsum_i32(bias).wrapping_mul(128);
