@@ -897,8 +897,9 @@ fn fused_ops<B: Backend>(h: &mut Harness<B>, rng: &mut StdRng) {
             }
         );
     }
-    // moe_ffn: one token (the decode override) and five, four experts, top two, with and
-    // without biases.
+    // moe_ffn: one token (the decode override), five and forty (the prefill's grouped pass;
+    // forty gives its experts several tasks each), four experts, top two, with and without
+    // biases.
     let (hh, ff, ne) = (256usize, 512usize, 4usize);
     for (dt, biased, act) in [
         (DType::Q4K, false, Activation::Silu),
@@ -930,7 +931,7 @@ fn fused_ops<B: Backend>(h: &mut Harness<B>, rng: &mut StdRng) {
                 ]
             })
             .collect();
-        for tokens in [1usize, 5] {
+        for tokens in [1usize, 5, 40] {
             let x = rand_vec(rng, tokens * hh, 1.0);
             let all: Vec<u32> = (0..tokens as u32).collect();
             let firsts: Vec<u32> = all.iter().copied().filter(|t| t % 2 == 0).collect();

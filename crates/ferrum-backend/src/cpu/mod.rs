@@ -7,6 +7,7 @@
 pub mod arena;
 pub mod kv;
 pub mod linear;
+mod moe;
 pub mod pool;
 pub mod quant;
 pub mod simd;
@@ -1577,11 +1578,10 @@ impl Backend for CpuBackend {
         self.load_weight(&view)
     }
 
-    /// Decode (one token): all selected experts' gate and up rows in one parallel pass, then
-    /// every output row as the routing-weighted sum over the experts' down rows in a second
-    /// pass — two hand-offs per layer instead of three per expert. Same arithmetic, in the
-    /// same order, as the default composition (tested). Prefill takes the default path,
-    /// which runs each expert once as a matrix-matrix product over its tokens.
+    /// Decode (one token, no biases) takes [`moe::decode`]: two hand-offs a layer. A
+    /// prefill, or an expert with biases, takes [`moe::prefill`]: each expert a
+    /// matrix-matrix product over its tokens, as in the default composition, but a group of
+    /// experts a hand-off. Both give the default composition's bits (tested).
     fn moe_ffn(
         &self,
         x: &Vec<f32>,
@@ -1593,108 +1593,11 @@ impl Backend for CpuBackend {
         ov: Rows,
         act: Activation,
     ) {
-        // The one-token pass below has no biases.
-        if xv.count != 1 || experts.iter().any(|e| e.biases.is_some()) {
-            return moe_ffn_default(self, x, xv, experts, batches, scratch, out, ov, act);
+        if xv.count == 1 && experts.iter().all(|e| e.biases.is_none()) {
+            return moe::decode(self, x, xv, experts, batches, scratch, out, ov, act);
         }
-        check_view("moe x", xv, x.len());
-        check_view("moe out", ov, out.len());
-        let sel: Vec<(&ExpertWeights<CpuWeight>, f32)> = batches
-            .iter()
-            .map(|b| (&experts[b.expert], b.weights[0]))
-            .collect();
-        let Some(first) = sel.first() else {
-            return self.fill(out, ov, 0.0);
-        };
-        let (f, h) = (first.0.gate.rows, first.0.gate.cols);
-        let k = sel.len();
-        let xin = ActRow::new(
-            &x[xv.offset..xv.offset + h],
-            sel.iter().flat_map(|(e, _)| [&e.gate, &e.up]),
-        );
-        // Pass 1: gate and up rows of every selected expert; scratch.gu holds k rows of [gate | up].
-        let gu_len = k * 2 * f;
-        if scratch.gu.len() < gu_len {
-            scratch.gu.resize(gu_len, 0.0);
-        }
-        let gu = SharedMut(scratch.gu.as_mut_ptr());
-        // Rows go in units of a packed group when every matrix a pass reads is packed whole
-        // (then its row count is a multiple of 8 and a unit never straddles two matrices).
-        let unit = packed_unit(sel.iter().flat_map(|(e, _)| [&e.gate, &e.up]));
-        let units = k * 2 * f / unit;
-        let per_task = (units / (self.threads * 8)).clamp(1, 256);
-        self.pool.run(units.div_ceil(per_task), &|task| {
-            SCRATCH.with(|sc| {
-                let mut sc = sc.borrow_mut();
-                let mut v = [0f32; 2 * quant::packed::ROWS];
-                for u in task * per_task..((task + 1) * per_task).min(units) {
-                    let r = u * unit;
-                    let (slot, within) = (r / (2 * f), r % (2 * f));
-                    let e = sel[slot].0;
-                    let w = if within < f { &e.gate } else { &e.up };
-                    w.dot_rows(within % f, &xin, &mut v[..unit], &mut sc);
-                    for (i, &vi) in v[..unit].iter().enumerate() {
-                        // SAFETY: r + i < gu_len; each row is written by one task.
-                        unsafe { gu.write(r + i, vi) };
-                    }
-                }
-            })
-        });
-        if scratch.act.len() < k * f {
-            scratch.act.resize(k * f, 0.0);
-        }
-        self.glu(
-            &scratch.gu,
-            Rows::dense(k, 2 * f),
-            &mut scratch.act,
-            Rows::dense(k, f),
-            act,
-        );
-        let acts: Vec<ActRow> = sel
-            .iter()
-            .enumerate()
-            .map(|(slot, (e, _))| {
-                ActRow::new(
-                    &scratch.act[slot * f..(slot + 1) * f],
-                    [&e.down].into_iter(),
-                )
-            })
-            .collect();
-        // Pass 2: each selected expert's down rows into scratch.y (k rows of h), each task one
-        // contiguous run of one expert's matrix, as in pass 1; then every output element is
-        // the weighted sum over the experts, in expert order.
-        let unit = packed_unit(sel.iter().map(|(e, _)| &e.down));
-        let ys = k * h;
-        if scratch.y.len() < ys {
-            scratch.y.resize(ys, 0.0);
-        }
-        let yp = SharedMut(scratch.y.as_mut_ptr());
-        let units = ys / unit;
-        let per_task = (units / (self.threads * 8)).clamp(1, 256);
-        self.pool.run(units.div_ceil(per_task), &|task| {
-            SCRATCH.with(|sc| {
-                let mut sc = sc.borrow_mut();
-                let mut v = [0f32; 2 * quant::packed::ROWS];
-                for u in task * per_task..((task + 1) * per_task).min(units) {
-                    let r = u * unit;
-                    let (slot, row) = (r / h, r % h);
-                    sel[slot]
-                        .0
-                        .down
-                        .dot_rows(row, &acts[slot], &mut v[..unit], &mut sc);
-                    for (i, &vi) in v[..unit].iter().enumerate() {
-                        // SAFETY: r + i < ys; each row is written by one task.
-                        unsafe { yp.write(r + i, vi) };
-                    }
-                }
-            })
-        });
-        let o = &mut out[ov.offset..ov.offset + h];
-        o.fill(0.0);
-        for ((_, wgt), y) in sel.iter().zip(scratch.y.chunks_exact(h)) {
-            for (o, &yi) in o.iter_mut().zip(y) {
-                *o += wgt * yi;
-            }
+        if !moe::prefill(self, x, xv, experts, batches, scratch, out, ov, act) {
+            moe_ffn_default(self, x, xv, experts, batches, scratch, out, ov, act);
         }
     }
 

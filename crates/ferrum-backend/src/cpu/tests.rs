@@ -492,6 +492,148 @@ fn moe_decode_override_equals_default_composition() {
     }
 }
 
+/// A weight of random blocks with small, finite f16 scales (at the byte offsets `scales`
+/// of each block).
+fn random_weight(
+    r: &mut impl Rng,
+    dt: DType,
+    rows: usize,
+    cols: usize,
+    scales: &[usize],
+) -> RawTensor {
+    let mut b = vec![0u8; dt.bytes_for(rows * cols).unwrap()];
+    r.fill(&mut b[..]);
+    for blk in b.chunks_mut(dt.block_bytes()) {
+        for &o in scales {
+            let s = half::f16::from_f32(r.gen_range(0.002..0.02));
+            blk[o..o + 2].copy_from_slice(&s.to_le_bytes());
+        }
+    }
+    RawTensor::from_bytes("w", dt, vec![rows, cols], b).unwrap()
+}
+
+/// The prefill's grouped expert products give the default composition's bits: K-quants (Q8_K
+/// activations), a codebook format (its tile layout, for experts of eight tokens or more),
+/// the 32-value formats (Q8 activations) with biases, both activation formats in one group,
+/// and groups of every size from one expert (larger than the budget) to all of them.
+#[test]
+fn moe_prefill_groups_equal_default_composition() {
+    use crate::{moe_ffn_default, ExpertBatch, ExpertWeights, MoeScratch};
+    let be = CpuBackend::with_threads(3);
+    let mut r = rng();
+    let (h, f, ne, n) = (256, 512, 5, 37);
+    let scales = |dt: DType| -> &'static [usize] {
+        match dt {
+            DType::Q4K => &[0, 2],
+            DType::Q6K => &[208],
+            _ => &[0],
+        }
+    };
+    let clamped = Activation::ClampedSwiglu {
+        alpha: 1.702,
+        limit: 7.0,
+    };
+    // Each case: the experts' (gate/up, down) formats in turn, biases, the activation.
+    type Case = (&'static [(DType, DType)], bool, Activation);
+    let cases: [Case; 4] = [
+        (&[(DType::Q4K, DType::Q6K)], false, Activation::Silu),
+        (&[(DType::Iq2Xxs, DType::Iq2Xxs)], false, Activation::Silu),
+        (&[(DType::Iq4Nl, DType::Q8_0)], true, clamped),
+        (
+            &[(DType::Q4K, DType::Q6K), (DType::Iq4Nl, DType::Q8_0)],
+            false,
+            Activation::GeluTanh,
+        ),
+    ];
+    // Tokens of each expert, in the router's order (not the experts').
+    let lists: Vec<(usize, Vec<u32>)> = vec![
+        (3, (0..n as u32).collect()),
+        (0, (0..n as u32).filter(|t| t % 2 == 0).collect()),
+        (4, (0..n as u32).filter(|t| t % 3 == 0).collect()),
+        (1, vec![5]),
+        (2, (0..9).collect()),
+    ];
+    let weights: Vec<Vec<f32>> = lists
+        .iter()
+        .map(|(_, t)| t.iter().map(|_| r.gen_range(0.05..0.9)).collect())
+        .collect();
+    let batches: Vec<ExpertBatch> = lists
+        .iter()
+        .zip(&weights)
+        .map(|((e, t), w)| ExpertBatch {
+            expert: *e,
+            tokens: t,
+            weights: w,
+        })
+        .collect();
+    for (formats, biased, act) in cases {
+        let experts: Vec<ExpertWeights<CpuWeight>> = (0..ne)
+            .map(|e| {
+                let (gu, down) = formats[e % formats.len()];
+                let mut w = |dt: DType, rows, cols| {
+                    be.load_weight(&random_weight(&mut r, dt, rows, cols, scales(dt)))
+                        .unwrap()
+                };
+                let (gate, up, down) = (w(gu, f, h), w(gu, f, h), w(down, h, f));
+                let mut b = |len| {
+                    be.load_weight(&f32_tensor("b", vec![len], &rand_vec(&mut r, len)))
+                        .unwrap()
+                };
+                ExpertWeights {
+                    gate,
+                    up,
+                    down,
+                    biases: biased.then(|| [b(f), b(f), b(h)]),
+                }
+            })
+            .collect();
+        // The input and output one row into their buffers.
+        let x = rand_vec(&mut r, (n + 1) * h);
+        let v = Rows {
+            offset: h,
+            ..Rows::dense(n, h)
+        };
+        let scratch = || MoeScratch {
+            x: vec![0.0; n * h],
+            gu: vec![0.0; n * 2 * f],
+            act: vec![0.0; n * f],
+            y: vec![0.0; n * h],
+        };
+        let mut want = vec![1.0; (n + 1) * h];
+        moe_ffn_default(
+            &be,
+            &x,
+            v,
+            &experts,
+            &batches,
+            &mut scratch(),
+            &mut want,
+            v,
+            act,
+        );
+        for budget in [1, 20, 45, usize::MAX] {
+            let mut got = vec![1.0; (n + 1) * h];
+            let ran = super::moe::prefill_in_groups(
+                &be,
+                &x,
+                v,
+                &experts,
+                &batches,
+                &mut scratch(),
+                &mut got,
+                v,
+                act,
+                budget,
+            );
+            assert!(ran, "{formats:?}: the integer path takes every expert");
+            assert_eq!(got, want, "{formats:?}, groups of {budget} rows");
+        }
+        let mut got = vec![1.0; (n + 1) * h];
+        be.moe_ffn(&x, v, &experts, &batches, &mut scratch(), &mut got, v, act);
+        assert_eq!(got, want, "{formats:?}: moe_ffn");
+    }
+}
+
 /// A matmul over a packed weight whose row count is not a multiple of eight (three packed
 /// groups and five rows in the file's layout) gives every token the same bits whether it
 /// runs alone or with up to eight others, and the value of the file-layout kernel to rounding.
