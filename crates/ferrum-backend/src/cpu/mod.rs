@@ -1578,8 +1578,8 @@ impl Backend for CpuBackend {
         self.load_weight(&view)
     }
 
-    /// Decode (one token, no biases) takes [`moe::decode`]: two hand-offs a layer. A
-    /// prefill, or an expert with biases, takes [`moe::prefill`]: each expert a
+    /// Decode (one token, no biases) takes `moe::decode`: two hand-offs a layer. A
+    /// prefill, or an expert with biases, takes `moe::prefill`: each expert a
     /// matrix-matrix product over its tokens, as in the default composition, but a group of
     /// experts a hand-off. Both give the default composition's bits (tested).
     fn moe_ffn(
