@@ -431,43 +431,15 @@ impl Group<'_> {
                 &jobs,
                 &|job, rows| {
                     let tok = self.batches[job.slot].tokens;
-                    let m = tok.len();
-                    match job.part.kernel {
-                        Kernel::Q8 {
-                            dot,
-                            dot4,
-                            rows4,
-                            dot2x4,
-                        } => super::quantized_rows(
-                            &job.part,
-                            rows,
-                            m,
-                            &|t| xq.q8(tok[t] as usize),
-                            None,
-                            dst,
-                            dot,
-                            dot4,
-                            rows4,
-                            dot2x4,
-                        ),
-                        Kernel::Q8K {
-                            dot,
-                            dot4,
-                            rows4,
-                            dot2x4,
-                        } => super::quantized_rows(
-                            &job.part,
-                            rows,
-                            m,
-                            &|t| xq.qk(tok[t] as usize),
-                            tile_ptrs[job.slot],
-                            dst,
-                            dot,
-                            dot4,
-                            rows4,
-                            dot2x4,
-                        ),
-                    }
+                    run_rows(
+                        job,
+                        rows,
+                        tok.len(),
+                        &|t| xq.q8(tok[t] as usize),
+                        &|t| xq.qk(tok[t] as usize),
+                        tile_ptrs[job.slot],
+                        dst,
+                    )
                 },
             );
             // The GLU and down: each (token, expert) row's GLU computed and quantised by a
@@ -545,42 +517,15 @@ impl Group<'_> {
                             let m = self.batches[job.slot].tokens.len();
                             // SAFETY (both): the rows were written by the prologue, which has
                             // ended, and are not written again in this pass.
-                            match job.part.kernel {
-                                Kernel::Q8 {
-                                    dot,
-                                    dot4,
-                                    rows4,
-                                    dot2x4,
-                                } => super::quantized_rows(
-                                    &job.part,
-                                    rows,
-                                    m,
-                                    &|t| unsafe { p8.slice_ref((s + t) * len8, len8) },
-                                    None,
-                                    dst,
-                                    dot,
-                                    dot4,
-                                    rows4,
-                                    dot2x4,
-                                ),
-                                Kernel::Q8K {
-                                    dot,
-                                    dot4,
-                                    rows4,
-                                    dot2x4,
-                                } => super::quantized_rows(
-                                    &job.part,
-                                    rows,
-                                    m,
-                                    &|t| unsafe { pk.slice_ref((s + t) * lenk, lenk) },
-                                    tile_ptrs[job.slot],
-                                    dst,
-                                    dot,
-                                    dot4,
-                                    rows4,
-                                    dot2x4,
-                                ),
-                            }
+                            run_rows(
+                                job,
+                                rows,
+                                m,
+                                &|t| unsafe { p8.slice_ref((s + t) * len8, len8) },
+                                &|t| unsafe { pk.slice_ref((s + t) * lenk, lenk) },
+                                tile_ptrs[job.slot],
+                                dst,
+                            )
                         },
                     );
                 })
@@ -602,6 +547,33 @@ impl Group<'_> {
                 r += 1;
             }
         }
+    }
+}
+
+/// Rows `rows` of a job's matrix for its `m` tokens, whose 8-bit rows `q8(t)` or `qk(t)` its
+/// kernel reads (on the tile layout `tile`, where the expert has one).
+fn run_rows<'a>(
+    job: &Job,
+    rows: Range<usize>,
+    m: usize,
+    q8: &impl Fn(usize) -> &'a [BlockQ8],
+    qk: &impl Fn(usize) -> &'a [BlockQ8K],
+    tile: Option<iq_tile::TokensPtr>,
+    dst: SharedMut,
+) {
+    match job.part.kernel {
+        Kernel::Q8 {
+            dot,
+            dot4,
+            rows4,
+            dot2x4,
+        } => super::quantized_rows(&job.part, rows, m, q8, None, dst, dot, dot4, rows4, dot2x4),
+        Kernel::Q8K {
+            dot,
+            dot4,
+            rows4,
+            dot2x4,
+        } => super::quantized_rows(&job.part, rows, m, qk, tile, dst, dot, dot4, rows4, dot2x4),
     }
 }
 
