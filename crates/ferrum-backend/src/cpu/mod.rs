@@ -1946,65 +1946,99 @@ fn quantized_matmuls<'x>(
                 if pre == 0 {
                     (0..n).for_each(quantize_token);
                 }
-                // Tokens quantised so far (Release by each prologue task; a matmul task reads the
-                // blocks only after seeing all of them, with Acquire).
-                let ready = AtomicUsize::new(0);
                 // SAFETY (both): the blocks of every token are written (by the prologue tasks or
-                // above) before any matmul task gets here, and not written again in this call.
+                // above) before any matmul task reads them, and not written again in this call.
                 let act8 = |t: usize| unsafe { p8.slice_ref(t * len8, len8) };
                 let actk = |t: usize| unsafe { pk.slice_ref(t * lenk, lenk) };
-                // Each part's first task.
-                let starts: Vec<usize> = parts
-                    .iter()
-                    .scan(0, |next, p| {
-                        let first = *next;
-                        *next += p.n_tasks;
-                        Some(first)
-                    })
-                    .collect();
-                let total: usize = parts.iter().map(|p| p.n_tasks).sum();
-                pool.run_after(pre, pre + total, &|task| {
-                    if task < pre {
-                        // Counted even if quantising panics, so the tasks waiting below end and the
-                        // pool can hand the panic to the caller. No slice of this token's blocks
-                        // is read until then.
-                        let _counted = Count(&ready);
-                        quantize_token(task);
-                        return;
-                    }
-                    // `run_after` has every prologue task claimed (by a thread that does not
-                    // wait) before any matmul task starts: this ends.
-                    let mut spins = 0;
-                    while ready.load(Ordering::Acquire) < pre {
-                        pool::relax(spins);
-                        spins = spins.saturating_add(1);
-                    }
-                    let task = task - pre;
-                    let pi = starts.partition_point(|&s| s <= task) - 1;
-                    let p = &parts[pi];
-                    let local = task - starts[pi];
-                    let rows = local * p.per_task..((local + 1) * p.per_task).min(p.w.rows);
-                    match p.kernel {
-                        quant::Kernel::Q8 {
-                            dot,
-                            dot4,
-                            rows4,
-                            dot2x4,
-                        } => quantized_rows(p, rows, n, &act8, None, dst, dot, dot4, rows4, dot2x4),
-                        quant::Kernel::Q8K {
-                            dot,
-                            dot4,
-                            rows4,
-                            dot2x4,
-                        } => {
-                            let tile = tiled.then_some(pt);
-                            quantized_rows(p, rows, n, &actk, tile, dst, dot, dot4, rows4, dot2x4)
-                        }
-                    }
+                let tile = tiled.then_some(pt);
+                run_parts(pool, pre, &quantize_token, parts, &|p, rows| {
+                    run_rows(p, rows, n, &act8, &actk, tile, dst)
                 });
             })
         })
     })
+}
+
+/// A pass's unit of work: a matrix part whose rows go to the threads in tasks of its size.
+trait HasPart<'w> {
+    fn part(&self) -> &QuantPart<'w>;
+}
+
+impl<'w> HasPart<'w> for QuantPart<'w> {
+    fn part(&self) -> &QuantPart<'w> {
+        self
+    }
+}
+
+/// One hand-off to the threads: `pre` prologue tasks, then every part's rows in tasks of the
+/// part's size (`run(part, rows)`). `run_after` has every prologue task claimed, by a thread
+/// that does not wait, before any part's task starts, and a part's task waits until every
+/// prologue task has ended (Release by each, Acquire here): the prologue may write what the
+/// parts read.
+fn run_parts<'w, P: HasPart<'w> + Sync>(
+    pool: &ThreadPool,
+    pre: usize,
+    prologue: &(dyn Fn(usize) + Sync),
+    parts: &[P],
+    run: &(dyn Fn(&P, std::ops::Range<usize>) + Sync),
+) {
+    // Each part's first task.
+    let starts: Vec<usize> = parts
+        .iter()
+        .scan(0, |next, p| {
+            let first = *next;
+            *next += p.part().n_tasks;
+            Some(first)
+        })
+        .collect();
+    let total: usize = parts.iter().map(|p| p.part().n_tasks).sum();
+    let ready = AtomicUsize::new(0);
+    pool.run_after(pre, pre + total, &|task| {
+        if task < pre {
+            // Counted even if the prologue panics, so the tasks waiting below end and the
+            // pool can hand the panic to the caller.
+            let _counted = Count(&ready);
+            prologue(task);
+            return;
+        }
+        let mut spins = 0;
+        while ready.load(Ordering::Acquire) < pre {
+            pool::relax(spins);
+            spins = spins.saturating_add(1);
+        }
+        let task = task - pre;
+        let pi = starts.partition_point(|&s| s <= task) - 1;
+        let (part, local) = (parts[pi].part(), task - starts[pi]);
+        let rows = local * part.per_task..((local + 1) * part.per_task).min(part.w.rows);
+        run(&parts[pi], rows);
+    });
+}
+
+/// Rows `rows` of a part for `n` tokens, whose 8-bit rows `q8(t)` or `qk(t)` its kernel reads
+/// (a codebook format on the tile layout `tile`, where there is one).
+fn run_rows<'a>(
+    p: &QuantPart,
+    rows: std::ops::Range<usize>,
+    n: usize,
+    q8: &impl Fn(usize) -> &'a [quant::q8::BlockQ8],
+    qk: &impl Fn(usize) -> &'a [quant::q8::BlockQ8K],
+    tile: Option<quant::iq_tile::TokensPtr>,
+    dst: SharedMut,
+) {
+    match p.kernel {
+        quant::Kernel::Q8 {
+            dot,
+            dot4,
+            rows4,
+            dot2x4,
+        } => quantized_rows(p, rows, n, q8, None, dst, dot, dot4, rows4, dot2x4),
+        quant::Kernel::Q8K {
+            dot,
+            dot4,
+            rows4,
+            dot2x4,
+        } => quantized_rows(p, rows, n, qk, tile, dst, dot, dot4, rows4, dot2x4),
+    }
 }
 
 /// Adds one (Release) when dropped, on return or unwind.

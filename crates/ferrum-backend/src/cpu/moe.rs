@@ -18,12 +18,10 @@
 //! are added to the output in the same order.
 
 use std::cell::RefCell;
-use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::quant::{self, iq_tile, q8::BlockQ8, q8::BlockQ8K, Kernel};
-use super::{check_view, packed_unit, pool, simd, ActRow, Count, CpuBackend, CpuWeight};
-use super::{QuantPart, SharedMut, SCRATCH};
+use super::{check_view, packed_unit, simd, ActRow, CpuBackend, CpuWeight};
+use super::{run_parts, run_rows, HasPart, QuantPart, SharedMut, SCRATCH};
 use crate::{Activation, Backend, ExpertBatch, ExpertWeights, MoeScratch, Rows};
 
 /// (token, expert) rows a group of experts holds at most, unless one expert alone has more:
@@ -415,7 +413,7 @@ impl Group<'_> {
                 .filter(|&s| tile_ptrs[s].is_some())
                 .collect();
             let dst = SharedMut(scratch.gu.as_mut_ptr());
-            run_jobs(
+            run_parts(
                 &be.pool,
                 tiled_slots.len(),
                 &|task| {
@@ -432,7 +430,7 @@ impl Group<'_> {
                 &|job, rows| {
                     let tok = self.batches[job.slot].tokens;
                     run_rows(
-                        job,
+                        &job.part,
                         rows,
                         tok.len(),
                         &|t| xq.q8(tok[t] as usize),
@@ -481,7 +479,7 @@ impl Group<'_> {
                     let (p8, pk) = (SharedMut(a8.as_mut_ptr()), SharedMut(ak.as_mut_ptr()));
                     let gu = &scratch.gu;
                     let dst = SharedMut(scratch.y.as_mut_ptr());
-                    run_jobs(
+                    run_parts(
                         &be.pool,
                         rows.div_ceil(GLU_ROWS),
                         &|task| {
@@ -518,7 +516,7 @@ impl Group<'_> {
                             // SAFETY (both): the rows were written by the prologue, which has
                             // ended, and are not written again in this pass.
                             run_rows(
-                                job,
+                                &job.part,
                                 rows,
                                 m,
                                 &|t| unsafe { p8.slice_ref((s + t) * len8, len8) },
@@ -550,72 +548,8 @@ impl Group<'_> {
     }
 }
 
-/// Rows `rows` of a job's matrix for its `m` tokens, whose 8-bit rows `q8(t)` or `qk(t)` its
-/// kernel reads (on the tile layout `tile`, where the expert has one).
-fn run_rows<'a>(
-    job: &Job,
-    rows: Range<usize>,
-    m: usize,
-    q8: &impl Fn(usize) -> &'a [BlockQ8],
-    qk: &impl Fn(usize) -> &'a [BlockQ8K],
-    tile: Option<iq_tile::TokensPtr>,
-    dst: SharedMut,
-) {
-    match job.part.kernel {
-        Kernel::Q8 {
-            dot,
-            dot4,
-            rows4,
-            dot2x4,
-        } => super::quantized_rows(&job.part, rows, m, q8, None, dst, dot, dot4, rows4, dot2x4),
-        Kernel::Q8K {
-            dot,
-            dot4,
-            rows4,
-            dot2x4,
-        } => super::quantized_rows(&job.part, rows, m, qk, tile, dst, dot, dot4, rows4, dot2x4),
+impl<'w> HasPart<'w> for Job<'w> {
+    fn part(&self) -> &QuantPart<'w> {
+        &self.part
     }
-}
-
-/// One hand-off to the threads: `pre` prologue tasks, each handed out before any job's
-/// task starts, then every job's rows in tasks of the job's size; a job's task waits until
-/// every prologue task has ended (as in [`super::quantized_matmuls`]).
-fn run_jobs(
-    pool: &pool::ThreadPool,
-    pre: usize,
-    prologue: &(dyn Fn(usize) + Sync),
-    jobs: &[Job],
-    run: &(dyn Fn(&Job, Range<usize>) + Sync),
-) {
-    let starts: Vec<usize> = jobs
-        .iter()
-        .scan(0, |next, j| {
-            let first = *next;
-            *next += j.part.n_tasks;
-            Some(first)
-        })
-        .collect();
-    let total: usize = jobs.iter().map(|j| j.part.n_tasks).sum();
-    let ready = AtomicUsize::new(0);
-    pool.run_after(pre, pre + total, &|task| {
-        if task < pre {
-            // Counted even if it panics, so the tasks waiting below end and the pool can
-            // hand the panic to the caller.
-            let _counted = Count(&ready);
-            prologue(task);
-            return;
-        }
-        let mut spins = 0;
-        while ready.load(Ordering::Acquire) < pre {
-            pool::relax(spins);
-            spins = spins.saturating_add(1);
-        }
-        let task = task - pre;
-        let ji = starts.partition_point(|&s| s <= task) - 1;
-        let job = &jobs[ji];
-        let local = task - starts[ji];
-        let rows =
-            local * job.part.per_task..((local + 1) * job.part.per_task).min(job.part.w.rows);
-        run(job, rows);
-    });
 }
