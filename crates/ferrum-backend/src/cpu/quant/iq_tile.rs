@@ -63,7 +63,7 @@ impl Rows {
 
     fn fill<B: Codebook>(&mut self, r: usize, w: &[B], simd: bool) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if simd && super::has_avx2() {
+        if simd && super::avx2_rows() {
             // SAFETY: AVX2, FMA and F16C detected.
             return unsafe { avx2::fill(self, r, w) };
         }
@@ -155,7 +155,7 @@ pub fn decode_recoded_rows_scalar(form: Recoded, rows: &[&[u8]], out: &mut Rows)
 
 fn decode_recoded_on(form: Recoded, rows: &[&[u8]], out: &mut Rows, simd: bool) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if simd && super::has_avx2() {
+    if simd && super::avx2_rows() {
         return match form {
             Recoded::Iq2Xxs => decode_blocks::<BlockIq2XxsRecoded>(rows, out, fill_sign_bytes),
             Recoded::Iq3Xxs => decode_blocks::<BlockIq3XxsRecoded>(rows, out, fill_sign_bytes),
@@ -170,7 +170,7 @@ fn decode_recoded_on(form: Recoded, rows: &[&[u8]], out: &mut Rows, simd: bool) 
 
 fn decode_rows_on(dtype: DType, rows: &[&[u8]], out: &mut Rows, simd: bool) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if simd && super::has_avx2() {
+    if simd && super::avx2_rows() {
         use super::iq_grid as G;
         match dtype {
             DType::Iq2Xxs => return decode_blocks::<G::BlockIq2Xxs>(rows, out, fill_sign_bytes),

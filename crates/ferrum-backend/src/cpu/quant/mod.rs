@@ -271,7 +271,7 @@ pub fn best_kernel(dtype: DType) -> Option<Kernel> {
                 ))
             };
         }
-        if has_avx2() {
+        if avx2_rows() {
             let k = match dtype {
                 DType::Q4_0 => Some(kernel!(
                     unsafe Q8,
@@ -386,7 +386,7 @@ impl Recoded {
             return None;
         }
         #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
+        if avx2_rows() {
             return Recoded::ALL.iter().copied().find(|f| f.dtype() == dtype);
         }
         let _ = dtype;
@@ -450,7 +450,7 @@ impl Recoded {
     /// The fastest kernel this CPU runs over the form.
     pub fn best_kernel(self) -> Kernel {
         #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
+        if avx2_rows() {
             use iq_grid::avx2 as GA;
             return match self {
                 Recoded::Iq2Xxs => kernel!(
@@ -492,6 +492,16 @@ fn recode_blocks<F: Copy, R: Copy>(bytes: &mut [u8], to: fn(&F) -> R) -> bool {
         unsafe { std::ptr::write_unaligned(c.as_mut_ptr() as *mut R, to(&b)) };
     }
     true
+}
+
+/// Whether the file-layout row kernels, the re-encoded forms and the codebook tiles' decoding
+/// take their AVX2 instance: the CPU runs it, and `FERRUM_ISA` does not ask for the portable
+/// one. So a `FERRUM_ISA=scalar` process runs every integer kernel's scalar twin, the packed
+/// ones' ([`packed::Isa::best`]) and these alike, and whole-model tests hold them to the
+/// references too.
+#[cfg(target_arch = "x86_64")]
+pub fn avx2_rows() -> bool {
+    has_avx2() && packed::Isa::best() != packed::Isa::Scalar
 }
 
 /// AVX2 with FMA and F16C: every x86-64 CPU since Haswell / Zen 1.

@@ -2360,7 +2360,9 @@ macro_rules! packed_kernels {
                         for half in 0..2 {
                             let mut sa = [_mm256_setzero_si256(); 4];
                             let mut sb = [_mm256_setzero_si256(); 4];
-                            for v in 0..8 {
+                            // Rolled (the trip count hidden): unrolled, LLVM hoisted the
+                            // broadcasts of several vectors and spilled the sums to the stack.
+                            for v in 0..std::hint::black_box(8) {
                                 let off = 256 * c + 32 * v;
                                 let ra =
                                     _mm256_loadu_si256(x.qs.as_ptr().add(off) as *const __m256i);
