@@ -27,7 +27,8 @@ use half::f16;
 use super::iq_grids::{IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID};
 use ferrum_core::DType;
 
-use super::k_quants::QK_K;
+pub use super::k_quants::BlockQ3K;
+use super::k_quants::{q3k_scales, QK_K};
 use super::q8::BlockQ8K;
 
 /// Seven stored sign bits to eight: bit 7 set when the seven hold an odd number of ones.
@@ -581,6 +582,34 @@ impl Codebook for BlockTq2_0 {
     }
 }
 
+/// Q3_K as a codebook format: each value is `low + 4·hbit − 4` (two bits of `qs`, one of
+/// `hmask`), each sixteen-value half its own signed 6-bit scale. It is not an i-quant, but
+/// its values are small integers under per-half scales, which is all the prefill tiles
+/// ([`super::iq_tile`]) need: they decode it to bytes once per pass, as the codebooks. The
+/// row kernels stay `k_quants`' own; this gives their bits (the same integer sums, and
+/// `d · d_a · isum` per block).
+impl Codebook for BlockQ3K {
+    const FACTOR: f32 = 1.0;
+    fn d_bits(&self) -> u16 {
+        self.d.to_bits()
+    }
+    /// Group `ib`: bits `2 · (ib % 4)..` of bytes `32 · (ib / 4)..` of `qs`, and bit
+    /// `4 · (ib / 4) + ib % 4` of each `hmask` byte.
+    fn group(&self, ib: usize) -> Group {
+        let (half, shift) = (ib / 4, ib % 4);
+        let word =
+            |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap_or([0; 8]));
+        let values = std::array::from_fn(|k| {
+            let low = (word(&self.qs, 32 * half + 8 * k) >> (2 * shift)) & (3 * LSB);
+            let high = (word(&self.hmask, 8 * k) >> (4 * half + shift)) & LSB;
+            // Each byte at most 7: less 4 without a borrow between bytes, as `less_one`.
+            ((low + 4 * high) | MSB).wrapping_sub(4 * LSB) ^ MSB
+        });
+        let sc = q3k_scales(&self.scales);
+        signed_group(values, [sc[2 * ib] as i32, sc[2 * ib + 1] as i32])
+    }
+}
+
 impl Codebook for BlockIq2XxsRecoded {
     const FACTOR: f32 = 0.125;
     fn d_bits(&self) -> u16 {
@@ -863,7 +892,8 @@ macro_rules! with_codebook {
     ($dtype:expr, $B:ident => $body:expr, _ => $other:expr) => {
         $crate::cpu::quant::iq_grid::with_codebook!(@arms $dtype, $B, $body, $other;
             Iq2Xxs BlockIq2Xxs, Iq2Xs BlockIq2Xs, Iq2S BlockIq2S, Iq3Xxs BlockIq3Xxs,
-            Iq3S BlockIq3S, Iq1S BlockIq1S, Iq1M BlockIq1M, Tq1_0 BlockTq1_0, Tq2_0 BlockTq2_0)
+            Iq3S BlockIq3S, Iq1S BlockIq1S, Iq1M BlockIq1M, Tq1_0 BlockTq1_0, Tq2_0 BlockTq2_0,
+            Q3K BlockQ3K)
     };
     (@arms $dtype:expr, $B:ident, $body:expr, $other:expr; $($dt:ident $ty:ident),*) => {
         match $dtype {

@@ -178,6 +178,11 @@ fn decode_rows_on(dtype: DType, rows: &[&[u8]], out: &mut Rows, simd: bool) -> b
             DType::Iq2S => return decode_blocks::<G::BlockIq2S>(rows, out, fill_sign_bytes),
             DType::Iq3Xxs => return decode_blocks::<G::BlockIq3Xxs>(rows, out, fill_sign_bytes),
             DType::Iq3S => return decode_blocks::<G::BlockIq3S>(rows, out, fill_sign_bytes),
+            DType::Q3K => {
+                // SAFETY: AVX2, FMA and F16C detected (`avx2_rows`).
+                let fill = |o: &mut Rows, r, w: &[G::BlockQ3K]| unsafe { avx2::fill_q3k(o, r, w) };
+                return decode_blocks::<G::BlockQ3K>(rows, out, fill);
+            }
             _ => {}
         }
     }
@@ -487,6 +492,7 @@ pub mod avx512 {
 pub mod avx2 {
     use super::*;
     use crate::cpu::quant::iq_grid::avx2::{half_to_f32, hsum_i32, signed_values, SignBytes};
+    use crate::cpu::quant::k_quants::{q3k_scales, BlockQ3K};
     use std::arch::x86_64::*;
 
     /// [`Rows`]' fill on AVX2: per group the magnitudes' signs applied (`sign_epi8`), and the
@@ -556,6 +562,55 @@ pub mod avx2 {
                 bias = _mm256_add_epi32(bias, half_sums(v, *sc));
             }
             out.scales[sb * HALVES..(sb + 1) * HALVES].copy_from_slice(scales.as_flattened());
+            *out.bias.get_unchecked_mut(sb) = hsum_i32(bias).wrapping_mul(128);
+        }
+        paired
+    }
+
+    /// [`fill`] for Q3_K, its values made in vector from the block's bytes: per group the
+    /// two low bits (`qs`, one 16-bit shift: the bits kept never cross a byte) plus four times
+    /// the `hmask` bit, less 4. The generic fill's values, scales and bias.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn fill_q3k(out: &mut Rows, r: usize, w: &[BlockQ3K]) -> bool {
+        let at = out.row_start(r, w.len());
+        let (three, one, four) = (
+            _mm256_set1_epi8(3),
+            _mm256_set1_epi8(1),
+            _mm256_set1_epi8(4),
+        );
+        let mut paired = true;
+        for (i, b) in w.iter().enumerate() {
+            let sb = at + i;
+            *out.d.get_unchecked_mut(sb) = half_to_f32(b.d.to_bits());
+            let sc = q3k_scales(&b.scales);
+            let hm = _mm256_loadu_si256(b.hmask.as_ptr() as *const __m256i);
+            let mut bias = _mm256_setzero_si256();
+            for half in 0..2 {
+                let q = _mm256_loadu_si256(b.qs.as_ptr().add(32 * half) as *const __m256i);
+                for s in 0..4 {
+                    let ib = 4 * half + s;
+                    let low = _mm256_and_si256(
+                        _mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * s as i32)),
+                        three,
+                    );
+                    let high = _mm256_and_si256(
+                        _mm256_srl_epi16(hm, _mm_cvtsi32_si128((4 * half + s) as i32)),
+                        one,
+                    );
+                    let v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 2)), four);
+                    let p = out.w.as_mut_ptr().add(sb * QK_K + 32 * ib);
+                    _mm256_storeu_si256(p as *mut __m256i, v);
+                    let scales = [sc[2 * ib] as i32, sc[2 * ib + 1] as i32];
+                    paired &= scales[0] == scales[1];
+                    bias = _mm256_add_epi32(bias, half_sums(v, scales));
+                    let o = out.scales.as_mut_ptr().add(sb * HALVES + 2 * ib);
+                    *o = scales[0];
+                    *o.add(1) = scales[1];
+                }
+            }
             *out.bias.get_unchecked_mut(sb) = hsum_i32(bias).wrapping_mul(128);
         }
         paired

@@ -89,7 +89,7 @@ pub fn dequantize_q2k(blocks: &[BlockQ2K], out: &mut [f32]) {
 }
 
 /// Unpacks Q3_K's sixteen 6-bit scales (stored biased by 32).
-fn q3k_scales(packed: &[u8; 12]) -> [i8; 16] {
+pub(crate) fn q3k_scales(packed: &[u8; 12]) -> [i8; 16] {
     const KMASK1: u32 = 0x0303_0303;
     const KMASK2: u32 = 0x0f0f_0f0f;
     let a0 = u32::from_le_bytes([packed[0], packed[1], packed[2], packed[3]]);
