@@ -515,16 +515,34 @@ pub mod avx2 {
                 let g = b.group(ib);
                 paired &= g.scales[0] == g.scales[1];
                 let v = _mm256_sign_epi8(v4(g.words), v4(g.signs));
-                let p = out.w.as_mut_ptr().add(sb * QK_K + 32 * ib);
-                _mm256_storeu_si256(p as *mut __m256i, v);
-                bias = _mm256_add_epi32(bias, half_sums(v, g.scales));
-                let s = out.scales.as_mut_ptr().add(sb * HALVES + 2 * ib);
-                *s = g.scales[0];
-                *s.add(1) = g.scales[1];
+                bias = _mm256_add_epi32(bias, put_group(out, sb, ib, v, g.scales));
             }
             *out.bias.get_unchecked_mut(sb) = hsum_i32(bias).wrapping_mul(128);
         }
         paired
+    }
+
+    /// Stores group `ib` of super-block `sb` (its 32 values and two half scales) and returns
+    /// its part of the bias ([`half_sums`]): what every fill does per group once it has the
+    /// values.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2; `sb` is inside `out` (`Rows::row_start` checked the row).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn put_group(
+        out: &mut Rows,
+        sb: usize,
+        ib: usize,
+        v: __m256i,
+        scales: [i32; 2],
+    ) -> __m256i {
+        let p = out.w.as_mut_ptr().add(sb * QK_K + 32 * ib);
+        _mm256_storeu_si256(p as *mut __m256i, v);
+        let s = out.scales.as_mut_ptr().add(sb * HALVES + 2 * ib);
+        *s = scales[0];
+        *s.add(1) = scales[1];
+        half_sums(v, scales)
     }
 
     /// A group's 32 values summed per 16-value half, each half's sum times its scale (in the
@@ -601,14 +619,9 @@ pub mod avx2 {
                         one,
                     );
                     let v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 2)), four);
-                    let p = out.w.as_mut_ptr().add(sb * QK_K + 32 * ib);
-                    _mm256_storeu_si256(p as *mut __m256i, v);
                     let scales = [sc[2 * ib] as i32, sc[2 * ib + 1] as i32];
                     paired &= scales[0] == scales[1];
-                    bias = _mm256_add_epi32(bias, half_sums(v, scales));
-                    let o = out.scales.as_mut_ptr().add(sb * HALVES + 2 * ib);
-                    *o = scales[0];
-                    *o.add(1) = scales[1];
+                    bias = _mm256_add_epi32(bias, put_group(out, sb, ib, v, scales));
                 }
             }
             *out.bias.get_unchecked_mut(sb) = hsum_i32(bias).wrapping_mul(128);
