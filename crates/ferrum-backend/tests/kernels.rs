@@ -243,6 +243,33 @@ fn codebook_tile_gives_the_row_kernel_bits() {
     }
 }
 
+/// Q2_K and Q3_K, which the prefill tile takes as codebooks: the generic codebook kernel over
+/// their `Codebook` side (groups, scales, Q2_K's minimums) gives `k_quants`' own kernels' bits.
+#[test]
+fn k_quants_as_codebooks_give_their_kernels_bits() {
+    use ferrum_backend::cpu::quant::iq_grid::{self, BlockQ2K, BlockQ3K, Codebook};
+    use ferrum_backend::cpu::quant::{cast_blocks, k_quants};
+    use ferrum_core::DType;
+    fn check<B: Codebook>(
+        rng: &mut rand::rngs::StdRng,
+        dt: DType,
+        own: fn(&[B], &[BlockQ8K]) -> f32,
+    ) {
+        for trial in 0..16 {
+            let n = 256 * (1 + trial % 3);
+            let w = Aligned::new(&random_blocks(rng, dt, n));
+            let w: &[B] = cast_blocks(w.bytes()).expect("whole, aligned blocks");
+            for a in q8k_tokens(rng, 2, n, trial) {
+                let (got, want) = (iq_grid::vec_dot(w, &a), own(w, &a));
+                assert_eq!(got.to_bits(), want.to_bits(), "{dt} trial {trial}");
+            }
+        }
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(37);
+    check::<BlockQ2K>(&mut rng, DType::Q2K, k_quants::vec_dot_q2k);
+    check::<BlockQ3K>(&mut rng, DType::Q3K, k_quants::vec_dot_q3k);
+}
+
 /// Each form the CPU re-encodes a file format into at load gives the file form's bits
 /// everywhere it is read: dequantisation, the scalar kernel and the best kernel this CPU runs
 /// (one token and four), and the prefill tile's decoding (SIMD and twin). Rows of one to six

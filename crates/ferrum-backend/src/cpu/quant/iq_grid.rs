@@ -27,8 +27,8 @@ use half::f16;
 use super::iq_grids::{IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID};
 use ferrum_core::DType;
 
-pub use super::k_quants::BlockQ3K;
 use super::k_quants::{q3k_scales, QK_K};
+pub use super::k_quants::{BlockQ2K, BlockQ3K};
 use super::q8::BlockQ8K;
 
 /// Seven stored sign bits to eight: bit 7 set when the seven hold an odd number of ones.
@@ -280,6 +280,11 @@ pub struct Group {
     pub scales: [i32; 2],
 }
 
+/// The largest |value| of a [`Codebook::SMALL`] format: a half's four-value `maddubs` pair
+/// sums against tokens plus 128 (at most 2 · 255 · 16 each) then add up, four to a lane, to at
+/// most 32640, inside i16.
+pub const SMALL_MAX: i32 = 16;
+
 /// A super-block format whose values are `d · FACTOR · scale · v` for integers `v` (|v| ≤
 /// 127) and integer scales (|scale · Σ v·a| over a super-block within i32).
 pub trait Codebook: Copy {
@@ -293,6 +298,19 @@ pub trait Codebook: Copy {
     }
     /// Group `ib` (0..8).
     fn group(&self, ib: usize) -> Group;
+    /// Whether every value is within ±[`SMALL_MAX`] (IQ1, the TQs, Q2_K, Q3_K): then the
+    /// AVX2 prefill tile sums a half's four `maddubs` in i16 before its one scale `madd`
+    /// ([`super::iq_tile::avx2::dot`]).
+    const SMALL: bool = false;
+    /// Whether each 16-value half also has a minimum (Q2_K): then value `v` of half `h` is
+    /// `d · FACTOR · scale_h · v − dmin · min_h`, and a super-block's dot product with a Q8_K
+    /// block takes off `d_a · dmin · Σ_h min_h · bsum_h` ([`Codebook::mins`]).
+    const MINS: bool = false;
+    /// The minimums' f16 scale (its bits) and the sixteen halves' integer minimums; zero
+    /// where the format has none.
+    fn mins(&self) -> (u16, [i16; QK_K / 16]) {
+        (0, [0; QK_K / 16])
+    }
 }
 
 impl Codebook for BlockIq2Xxs {
@@ -431,6 +449,7 @@ fn signed_group(values: [u64; 4], scales: [i32; 2]) -> Group {
 impl Codebook for BlockIq1S {
     /// Values are `8·g ± 1` eighths.
     const FACTOR: f32 = 0.125;
+    const SMALL: bool = true;
     fn d_bits(&self) -> u16 {
         self.d.to_bits()
     }
@@ -468,6 +487,7 @@ impl BlockIq1M {
 
 impl Codebook for BlockIq1M {
     const FACTOR: f32 = 0.125;
+    const SMALL: bool = true;
     fn d_bits(&self) -> u16 {
         BlockIq1M::d_bits(self)
     }
@@ -558,6 +578,7 @@ impl BlockTq1_0 {
 
 impl Codebook for BlockTq1_0 {
     const FACTOR: f32 = 1.0;
+    const SMALL: bool = true;
     fn d_bits(&self) -> u16 {
         self.d.to_bits()
     }
@@ -568,6 +589,7 @@ impl Codebook for BlockTq1_0 {
 
 impl Codebook for BlockTq2_0 {
     const FACTOR: f32 = 1.0;
+    const SMALL: bool = true;
     fn d_bits(&self) -> u16 {
         self.d.to_bits()
     }
@@ -590,6 +612,7 @@ impl Codebook for BlockTq2_0 {
 /// `d · d_a · isum` per block).
 impl Codebook for BlockQ3K {
     const FACTOR: f32 = 1.0;
+    const SMALL: bool = true;
     fn d_bits(&self) -> u16 {
         self.d.to_bits()
     }
@@ -607,6 +630,34 @@ impl Codebook for BlockQ3K {
         });
         let sc = q3k_scales(&self.scales);
         signed_group(values, [sc[2 * ib] as i32, sc[2 * ib + 1] as i32])
+    }
+}
+
+/// Q2_K as a codebook format, as Q3_K: each value is two bits of `qs`, each sixteen-value
+/// half its own 4-bit scale, and, unlike the others, its own 4-bit minimum under the
+/// super-block's `dmin` ([`Codebook::MINS`]). The row kernels stay `k_quants`' own; this
+/// gives their bits (`d_a · d · isum − d_a · dmin · Σ min · bsum` per block).
+impl Codebook for BlockQ2K {
+    const FACTOR: f32 = 1.0;
+    const SMALL: bool = true;
+    const MINS: bool = true;
+    fn d_bits(&self) -> u16 {
+        self.d.to_bits()
+    }
+    /// Group `ib`: bits `2 · (ib % 4)..` of bytes `32 · (ib / 4)..` of `qs`.
+    fn group(&self, ib: usize) -> Group {
+        let (half, shift) = (ib / 4, ib % 4);
+        let values = std::array::from_fn(|k| {
+            let at = 32 * half + 8 * k;
+            let x = u64::from_le_bytes(self.qs[at..at + 8].try_into().unwrap_or([0; 8]));
+            (x >> (2 * shift)) & (3 * LSB)
+        });
+        let sc = |h: usize| (self.scales[h] & 0x0f) as i32;
+        signed_group(values, [sc(2 * ib), sc(2 * ib + 1)])
+    }
+    fn mins(&self) -> (u16, [i16; QK_K / 16]) {
+        let m = std::array::from_fn(|h| (self.scales[h] >> 4) as i16);
+        (self.dmin.to_bits(), m)
     }
 }
 
@@ -717,7 +768,17 @@ pub fn vec_dot<B: Codebook>(w: &[B], a: &[BlockQ8K]) -> f32 {
                 isum += s * part;
             }
         }
-        sum += isum as f32 * (b.d() * B::FACTOR * q.d);
+        let step = isum as f32 * (b.d() * B::FACTOR * q.d);
+        sum += if B::MINS {
+            // As `vec_dot_q2k`: the two products apart, then one subtraction.
+            let (dmin, mins) = b.mins();
+            let summs: i32 = (0..QK_K / 16)
+                .map(|h| mins[h] as i32 * q.bsums[h] as i32)
+                .sum();
+            step - summs as f32 * (f16::from_bits(dmin).to_f32() * q.d)
+        } else {
+            step
+        };
     }
     sum
 }
@@ -886,14 +947,16 @@ pub fn dequantize_tq2_0(blocks: &[BlockTq2_0], out: &mut [f32]) {
 }
 
 /// `$body` with `$B` the block type of `$dtype` where that is one of the nine codebook
-/// formats, else `$other`: the one place their `DType`s meet their block types (the kernel
-/// tables, `iq_tile::decode_rows` and [`is_codebook`] dispatch through it).
+/// formats or one of the two K-quants the prefill tiles take as codebooks (Q2_K, Q3_K, whose
+/// kernel-table arms come first), else `$other`: the one place their `DType`s meet their
+/// block types (the kernel tables, `iq_tile::decode_rows` and [`is_codebook`] dispatch
+/// through it).
 macro_rules! with_codebook {
     ($dtype:expr, $B:ident => $body:expr, _ => $other:expr) => {
         $crate::cpu::quant::iq_grid::with_codebook!(@arms $dtype, $B, $body, $other;
             Iq2Xxs BlockIq2Xxs, Iq2Xs BlockIq2Xs, Iq2S BlockIq2S, Iq3Xxs BlockIq3Xxs,
             Iq3S BlockIq3S, Iq1S BlockIq1S, Iq1M BlockIq1M, Tq1_0 BlockTq1_0, Tq2_0 BlockTq2_0,
-            Q3K BlockQ3K)
+            Q2K BlockQ2K, Q3K BlockQ3K)
     };
     (@arms $dtype:expr, $B:ident, $body:expr, $other:expr; $($dt:ident $ty:ident),*) => {
         match $dtype {

@@ -1,4 +1,4 @@
-//! The codebook formats' prefill (IQ2, IQ3, IQ1, TQ): weight rows decoded once into signed
+//! The codebook formats' prefill (IQ2, IQ3, IQ1, TQ, and Q2_K, Q3_K): weight rows decoded once into signed
 //! bytes, then multiplied against sixteen tokens at a time, one token a lane.
 //!
 //! Decoding a codebook group (grid lookups, sign masks, scales) costs more than its products,
@@ -13,9 +13,15 @@
 //! The 128 comes back out as one integer per row and super-block, 128 · Σ scale · Σ w, so
 //! each (row, token) gets the row kernels' integer sum and their float step:
 //! [`dot`] gives [`vec_dot`](super::iq_grid::vec_dot)'s bits in every instance.
+//!
+//! Two K-quants take the tile as codebooks: Q3_K, and Q2_K, whose per-half minimums come out
+//! as the row kernel's `dmin · d_a · Σ min · bsum`, from the tokens' sixteen-value sums that
+//! [`Tokens`] keeps beside their bytes. Their values, as IQ1's and the TQs', are small
+//! ([`Codebook::SMALL`]), and for those the AVX2 kernel adds a half's products in i16 before
+//! scaling them, which saves three of its eight multiply-unit instructions.
 
 use super::iq_grid::{
-    is_codebook, with_codebook, BlockIq2XxsRecoded, BlockIq3XxsRecoded, Codebook,
+    is_codebook, with_codebook, BlockIq2XxsRecoded, BlockIq3XxsRecoded, Codebook, SMALL_MAX,
 };
 use super::k_quants::QK_K;
 use super::q8::BlockQ8K;
@@ -42,6 +48,16 @@ pub struct Rows {
     bias: Vec<i32>,
     /// `[row][block]`: d · FACTOR, as the row kernels compute it.
     d: Vec<f32>,
+    /// `[row][block][16]`: each half's integer minimum, for a format with minimums
+    /// ([`Codebook::MINS`], Q2_K); else empty.
+    mins: Vec<i16>,
+    /// `[row][block]`: the minimums' scale `dmin` (else empty).
+    dmin: Vec<f32>,
+    /// Whether the format has minimums: then each (row, token) also takes off
+    /// `dmin · d_a · Σ_h min_h · bsum_h` per super-block.
+    minned: bool,
+    /// Whether the format's values are within ±[`SMALL_MAX`] ([`Codebook::SMALL`]).
+    small: bool,
     /// Super-blocks a row.
     blocks: usize,
     /// Rows given; the rest are zero.
@@ -83,12 +99,22 @@ impl Rows {
         at
     }
 
+    /// Super-block `at`'s minimums from `b`, for a format that has them.
+    fn put_mins<B: Codebook>(&mut self, at: usize, b: &B) {
+        if B::MINS {
+            let (dmin, mins) = b.mins();
+            self.dmin[at] = half::f16::from_bits(dmin).to_f32();
+            self.mins[at * HALVES..(at + 1) * HALVES].copy_from_slice(&mins);
+        }
+    }
+
     /// The portable twin of the AVX2 fill; whether the halves of every group share a scale.
     fn fill_scalar<B: Codebook>(&mut self, r: usize, w: &[B]) -> bool {
         let mut paired = true;
         for (i, b) in w.iter().enumerate() {
             let at = r * self.blocks + i;
             self.d[at] = b.d() * B::FACTOR;
+            self.put_mins(at, b);
             let mut bias = 0i32;
             for ib in 0..QK_K / 32 {
                 let g = b.group(ib);
@@ -97,6 +123,8 @@ impl Rows {
                     let (m, sg) = (g.words[k].to_le_bytes(), g.signs[k].to_le_bytes());
                     for j in 0..8 {
                         let v = (m[j] as i8).wrapping_mul(sg[j] as i8);
+                        // What lets the AVX2 kernel sum a half in i16.
+                        assert!(!B::SMALL || (v as i32).abs() <= SMALL_MAX, "{v} too large");
                         self.w[at * QK_K + 32 * ib + 8 * k + j] = v;
                         bias = bias.wrapping_add(g.scales[k / 2].wrapping_mul(v as i32));
                     }
@@ -113,15 +141,15 @@ impl Rows {
 /// The decoded rows and their scales, for the tests.
 impl PartialEq for Rows {
     fn eq(&self, o: &Self) -> bool {
-        (self.blocks, self.rows, self.paired) == (o.blocks, o.rows, o.paired)
+        let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        (self.blocks, self.rows, self.paired, self.minned, self.small)
+            == (o.blocks, o.rows, o.paired, o.minned, o.small)
             && self.w == o.w
             && self.scales == o.scales
             && self.bias == o.bias
-            && self
-                .d
-                .iter()
-                .map(|x| x.to_bits())
-                .eq(o.d.iter().map(|x| x.to_bits()))
+            && self.mins == o.mins
+            && bits(&self.d) == bits(&o.d)
+            && bits(&self.dmin) == bits(&o.dmin)
     }
 }
 
@@ -183,6 +211,11 @@ fn decode_rows_on(dtype: DType, rows: &[&[u8]], out: &mut Rows, simd: bool) -> b
                 let fill = |o: &mut Rows, r, w: &[G::BlockQ3K]| unsafe { avx2::fill_q3k(o, r, w) };
                 return decode_blocks::<G::BlockQ3K>(rows, out, fill);
             }
+            DType::Q2K => {
+                // SAFETY: as above.
+                let fill = |o: &mut Rows, r, w: &[G::BlockQ2K]| unsafe { avx2::fill_q2k(o, r, w) };
+                return decode_blocks::<G::BlockQ2K>(rows, out, fill);
+            }
             _ => {}
         }
     }
@@ -225,6 +258,12 @@ fn decode_blocks<B: Codebook>(
     out.bias.resize(ROWS * blocks, 0);
     out.d.clear();
     out.d.resize(ROWS * blocks, 0.0);
+    (out.minned, out.small) = (B::MINS, B::SMALL);
+    let minned = if B::MINS { ROWS * blocks } else { 0 };
+    out.mins.clear();
+    out.mins.resize(minned * HALVES, 0);
+    out.dmin.clear();
+    out.dmin.resize(minned, 0.0);
     let mut paired = true;
     for (r, bytes) in rows.iter().enumerate() {
         match super::cast_blocks::<B>(bytes) {
@@ -238,12 +277,14 @@ fn decode_blocks<B: Codebook>(
 
 /// A matmul's tokens for [`dot`]: per block of [`TOKENS`] tokens and super-block, per four
 /// values, the sixteen tokens' activations plus 128 (`[block][super-block][word][token][4]`),
-/// and the tokens' scales (`[block][super-block][token]`). Tokens past the last are zero with
-/// a zero scale.
+/// the tokens' scales (`[block][super-block][token]`) and their sixteen-value sums, two
+/// halves' side by side as `madd` takes them (`[block][super-block][pair][token][2]`, for
+/// the formats with minimums). Tokens past the last have a zero scale.
 #[derive(Default)]
 pub struct Tokens {
     q: Vec<u8>,
     d: Vec<f32>,
+    bs: Vec<i16>,
     /// Super-blocks a token.
     blocks: usize,
     n: usize,
@@ -254,6 +295,7 @@ pub struct Tokens {
 pub struct Block<'a> {
     q: &'a [u8],
     d: &'a [f32],
+    bs: &'a [i16],
     blocks: usize,
 }
 
@@ -264,6 +306,7 @@ pub struct Block<'a> {
 pub struct TokensPtr {
     q: *mut u8,
     d: *mut f32,
+    bs: *mut i16,
     blocks: usize,
     n: usize,
 }
@@ -282,6 +325,7 @@ impl Tokens {
         // otherwise spend a fill of the whole buffer each.
         self.q.resize(padded * blocks * QK_K, 128);
         self.d.resize(padded * blocks, 0.0);
+        self.bs.resize(padded * blocks * HALVES, 0);
         (self.blocks, self.n) = (blocks, n);
         let (j, first) = (n / TOKENS, n % TOKENS);
         if first == 0 {
@@ -304,6 +348,7 @@ impl Tokens {
         TokensPtr {
             q: self.q.as_mut_ptr(),
             d: self.d.as_mut_ptr(),
+            bs: self.bs.as_mut_ptr(),
             blocks: self.blocks,
             n: self.n,
         }
@@ -320,6 +365,7 @@ impl Tokens {
         Block {
             q: &self.q[j * q..(j + 1) * q],
             d: &self.d[j * d..(j + 1) * d],
+            bs: &self.bs[j * d * HALVES..(j + 1) * d * HALVES],
             blocks: self.blocks,
         }
     }
@@ -347,6 +393,7 @@ impl TokensPtr {
         Block {
             q: std::slice::from_raw_parts(self.q.add(j * q), q),
             d: std::slice::from_raw_parts(self.d.add(j * d), d),
+            bs: std::slice::from_raw_parts(self.bs.add(j * d * HALVES), d * HALVES),
             blocks: self.blocks,
         }
     }
@@ -362,6 +409,11 @@ impl TokensPtr {
         for (i, b) in a.iter().take(self.blocks).enumerate() {
             let sb = j * self.blocks + i;
             self.d.add(sb * TOKENS + lane).write(b.d);
+            let bs = self.bs.add(sb * TOKENS * HALVES + 2 * lane);
+            for (p, s) in b.bsums.chunks_exact(2).enumerate() {
+                bs.add(p * 2 * TOKENS).write(s[0]);
+                bs.add(p * 2 * TOKENS + 1).write(s[1]);
+            }
             let base = self.q.add(sb * TOKENS * QK_K + 4 * lane);
             for (k, w) in b.qs.chunks_exact(4).enumerate() {
                 let v = u32::from_le_bytes([w[0] as u8, w[1] as u8, w[2] as u8, w[3] as u8]);
@@ -413,7 +465,20 @@ pub fn dot_scalar(w: &Rows, a: Block) -> [[f32; TOKENS]; ROWS] {
                     isum = isum.wrapping_add(w.scales[at * HALVES + h].wrapping_mul(part));
                 }
                 let isum = isum.wrapping_sub(w.bias[at]);
-                *out += isum as f32 * (w.d[at] * a.d[i * TOKENS + t]);
+                let dt = a.d[i * TOKENS + t];
+                let step = isum as f32 * (w.d[at] * dt);
+                *out += if w.minned {
+                    let summs: i32 = (0..HALVES)
+                        .map(|h| {
+                            let bs = a.bs[((i * HALVES / 2 + h / 2) * TOKENS + t) * 2 + h % 2];
+                            w.mins[at * HALVES + h] as i32 * bs as i32
+                        })
+                        .sum();
+                    // The row kernel's two products, then one subtraction.
+                    step - summs as f32 * (w.dmin[at] * dt)
+                } else {
+                    step
+                };
             }
         }
     }
@@ -434,6 +499,11 @@ pub mod avx512 {
     /// The CPU supports AVX512-F, AVX512-BW and AVX512-VNNI.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
     pub unsafe fn dot(w: &Rows, a: Block) -> [[f32; TOKENS]; ROWS] {
+        // Rows with minimums (Q2_K) take the AVX2 kernel: its minimum step is tested on every
+        // x86 host, where an AVX-512 one would be only on AVX-512 hosts.
+        if w.minned {
+            return super::avx2::dot(w, a);
+        }
         if w.paired {
             run::<8>(w, a)
         } else {
@@ -492,7 +562,7 @@ pub mod avx512 {
 pub mod avx2 {
     use super::*;
     use crate::cpu::quant::iq_grid::avx2::{half_to_f32, hsum_i32, signed_values, SignBytes};
-    use crate::cpu::quant::k_quants::{q3k_scales, BlockQ3K};
+    use crate::cpu::quant::k_quants::{q3k_scales, BlockQ2K, BlockQ3K};
     use std::arch::x86_64::*;
 
     /// [`Rows`]' fill on AVX2: per group the magnitudes' signs applied (`sign_epi8`), and the
@@ -510,6 +580,7 @@ pub mod avx2 {
         for (i, b) in w.iter().enumerate() {
             let sb = at + i;
             *out.d.get_unchecked_mut(sb) = half_to_f32(b.d_bits()) * B::FACTOR;
+            out.put_mins(sb, b);
             let mut bias = _mm256_setzero_si256();
             for ib in 0..QK_K / 32 {
                 let g = b.group(ib);
@@ -629,24 +700,79 @@ pub mod avx2 {
         paired
     }
 
+    /// [`fill`] for Q2_K, its values made in vector from the block's bytes (per group two bits
+    /// of `qs`, one 16-bit shift and a mask), its scales and minimums the low and high
+    /// nibbles of `scales`. The generic fill's values, scales, minimums and bias.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn fill_q2k(out: &mut Rows, r: usize, w: &[BlockQ2K]) -> bool {
+        let at = out.row_start(r, w.len());
+        let three = _mm256_set1_epi8(3);
+        let mut paired = true;
+        for (i, b) in w.iter().enumerate() {
+            let sb = at + i;
+            *out.d.get_unchecked_mut(sb) = half_to_f32(b.d.to_bits());
+            out.put_mins(sb, b);
+            let mut bias = _mm256_setzero_si256();
+            for half in 0..2 {
+                let q = _mm256_loadu_si256(b.qs.as_ptr().add(32 * half) as *const __m256i);
+                for s in 0..4 {
+                    let ib = 4 * half + s;
+                    let v = _mm256_and_si256(
+                        _mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * s as i32)),
+                        three,
+                    );
+                    let sc = |h: usize| (b.scales[h] & 0x0f) as i32;
+                    let scales = [sc(2 * ib), sc(2 * ib + 1)];
+                    paired &= scales[0] == scales[1];
+                    bias = _mm256_add_epi32(bias, put_group(out, sb, ib, v, scales));
+                }
+            }
+            *out.bias.get_unchecked_mut(sb) = hsum_i32(bias).wrapping_mul(128);
+        }
+        paired
+    }
+
     /// [`dot`](super::dot) on AVX2: eight tokens a vector, two rows a pass (more spill the
     /// sums out of the sixteen registers); per four values and row the row's word broadcast,
     /// `maddubs` with the tokens' bytes (a pair sum is at most 2 · 255 · 64, inside i16:
     /// every grid's magnitudes are at most 64), `madd` with the half's scale (exact in i32);
-    /// once a super-block the bias out and the scalar twin's float step per lane.
+    /// once a super-block the bias out and the scalar twin's float step per lane, and for a
+    /// format with minimums their sum, one `madd` per two halves of the tokens' sums.
     ///
     /// # Safety
     /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot(w: &Rows, a: Block) -> [[f32; TOKENS]; ROWS] {
+        match (w.minned, w.small) {
+            (true, true) => run::<true, true>(w, a),
+            (false, true) => run::<false, true>(w, a),
+            (true, false) => run::<true, false>(w, a),
+            (false, false) => run::<false, false>(w, a),
+        }
+    }
+
+    /// `SMALL`: the values are within ±[`SMALL_MAX`], so a half's four `maddubs` add up in
+    /// i16 and one `madd` scales them (five multiply-unit instructions per half and eight
+    /// tokens, not eight, the unit this kernel is bound by).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn run<const MINS: bool, const SMALL: bool>(
+        w: &Rows,
+        a: Block,
+    ) -> [[f32; TOKENS]; ROWS] {
         const R: usize = 2;
         let nb = w.blocks;
         assert!(a.blocks >= nb && a.q.len() >= nb * TOKENS * QK_K && a.d.len() >= nb * TOKENS);
         assert!(w.w.len() >= ROWS * nb * QK_K && w.scales.len() >= ROWS * nb * HALVES);
         assert!(w.bias.len() >= ROWS * nb && w.d.len() >= ROWS * nb);
+        assert!(!MINS || (w.mins.len() >= ROWS * nb * HALVES && w.dmin.len() >= ROWS * nb));
+        assert!(!MINS || a.bs.len() >= nb * TOKENS * HALVES);
         let mut out = [[0f32; TOKENS]; ROWS];
         for i in 0..nb {
             let q = a.q.as_ptr().add(i * TOKENS * QK_K);
+            let bs = a.bs.as_ptr().add(i * TOKENS * HALVES);
             let dt = [0, 8].map(|o| _mm256_loadu_ps(a.d.as_ptr().add(i * TOKENS + o)));
             for r0 in (0..ROWS).step_by(R) {
                 let rows: [*const i8; R] =
@@ -658,15 +784,29 @@ pub mod avx2 {
                 for h in 0..HALVES {
                     let sc: [__m256i; R] =
                         std::array::from_fn(|r| _mm256_set1_epi16(*scales[r].add(h) as i16));
+                    let mut part = [[_mm256_setzero_si256(); 2]; R];
                     for k in 4 * h..4 * h + 4 {
                         let x = [0, 32]
                             .map(|o| _mm256_loadu_si256(q.add(64 * k + o) as *const __m256i));
                         for r in 0..R {
                             let wv = (rows[r].add(4 * k) as *const i32).read_unaligned();
                             let wv = _mm256_set1_epi32(wv);
-                            for (acc, x) in acc[r].iter_mut().zip(&x) {
-                                let p = _mm256_maddubs_epi16(*x, wv);
-                                *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, sc[r]));
+                            for j in 0..2 {
+                                let p = _mm256_maddubs_epi16(x[j], wv);
+                                if SMALL {
+                                    part[r][j] = _mm256_add_epi16(part[r][j], p);
+                                } else {
+                                    let p = _mm256_madd_epi16(p, sc[r]);
+                                    acc[r][j] = _mm256_add_epi32(acc[r][j], p);
+                                }
+                            }
+                        }
+                    }
+                    if SMALL {
+                        for r in 0..R {
+                            for j in 0..2 {
+                                let p = _mm256_madd_epi16(part[r][j], sc[r]);
+                                acc[r][j] = _mm256_add_epi32(acc[r][j], p);
                             }
                         }
                     }
@@ -677,8 +817,28 @@ pub mod avx2 {
                     let d = _mm256_set1_ps(*w.d.get_unchecked(at));
                     for (half, acc) in acc.iter().enumerate() {
                         let isum = _mm256_sub_epi32(*acc, bias);
-                        let step =
+                        let mut step =
                             _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dt[half]));
+                        if MINS {
+                            // Halves 2p and 2p + 1 of eight tokens against the row's two
+                            // minimums (one i32 of two i16): the row kernel's `summs`.
+                            let mins = w.mins.as_ptr().add(at * HALVES);
+                            let mut summs = _mm256_setzero_si256();
+                            for p in 0..HALVES / 2 {
+                                let x = _mm256_loadu_si256(
+                                    bs.add(2 * TOKENS * p + 16 * half) as *const __m256i
+                                );
+                                let m = (mins.add(2 * p) as *const i32).read_unaligned();
+                                let m = _mm256_set1_epi32(m);
+                                summs = _mm256_add_epi32(summs, _mm256_madd_epi16(x, m));
+                            }
+                            let dmin = _mm256_set1_ps(*w.dmin.get_unchecked(at));
+                            let off = _mm256_mul_ps(
+                                _mm256_cvtepi32_ps(summs),
+                                _mm256_mul_ps(dmin, dt[half]),
+                            );
+                            step = _mm256_sub_ps(step, off);
+                        }
                         let o = out[r0 + r].as_mut_ptr().add(8 * half);
                         _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), step));
                     }
