@@ -103,6 +103,56 @@ impl<A: ActFormat> Shapes<A> {
     }
 }
 
+impl<A: ActFormat> Shapes<A> {
+    /// The four-row and two-by-four kernels on four different rows (and four different
+    /// tokens): each (row, token) gets the one-token kernel's bits for that row and token.
+    fn check_distinct_rows(&self, dt: impl std::fmt::Display, w: [&[u8]; 4], x: [&[f32]; 4]) {
+        let a = x.map(A::blocks);
+        let a: [&[A]; 4] = std::array::from_fn(|t| &a[t][..]);
+        let r4 = (self.rows4)(w, a[1]);
+        for r in 0..4 {
+            assert_eq!(
+                r4[r].to_bits(),
+                (self.dot)(w[r], a[1]).to_bits(),
+                "{dt}: rows4 row {r}"
+            );
+        }
+        let t = (self.dot2x4)([w[2], w[0]], a);
+        for (r, row) in [w[2], w[0]].iter().enumerate() {
+            for tok in 0..4 {
+                let one = (self.dot)(row, a[tok]).to_bits();
+                assert_eq!(t[r][tok].to_bits(), one, "{dt}: dot2x4 row {r} token {tok}");
+            }
+        }
+    }
+}
+
+/// Every format's best kernel on four different weight rows: the multi-row shapes keep each
+/// row's own scales and sums (the test above gives them one row four times).
+#[test]
+fn multi_row_kernels_keep_each_rows_bits() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(41);
+    for &dt in FORMATS {
+        for trial in 0..6 {
+            let n = 512 * (1 + trial % 3);
+            let w: Vec<Aligned> = (0..4)
+                .map(|_| Aligned::new(&random_blocks(&mut rng, dt, n)))
+                .collect();
+            let w: [&[u8]; 4] = std::array::from_fn(|r| w[r].bytes());
+            let x: Vec<Vec<f32>> = (0..4)
+                .map(|_| (0..n).map(|_| rng.gen_range(-4.0..4.0)).collect())
+                .collect();
+            let x: [&[f32]; 4] = std::array::from_fn(|t| &x[t][..]);
+            let best = best_kernel(dt).unwrap();
+            if let Some(f) = shapes!(best, Q8) {
+                f.check_distinct_rows(dt, w, x);
+            } else if let Some(f) = shapes!(best, Q8K) {
+                f.check_distinct_rows(dt, w, x);
+            }
+        }
+    }
+}
+
 /// |Σ w (x - x̂)| ≤ Σ_blocks Σ|w| · d/2, for activation blocks of `block` values and scales `d`.
 fn rounding_bound(wf: &[f32], block: usize, d: impl Iterator<Item = f32>) -> f64 {
     wf.chunks(block)
