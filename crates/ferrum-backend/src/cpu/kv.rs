@@ -286,6 +286,10 @@ impl HeadMajor {
     }
 }
 
+/// The keys (as f32) a prefill block's rows take at a time: a chunk stays in L1 while every
+/// row of the block meets it.
+const KEY_CHUNK_BYTES: usize = 16 * 1024;
+
 #[allow(clippy::too_many_arguments)]
 fn attend<T: Sync>(
     pool: &ThreadPool,
@@ -428,18 +432,58 @@ fn attend<T: Sync>(
                     to_f32(&v_cache[o..o + head_units], &mut vf[i * hd..(i + 1) * hd]);
                     i += 1;
                 });
-                for h in heads.clone() {
-                    for t in lo_row..hi_row {
-                        let pos = pos_of(t);
-                        let (lo, n) = (lo_of(pos) - klo, pos + 1 - lo_of(pos));
-                        let qh = q_of(t, h, 1);
-                        scores.clear();
-                        for c in (0..n).step_by(8) {
-                            (kern.dot8)(qh, &kf[(lo + c) * hd..(lo + c + 8) * hd], &mut acc);
-                            scores.extend_from_slice(&acc[..(n - c).min(8)]);
+                // The block's rows of all the job's heads take the keys a chunk at a time,
+                // every (head, row) against the chunk before the next chunk (and so the
+                // values): the chunk is read from L1 by all of them rather than the whole span
+                // from L2 (or L3) by each. A row's scores and sums are made by the same calls
+                // in the same order of keys, so the same bits as one row at a time.
+                let chunk = (KEY_CHUNK_BYTES / (4 * hd.max(1))).max(8) / 8 * 8;
+                let rows = hi_row - lo_row;
+                let nh = heads.len();
+                scores.resize(nh * rows * span, 0.0);
+                // Per row: its first key (from the block's first) and its keys' count.
+                let keys = |i: usize| {
+                    let pos = pos_of(lo_row + i);
+                    (lo_of(pos) - klo, pos + 1 - lo_of(pos))
+                };
+                let (first, end) = (0..rows)
+                    .map(keys)
+                    .fold((span, 0), |(f, e), (lo, n)| (f.min(lo), e.max(lo + n)));
+                // Where (head k of the job, row i)'s scores start.
+                let at = |k: usize, i: usize| (k * rows + i) * span;
+                for c0 in (first..end).step_by(chunk) {
+                    let c1 = (c0 + chunk).min(end);
+                    for (k, h) in heads.clone().enumerate() {
+                        for i in 0..rows {
+                            let (lo, n) = keys(i);
+                            let qh = q_of(lo_row + i, h, 1);
+                            for c in (c0.max(lo)..c1.min(lo + n)).step_by(8) {
+                                (kern.dot8)(qh, &kf[c * hd..(c + 8) * hd], &mut acc);
+                                let m = (c1.min(lo + n) - c).min(8);
+                                let s = at(k, i) + c - lo;
+                                scores[s..s + m].copy_from_slice(&acc[..m]);
+                            }
                         }
-                        softmax(&mut scores, h);
-                        (kern.mix)(&scores, &vf[lo * hd..(lo + n) * hd], out_rows(t, h, 1));
+                    }
+                }
+                let mut outs = Vec::with_capacity(nh * rows);
+                for (k, h) in heads.clone().enumerate() {
+                    for i in 0..rows {
+                        let (_, n) = keys(i);
+                        softmax(&mut scores[at(k, i)..at(k, i) + n], h);
+                        outs.push(out_rows(lo_row + i, h, 1));
+                    }
+                }
+                for c0 in (first..end).step_by(chunk) {
+                    let c1 = (c0 + chunk).min(end);
+                    for (ki, o) in outs.iter_mut().enumerate() {
+                        let (lo, n) = keys(ki % rows);
+                        let (a, b) = (c0.max(lo), c1.min(lo + n));
+                        if a < b {
+                            let s = ki * span;
+                            let p = &scores[s + a - lo..s + b - lo];
+                            (kern.mix)(p, &vf[a * hd..b * hd], o);
+                        }
                     }
                 }
             });
