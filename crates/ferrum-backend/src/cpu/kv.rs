@@ -289,6 +289,9 @@ impl HeadMajor {
 /// The keys (as f32) a prefill block's rows take at a time: a chunk stays in L1 while every
 /// row of the block meets it.
 const KEY_CHUNK_BYTES: usize = 16 * 1024;
+/// The scores a prefill job holds at once (per thread): bounds how many (head, row) pairs
+/// share the key chunks when the span is long.
+const SCORES_BYTES: usize = 512 * 1024;
 
 #[allow(clippy::too_many_arguments)]
 fn attend<T: Sync>(
@@ -436,53 +439,56 @@ fn attend<T: Sync>(
                 // every (head, row) against the chunk before the next chunk (and so the
                 // values): the chunk is read from L1 by all of them rather than the whole span
                 // from L2 (or L3) by each. A row's scores and sums are made by the same calls
-                // in the same order of keys, so the same bits as one row at a time.
+                // in the same order of keys, so the same bits as one row at a time. As many
+                // (head, row) pairs at once as SCORES_BYTES of scores hold (all of them up to
+                // a few thousand keys).
                 let chunk = (KEY_CHUNK_BYTES / (4 * hd.max(1))).max(8) / 8 * 8;
                 let rows = hi_row - lo_row;
-                let nh = heads.len();
-                scores.resize(nh * rows * span, 0.0);
-                // Per row: its first key (from the block's first) and its keys' count.
+                let pairs = heads.len() * rows;
+                let batch = (SCORES_BYTES / (4 * span.max(1))).clamp(1, pairs.max(1));
+                scores.resize(batch * span, 0.0);
+                // Pair `p`'s head and row (of the block).
+                let pair = |p: usize| (heads.start + p / rows, p % rows);
+                // Row i's first key (from the block's first) and its keys' count.
                 let keys = |i: usize| {
                     let pos = pos_of(lo_row + i);
                     (lo_of(pos) - klo, pos + 1 - lo_of(pos))
                 };
-                let (first, end) = (0..rows)
-                    .map(keys)
-                    .fold((span, 0), |(f, e), (lo, n)| (f.min(lo), e.max(lo + n)));
-                // Where (head k of the job, row i)'s scores start.
-                let at = |k: usize, i: usize| (k * rows + i) * span;
-                for c0 in (first..end).step_by(chunk) {
-                    let c1 = (c0 + chunk).min(end);
-                    for (k, h) in heads.clone().enumerate() {
-                        for i in 0..rows {
+                for p0 in (0..pairs).step_by(batch) {
+                    let p1 = (p0 + batch).min(pairs);
+                    let (first, end) = (p0..p1)
+                        .map(|p| keys(p % rows))
+                        .fold((span, 0), |(f, e), (lo, n)| (f.min(lo), e.max(lo + n)));
+                    for c0 in (first..end).step_by(chunk) {
+                        let c1 = (c0 + chunk).min(end);
+                        for p in p0..p1 {
+                            let (h, i) = pair(p);
                             let (lo, n) = keys(i);
                             let qh = q_of(lo_row + i, h, 1);
                             for c in (c0.max(lo)..c1.min(lo + n)).step_by(8) {
                                 (kern.dot8)(qh, &kf[c * hd..(c + 8) * hd], &mut acc);
                                 let m = (c1.min(lo + n) - c).min(8);
-                                let s = at(k, i) + c - lo;
+                                let s = (p - p0) * span + c - lo;
                                 scores[s..s + m].copy_from_slice(&acc[..m]);
                             }
                         }
                     }
-                }
-                let mut outs = Vec::with_capacity(nh * rows);
-                for (k, h) in heads.clone().enumerate() {
-                    for i in 0..rows {
-                        let (_, n) = keys(i);
-                        softmax(&mut scores[at(k, i)..at(k, i) + n], h);
+                    let mut outs = Vec::with_capacity(p1 - p0);
+                    for p in p0..p1 {
+                        let (h, i) = pair(p);
+                        let (s, n) = ((p - p0) * span, keys(i).1);
+                        softmax(&mut scores[s..s + n], h);
                         outs.push(out_rows(lo_row + i, h, 1));
                     }
-                }
-                for c0 in (first..end).step_by(chunk) {
-                    let c1 = (c0 + chunk).min(end);
-                    for (ki, o) in outs.iter_mut().enumerate() {
-                        let (lo, n) = keys(ki % rows);
-                        let (a, b) = (c0.max(lo), c1.min(lo + n));
-                        if a < b {
-                            let s = ki * span;
-                            let p = &scores[s + a - lo..s + b - lo];
-                            (kern.mix)(p, &vf[a * hd..b * hd], o);
+                    for c0 in (first..end).step_by(chunk) {
+                        let c1 = (c0 + chunk).min(end);
+                        for (j, o) in outs.iter_mut().enumerate() {
+                            let (lo, n) = keys((p0 + j) % rows);
+                            let (a, b) = (c0.max(lo), c1.min(lo + n));
+                            if a < b {
+                                let p = &scores[j * span + a - lo..j * span + b - lo];
+                                (kern.mix)(p, &vf[a * hd..b * hd], o);
+                            }
                         }
                     }
                 }
