@@ -656,41 +656,41 @@ pub mod avx2 {
         paired
     }
 
-    /// [`fill`] for Q3_K, its values made in vector from the block's bytes: per group the
-    /// two low bits (`qs`, one 16-bit shift: the bits kept never cross a byte) plus four times
-    /// the `hmask` bit, less 4. The generic fill's values, scales and bias.
+    /// [`fill`] for the two-bit K-quants, their values made in vector from the block's bytes:
+    /// group `ib` is bits `2 · (ib % 4)..` of `qs`' 32 bytes `32 · (ib / 4)..` (one 16-bit
+    /// shift and a mask: the bits kept never cross a byte), which `group` turns into the
+    /// group's values and half scales from what `block` took once per block (with `qs`).
+    /// The generic fill's values, scales, minimums and bias.
     ///
     /// # Safety
     /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn fill_q3k(out: &mut Rows, r: usize, w: &[BlockQ3K]) -> bool {
+    #[inline]
+    unsafe fn fill_two_bit<B: Codebook, P>(
+        out: &mut Rows,
+        r: usize,
+        w: &[B],
+        block: impl Fn(&B) -> ([u8; 64], P),
+        group: impl Fn(&P, __m256i, usize) -> (__m256i, [i32; 2]),
+    ) -> bool {
         let at = out.row_start(r, w.len());
-        let (three, one, four) = (
-            _mm256_set1_epi8(3),
-            _mm256_set1_epi8(1),
-            _mm256_set1_epi8(4),
-        );
+        let three = _mm256_set1_epi8(3);
         let mut paired = true;
         for (i, b) in w.iter().enumerate() {
             let sb = at + i;
-            *out.d.get_unchecked_mut(sb) = half_to_f32(b.d.to_bits());
-            let sc = q3k_scales(&b.scales);
-            let hm = _mm256_loadu_si256(b.hmask.as_ptr() as *const __m256i);
+            *out.d.get_unchecked_mut(sb) = half_to_f32(b.d_bits()) * B::FACTOR;
+            out.put_mins(sb, b);
+            let (qs, p) = block(b);
             let mut bias = _mm256_setzero_si256();
             for half in 0..2 {
-                let q = _mm256_loadu_si256(b.qs.as_ptr().add(32 * half) as *const __m256i);
+                let q = _mm256_loadu_si256(qs.as_ptr().add(32 * half) as *const __m256i);
                 for s in 0..4 {
                     let ib = 4 * half + s;
                     let low = _mm256_and_si256(
                         _mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * s as i32)),
                         three,
                     );
-                    let high = _mm256_and_si256(
-                        _mm256_srl_epi16(hm, _mm_cvtsi32_si128((4 * half + s) as i32)),
-                        one,
-                    );
-                    let v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 2)), four);
-                    let scales = [sc[2 * ib] as i32, sc[2 * ib + 1] as i32];
+                    let (v, scales) = group(&p, low, ib);
                     paired &= scales[0] == scales[1];
                     bias = _mm256_add_epi32(bias, put_group(out, sb, ib, v, scales));
                 }
@@ -700,39 +700,44 @@ pub mod avx2 {
         paired
     }
 
-    /// [`fill`] for Q2_K, its values made in vector from the block's bytes (per group two bits
-    /// of `qs`, one 16-bit shift and a mask), its scales and minimums the low and high
-    /// nibbles of `scales`. The generic fill's values, scales, minimums and bias.
+    /// [`fill`] for Q3_K ([`fill_two_bit`]): the two low bits plus four times the `hmask` bit
+    /// of the group, less 4, under the signed 6-bit half scales.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn fill_q3k(out: &mut Rows, r: usize, w: &[BlockQ3K]) -> bool {
+        let (one, four) = (_mm256_set1_epi8(1), _mm256_set1_epi8(4));
+        let block = |b: &BlockQ3K| {
+            let hm = _mm256_loadu_si256(b.hmask.as_ptr() as *const __m256i);
+            (b.qs, (q3k_scales(&b.scales), hm))
+        };
+        fill_two_bit(out, r, w, block, |(sc, hm), low, ib| {
+            let high = _mm256_and_si256(_mm256_srl_epi16(*hm, _mm_cvtsi32_si128(ib as i32)), one);
+            let v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 2)), four);
+            (v, [sc[2 * ib] as i32, sc[2 * ib + 1] as i32])
+        })
+    }
+
+    /// [`fill`] for Q2_K ([`fill_two_bit`]): the two bits are the value, the low nibbles of
+    /// `scales` the half scales (the high nibbles, its minimums, go in through `put_mins`).
     ///
     /// # Safety
     /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn fill_q2k(out: &mut Rows, r: usize, w: &[BlockQ2K]) -> bool {
-        let at = out.row_start(r, w.len());
-        let three = _mm256_set1_epi8(3);
-        let mut paired = true;
-        for (i, b) in w.iter().enumerate() {
-            let sb = at + i;
-            *out.d.get_unchecked_mut(sb) = half_to_f32(b.d.to_bits());
-            out.put_mins(sb, b);
-            let mut bias = _mm256_setzero_si256();
-            for half in 0..2 {
-                let q = _mm256_loadu_si256(b.qs.as_ptr().add(32 * half) as *const __m256i);
-                for s in 0..4 {
-                    let ib = 4 * half + s;
-                    let v = _mm256_and_si256(
-                        _mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * s as i32)),
-                        three,
-                    );
-                    let sc = |h: usize| (b.scales[h] & 0x0f) as i32;
-                    let scales = [sc(2 * ib), sc(2 * ib + 1)];
-                    paired &= scales[0] == scales[1];
-                    bias = _mm256_add_epi32(bias, put_group(out, sb, ib, v, scales));
-                }
-            }
-            *out.bias.get_unchecked_mut(sb) = hsum_i32(bias).wrapping_mul(128);
-        }
-        paired
+        fill_two_bit(
+            out,
+            r,
+            w,
+            |b: &BlockQ2K| (b.qs, b.scales),
+            |sc, low, ib| {
+                (
+                    low,
+                    [(sc[2 * ib] & 0x0f) as i32, (sc[2 * ib + 1] & 0x0f) as i32],
+                )
+            },
+        )
     }
 
     /// [`dot`](super::dot) on AVX2: eight tokens a vector, two rows a pass (more spill the
