@@ -257,6 +257,15 @@ impl Fleet {
         Ok(loaded)
     }
 
+    /// Before the process exits: every loaded model's worker stopped, its device given back.
+    fn stop_engines(&self) {
+        for e in &self.entries {
+            if let Some(l) = e.loaded() {
+                crate::stop_engine(&l.state.handle);
+            }
+        }
+    }
+
     /// Drops a model's state and waits for its worker to end (its memory given back).
     async fn unload(&self, e: &Entry) {
         let Some(l) = e.slot.lock().ok().and_then(|mut s| s.take()) else {
@@ -646,7 +655,7 @@ pub fn serve(
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
     let addr = format!("{host}:{port}");
-    rt.block_on(async move {
+    let served = rt.block_on(async move {
         let addr: std::net::SocketAddr = addr
             .parse()
             .map_err(|e| format!("bad address {addr}: {e}"))?;
@@ -667,13 +676,16 @@ pub fn serve(
                 .join(", ")
         );
         let app = router(fleet.clone());
-        axum::serve(listener, app)
-            .with_graceful_shutdown(drain(fleet, grace))
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(drain(fleet.clone(), grace))
             .await
-            .map_err(|e| format!("server error: {e}"))
+            .map_err(|e| format!("server error: {e}"));
+        Ok::<_, String>((fleet, served))
     })?;
+    let (fleet, served) = served;
     rt.shutdown_timeout(Duration::from_secs(1));
-    Ok(())
+    fleet.stop_engines();
+    served
 }
 
 /// After SIGTERM: no new requests, the running ones finish (or `grace` passes).
@@ -696,8 +708,9 @@ async fn drain(f: Arc<Fleet>, grace: Duration) {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    tokio::spawn(async {
+    tokio::spawn(async move {
         tokio::time::sleep(Duration::from_secs(3)).await;
+        let _ = tokio::task::spawn_blocking(move || f.stop_engines()).await;
         std::process::exit(0);
     });
 }

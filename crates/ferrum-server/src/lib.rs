@@ -144,7 +144,7 @@ pub fn serve<B: ferrum_backend::Backend + 'static>(
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
-    rt.block_on(async move {
+    let served = rt.block_on(async move {
         let addr: SocketAddr = format!("{}:{}", cfg.host, cfg.port)
             .parse()
             .map_err(|e| format!("bad address {}:{}: {e}", cfg.host, cfg.port))?;
@@ -170,15 +170,30 @@ pub fn serve<B: ferrum_backend::Backend + 'static>(
                 ""
             }
         );
+        let engine = state.handle.clone();
         let app = router(state.clone(), cfg.max_body_bytes);
-        axum::serve(listener, app)
+        let served = axum::serve(listener, app)
             .with_graceful_shutdown(drain(state, cfg.shutdown_grace))
             .await
-            .map_err(|e| format!("server error: {e}"))
+            .map_err(|e| format!("server error: {e}"));
+        Ok::<_, String>((engine, served))
     })?;
+    let (engine, served) = served;
     // Renders run on threads of their own with a deadline; none is waited for here.
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
-    Ok(())
+    stop_engine(&engine);
+    served
+}
+
+/// How long an exiting server waits for its engine's thread to give its model and device
+/// back (a step running then finishes first).
+const ENGINE_STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Stops the engine's worker before the process exits (see [`worker::Handle::stop`]).
+pub(crate) fn stop_engine(engine: &worker::Handle) {
+    if !engine.stop(ENGINE_STOP_WAIT) {
+        tracing::warn!("the engine did not stop within {ENGINE_STOP_WAIT:?}; exiting");
+    }
 }
 
 /// One model's server state: its engine's worker started on its own thread (loading there;
@@ -244,9 +259,11 @@ async fn drain(st: Arc<routes::AppState>, grace: std::time::Duration) {
     }
     // A response still open once everything is done (a client not reading) does not hold
     // the exit up past a few seconds.
-    tokio::spawn(async {
+    let engine = st.handle.clone();
+    tokio::spawn(async move {
         tokio::time::sleep(std::time::Duration::from_secs(3)).await;
         tracing::warn!("responses still open; exiting");
+        let _ = tokio::task::spawn_blocking(move || stop_engine(&engine)).await;
         std::process::exit(0);
     });
 }

@@ -39,6 +39,8 @@ pub enum Command {
         name: String,
         reply: oneshot::Sender<Result<()>>,
     },
+    /// Ends the worker: it drops its model (and gives its device back) and its thread ends.
+    Stop,
 }
 
 /// The server's LoRA settings (`--lora`, `--max-loras`, `--max-lora-rank`).
@@ -240,6 +242,22 @@ impl Handle {
         answer
             .await
             .map_err(|_| Error::InvalidRequest("the engine has stopped".into()))?
+    }
+
+    /// Ends the worker and waits up to `wait` for its thread to have dropped the model;
+    /// false if it had not by then. The process must not exit while a device is being torn
+    /// down on the worker's thread: a driver's own exit handlers (Mesa's, LLVM's) would run
+    /// beside that teardown and crash.
+    pub fn stop(&self, wait: std::time::Duration) -> bool {
+        let _ = self.tx.send(Command::Stop);
+        let deadline = std::time::Instant::now() + wait;
+        while !self.shared.stopped.load(Ordering::SeqCst) {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        true
     }
 }
 
@@ -528,11 +546,14 @@ fn run<B: Backend>(
         // Idle: sleep until a command comes (or every handle is gone: shut down).
         if !engine.has_work() {
             match rx.recv() {
+                Ok(Command::Stop) | Err(_) => return,
                 Ok(cmd) => handle(engine, cmd, &mut senders, sh, adapters),
-                Err(_) => return,
             }
         }
         while let Ok(cmd) = rx.try_recv() {
+            if let Command::Stop = cmd {
+                return;
+            }
             handle(engine, cmd, &mut senders, sh, adapters);
         }
         adapters.reap(engine);
@@ -591,6 +612,8 @@ fn handle<B: Backend>(
             let _ = reply.send(adapters.unload(sh, &name));
             adapters.reap(engine);
         }
+        // The loop ends on it before it comes here.
+        Command::Stop => {}
         Command::Submit { req, events, reply } => {
             let r = engine.add(*req);
             if let Ok(id) = r {
@@ -630,6 +653,9 @@ fn run_encoder<B: Backend>(enc: &Encoder<B>, rx: &mpsc::Receiver<Command>, sh: &
         while let Ok(c) = rx.try_recv() {
             cmds.push(c);
         }
+        if cmds.iter().any(|c| matches!(c, Command::Stop)) {
+            return;
+        }
         let mut batches: [Vec<Waiting>; 2] = Default::default();
         for c in cmds {
             match c {
@@ -648,6 +674,7 @@ fn run_encoder<B: Backend>(enc: &Encoder<B>, rx: &mpsc::Receiver<Command>, sh: &
                     score,
                     reply,
                 } => batches[score as usize].push((inputs, reply)),
+                Command::Stop => {}
             }
         }
         for (score, batch) in batches.into_iter().enumerate() {
