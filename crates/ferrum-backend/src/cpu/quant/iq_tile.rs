@@ -741,11 +741,12 @@ pub mod avx2 {
     }
 
     /// [`dot`](super::dot) on AVX2: eight tokens a vector, two rows a pass (more spill the
-    /// sums out of the sixteen registers); per four values and row the row's word broadcast,
-    /// `maddubs` with the tokens' bytes (a pair sum is at most 2 · 255 · 64, inside i16:
-    /// every grid's magnitudes are at most 64), `madd` with the half's scale (exact in i32);
-    /// once a super-block the bias out and the scalar twin's float step per lane, and for a
-    /// format with minimums their sum, one `madd` per two halves of the tokens' sums.
+    /// sums out of the sixteen registers); per four values and row the row's word broadcast
+    /// and `maddubs` with the tokens' bytes, the products summed in i16 as far as their
+    /// bound allows, then `madd` with the half's scale (exact in i32); once a super-block the
+    /// scalar twin's float step per lane, and for a format with minimums their sum, one
+    /// `madd` per two halves of the tokens' sums. The multiply unit is the bound, so each
+    /// `madd` saved counts.
     ///
     /// # Safety
     /// The CPU supports AVX2, FMA and F16C.
@@ -759,9 +760,13 @@ pub mod avx2 {
         }
     }
 
-    /// `SMALL`: the values are within ±[`SMALL_MAX`], so a half's four `maddubs` add up in
-    /// i16 and one `madd` scales them (five multiply-unit instructions per half and eight
-    /// tokens, not eight, the unit this kernel is bound by).
+    /// `SMALL`: the values are within ±[`SMALL_MAX`]: the tokens plus 128 against the values
+    /// (a pair sum at most 2 · 255 · 16), a half's four `maddubs` added in i16, one `madd`
+    /// (five multiply-unit instructions per half and eight tokens, not eight), and the bias
+    /// (128 · the values' scaled sum) taken off. Otherwise (every grid's magnitudes are at
+    /// most 64): |value| against the signed tokens given the value's sign (a pair sum at most
+    /// 2 · 64 · 127), two `maddubs` added in i16, one `madd` (six per half, not eight), no
+    /// bias. The same integer sums either way.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn run<const MINS: bool, const SMALL: bool>(
         w: &Rows,
@@ -793,32 +798,43 @@ pub mod avx2 {
                     for k in 4 * h..4 * h + 4 {
                         let x = [0, 32]
                             .map(|o| _mm256_loadu_si256(q.add(64 * k + o) as *const __m256i));
+                        // Larger values: the tokens signed again (without their 128) and
+                        // given each value's sign, against |value| (a pair sum at most
+                        // 2 · 64 · 127), so two `maddubs` add up in i16 before the `madd`.
+                        let x = if SMALL {
+                            x
+                        } else {
+                            x.map(|x| _mm256_xor_si256(x, _mm256_set1_epi8(-128)))
+                        };
                         for r in 0..R {
                             let wv = (rows[r].add(4 * k) as *const i32).read_unaligned();
                             let wv = _mm256_set1_epi32(wv);
+                            let aw = if SMALL { wv } else { _mm256_abs_epi8(wv) };
                             for j in 0..2 {
-                                let p = _mm256_maddubs_epi16(x[j], wv);
-                                if SMALL {
-                                    part[r][j] = _mm256_add_epi16(part[r][j], p);
+                                let p = if SMALL {
+                                    _mm256_maddubs_epi16(x[j], wv)
                                 } else {
-                                    let p = _mm256_madd_epi16(p, sc[r]);
-                                    acc[r][j] = _mm256_add_epi32(acc[r][j], p);
-                                }
+                                    _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x[j], wv))
+                                };
+                                part[r][j] = _mm256_add_epi16(part[r][j], p);
                             }
                         }
-                    }
-                    if SMALL {
+                        if SMALL && k % 4 != 3 || !SMALL && k % 2 == 0 {
+                            continue;
+                        }
                         for r in 0..R {
                             for j in 0..2 {
                                 let p = _mm256_madd_epi16(part[r][j], sc[r]);
                                 acc[r][j] = _mm256_add_epi32(acc[r][j], p);
+                                part[r][j] = _mm256_setzero_si256();
                             }
                         }
                     }
                 }
                 for (r, acc) in acc.iter().enumerate() {
                     let at = (r0 + r) * nb + i;
-                    let bias = _mm256_set1_epi32(*w.bias.get_unchecked(at));
+                    // The sums of larger values are already without the tokens' 128.
+                    let bias = _mm256_set1_epi32(if SMALL { *w.bias.get_unchecked(at) } else { 0 });
                     let d = _mm256_set1_ps(*w.d.get_unchecked(at));
                     for (half, acc) in acc.iter().enumerate() {
                         let isum = _mm256_sub_epi32(*acc, bias);
