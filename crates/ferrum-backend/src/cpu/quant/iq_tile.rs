@@ -773,6 +773,8 @@ pub mod avx2 {
         a: Block,
     ) -> [[f32; TOKENS]; ROWS] {
         const R: usize = 2;
+        // How many `maddubs` (four values each) add up in i16 before a `madd`.
+        let flush = if SMALL { 4 } else { 2 };
         let nb = w.blocks;
         assert!(a.blocks >= nb && a.q.len() >= nb * TOKENS * QK_K && a.d.len() >= nb * TOKENS);
         assert!(w.w.len() >= ROWS * nb * QK_K && w.scales.len() >= ROWS * nb * HALVES);
@@ -819,7 +821,7 @@ pub mod avx2 {
                                 part[r][j] = _mm256_add_epi16(part[r][j], p);
                             }
                         }
-                        if SMALL && k % 4 != 3 || !SMALL && k % 2 == 0 {
+                        if (k + 1) % flush != 0 {
                             continue;
                         }
                         for r in 0..R {
@@ -833,11 +835,15 @@ pub mod avx2 {
                 }
                 for (r, acc) in acc.iter().enumerate() {
                     let at = (r0 + r) * nb + i;
-                    // The sums of larger values are already without the tokens' 128.
-                    let bias = _mm256_set1_epi32(if SMALL { *w.bias.get_unchecked(at) } else { 0 });
+                    let bias = _mm256_set1_epi32(*w.bias.get_unchecked(at));
                     let d = _mm256_set1_ps(*w.d.get_unchecked(at));
                     for (half, acc) in acc.iter().enumerate() {
-                        let isum = _mm256_sub_epi32(*acc, bias);
+                        // The sums of larger values are already without the tokens' 128.
+                        let isum = if SMALL {
+                            _mm256_sub_epi32(*acc, bias)
+                        } else {
+                            *acc
+                        };
                         let mut step =
                             _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dt[half]));
                         if MINS {
