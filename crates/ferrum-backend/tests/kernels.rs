@@ -1396,3 +1396,87 @@ fn low_rank_shrink_equals_the_dot_per_element() {
         }
     }
 }
+
+/// Every instance of the codebook row kernels this CPU runs (AVX2's `madd` and add, the VNNI
+/// forms' `vpdpwssd`), not only the one in use, gives the scalar kernel's bits, one token and
+/// four, on the file forms and the forms re-encoded at load. On a CPU without VNNI only the
+/// AVX2 instance runs here.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn every_codebook_row_kernel_instance_gives_the_scalar_bits() {
+    use ferrum_backend::cpu::quant::codebook_kernel_on;
+    use ferrum_backend::cpu::quant::packed::Isa;
+    use ferrum_core::DType;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(37);
+    let isas: Vec<Isa> = Isa::available()
+        .into_iter()
+        .filter(|&i| i != Isa::Scalar)
+        .collect();
+    let codebooks = [
+        DType::Iq2Xxs,
+        DType::Iq2Xs,
+        DType::Iq2S,
+        DType::Iq3Xxs,
+        DType::Iq3S,
+        DType::Iq1S,
+        DType::Iq1M,
+        DType::Tq1_0,
+        DType::Tq2_0,
+    ];
+    let check = |name: &str, k: Kernel, s: Kernel, w: &[u8], acts: &[Vec<BlockQ8K>]| {
+        let (
+            Kernel::Q8K {
+                dot: f, dot4: f4, ..
+            },
+            Kernel::Q8K { dot: s, .. },
+        ) = (k, s)
+        else {
+            panic!("{name}: Q8_K kernels")
+        };
+        let four = f4(w, [&acts[0], &acts[1], &acts[2], &acts[3]]);
+        for (t, a) in acts.iter().enumerate() {
+            let want = s(w, a).to_bits();
+            assert_eq!(f(w, a).to_bits(), want, "{name}, token {t}: one token");
+            assert_eq!(four[t].to_bits(), want, "{name}, token {t}: four tokens");
+        }
+    };
+    for &isa in &isas {
+        for dt in codebooks {
+            let k = codebook_kernel_on(dt, isa).unwrap_or_else(|| panic!("{dt} on {isa:?}"));
+            let s = scalar_kernel(dt).expect("a scalar kernel");
+            for trial in 0..12 {
+                let n = 256 * (1 + trial % 4);
+                let w = Aligned::new(&random_blocks(&mut rng, dt, n));
+                let acts = q8k_tokens(&mut rng, 4, n, trial);
+                check(&format!("{dt} on {isa:?}"), k, s, w.bytes(), &acts);
+            }
+        }
+        for &form in Recoded::ALL {
+            let dt = form.dtype();
+            let k = form.kernel_on(isa).expect("every SIMD instance");
+            for trial in 0..12 {
+                let n = 256 * (1 + trial % 4);
+                let file = Aligned::new(&random_blocks(&mut rng, dt, n));
+                let mut recoded = Aligned::new(file.bytes());
+                assert!(form.recode(recoded.bytes_mut()), "{form:?}: whole blocks");
+                let acts = q8k_tokens(&mut rng, 4, n, trial);
+                // The re-encoded form's kernel against the file form's scalar kernel.
+                let (
+                    Kernel::Q8K {
+                        dot: f, dot4: f4, ..
+                    },
+                    Some(Kernel::Q8K { dot: s, .. }),
+                ) = (k, scalar_kernel(dt))
+                else {
+                    panic!("{form:?}: Q8_K kernels")
+                };
+                let four = f4(recoded.bytes(), [&acts[0], &acts[1], &acts[2], &acts[3]]);
+                for (t, a) in acts.iter().enumerate() {
+                    let want = s(file.bytes(), a).to_bits();
+                    assert_eq!(f(recoded.bytes(), a).to_bits(), want, "{form:?} on {isa:?}");
+                    assert_eq!(four[t].to_bits(), want, "{form:?} on {isa:?}, four tokens");
+                }
+            }
+        }
+    }
+}

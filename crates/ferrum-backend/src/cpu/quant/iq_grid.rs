@@ -982,16 +982,6 @@ pub mod avx2 {
     use crate::cpu::quant::q8::prefetch;
     use std::arch::x86_64::*;
 
-    /// One group against one token's 32 activations: the signs moved onto the activations,
-    /// `maddubs` with the magnitudes (a pair sum is at most 2 · 127 · 127, inside i16), `madd`
-    /// with the halves' scales.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn group_dot(x: __m256i, sg: __m256i, sc: __m256i, a: *const i8) -> __m256i {
-        let y = _mm256_loadu_si256(a as *const __m256i);
-        _mm256_madd_epi16(_mm256_maddubs_epi16(x, _mm256_sign_epi8(y, sg)), sc)
-    }
-
     /// `KSIGNS` of the four seven-bit fields of each of eight words, in vector: each byte
     /// gets its field's seven bits and, in bit 7, their parity (in place of a super-block's
     /// thirty-two loads from `KSIGN_BYTES`, each with a 64-bit insert).
@@ -1446,75 +1436,162 @@ pub mod avx2 {
         sign_bytes_n::<B, 4>(w, a)
     }
 
+    /// The sign-bytes row kernel's body, once per instruction set: `$acc(acc, pairs, sc)`
+    /// adds the `madd` of a group's `maddubs` pair sums and its scales to an accumulator,
+    /// which VNNI does in one `vpdpwssd` (the same wrapping i32 sum, so the same bits).
+    macro_rules! sign_bytes_kernel {
+        ($name:ident, $feat:literal, $acc:path) => {
+            #[target_feature(enable = $feat)]
+            #[inline]
+            unsafe fn $name<B: SignBytes, const N: usize>(
+                w: &[B],
+                a: [&[BlockQ8K]; N],
+            ) -> [f32; N] {
+                let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+                let h7f = _mm256_set1_epi8(0x7f);
+                let mut sum = [0f32; N];
+                let table = if B::HALF_SCALES {
+                    &HALF_SCALE_SPREAD
+                } else {
+                    &SCALE_SPREAD
+                };
+                let mut scale_ctl = [0, 1, 2, 3].map(|p| control(&table[p]));
+                let scale_by = if N == 1 { B::SCALE_BY } else { B::SCALE_BY_X4 };
+                let ahead = if N == 1 { B::AHEAD } else { B::AHEAD_X4 };
+                if scale_by == ScaleSpread::OpaqueShuffle {
+                    scale_ctl = std::hint::black_box(scale_ctl);
+                }
+                // `ScaleSpread::Load` (a one-scale format's): the eight scales, each in both halves
+                // of its lane.
+                let load = scale_by == ScaleSpread::Load && !B::HALF_SCALES;
+                let mut lanes = Aligned32([0i32; 8]);
+                let Some(first) = w.first() else {
+                    return sum;
+                };
+                // `SignBytes::AHEAD`'s super-block a pass ahead (dead code for the other formats).
+                let mut next = first.signs_scales();
+                for (i, b) in w.iter().enumerate() {
+                    prefetch(b);
+                    let q = a.map(|r| r.get_unchecked(i));
+                    let (signs, scales) = if ahead {
+                        let now = next;
+                        if let Some(after) = w.get(i + 1) {
+                            next = after.signs_scales();
+                        }
+                        now
+                    } else {
+                        b.signs_scales()
+                    };
+                    if load {
+                        _mm256_store_si256(
+                            lanes.0.as_mut_ptr() as *mut __m256i,
+                            _mm256_or_si256(scales, _mm256_slli_epi32::<16>(scales)),
+                        );
+                    }
+                    // One token's sums in two chains; more tokens are chains enough.
+                    let mut acc = [[_mm256_setzero_si256(); 2]; N];
+                    for half in 0..2 {
+                        let (sg4, sc4) = (half_lanes(signs, half), half_lanes(scales, half));
+                        for p in 0..4 {
+                            let g = 4 * half + p;
+                            let x = b.magnitudes(g);
+                            let bits = _mm256_shuffle_epi8(sg4, control(&SIGN_SPREAD[p]));
+                            // 0x7f plus the sign's bit (1 to 128): negative exactly where it is set.
+                            let sg = _mm256_add_epi8(_mm256_and_si256(bits, bit), h7f);
+                            let sc = if load {
+                                broadcast32(lanes.0.as_ptr().add(g))
+                            } else {
+                                _mm256_shuffle_epi8(sc4, scale_ctl[p])
+                            };
+                            let chain = if N == 1 { p % 2 } else { 0 };
+                            // The signs moved onto the activations, `maddubs` with the magnitudes
+                            // (a pair sum is at most 2 · 127 · 127, inside i16), then the scales.
+                            for t in 0..N {
+                                let y = _mm256_loadu_si256(
+                                    q[t].qs.as_ptr().add(32 * g) as *const __m256i
+                                );
+                                let pairs = _mm256_maddubs_epi16(x, _mm256_sign_epi8(y, sg));
+                                acc[t][chain] = $acc(acc[t][chain], pairs, sc);
+                            }
+                        }
+                    }
+                    add_superblock(&mut sum, b, &acc, q);
+                }
+                sum
+            }
+        };
+    }
+    sign_bytes_kernel!(sign_bytes_n, "avx2,fma,f16c", madd_add);
+    sign_bytes_kernel!(
+        sign_bytes_n_avxvnni,
+        "avx2,fma,f16c,avxvnni",
+        madd_add_avxvnni
+    );
+    sign_bytes_kernel!(
+        sign_bytes_n_vnni512,
+        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+        madd_add_vnni512
+    );
+
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn sign_bytes_n<B: SignBytes, const N: usize>(w: &[B], a: [&[BlockQ8K]; N]) -> [f32; N] {
-        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-        let h7f = _mm256_set1_epi8(0x7f);
-        let mut sum = [0f32; N];
-        let table = if B::HALF_SCALES {
-            &HALF_SCALE_SPREAD
-        } else {
-            &SCALE_SPREAD
-        };
-        let mut scale_ctl = [0, 1, 2, 3].map(|p| control(&table[p]));
-        let scale_by = if N == 1 { B::SCALE_BY } else { B::SCALE_BY_X4 };
-        let ahead = if N == 1 { B::AHEAD } else { B::AHEAD_X4 };
-        if scale_by == ScaleSpread::OpaqueShuffle {
-            scale_ctl = std::hint::black_box(scale_ctl);
-        }
-        // `ScaleSpread::Load` (a one-scale format's): the eight scales, each in both halves
-        // of its lane.
-        let load = scale_by == ScaleSpread::Load && !B::HALF_SCALES;
-        let mut lanes = Aligned32([0i32; 8]);
-        let Some(first) = w.first() else {
-            return sum;
-        };
-        // `SignBytes::AHEAD`'s super-block a pass ahead (dead code for the other formats).
-        let mut next = first.signs_scales();
-        for (i, b) in w.iter().enumerate() {
-            prefetch(b);
-            let q = a.map(|r| r.get_unchecked(i));
-            let (signs, scales) = if ahead {
-                let now = next;
-                if let Some(after) = w.get(i + 1) {
-                    next = after.signs_scales();
-                }
-                now
-            } else {
-                b.signs_scales()
-            };
-            if load {
-                _mm256_store_si256(
-                    lanes.0.as_mut_ptr() as *mut __m256i,
-                    _mm256_or_si256(scales, _mm256_slli_epi32::<16>(scales)),
-                );
-            }
-            // One token's sums in two chains; more tokens are chains enough.
-            let mut acc = [[_mm256_setzero_si256(); 2]; N];
-            for half in 0..2 {
-                let (sg4, sc4) = (half_lanes(signs, half), half_lanes(scales, half));
-                for p in 0..4 {
-                    let g = 4 * half + p;
-                    let x = b.magnitudes(g);
-                    let bits = _mm256_shuffle_epi8(sg4, control(&SIGN_SPREAD[p]));
-                    // 0x7f plus the sign's bit (1 to 128): negative exactly where it is set.
-                    let sg = _mm256_add_epi8(_mm256_and_si256(bits, bit), h7f);
-                    let sc = if load {
-                        broadcast32(lanes.0.as_ptr().add(g))
-                    } else {
-                        _mm256_shuffle_epi8(sc4, scale_ctl[p])
-                    };
-                    let chain = if N == 1 { p % 2 } else { 0 };
-                    for t in 0..N {
-                        let d = group_dot(x, sg, sc, q[t].qs.as_ptr().add(32 * g));
-                        acc[t][chain] = _mm256_add_epi32(acc[t][chain], d);
-                    }
-                }
-            }
-            add_superblock(&mut sum, b, &acc, q);
-        }
-        sum
+    unsafe fn madd_add(acc: __m256i, pairs: __m256i, sc: __m256i) -> __m256i {
+        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, sc))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    #[inline]
+    unsafe fn madd_add_avxvnni(acc: __m256i, pairs: __m256i, sc: __m256i) -> __m256i {
+        _mm256_dpwssd_avx_epi32(acc, pairs, sc)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn madd_add_vnni512(acc: __m256i, pairs: __m256i, sc: __m256i) -> __m256i {
+        _mm256_dpwssd_epi32(acc, pairs, sc)
+    }
+
+    /// [`vec_dot_sign_bytes`] with AVX-VNNI's `vpdpwssd`: the same integers, so its bits.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA, F16C and AVX-VNNI.
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    pub unsafe fn vec_dot_sign_bytes_avxvnni<B: SignBytes>(w: &[B], a: &[BlockQ8K]) -> f32 {
+        sign_bytes_n_avxvnni::<B, 1>(w, [a])[0]
+    }
+
+    /// [`vec_dot_sign_bytes_x4`] with AVX-VNNI's `vpdpwssd`.
+    ///
+    /// # Safety
+    /// As [`vec_dot_sign_bytes_avxvnni`].
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    pub unsafe fn vec_dot_sign_bytes_x4_avxvnni<B: SignBytes>(
+        w: &[B],
+        a: [&[BlockQ8K]; 4],
+    ) -> [f32; 4] {
+        sign_bytes_n_avxvnni::<B, 4>(w, a)
+    }
+
+    /// [`vec_dot_sign_bytes`] with AVX-512 VNNI's 256-bit `vpdpwssd`: the same integers, so
+    /// its bits.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA, F16C and AVX-512 F, VL and VNNI.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub unsafe fn vec_dot_sign_bytes_vnni512<B: SignBytes>(w: &[B], a: &[BlockQ8K]) -> f32 {
+        sign_bytes_n_vnni512::<B, 1>(w, [a])[0]
+    }
+
+    /// [`vec_dot_sign_bytes_x4`] with AVX-512 VNNI's 256-bit `vpdpwssd`.
+    ///
+    /// # Safety
+    /// As [`vec_dot_sign_bytes_vnni512`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub unsafe fn vec_dot_sign_bytes_x4_vnni512<B: SignBytes>(
+        w: &[B],
+        a: [&[BlockQ8K]; 4],
+    ) -> [f32; 4] {
+        sign_bytes_n_vnni512::<B, 4>(w, a)
     }
 
     /// A super-block's 256 values, each magnitude times its sign, into `w`, and each group's
@@ -1816,39 +1893,100 @@ pub mod avx2 {
         offset_bytes_n::<B, 4>(w, a)
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn offset_bytes_n<B: OffsetBytes, const N: usize>(
-        w: &[B],
-        a: [&[BlockQ8K]; N],
-    ) -> [f32; N] {
-        let mut sum = [0f32; N];
-        for (i, b) in w.iter().enumerate() {
-            prefetch(b);
-            let q = a.map(|r| r.get_unchecked(i));
-            let mut idx = [0u16; 32];
-            let (side, scales, coef) = b.parts(&mut idx);
-            let mut acc = q.map(|q| {
-                let bsums = _mm256_loadu_si256(q.bsums.as_ptr() as *const __m256i);
-                [_mm256_madd_epi16(bsums, coef), _mm256_setzero_si256()]
-            });
-            for half in 0..2 {
-                let (side4, sc4) = (half_lanes(side, half), half_lanes(scales, half));
-                for (p, ctl) in HALF_SCALE_SPREAD.iter().enumerate() {
-                    let g = 4 * half + p;
-                    let u = b.unsigned(g, side4, &idx);
-                    let sc = _mm256_shuffle_epi8(sc4, control(ctl));
-                    let chain = if N == 1 { p % 2 } else { 0 };
-                    for t in 0..N {
-                        let y = _mm256_loadu_si256(q[t].qs.as_ptr().add(32 * g) as *const __m256i);
-                        let d = _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), sc);
-                        acc[t][chain] = _mm256_add_epi32(acc[t][chain], d);
+    /// The offset-bytes row kernel's body, once per instruction set, as
+    /// `sign_bytes_kernel`'s.
+    macro_rules! offset_bytes_kernel {
+        ($name:ident, $feat:literal, $acc:path) => {
+            #[target_feature(enable = $feat)]
+            #[inline]
+            unsafe fn $name<B: OffsetBytes, const N: usize>(
+                w: &[B],
+                a: [&[BlockQ8K]; N],
+            ) -> [f32; N] {
+                let mut sum = [0f32; N];
+                for (i, b) in w.iter().enumerate() {
+                    prefetch(b);
+                    let q = a.map(|r| r.get_unchecked(i));
+                    let mut idx = [0u16; 32];
+                    let (side, scales, coef) = b.parts(&mut idx);
+                    let mut acc = q.map(|q| {
+                        let bsums = _mm256_loadu_si256(q.bsums.as_ptr() as *const __m256i);
+                        [_mm256_madd_epi16(bsums, coef), _mm256_setzero_si256()]
+                    });
+                    for half in 0..2 {
+                        let (side4, sc4) = (half_lanes(side, half), half_lanes(scales, half));
+                        for (p, ctl) in HALF_SCALE_SPREAD.iter().enumerate() {
+                            let g = 4 * half + p;
+                            let u = b.unsigned(g, side4, &idx);
+                            let sc = _mm256_shuffle_epi8(sc4, control(ctl));
+                            let chain = if N == 1 { p % 2 } else { 0 };
+                            for t in 0..N {
+                                let y = _mm256_loadu_si256(
+                                    q[t].qs.as_ptr().add(32 * g) as *const __m256i
+                                );
+                                acc[t][chain] = $acc(acc[t][chain], _mm256_maddubs_epi16(u, y), sc);
+                            }
+                        }
                     }
+                    add_superblock(&mut sum, b, &acc, q);
                 }
+                sum
             }
-            add_superblock(&mut sum, b, &acc, q);
-        }
-        sum
+        };
+    }
+    offset_bytes_kernel!(offset_bytes_n, "avx2,fma,f16c", madd_add);
+    offset_bytes_kernel!(
+        offset_bytes_n_avxvnni,
+        "avx2,fma,f16c,avxvnni",
+        madd_add_avxvnni
+    );
+    offset_bytes_kernel!(
+        offset_bytes_n_vnni512,
+        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+        madd_add_vnni512
+    );
+
+    /// [`vec_dot_offset_bytes`] with AVX-VNNI's `vpdpwssd`: the same integers, so its bits.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA, F16C and AVX-VNNI.
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    pub unsafe fn vec_dot_offset_bytes_avxvnni<B: OffsetBytes>(w: &[B], a: &[BlockQ8K]) -> f32 {
+        offset_bytes_n_avxvnni::<B, 1>(w, [a])[0]
+    }
+
+    /// [`vec_dot_offset_bytes_x4`] with AVX-VNNI's `vpdpwssd`.
+    ///
+    /// # Safety
+    /// As [`vec_dot_offset_bytes_avxvnni`].
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    pub unsafe fn vec_dot_offset_bytes_x4_avxvnni<B: OffsetBytes>(
+        w: &[B],
+        a: [&[BlockQ8K]; 4],
+    ) -> [f32; 4] {
+        offset_bytes_n_avxvnni::<B, 4>(w, a)
+    }
+
+    /// [`vec_dot_offset_bytes`] with AVX-512 VNNI's 256-bit `vpdpwssd`: the same integers, so
+    /// its bits.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA, F16C and AVX-512 F, VL and VNNI.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub unsafe fn vec_dot_offset_bytes_vnni512<B: OffsetBytes>(w: &[B], a: &[BlockQ8K]) -> f32 {
+        offset_bytes_n_vnni512::<B, 1>(w, [a])[0]
+    }
+
+    /// [`vec_dot_offset_bytes_x4`] with AVX-512 VNNI's 256-bit `vpdpwssd`.
+    ///
+    /// # Safety
+    /// As [`vec_dot_offset_bytes_vnni512`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub unsafe fn vec_dot_offset_bytes_x4_vnni512<B: OffsetBytes>(
+        w: &[B],
+        a: [&[BlockQ8K]; 4],
+    ) -> [f32; 4] {
+        offset_bytes_n_vnni512::<B, 4>(w, a)
     }
 
     /// An f16's bits as f32 by F16C, in line (exact, as `half`'s conversion, which is a call
