@@ -180,7 +180,9 @@ macro_rules! kernel {
         }
     };
     (unsafe $variant:ident, $block:ty, $f:path, $f4:path) => {
-        // SAFETY: only chosen after runtime detection of AVX2, FMA and F16C.
+        // SAFETY: only chosen after runtime detection of AVX2, FMA and F16C, and for a VNNI
+        // instance of the codebook kernels (`codebook_kernel_on`) of that instance's features
+        // too (`Isa::runs`).
         Kernel::$variant {
             dot: |w, a| unsafe { $f(blocks::<$block>(w), a) },
             dot4: |w, a| unsafe { $f4(blocks::<$block>(w), a) },
