@@ -1436,6 +1436,31 @@ pub mod avx2 {
         sign_bytes_n::<B, 4>(w, a)
     }
 
+    /// A VNNI instance's public one-token and four-token row kernels over its body `$inner`
+    /// (made by `sign_bytes_kernel!` or `offset_bytes_kernel!`); the AVX2 instance's, written
+    /// out below each body, say what they compute.
+    macro_rules! entry_points {
+        ($bound:ident, $inner:ident, $feat:literal, $dot:ident, $dot4:ident) => {
+            /// The AVX2 kernel's integers with `vpdpwssd`, so its bits: one token.
+            ///
+            /// # Safety
+            #[doc = concat!("The CPU supports ", $feat, ".")]
+            #[target_feature(enable = $feat)]
+            pub unsafe fn $dot<B: $bound>(w: &[B], a: &[BlockQ8K]) -> f32 {
+                $inner::<B, 1>(w, [a])[0]
+            }
+
+            /// The AVX2 kernel's integers with `vpdpwssd`, so its bits: four tokens.
+            ///
+            /// # Safety
+            #[doc = concat!("The CPU supports ", $feat, ".")]
+            #[target_feature(enable = $feat)]
+            pub unsafe fn $dot4<B: $bound>(w: &[B], a: [&[BlockQ8K]; 4]) -> [f32; 4] {
+                $inner::<B, 4>(w, a)
+            }
+        };
+    }
+
     /// The sign-bytes row kernel's body, once per instruction set: `$acc(acc, pairs, sc)`
     /// adds the `madd` of a group's `maddubs` pair sums and its scales to an accumulator,
     /// which VNNI does in one `vpdpwssd` (the same wrapping i32 sum, so the same bits).
@@ -1532,6 +1557,20 @@ pub mod avx2 {
         "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
         madd_add_vnni512
     );
+    entry_points!(
+        SignBytes,
+        sign_bytes_n_avxvnni,
+        "avx2,fma,f16c,avxvnni",
+        vec_dot_sign_bytes_avxvnni,
+        vec_dot_sign_bytes_x4_avxvnni
+    );
+    entry_points!(
+        SignBytes,
+        sign_bytes_n_vnni512,
+        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+        vec_dot_sign_bytes_vnni512,
+        vec_dot_sign_bytes_x4_vnni512
+    );
 
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
@@ -1549,49 +1588,6 @@ pub mod avx2 {
     #[inline]
     unsafe fn madd_add_vnni512(acc: __m256i, pairs: __m256i, sc: __m256i) -> __m256i {
         _mm256_dpwssd_epi32(acc, pairs, sc)
-    }
-
-    /// [`vec_dot_sign_bytes`] with AVX-VNNI's `vpdpwssd`: the same integers, so its bits.
-    ///
-    /// # Safety
-    /// The CPU supports AVX2, FMA, F16C and AVX-VNNI.
-    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    pub unsafe fn vec_dot_sign_bytes_avxvnni<B: SignBytes>(w: &[B], a: &[BlockQ8K]) -> f32 {
-        sign_bytes_n_avxvnni::<B, 1>(w, [a])[0]
-    }
-
-    /// [`vec_dot_sign_bytes_x4`] with AVX-VNNI's `vpdpwssd`.
-    ///
-    /// # Safety
-    /// As [`vec_dot_sign_bytes_avxvnni`].
-    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    pub unsafe fn vec_dot_sign_bytes_x4_avxvnni<B: SignBytes>(
-        w: &[B],
-        a: [&[BlockQ8K]; 4],
-    ) -> [f32; 4] {
-        sign_bytes_n_avxvnni::<B, 4>(w, a)
-    }
-
-    /// [`vec_dot_sign_bytes`] with AVX-512 VNNI's 256-bit `vpdpwssd`: the same integers, so
-    /// its bits.
-    ///
-    /// # Safety
-    /// The CPU supports AVX2, FMA, F16C and AVX-512 F, VL and VNNI.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    pub unsafe fn vec_dot_sign_bytes_vnni512<B: SignBytes>(w: &[B], a: &[BlockQ8K]) -> f32 {
-        sign_bytes_n_vnni512::<B, 1>(w, [a])[0]
-    }
-
-    /// [`vec_dot_sign_bytes_x4`] with AVX-512 VNNI's 256-bit `vpdpwssd`.
-    ///
-    /// # Safety
-    /// As [`vec_dot_sign_bytes_vnni512`].
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    pub unsafe fn vec_dot_sign_bytes_x4_vnni512<B: SignBytes>(
-        w: &[B],
-        a: [&[BlockQ8K]; 4],
-    ) -> [f32; 4] {
-        sign_bytes_n_vnni512::<B, 4>(w, a)
     }
 
     /// A super-block's 256 values, each magnitude times its sign, into `w`, and each group's
@@ -1945,49 +1941,20 @@ pub mod avx2 {
         "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
         madd_add_vnni512
     );
-
-    /// [`vec_dot_offset_bytes`] with AVX-VNNI's `vpdpwssd`: the same integers, so its bits.
-    ///
-    /// # Safety
-    /// The CPU supports AVX2, FMA, F16C and AVX-VNNI.
-    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    pub unsafe fn vec_dot_offset_bytes_avxvnni<B: OffsetBytes>(w: &[B], a: &[BlockQ8K]) -> f32 {
-        offset_bytes_n_avxvnni::<B, 1>(w, [a])[0]
-    }
-
-    /// [`vec_dot_offset_bytes_x4`] with AVX-VNNI's `vpdpwssd`.
-    ///
-    /// # Safety
-    /// As [`vec_dot_offset_bytes_avxvnni`].
-    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    pub unsafe fn vec_dot_offset_bytes_x4_avxvnni<B: OffsetBytes>(
-        w: &[B],
-        a: [&[BlockQ8K]; 4],
-    ) -> [f32; 4] {
-        offset_bytes_n_avxvnni::<B, 4>(w, a)
-    }
-
-    /// [`vec_dot_offset_bytes`] with AVX-512 VNNI's 256-bit `vpdpwssd`: the same integers, so
-    /// its bits.
-    ///
-    /// # Safety
-    /// The CPU supports AVX2, FMA, F16C and AVX-512 F, VL and VNNI.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    pub unsafe fn vec_dot_offset_bytes_vnni512<B: OffsetBytes>(w: &[B], a: &[BlockQ8K]) -> f32 {
-        offset_bytes_n_vnni512::<B, 1>(w, [a])[0]
-    }
-
-    /// [`vec_dot_offset_bytes_x4`] with AVX-512 VNNI's 256-bit `vpdpwssd`.
-    ///
-    /// # Safety
-    /// As [`vec_dot_offset_bytes_vnni512`].
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    pub unsafe fn vec_dot_offset_bytes_x4_vnni512<B: OffsetBytes>(
-        w: &[B],
-        a: [&[BlockQ8K]; 4],
-    ) -> [f32; 4] {
-        offset_bytes_n_vnni512::<B, 4>(w, a)
-    }
+    entry_points!(
+        OffsetBytes,
+        offset_bytes_n_avxvnni,
+        "avx2,fma,f16c,avxvnni",
+        vec_dot_offset_bytes_avxvnni,
+        vec_dot_offset_bytes_x4_avxvnni
+    );
+    entry_points!(
+        OffsetBytes,
+        offset_bytes_n_vnni512,
+        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+        vec_dot_offset_bytes_vnni512,
+        vec_dot_offset_bytes_x4_vnni512
+    );
 
     /// An f16's bits as f32 by F16C, in line (exact, as `half`'s conversion, which is a call
     /// that detects the CPU each time).

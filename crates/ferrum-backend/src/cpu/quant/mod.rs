@@ -246,6 +246,48 @@ pub fn scalar_kernel(dtype: DType) -> Option<Kernel> {
     })
 }
 
+/// `$block`'s codebook row kernel on instance `$isa` (one the CPU runs, not the scalar one),
+/// for `sign_bytes` (`iq_grid::avx2::SignBytes`: IQ2/IQ3 and their re-encoded forms) or
+/// `offset_bytes` (`iq_grid::avx2::OffsetBytes`: IQ1 and TQ).
+#[cfg(target_arch = "x86_64")]
+macro_rules! codebook_on {
+    ($isa:expr, sign_bytes, $block:ty) => {
+        codebook_on!(
+            $isa,
+            $block,
+            vec_dot_sign_bytes,
+            vec_dot_sign_bytes_x4,
+            vec_dot_sign_bytes_avxvnni,
+            vec_dot_sign_bytes_x4_avxvnni,
+            vec_dot_sign_bytes_vnni512,
+            vec_dot_sign_bytes_x4_vnni512
+        )
+    };
+    ($isa:expr, offset_bytes, $block:ty) => {
+        codebook_on!(
+            $isa,
+            $block,
+            vec_dot_offset_bytes,
+            vec_dot_offset_bytes_x4,
+            vec_dot_offset_bytes_avxvnni,
+            vec_dot_offset_bytes_x4_avxvnni,
+            vec_dot_offset_bytes_vnni512,
+            vec_dot_offset_bytes_x4_vnni512
+        )
+    };
+    ($isa:expr, $block:ty, $dot:ident, $dot4:ident, $dot_avxvnni:ident, $dot4_avxvnni:ident,
+     $dot_512:ident, $dot4_512:ident) => {{
+        use iq_grid::avx2 as GA;
+        match $isa {
+            packed::Isa::AvxVnni => {
+                kernel!(unsafe Q8K, $block, GA::$dot_avxvnni, GA::$dot4_avxvnni)
+            }
+            packed::Isa::Avx512Vnni => kernel!(unsafe Q8K, $block, GA::$dot_512, GA::$dot4_512),
+            _ => kernel!(unsafe Q8K, $block, GA::$dot, GA::$dot4),
+        }
+    }};
+}
+
 /// A codebook format's row kernel (`iq_grid::avx2`'s sign-bytes and offset-bytes kernels) on
 /// instance `isa`: the VNNI ones add each group's scaled pair sums with one `vpdpwssd`, the
 /// AVX2 one with `madd` and an add, the same integers either way. `None` for another format,
@@ -253,61 +295,21 @@ pub fn scalar_kernel(dtype: DType) -> Option<Kernel> {
 /// instance the CPU runs to the scalar kernel).
 #[cfg(target_arch = "x86_64")]
 pub fn codebook_kernel_on(dtype: DType, isa: packed::Isa) -> Option<Kernel> {
-    use iq_grid::avx2 as GA;
-    use packed::Isa;
-    if isa == Isa::Scalar || !isa.runs() {
+    if isa == packed::Isa::Scalar || !isa.runs() {
         return None;
     }
-    macro_rules! on_isa {
-        ($block:ty, $dot:ident, $dot4:ident, $dot_avxvnni:ident, $dot4_avxvnni:ident,
-         $dot_512:ident, $dot4_512:ident) => {
-            Some(match isa {
-                Isa::AvxVnni => kernel!(unsafe Q8K, $block, GA::$dot_avxvnni, GA::$dot4_avxvnni),
-                Isa::Avx512Vnni => kernel!(unsafe Q8K, $block, GA::$dot_512, GA::$dot4_512),
-                _ => kernel!(unsafe Q8K, $block, GA::$dot, GA::$dot4),
-            })
-        };
-    }
-    // The formats with sign bytes (`iq_grid::avx2::SignBytes`).
-    macro_rules! sign_bytes {
-        ($block:ty) => {
-            on_isa!(
-                $block,
-                vec_dot_sign_bytes,
-                vec_dot_sign_bytes_x4,
-                vec_dot_sign_bytes_avxvnni,
-                vec_dot_sign_bytes_x4_avxvnni,
-                vec_dot_sign_bytes_vnni512,
-                vec_dot_sign_bytes_x4_vnni512
-            )
-        };
-    }
-    // The formats without sign bits (`iq_grid::avx2::OffsetBytes`).
-    macro_rules! offset_bytes {
-        ($block:ty) => {
-            on_isa!(
-                $block,
-                vec_dot_offset_bytes,
-                vec_dot_offset_bytes_x4,
-                vec_dot_offset_bytes_avxvnni,
-                vec_dot_offset_bytes_x4_avxvnni,
-                vec_dot_offset_bytes_vnni512,
-                vec_dot_offset_bytes_x4_vnni512
-            )
-        };
-    }
-    match dtype {
-        DType::Iq2Xxs => sign_bytes!(iq_grid::BlockIq2Xxs),
-        DType::Iq2Xs => sign_bytes!(iq_grid::BlockIq2Xs),
-        DType::Iq2S => sign_bytes!(iq_grid::BlockIq2S),
-        DType::Iq3Xxs => sign_bytes!(iq_grid::BlockIq3Xxs),
-        DType::Iq3S => sign_bytes!(iq_grid::BlockIq3S),
-        DType::Iq1S => offset_bytes!(iq_grid::BlockIq1S),
-        DType::Iq1M => offset_bytes!(iq_grid::BlockIq1M),
-        DType::Tq1_0 => offset_bytes!(iq_grid::BlockTq1_0),
-        DType::Tq2_0 => offset_bytes!(iq_grid::BlockTq2_0),
-        _ => None,
-    }
+    Some(match dtype {
+        DType::Iq2Xxs => codebook_on!(isa, sign_bytes, iq_grid::BlockIq2Xxs),
+        DType::Iq2Xs => codebook_on!(isa, sign_bytes, iq_grid::BlockIq2Xs),
+        DType::Iq2S => codebook_on!(isa, sign_bytes, iq_grid::BlockIq2S),
+        DType::Iq3Xxs => codebook_on!(isa, sign_bytes, iq_grid::BlockIq3Xxs),
+        DType::Iq3S => codebook_on!(isa, sign_bytes, iq_grid::BlockIq3S),
+        DType::Iq1S => codebook_on!(isa, offset_bytes, iq_grid::BlockIq1S),
+        DType::Iq1M => codebook_on!(isa, offset_bytes, iq_grid::BlockIq1M),
+        DType::Tq1_0 => codebook_on!(isa, offset_bytes, iq_grid::BlockTq1_0),
+        DType::Tq2_0 => codebook_on!(isa, offset_bytes, iq_grid::BlockTq2_0),
+        _ => return None,
+    })
 }
 
 /// The fastest kernel this CPU runs for a weight format.
@@ -495,38 +497,12 @@ impl Recoded {
     /// The form's row kernel on instance `isa`, as [`codebook_kernel_on`].
     #[cfg(target_arch = "x86_64")]
     pub fn kernel_on(self, isa: packed::Isa) -> Option<Kernel> {
-        use iq_grid::avx2 as GA;
-        use packed::Isa;
-        if isa == Isa::Scalar || !isa.runs() {
+        if isa == packed::Isa::Scalar || !isa.runs() {
             return None;
         }
-        macro_rules! form {
-            ($block:ty) => {
-                match isa {
-                    Isa::AvxVnni => kernel!(
-                        unsafe Q8K,
-                        $block,
-                        GA::vec_dot_sign_bytes_avxvnni,
-                        GA::vec_dot_sign_bytes_x4_avxvnni
-                    ),
-                    Isa::Avx512Vnni => kernel!(
-                        unsafe Q8K,
-                        $block,
-                        GA::vec_dot_sign_bytes_vnni512,
-                        GA::vec_dot_sign_bytes_x4_vnni512
-                    ),
-                    _ => kernel!(
-                        unsafe Q8K,
-                        $block,
-                        GA::vec_dot_sign_bytes,
-                        GA::vec_dot_sign_bytes_x4
-                    ),
-                }
-            };
-        }
         Some(match self {
-            Recoded::Iq2Xxs => form!(iq_grid::BlockIq2XxsRecoded),
-            Recoded::Iq3Xxs => form!(iq_grid::BlockIq3XxsRecoded),
+            Recoded::Iq2Xxs => codebook_on!(isa, sign_bytes, iq_grid::BlockIq2XxsRecoded),
+            Recoded::Iq3Xxs => codebook_on!(isa, sign_bytes, iq_grid::BlockIq3XxsRecoded),
         })
     }
 }
