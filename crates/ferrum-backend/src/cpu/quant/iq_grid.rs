@@ -1438,7 +1438,7 @@ pub mod avx2 {
 
     /// A VNNI instance's public one-token and four-token row kernels over its body `$inner`
     /// (made by `sign_bytes_kernel!` or `offset_bytes_kernel!`); the AVX2 instance's, written
-    /// out below each body, say what they compute.
+    /// out above each body, say what they compute.
     macro_rules! entry_points {
         ($bound:ident, $inner:ident, $feat:literal, $dot:ident, $dot4:ident) => {
             /// The AVX2 kernel's integers with `vpdpwssd`, so its bits: one token.
