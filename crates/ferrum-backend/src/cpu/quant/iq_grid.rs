@@ -1578,16 +1578,36 @@ pub mod avx2 {
         _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, sc))
     }
 
+    // The two VNNI steps are written out: LLVM split the `dpwssd` intrinsics back into
+    // `vpmaddwd` + `vpaddd` (seven of a super-block's eight groups, in the disassembly), so
+    // the kernel ran the AVX2 instance's instructions.
+
+    /// `vpdpwssd` in its VEX form (AVX-VNNI).
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
     #[inline]
-    unsafe fn madd_add_avxvnni(acc: __m256i, pairs: __m256i, sc: __m256i) -> __m256i {
-        _mm256_dpwssd_avx_epi32(acc, pairs, sc)
+    unsafe fn madd_add_avxvnni(mut acc: __m256i, pairs: __m256i, sc: __m256i) -> __m256i {
+        std::arch::asm!(
+            "{{vex}} vpdpwssd {acc}, {a}, {b}",
+            acc = inout(ymm_reg) acc,
+            a = in(ymm_reg) pairs,
+            b = in(ymm_reg) sc,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+        acc
     }
 
+    /// `vpdpwssd` in its EVEX form on 256-bit registers (AVX512-VNNI with AVX512VL).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     #[inline]
-    unsafe fn madd_add_vnni512(acc: __m256i, pairs: __m256i, sc: __m256i) -> __m256i {
-        _mm256_dpwssd_epi32(acc, pairs, sc)
+    unsafe fn madd_add_vnni512(mut acc: __m256i, pairs: __m256i, sc: __m256i) -> __m256i {
+        std::arch::asm!(
+            "vpdpwssd {acc}, {a}, {b}",
+            acc = inout(ymm_reg) acc,
+            a = in(ymm_reg) pairs,
+            b = in(ymm_reg) sc,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+        acc
     }
 
     /// A super-block's 256 values, each magnitude times its sign, into `w`, and each group's
