@@ -309,6 +309,14 @@ pub trait Backend: Send + Sync {
         true
     }
 
+    /// Whether a prefill of this matrix pays for passes longer than the usual chunk (the
+    /// decoder's `LONG_CHUNK` against its `CHUNK`): where the backend prepares the matrix
+    /// anew for every product, so that more tokens a pass share that work.
+    fn long_prefill(&self, w: &Self::Weight) -> bool {
+        let _ = w;
+        false
+    }
+
     /// Refuses a model whose weights (`weight_bytes` in the file's formats) cannot fit the
     /// backend's memory, before any is loaded, with both sizes in the error.
     fn reserve(&self, weight_bytes: u64) -> Result<()> {

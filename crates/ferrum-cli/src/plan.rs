@@ -80,8 +80,19 @@ pub fn run(a: PlanArgs) -> Result<()> {
     // only their window of each sequence (see `KvGroups`).
     let groups = ferrum_models::KvGroups::new(&c.layers);
     // A vision model whose image rows attend both ways holds a whole image besides a chunk in
-    // a pass (`set_pass_capacity`); the Qwen VL line's images are cut like text.
-    let pass = ferrum_models::decoder::CHUNK + vision.as_ref().map_or(0, |v| v.pass_rows);
+    // a pass (`set_pass_capacity`); the Qwen VL line's images are cut like text. The chunk is
+    // the decoder's: longer where the dense FFN's matrices are in a format the CPU decodes
+    // once a product (`Backend::long_prefill`).
+    let long = file.tensors().tensors.values().any(|t| {
+        (t.name.ends_with("ffn_down.weight") || t.name.ends_with("mlp.down_proj.weight"))
+            && ferrum_backend::cpu::quant::iq_tile::takes(t.dtype)
+    });
+    let chunk_len = ferrum_models::decoder::pass_tokens(long);
+    let pass = chunk_len.max(
+        vision
+            .as_ref()
+            .map_or(0, |v| v.pass_rows + ferrum_models::decoder::CHUNK),
+    );
     let (bs, chunk_tokens) = (ferrum_models::decoder::BLOCK_SIZE, pass);
     let block_values: usize = groups
         .buffer_shapes((c.n_kv_heads, c.head_dim))

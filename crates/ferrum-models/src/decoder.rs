@@ -28,6 +28,24 @@ use crate::moe::{MoeLayer, Router};
 /// How many tokens one pass through the layers carries; longer inputs go in chunks.
 pub const CHUNK: usize = 64;
 
+/// The pass of a model whose dense FFN matrices want longer passes
+/// ([`Backend::long_prefill`]: the CPU's codebook formats, whose rows a prefill decodes once a
+/// matrix product). On an Intel Emerald Rapids, the 1B-shape IQ2_XXS file's pp512 went from
+/// 215–218 tok/s at 64 tokens a pass to 248–256 at 256 and 512; the IQ4_XS file's (packed
+/// kernels, nothing decoded a pass) went from 230–255 to 197–226, so the others keep
+/// [`CHUNK`].
+pub const LONG_CHUNK: usize = 256;
+
+/// The tokens a pass carries for a model whose dense FFN matrices do (`long`) or do not want
+/// long passes: [`LONG_CHUNK`] or [`CHUNK`]. `ferrum plan` sizes its buffers by the same rule.
+pub fn pass_tokens(long: bool) -> usize {
+    if long {
+        LONG_CHUNK
+    } else {
+        CHUNK
+    }
+}
+
 /// Positions per KV block unless the caller picks another size.
 pub const BLOCK_SIZE: usize = 16;
 
@@ -389,7 +407,8 @@ impl<B: Backend> Decoder<B> {
         let context = context.max(1);
         config.resolve_context(context);
         let c = &config;
-        let state = State::new(be, c, CHUNK);
+        let pass = pass_tokens(layers.iter().any(|l| l.ffn.long_prefill(be)));
+        let state = State::new(be, c, pass);
         Ok(Decoder {
             inv_freq: config.rope_inv_freq(),
             pair_axis: config
@@ -406,7 +425,7 @@ impl<B: Backend> Decoder<B> {
             layers,
             context,
             state,
-            pass: CHUNK,
+            pass,
             adapters: Vec::new(),
             lora_bufs: None,
         })
@@ -466,10 +485,10 @@ impl<B: Backend> Decoder<B> {
         self.adapters.get(id.checked_sub(1)?)?.as_ref()
     }
 
-    /// Lets a pass carry up to `tokens` tokens (never fewer than [`CHUNK`]): a vision
+    /// Lets a pass carry up to `tokens` tokens (never fewer than it carries now): a vision
     /// model's image, whose rows attend both ways, must be in one pass.
     pub fn set_pass_capacity(&mut self, tokens: usize) {
-        let tokens = tokens.max(CHUNK);
+        let tokens = tokens.max(self.pass);
         if tokens == self.pass {
             return;
         }
@@ -743,7 +762,7 @@ impl<B: Backend> Decoder<B> {
         let end = start + tokens.len();
         let mut pos = start;
         let mut result = Ok(());
-        for chunk in tokens.chunks(CHUNK) {
+        for chunk in tokens.chunks(self.pass) {
             let logits = match want {
                 Logits::Last if pos + chunk.len() < end => Logits::None,
                 w => w,

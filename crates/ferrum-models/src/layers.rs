@@ -513,6 +513,15 @@ impl<B: Backend> Attention<B> {
 }
 
 impl<B: Backend> Ffn<B> {
+    /// Whether the dense FFN's down matrix wants long prefill passes
+    /// ([`Backend::long_prefill`]); the experts' products keep the usual pass.
+    pub fn long_prefill(&self, be: &B) -> bool {
+        match self {
+            Ffn::Dense { down, .. } | Ffn::DenseAndExperts { down, .. } => be.long_prefill(down),
+            Ffn::Moe(_) => false,
+        }
+    }
+
     fn load(be: &B, src: &WeightSource, i: usize, c: &ModelConfig) -> Result<Self> {
         let (h, f) = (c.hidden_size, c.layer_ffn(i));
         let l = |name: &str, shape| src.require(be, name, i, shape);

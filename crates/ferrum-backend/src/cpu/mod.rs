@@ -1062,6 +1062,13 @@ impl Backend for CpuBackend {
         (w.rows, w.cols)
     }
 
+    /// The codebook formats (and Q2_K, Q3_K): a prefill decodes their rows into bytes once a
+    /// matrix product (`iq_tile`), which a 64-token pass repeats eight times over a 512-token
+    /// prompt.
+    fn long_prefill(&self, w: &CpuWeight) -> bool {
+        !w.precise && quant::iq_tile::takes(w.dtype)
+    }
+
     fn embed(&self, table: &CpuWeight, tokens: &[u32], out: &mut Vec<f32>, ov: Rows) {
         assert_eq!(ov.width(), table.cols);
         assert_eq!(ov.count, tokens.len());
