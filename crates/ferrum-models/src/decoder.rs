@@ -188,7 +188,8 @@ impl Embeds<'_> {
     }
 }
 
-/// Activation buffers for one pass of at most [`CHUNK`] tokens. Allocated once at load.
+/// Activation buffers for one pass (the decoder's `pass`: [`CHUNK`] or [`LONG_CHUNK`] tokens,
+/// or an image's rows more). Allocated once at load.
 struct State<B: Backend> {
     x: B::Buf,
     xn: B::Buf,
@@ -310,8 +311,8 @@ pub struct Decoder<B: Backend> {
     /// The longest sequence this decoder will run (positions), whatever the cache holds.
     pub context: usize,
     state: State<B>,
-    /// The most tokens a pass carries ([`CHUNK`] unless [`Self::set_pass_capacity`] raised
-    /// it: a Gemma 3 image's rows must all be in one pass).
+    /// The most tokens a pass carries ([`pass_tokens`] of the model's FFN formats, unless
+    /// [`Self::set_pass_capacity`] raised it: a Gemma 3 image's rows must all be in one pass).
     pass: usize,
     /// Attached LoRA adapters; id `k` is slot `k − 1` (`None` once removed; ids are not
     /// reused).
