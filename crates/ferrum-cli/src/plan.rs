@@ -120,9 +120,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let vision_file = vision.as_ref().map_or(0, |v| v.file_bytes) as f64;
     let vision_act = vision.as_ref().map_or(0, |v| v.activation_bytes) as f64;
     let weights = file.file_bytes() as f64 + vision_file;
-    // The decoder's buffers for one pass (CHUNK tokens, and an image's rows for a vision
-    // model), the logits of up to CHUNK rows (and the engine's copy of them), the MoE
-    // scratch; one image's pass through the vision tower.
+    // The decoder's buffers for one pass (`pass`: CHUNK or LONG_CHUNK tokens, or an image's
+    // rows and a CHUNK for a vision model), the logits of up to CHUNK rows (and the engine's
+    // copy of them), the MoE scratch; one image's pass through the vision tower.
     let chunk = pass as f64;
     let (qd, kvd, f) = c.max_layer_dims();
     let (h, qd, kvd, f, v) = (

@@ -47,8 +47,9 @@ pub struct EngineConfig {
     /// KV capacity in blocks (each holds one KV group's layers: every layer for a model
     /// without windows).
     pub kv_blocks: usize,
-    /// Tokens one step may carry (decode tokens plus prefill chunks); at most
-    /// [`ferrum_models::decoder::CHUNK`].
+    /// Tokens one step may carry (decode tokens plus prefill chunks); at most the decoder's
+    /// pass ([`ferrum_models::decoder::Decoder::pass_capacity`]: `CHUNK`, `LONG_CHUNK` for a
+    /// model in the CPU's codebook formats, or more for an image).
     pub max_batch_tokens: usize,
     /// Sequences running at once.
     pub max_running: usize,
